@@ -1,0 +1,1 @@
+"""xlipkit's toolkit: models, data, objectives, training, evaluation and hub."""

@@ -1,0 +1,1 @@
+"""xlipkit losses: contrastive and structure losses for CLIP-family models, torch only."""
