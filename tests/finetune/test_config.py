@@ -1,0 +1,330 @@
+"""Recipes: schema defaults, typed overrides, every error message, dump/list round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune import config
+from finetune.config import (
+    Recipe,
+    RecipeError,
+    dump_recipe,
+    list_recipes,
+    load_recipe,
+    recipe_to_dict,
+    register_term_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@dataclasses.dataclass
+class Weights:
+    edge: float = 0.1
+    local: float = 0.1
+
+
+@dataclasses.dataclass
+class ToyTerm:
+    weight: float = 1.0
+    temperature: float = 0.07
+    weights: Weights = dataclasses.field(default_factory=Weights)
+    mode: str = "pool"
+
+
+@dataclasses.dataclass
+class OtherTerm:
+    x: int = 1
+
+
+@pytest.fixture
+def term_registry(monkeypatch):
+    """An isolated term registry holding one test term with a nested options dataclass."""
+    monkeypatch.setattr(config, "_TERM_CONFIGS", {})
+    monkeypatch.setattr(config, "_import_objectives", lambda: None)
+    register_term_config("toy", ToyTerm)
+    return ToyTerm, Weights
+
+
+# -- loading and defaults -------------------------------------------------------------------------
+def test_minimal_recipe_gets_schema_defaults_and_description(tmp_path):
+    path = write(tmp_path, "# A tiny run on synthetic scenes\n# second comment\nmodel:\n  name_or_path: tiny-clip\n")
+    recipe = load_recipe(path)
+    assert recipe.description == "A tiny run on synthetic scenes"
+    assert recipe.source == str(path)
+    assert recipe.model.name_or_path == "tiny-clip"
+    assert recipe.model.max_text_len == 248
+    assert recipe.model.kps == config.KPSConfig(keep=20, ratio=None, freeze_kept=True)
+    assert recipe.train.lr == 5.0e-6 and recipe.train.betas == (0.9, 0.98)
+    assert recipe.train.mixed_precision == "no"
+    assert recipe.data.train == {"name": "synthetic", "size": 2000, "seed": 0}
+    assert recipe.eval.sets == [{"name": "synthetic", "split": "test", "size": 256, "seed": 1}]
+    assert recipe.eval.ks == [1, 5, 10, 25, 50]
+    assert recipe.objective.terms == {}
+
+
+def test_empty_file_is_all_defaults(tmp_path):
+    assert load_recipe(write(tmp_path, "")) == Recipe()
+
+
+def test_yaml_numbers_without_dot_and_unquoted_no(tmp_path):
+    # YAML 1.1 reads `1e-5` as a string and `no` as false; the schema fixes both for typed fields
+    text = "train:\n  lr: 1e-5\n  eps: 1e-8\n  mixed_precision: no\n  max_steps: 1e3\nadapter:\n  dropout: 0\n"
+    recipe = load_recipe(write(tmp_path, text))
+    assert recipe.train.lr == pytest.approx(1e-5) and isinstance(recipe.train.lr, float)
+    assert recipe.train.eps == pytest.approx(1e-8)
+    assert recipe.train.mixed_precision == "no"
+    assert recipe.train.max_steps == 1000 and isinstance(recipe.train.max_steps, int)
+    assert recipe.adapter.dropout == 0.0 and isinstance(recipe.adapter.dropout, float)
+
+
+def test_source_entries_accept_names_shorthand_and_mappings(tmp_path):
+    text = (
+        "data:\n  train: sharegpt4v\n"
+        "eval:\n  sets: [docci, 'docci:goal', {name: urban1k, limit: 100}]\n"
+    )
+    recipe = load_recipe(write(tmp_path, text))
+    assert recipe.data.train == {"name": "sharegpt4v"}
+    assert recipe.eval.sets == [
+        {"name": "docci"}, {"name": "docci", "protocol": "goal"}, {"name": "urban1k", "limit": 100},
+    ]
+
+
+def test_term_options_are_built_as_the_registered_dataclass(tmp_path, term_registry):
+    toy, weights = term_registry
+    text = "objective:\n  terms:\n    toy: {weight: 0.5, weights: {edge: 1e-3}}\n"
+    recipe = load_recipe(write(tmp_path, text))
+    assert recipe.objective.terms == {"toy": toy(weight=0.5, weights=weights(edge=1e-3))}
+    # a term with no options gets its defaults
+    recipe = load_recipe(write(tmp_path, "objective:\n  terms:\n    toy:\n"))
+    assert recipe.objective.terms == {"toy": toy()}
+
+
+# -- overrides ------------------------------------------------------------------------------------
+def test_overrides_are_typed_and_applied_after_the_file(tmp_path):
+    path = write(tmp_path, "# r\ntrain:\n  lr: 1.0e-4\n  max_steps: 100\n")
+    recipe = load_recipe(path, [
+        "train.lr=1e-5", "eval.sets=[docci,urban1k]", "adapter.type=lora", "train.max_steps=null",
+        "model.kps.keep=10", "train.betas=[0.9, 0.99]", "train.mixed_precision=no", "data.train.size=64",
+        "train.trackers=[]", "adapter.targets=[q_proj, v_proj]", "train.fused_optimizer=false",
+    ])
+    assert recipe.train.lr == pytest.approx(1e-5) and isinstance(recipe.train.lr, float)
+    assert recipe.eval.sets == [{"name": "docci"}, {"name": "urban1k"}]
+    assert recipe.adapter.type == "lora"
+    assert recipe.train.max_steps is None
+    assert recipe.model.kps.keep == 10
+    assert recipe.train.betas == (0.9, 0.99)
+    assert recipe.train.mixed_precision == "no"
+    assert recipe.data.train == {"name": "synthetic", "size": 64, "seed": 0}  # merged into the default entry
+    assert recipe.train.trackers == []
+    assert recipe.adapter.targets == ["q_proj", "v_proj"]
+    assert recipe.train.fused_optimizer is False
+    assert recipe.overrides[0] == "train.lr=1e-5"
+
+
+def test_override_into_a_list_entry_by_index(tmp_path):
+    recipe = load_recipe(write(tmp_path, ""), ["eval.sets.0.size=32"])
+    assert recipe.eval.sets == [{"name": "synthetic", "split": "test", "size": 32, "seed": 1}]
+
+
+def test_override_repairs_a_bad_file_value_and_extends_shorthand(tmp_path):
+    path = write(tmp_path, "train:\n  trackers: tensorboard\ndata:\n  train: docci:goal\neval:\n  sets: [urban1k]\n")
+    with pytest.raises(RecipeError, match="line 2: `train.trackers` expected a list of strings"):
+        load_recipe(path)
+    recipe = load_recipe(path, ["train.trackers=[tensorboard]", "data.train.split=test", "eval.sets.0.limit=10"])
+    assert recipe.train.trackers == ["tensorboard"]
+    assert recipe.data.train == {"name": "docci", "protocol": "goal", "split": "test"}
+    assert recipe.eval.sets == [{"name": "urban1k", "limit": 10}]
+
+
+def test_override_into_term_options(tmp_path, term_registry):
+    toy, weights = term_registry
+    recipe = load_recipe(write(tmp_path, "objective:\n  terms: {toy: {}}\n"), ["objective.terms.toy.weights.local=0.5"])
+    assert recipe.objective.terms["toy"] == toy(weights=weights(local=0.5))
+
+
+# -- errors ---------------------------------------------------------------------------------------
+def test_missing_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(RecipeError, match="not found: .*nope.yaml") as info:
+        load_recipe(missing)
+    assert info.value.file == str(missing)
+
+
+def test_unknown_key_names_line_and_closest_key(tmp_path):
+    path = write(tmp_path, "# r\nmodel:\n  name_or_path: tiny-clip\ntrain:\n  batch_size: 8\n  lrr: 1.0e-5\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    msg = str(info.value)
+    assert f"{path}, line 6" in msg and "`train.lrr`" in msg and "did you mean `train.lr`?" in msg
+    assert (info.value.file, info.value.line, info.value.key) == (str(path), 6, "train.lrr")
+
+
+def test_unknown_section_and_key_of_another_section(tmp_path):
+    with pytest.raises(RecipeError, match="did you mean `train`"):
+        load_recipe(write(tmp_path, "trian:\n  lr: 1.0\n"))
+    with pytest.raises(RecipeError, match=r"did you mean `model.max_text_len`\?"):
+        load_recipe(write(tmp_path, "train:\n  max_text_len: 248\n"))
+
+
+def test_unknown_override_key_names_the_override_and_closest_key(tmp_path):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(write(tmp_path, ""), ["train.batchsize=4"])
+    msg = str(info.value)
+    assert "override `train.batchsize=4`" in msg and "did you mean `train.batch_size`?" in msg
+
+
+def test_wrong_type_names_the_expected_type_and_line(tmp_path):
+    path = write(tmp_path, "train:\n  lr: fast\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    msg = str(info.value)
+    assert f"{path}, line 2" in msg and "`train.lr`" in msg and "expected a number" in msg and "'fast'" in msg
+    with pytest.raises(RecipeError, match=r"`train.batch_size` expected an integer, got 8.5"):
+        load_recipe(write(tmp_path, "train:\n  batch_size: 8.5\n"))
+    with pytest.raises(RecipeError, match=r"`eval.before` expected true or false"):
+        load_recipe(write(tmp_path, "eval:\n  before: maybe\n"))
+    with pytest.raises(RecipeError, match=r"`train.trackers` expected a list of strings"):
+        load_recipe(write(tmp_path, "train:\n  trackers: 3\n"))
+    with pytest.raises(RecipeError, match=r"expected a list of 2 values"):
+        load_recipe(write(tmp_path, "train:\n  betas: [0.9]\n"))
+
+
+def test_wrong_type_in_override(tmp_path):
+    with pytest.raises(RecipeError, match=r"override `train.epochs=many`: `train.epochs` expected an integer or null"):
+        load_recipe(write(tmp_path, ""), ["train.epochs=many"])
+
+
+def test_choice_fields_list_the_allowed_values(tmp_path):
+    with pytest.raises(RecipeError, match=r"one of 'full', 'lora', 'dora', got 'lroa' \(did you mean 'lora'\?\)"):
+        load_recipe(write(tmp_path, "adapter:\n  type: lroa\n"))
+    with pytest.raises(RecipeError, match=r"override `objective.base=infonce`.*one of 'clip', 'siglip', 'longclip'"):
+        load_recipe(write(tmp_path, ""), ["objective.base=infonce"])
+
+
+def test_invalid_yaml_and_duplicate_keys_name_the_line(tmp_path):
+    path = write(tmp_path, "train:\n  lr: [1, 2\nmodel: {}\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line \d+: invalid YAML"):
+        load_recipe(path)
+    path = write(tmp_path, "train:\n  lr: 1.0e-5\n  lr: 2.0e-5\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line 3: `train.lr` is given twice \(first on line 2\)"):
+        load_recipe(path)
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    with pytest.raises(RecipeError, match="a recipe is a mapping of sections"):
+        load_recipe(write(tmp_path, "- model\n- train\n"))
+
+
+def test_malformed_overrides(tmp_path):
+    path = write(tmp_path, "")
+    with pytest.raises(RecipeError, match=r"`train.lr` is not `key.sub=value`"):
+        load_recipe(path, ["train.lr"])
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(path, ["eval.sets=[docci"])
+    with pytest.raises(RecipeError, match="there is no index 3"):
+        load_recipe(path, ["eval.sets.3.size=1"])
+
+
+def test_range_and_cross_field_checks(tmp_path):
+    path = write(tmp_path, "train:\n  batch_size: 10\n  accumulation_steps: 4\n")
+    with pytest.raises(RecipeError, match=r"line 2: .*must be divisible by `train.accumulation_steps` \(4\)"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"override `train.accumulation_steps=3`"):
+        load_recipe(write(tmp_path, ""), ["train.accumulation_steps=3"])
+    with pytest.raises(RecipeError, match=r"`hub.push: true` needs `hub.repo_id`"):
+        load_recipe(write(tmp_path, "hub:\n  push: true\n"))
+    with pytest.raises(RecipeError, match=r"`train.lr` must be > 0, got 0.0"):
+        load_recipe(write(tmp_path, "train:\n  lr: 0\n"))
+    with pytest.raises(RecipeError, match=r"`train.epochs` and `train.max_steps` are both null"):
+        load_recipe(write(tmp_path, "train:\n  epochs: null\n"))
+    with pytest.raises(RecipeError, match=r"`model.max_text_len` must be >= 1, got 0"):
+        load_recipe(write(tmp_path, "model:\n  max_text_len: 0\n"))
+    with pytest.raises(RecipeError, match=r"`eval.ks` every K must be >= 1"):
+        load_recipe(write(tmp_path, "eval:\n  ks: [1, 0]\n"))
+    # null max_text_len keeps the model's own length
+    assert load_recipe(write(tmp_path, "model:\n  max_text_len: null\n")).model.max_text_len is None
+
+
+def test_dataset_entry_errors(tmp_path):
+    path = write(tmp_path, "eval:\n  sets:\n    - name: docci\n      protcol: goal\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line 4: `eval.sets.0.protcol`.*did you mean `eval.sets.0.protocol`"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"`data.train` is missing the required key `name`"):
+        load_recipe(write(tmp_path, "data:\n  train: {size: 10}\n"))
+    with pytest.raises(RecipeError, match=r"`data.train.size` expected an integer or null"):
+        load_recipe(write(tmp_path, "data:\n  train: {name: synthetic, size: lots}\n"))
+    with pytest.raises(RecipeError, match=r"`data.train` expected a dataset name"):
+        load_recipe(write(tmp_path, "data:\n  train: 12\n"))
+
+
+def test_unknown_term_lists_registered_terms(tmp_path, term_registry):
+    path = write(tmp_path, "objective:\n  terms:\n    tyo: {}\n")
+    with pytest.raises(RecipeError, match=r"line 3: `objective.terms.tyo` is not a registered objective term: "
+                                          r"did you mean `toy`\? registered terms: `toy`"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"`objective.terms.toy.weights.edge` expected a number"):
+        load_recipe(write(tmp_path, "objective:\n  terms:\n    toy: {weights: {edge: high}}\n"))
+    with pytest.raises(RecipeError, match=r"`objective.terms.toy.temprature`.*did you mean `objective.terms.toy.temperature`"):
+        load_recipe(write(tmp_path, "objective:\n  terms:\n    toy: {temprature: 0.1}\n"))
+
+
+def test_register_term_config_rejects_non_dataclasses_and_name_clashes(term_registry):
+    toy, _ = term_registry
+    register_term_config("toy", toy)  # same class again: fine
+    with pytest.raises(TypeError, match="expected a dataclass"):
+        register_term_config("other", dict)
+    with pytest.raises(ValueError, match="already registered"):
+        register_term_config("toy", OtherTerm)
+
+
+# -- dump / list ----------------------------------------------------------------------------------
+def test_dump_round_trips_and_drops_the_token(tmp_path, term_registry):
+    toy, _ = term_registry
+    path = write(tmp_path, "# my run\nobjective:\n  terms: {toy: {weight: 2.0}}\nhub:\n  token: hf_SECRET\n")
+    recipe = load_recipe(path, ["train.lr=1e-5", "hub.token=hf_OTHER", "eval.sets=[docci:goal]"])
+    assert recipe.hub.token == "hf_OTHER"
+    out = dump_recipe(recipe, tmp_path / "run" / "recipe.yaml")
+    text = out.read_text()
+    assert "SECRET" not in text and "OTHER" not in text and "token" not in text
+    assert text.startswith("# my run\n")
+    assert "train.lr=1e-5" in text
+    assert list(out.parent.iterdir()) == [out]  # no temp file left behind
+    again = load_recipe(out)
+    assert again == dataclasses.replace(recipe, hub=dataclasses.replace(recipe.hub, token=None))
+    assert yaml.safe_load(text)["objective"]["terms"] == {
+        "toy": {"weight": 2.0, "temperature": 0.07, "weights": {"edge": 0.1, "local": 0.1}, "mode": "pool"}}
+
+
+def test_recipe_to_dict_is_plain_yaml_data():
+    data = recipe_to_dict(Recipe())
+    assert list(data) == ["model", "adapter", "data", "objective", "train", "eval", "output", "hub"]
+    assert data["train"]["betas"] == [0.9, 0.98]
+    assert "token" not in data["hub"]
+    assert "token" in recipe_to_dict(Recipe(), keep_secrets=True)["hub"]
+    yaml.safe_dump(data)  # raises on anything that is not plain data
+
+
+def test_list_recipes(tmp_path):
+    write(tmp_path, "# Quick start on synthetic scenes\ntrain: {}\n", "quickstart.yaml")
+    write(tmp_path, "model: {}\n# late comment\n", "b_other.yml")
+    write(tmp_path, "not a recipe", "notes.txt")
+    assert list_recipes(tmp_path) == [("b_other", "late comment"), ("quickstart", "Quick start on synthetic scenes")]
+    with pytest.raises(FileNotFoundError, match="recipe folder not found"):
+        list_recipes(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_validates(path):
+    recipe = load_recipe(path)
+    assert recipe.description, f"{path.name}: the first line should be a one-line description comment"
