@@ -1,0 +1,599 @@
+"""Retrieval evaluation: text-to-image and image-to-text Recall@K, before and after training.
+
+``recall_at_k`` is the metric of the long-caption retrieval papers (Long-CLIP 4.2, StructXLIP 4,
+FAST-GOAL IV, FLAIR 4, F-CAST 4): the percentage of queries whose ground truth is among the K
+best-scoring items under cosine similarity. Several captions per image are supported (COCO,
+Flickr30k): a text query has one correct image; an image query is answered by its best-ranked
+caption. The similarity matrix is never materialised: it is computed block by block, so memory
+stays bounded for 100k items.
+
+Run from the command line to re-evaluate a run folder or any model ``load_model`` accepts::
+
+    python -m finetune.evaluate runs/quickstart
+    python -m finetune.evaluate openai/clip-vit-base-patch16 --sets docci,urban1k --max-text-len 248
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger("xlipkit")
+
+DEFAULT_KS: tuple[int, ...] = (1, 5, 10, 25, 50)
+
+__all__ = [
+    "DEFAULT_KS",
+    "RetrievalEmbeddings",
+    "encode_for_retrieval",
+    "evaluate_sets",
+    "format_table",
+    "main",
+    "recall_at_k",
+    "set_label",
+]
+
+
+# -- the metric -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _exact_float32_matmul(device: torch.device) -> Iterator[None]:
+    """Full-precision float32 matmuls (no TF32) and no autocast, restored on exit: the ranks
+    compare scores from a matmul with scores from an elementwise product."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    no_autocast = (torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda")
+                   else contextlib.nullcontext())
+    try:
+        with no_autocast:
+            yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _check_inputs(image_embeds: Tensor, text_embeds: Tensor, text_to_image: Tensor,
+                  ks: Sequence[int], chunk_size: int) -> None:
+    if image_embeds.ndim != 2 or text_embeds.ndim != 2:
+        raise ValueError(f"recall_at_k: image_embeds and text_embeds must be (N, D), got shapes "
+                         f"{tuple(image_embeds.shape)} and {tuple(text_embeds.shape)}")
+    if image_embeds.shape[1] != text_embeds.shape[1]:
+        raise ValueError(f"recall_at_k: image and text embeddings have different widths "
+                         f"({image_embeds.shape[1]} vs {text_embeds.shape[1]})")
+    if image_embeds.shape[0] == 0 or text_embeds.shape[0] == 0:
+        raise ValueError(f"recall_at_k: nothing to rank ({image_embeds.shape[0]} images, "
+                         f"{text_embeds.shape[0]} texts)")
+    if text_to_image.ndim != 1 or text_to_image.shape[0] != text_embeds.shape[0]:
+        raise ValueError(f"recall_at_k: text_to_image must be (Nt,) = ({text_embeds.shape[0]},), "
+                         f"got {tuple(text_to_image.shape)}")
+    if text_to_image.dtype.is_floating_point or text_to_image.dtype == torch.bool:
+        raise ValueError(f"recall_at_k: text_to_image must hold integer image indices, got {text_to_image.dtype}")
+    low, high = int(text_to_image.min()), int(text_to_image.max())
+    if low < 0 or high >= image_embeds.shape[0]:
+        raise ValueError(f"recall_at_k: text_to_image holds index {low if low < 0 else high}, outside "
+                         f"[0, {image_embeds.shape[0]}) images")
+    if not ks or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks):
+        raise ValueError(f"recall_at_k: ks must be positive integers, got {list(ks)!r}")
+    if chunk_size < 1:
+        raise ValueError(f"recall_at_k: chunk_size must be >= 1, got {chunk_size}")
+    for name, x in (("image_embeds", image_embeds), ("text_embeds", text_embeds)):
+        if not torch.isfinite(x).all():
+            raise ValueError(f"recall_at_k: {name} contains NaN or inf; the model's outputs are broken")
+
+
+@torch.no_grad()
+def recall_at_k(
+    image_embeds: Tensor,
+    text_embeds: Tensor,
+    text_to_image: Tensor,
+    ks: Sequence[int] = DEFAULT_KS,
+    *,
+    chunk_size: int = 4096,
+) -> dict[str, dict[str, float]]:
+    """Text-to-image and image-to-text Recall@K (in percent) under cosine similarity.
+
+    The rank of a query is the number of *wrong* items that score at least as high as its correct
+    item (0 = retrieved first); Recall@K is the percentage of queries with rank < K.
+
+    - text -> image: each text has one correct image, ``text_to_image[t]``.
+    - image -> text: an image is scored by its best caption (the highest-scoring of the texts
+      pointing to it), against all texts of other images; this equals the usual "best rank over
+      its captions". Images without any caption are left out of image -> text.
+
+    Ties count against the model (pessimistic) and scores within ``D * eps`` of the correct one
+    (the float32 rounding bound of a dot product of unit vectors, about 6e-5 for D = 512) count
+    as ties, so the result does not depend on the order of the items and a collapsed model that
+    gives every item the same embedding gets the recall of a random ranking's worst case, not 100 %.
+
+    Memory: blocks of ``chunk_size x chunk_size`` scores, never the full ``Nt x Ni`` matrix.
+    Works on any device; computed in float32 (float64 inputs stay float64) without TF32 or autocast.
+
+    Args:
+        image_embeds: ``(Ni, D)`` raw image embeddings (normalised here).
+        text_embeds: ``(Nt, D)`` raw text embeddings (normalised here).
+        text_to_image: ``(Nt,)`` long, the index of each text's image.
+        ks: the cut-offs K.
+        chunk_size: rows and columns per score block.
+
+    Returns:
+        ``{"t2i": {"R@1": pct, ...}, "i2t": {"R@1": pct, ...}}``.
+
+    Raises:
+        ValueError: on mismatched shapes, out-of-range indices, non-positive K or non-finite embeddings.
+    """
+    _check_inputs(image_embeds, text_embeds, text_to_image, ks, chunk_size)
+    dtype = torch.float64 if image_embeds.dtype == torch.float64 else torch.float32
+    device = image_embeds.device
+    with _exact_float32_matmul(device):
+        images = F.normalize(image_embeds.to(dtype), dim=-1)
+        texts = F.normalize(text_embeds.to(device=device, dtype=dtype), dim=-1)
+        owner = text_to_image.to(device=device, dtype=torch.long)
+        n_images, dim = images.shape
+        tol = dim * torch.finfo(dtype).eps
+
+        target = (texts * images[owner]).sum(-1)  # (Nt,) score of each text with its own image
+        best = torch.full((n_images,), float("-inf"), dtype=dtype, device=device)
+        best = best.scatter_reduce(0, owner, target, reduce="amax")  # (Ni,) each image's best caption
+        has_text = torch.isfinite(best)
+
+        text_rank = torch.zeros(texts.shape[0], dtype=torch.long, device=device)
+        image_rank = torch.zeros(n_images, dtype=torch.long, device=device)
+        for t0 in range(0, texts.shape[0], chunk_size):
+            t1 = min(t0 + chunk_size, texts.shape[0])
+            block_texts, block_owner = texts[t0:t1], owner[t0:t1]
+            block_target = (target[t0:t1] - tol)[:, None]
+            for i0 in range(0, n_images, chunk_size):
+                i1 = min(i0 + chunk_size, n_images)
+                scores = block_texts @ images[i0:i1].T  # (ct, ci)
+                wrong = block_owner[:, None] != torch.arange(i0, i1, device=device)[None, :]
+                text_rank[t0:t1] += ((scores >= block_target) & wrong).sum(1)
+                image_rank[i0:i1] += ((scores >= (best[i0:i1] - tol)[None, :]) & wrong).sum(0)
+
+    image_rank = image_rank[has_text]
+    return {
+        "t2i": {f"R@{k}": float((text_rank < k).double().mean() * 100) for k in ks},
+        "i2t": {f"R@{k}": float((image_rank < k).double().mean() * 100) for k in ks},
+    }
+
+
+# -- encoding -------------------------------------------------------------------------------------
+class RetrievalEmbeddings(NamedTuple):
+    """What :func:`encode_for_retrieval` returns (a tuple: unpack it or use the names).
+
+    Attributes:
+        image_embeds: ``(Ni, D)`` float32 image embeddings, in dataset order.
+        text_embeds: ``(Nt, D)`` float32 text embeddings, the captions of each row in order.
+        text_to_image: ``(Nt,)`` long, the row (image) of each text.
+        truncated: how many captions were longer than the model's text length and were cut.
+    """
+
+    image_embeds: Tensor
+    text_embeds: Tensor
+    text_to_image: Tensor
+    truncated: int
+
+
+def _rows(batch: list[Any]) -> list[Any]:
+    """DataLoader collate: keep the rows as they are (images are read in the main loop)."""
+    return batch
+
+
+def _row_captions(row: Mapping[str, Any], index: int) -> list[str]:
+    captions = row.get("captions")
+    if captions is None or (isinstance(captions, (list, tuple)) and len(captions) == 0):
+        captions = [row.get("caption")]
+    if isinstance(captions, str):
+        captions = [captions]
+    bad = [c for c in captions if not isinstance(c, str) or not c.strip()]
+    if bad:
+        raise ValueError(f"evaluation example {row.get('id', index)!r} has an empty or missing caption "
+                         f"({bad[0]!r}); fix the data or load it with on_error='skip'")
+    return list(captions)
+
+
+def _row_image(row: Mapping[str, Any], index: int) -> Any:
+    from finetune.data.images import DataError, read_image
+
+    if row.get("image") is None:
+        raise DataError(f"evaluation example {row.get('id', index)!r} has no image; fix the data or load it "
+                        f"with on_error='skip'")
+    try:
+        return read_image(row["image"])
+    except DataError as exc:
+        raise DataError(f"evaluation example {row.get('id', index)!r}: {exc}") from exc
+
+
+def _shard(dataset: Any, rank: int, world: int) -> tuple[Any, int]:
+    """The contiguous part ``[start, end)`` of ``dataset`` that process ``rank`` encodes."""
+    n = len(dataset)
+    start, end = n * rank // world, n * (rank + 1) // world
+    if hasattr(dataset, "select"):  # datasets.Dataset: no copy, keeps lazy image decoding
+        return dataset.select(range(start, end)), start
+    return torch.utils.data.Subset(dataset, range(start, end)), start
+
+
+def _gather_rows(accelerator: Any, x: Tensor) -> Tensor:
+    """Concatenate the ``(n_rank, ...)`` tensors of all processes in rank order (sizes may differ).
+
+    ``accelerator.gather`` needs equal shapes, so rows are padded and the padding cut afterwards;
+    ``gather_for_metrics`` is not used because its de-duplication assumes a prepared dataloader.
+    """
+    if accelerator is None or accelerator.num_processes == 1:
+        return x
+    sizes = accelerator.gather(torch.tensor([x.shape[0]], device=accelerator.device)).tolist()
+    padded = accelerator.pad_across_processes(x.contiguous(), dim=0)
+    gathered = accelerator.gather(padded)
+    per = gathered.shape[0] // accelerator.num_processes
+    return torch.cat([gathered[r * per: r * per + n] for r, n in enumerate(sizes)])
+
+
+def _to_device(inputs: Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    out = {}
+    for key, value in inputs.items():
+        if isinstance(value, Tensor):
+            value = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+        out[key] = value
+    return out
+
+
+@torch.inference_mode()
+def encode_for_retrieval(
+    model: Any,
+    dataset: Any,
+    *,
+    batch_size: int,
+    accelerator: Any = None,
+    num_workers: int = 0,
+    progress: bool = False,
+    desc: str = "encode",
+) -> RetrievalEmbeddings:
+    """Encode every image and caption of an evaluation set with a DualEncoder.
+
+    Uses only the encoder interface (DESIGN 4): ``preprocess_images(list[PIL]) -> dict`` (holds
+    ``pixel_values`` and any other ``encode_image`` keyword), ``tokenize(list[str]) ->
+    TokenizedText``, ``encode_image(**inputs).embeds`` and ``encode_text(ids, mask).embeds``.
+    Rows have ``image`` (a PIL image, or a path / bytes / ``{"bytes", "path"}`` read with
+    ``finetune.data.images.read_image``) and ``caption``, or ``captions`` (a list) for sets with
+    several captions per image. The model is put in eval mode for the call and restored after.
+
+    Under an ``accelerator`` with several processes each process encodes a contiguous shard and
+    the embeddings are gathered, so every process returns the whole set in dataset order.
+
+    Args:
+        model: a DualEncoder (or an Accelerate-wrapped one; it is unwrapped).
+        dataset: a ``datasets.Dataset`` or any sequence of row mappings.
+        batch_size: rows per forward pass.
+        accelerator: an ``accelerate.Accelerator`` (device, autocast, sharding), or None.
+        num_workers: DataLoader workers that fetch rows.
+        progress: show a progress bar (main process only).
+        desc: the progress bar's label.
+
+    Returns:
+        :class:`RetrievalEmbeddings` ``(image_embeds (Ni, D), text_embeds (Nt, D),
+        text_to_image (Nt,), truncated)``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"encode_for_retrieval: batch_size must be >= 1, got {batch_size}")
+    dual = accelerator.unwrap_model(model) if accelerator is not None else model
+    world = accelerator.num_processes if accelerator is not None else 1
+    rank = accelerator.process_index if accelerator is not None else 0
+    shard, offset = _shard(dataset, rank, world)
+    device = accelerator.device if accelerator is not None else dual.device
+    dtype = dual.dtype
+    loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, shuffle=False,
+                                         num_workers=num_workers, collate_fn=_rows)
+    autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+    show = progress and (accelerator is None or accelerator.is_main_process)
+    if show:
+        from tqdm.auto import tqdm
+
+        loader = tqdm(loader, desc=desc, unit="batch", leave=False)
+
+    was_training = dual.training
+    dual.eval()
+    # evaluation captions are not training captions: keep the model's truncation counter as it was
+    stats = dict(getattr(dual, "truncation_stats", None) or {})
+    image_chunks, text_chunks, owners = [], [], []
+    truncated = 0
+    row = offset
+    try:
+        with autocast:
+            for rows in loader:
+                images, captions, owner = [], [], []
+                for r in rows:
+                    images.append(_row_image(r, row))
+                    caps = _row_captions(r, row)
+                    captions.extend(caps)
+                    owner.extend([row] * len(caps))
+                    row += 1
+                inputs = _to_device(dual.preprocess_images(images), device, dtype)
+                image_chunks.append(dual.encode_image(**inputs).embeds.float())
+                tokens = dual.tokenize(captions)
+                text_chunks.append(dual.encode_text(tokens.input_ids.to(device),
+                                                    tokens.attention_mask.to(device)).embeds.float())
+                truncated += int(tokens.truncated.sum())
+                owners.append(torch.tensor(owner, dtype=torch.long, device=device))
+    finally:
+        dual.train(was_training)
+        if stats:
+            dual.truncation_stats = stats
+
+    width = image_chunks[0].shape[1] if image_chunks else 0
+    if accelerator is not None and world > 1:
+        # a process with an empty shard still needs the embedding width to take part in the gather
+        width = int(accelerator.gather(torch.tensor([width], device=device)).max())
+        truncated = int(accelerator.gather(torch.tensor([truncated], device=device)).sum())
+
+    def cat(chunks: list[Tensor], shape: tuple[int, ...], dt: torch.dtype) -> Tensor:
+        return torch.cat(chunks) if chunks else torch.zeros(shape, dtype=dt, device=device)
+
+    image_embeds = _gather_rows(accelerator, cat(image_chunks, (0, width), torch.float32))
+    text_embeds = _gather_rows(accelerator, cat(text_chunks, (0, width), torch.float32))
+    text_to_image = _gather_rows(accelerator, cat(owners, (0,), torch.long))
+    return RetrievalEmbeddings(image_embeds, text_embeds, text_to_image, truncated)
+
+
+# -- evaluation sets ------------------------------------------------------------------------------
+def set_label(spec: Any) -> str:
+    """The name a set's results go under: ``name`` or ``name:protocol``."""
+    if isinstance(spec, str):
+        from finetune.config import parse_source_shorthand
+
+        spec = parse_source_shorthand(spec)
+    get = spec.get if isinstance(spec, Mapping) else lambda k, d=None: getattr(spec, k, d)
+    name, protocol = get("name"), get("protocol")
+    return f"{name}:{protocol}" if protocol else str(name)
+
+
+def evaluate_sets(
+    model: Any,
+    sets: Sequence[Any],
+    *,
+    batch_size: int = 64,
+    ks: Sequence[int] = DEFAULT_KS,
+    on_error: str = "skip",
+    cache_dir: str | None = None,
+    accelerator: Any = None,
+    num_workers: int = 0,
+    progress: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """Recall@K of ``model`` on each evaluation set (loaded with ``finetune.data.sources.load_source``).
+
+    Args:
+        model: a DualEncoder.
+        sets: ``SourceSpec`` objects, mappings with its keys, or names (``docci``, ``docci:goal``).
+        batch_size, ks, accelerator, num_workers: as in :func:`encode_for_retrieval` and
+            :func:`recall_at_k`.
+        on_error, cache_dir: passed to ``load_source``.
+        progress: progress bars while encoding.
+
+    Returns:
+        ``{label: {"protocol", "n_images", "n_texts", "t2i", "i2t", "truncated", "skipped"}}``
+        where ``label`` is :func:`set_label` (a repeated label gets ``#2``, ``#3`` ...).
+    """
+    from finetune.config import parse_source_shorthand
+    from finetune.data.sources import load_source
+
+    results: dict[str, dict[str, Any]] = {}
+    for spec in sets:
+        if isinstance(spec, str):
+            spec = parse_source_shorthand(spec)
+        label = set_label(spec)
+        if label in results:
+            n = 2
+            while f"{label}#{n}" in results:
+                n += 1
+            label = f"{label}#{n}"
+        ctx = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
+        with ctx:
+            source = load_source(spec, on_error=on_error, cache_dir=cache_dir)
+        emb = encode_for_retrieval(model, source.dataset, batch_size=batch_size, accelerator=accelerator,
+                                   num_workers=num_workers, progress=progress, desc=f"eval {label}")
+        metrics = recall_at_k(emb.image_embeds, emb.text_embeds, emb.text_to_image, ks)
+        results[label] = {
+            "protocol": getattr(source, "protocol", None) or "default",
+            "n_images": int(emb.image_embeds.shape[0]),
+            "n_texts": int(emb.text_embeds.shape[0]),
+            "t2i": metrics["t2i"],
+            "i2t": metrics["i2t"],
+            "truncated": emb.truncated,
+            "skipped": int(getattr(source, "skipped", 0) or 0),
+        }
+        log.info("eval %s: %d images, %d texts, %d captions truncated; t2i %s; i2t %s", label,
+                 results[label]["n_images"], results[label]["n_texts"], emb.truncated,
+                 metrics["t2i"], metrics["i2t"])
+    return results
+
+
+_DIRECTIONS = (("t2i", "text→image"), ("i2t", "image→text"))
+
+
+def format_table(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> str:
+    """A markdown table of Recall@K per set and direction: ``before → after`` cells when
+    ``before`` is given (and holds the set), else the ``after`` values alone.
+
+    Args:
+        before: :func:`evaluate_sets` results before training, or None.
+        after: :func:`evaluate_sets` results (after training, or the only ones).
+    """
+    if not after:
+        return "(no evaluation sets)"
+    ks: list[str] = []
+    for res in after.values():
+        for direction, _ in _DIRECTIONS:
+            ks.extend(k for k in res.get(direction, {}) if k not in ks)
+    header = "| set | images / texts | direction | " + " | ".join(ks) + " |"
+    lines = [header, "|" + "---|" * (3 + len(ks))]
+    for name, res in after.items():
+        prev = (before or {}).get(name)
+        size = f"{res.get('n_images', '?')} / {res.get('n_texts', '?')}"
+        for direction, words in _DIRECTIONS:
+            if direction not in res:
+                continue
+            cells = []
+            for k in ks:
+                value = res[direction].get(k)
+                if value is None:
+                    cells.append("")
+                elif prev is not None and k in prev.get(direction, {}):
+                    cells.append(f"{prev[direction][k]:.1f} → {value:.1f}")
+                else:
+                    cells.append(f"{value:.1f}")
+            lines.append(f"| {name} | {size} | {words} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -- command line ---------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m finetune.evaluate",
+        description=(
+            "Text-to-image and image-to-text Recall@K of a fine-tuned run or of any model. MODEL_OR_RUN is a "
+            "run folder (holding recipe.yaml and final/; its recipe's eval sets are the default) or anything "
+            "finetune.load_model accepts (a registry name, a hub id, a local folder). Prints a table; for a run "
+            "folder, writes RUN/metrics_eval.json (or --out)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  python -m finetune.evaluate runs/quickstart\n"
+            "  python -m finetune.evaluate runs/structxlip_docci --sets docci,urban1k --protocol docci=goal\n"
+            "  python -m finetune.evaluate openai/clip-vit-base-patch16 --sets urban1k --max-text-len 248 "
+            "--out clip_urban1k.json"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model_or_run", metavar="MODEL_OR_RUN", help="run folder, registry name, hub id or model folder")
+    p.add_argument("--sets", help="comma-separated sets, each `name` or `name:protocol` (e.g. docci,urban1k)")
+    p.add_argument("--protocol", action="append", default=[], metavar="SET=PROTOCOL",
+                   help="evaluation protocol of one set (repeatable), e.g. --protocol docci=goal")
+    p.add_argument("--batch-size", type=int, help="rows per forward pass (default: the recipe's, else 64)")
+    p.add_argument("--ks", help="comma-separated K values (default: the recipe's, else 1,5,10,25,50)")
+    p.add_argument("--max-text-len", type=int,
+                   help="for a model (not a run): stretch text positions to this length with Long-CLIP KPS")
+    p.add_argument("--on-error", choices=("skip", "raise"), help="bad examples: skip and count, or stop")
+    p.add_argument("--cache-dir", help="where data sources cache their files")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (default 0)")
+    p.add_argument("--out", help="write the metrics JSON here (default for a run: RUN/metrics_eval.json)")
+    return p
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _parse_sets(text: str, protocols: list[str]) -> list[dict[str, Any]]:
+    from finetune.config import parse_source_shorthand
+
+    names = [t.strip() for t in text.split(",")]
+    if not all(names):
+        raise _UsageError(f"--sets {text!r} has an empty entry; write names separated by commas, e.g. docci,urban1k")
+    return _apply_protocols([parse_source_shorthand(n) for n in names], protocols)
+
+
+def _apply_protocols(sets: list[dict[str, Any]], protocols: list[str]) -> list[dict[str, Any]]:
+    sets = [dict(s) for s in sets]
+    for item in protocols:
+        name, sep, protocol = item.partition("=")
+        if not sep or not name.strip() or not protocol.strip():
+            raise _UsageError(f"--protocol {item!r} is not SET=PROTOCOL (e.g. --protocol docci=goal)")
+        matches = [s for s in sets if s.get("name") == name.strip()]
+        if not matches:
+            raise _UsageError(f"--protocol {item!r}: no set named {name.strip()!r} among "
+                              f"{', '.join(str(s.get('name')) for s in sets)}")
+        for s in matches:
+            s["protocol"] = protocol.strip()
+    return sets
+
+
+def _parse_ks(text: str) -> list[int]:
+    try:
+        ks = [int(k) for k in text.split(",")]
+    except ValueError:
+        raise _UsageError(f"--ks {text!r}: write positive integers separated by commas, e.g. 1,5,10") from None
+    if not ks or min(ks) < 1:
+        raise _UsageError(f"--ks {text!r}: every K must be >= 1")
+    return ks
+
+
+def _is_run_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "recipe.yaml").is_file()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit status (2 on bad arguments, a bad recipe or an
+    unloadable model)."""
+    args = _parser().parse_args(argv)
+    try:
+        return _main(args)
+    except _UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    from finetune.config import RecipeError, load_recipe
+
+    target = Path(args.model_or_run)
+    recipe = None
+    if _is_run_dir(target):
+        if not (target / "final").is_dir():
+            raise _UsageError(f"run folder {target} has no final/ model folder: did the run finish? "
+                              f"(re-run it, or pass a model folder)")
+        if args.max_text_len is not None:
+            raise _UsageError("--max-text-len applies to models, not run folders (a run keeps its own length)")
+        try:
+            recipe = load_recipe(target / "recipe.yaml")
+        except RecipeError as exc:
+            raise _UsageError(f"cannot read the run's recipe: {exc}") from None
+    if args.batch_size is not None and args.batch_size < 1:
+        raise _UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.sets:
+        sets = _parse_sets(args.sets, args.protocol)
+    elif recipe is not None:
+        sets = _apply_protocols(list(recipe.eval.sets), args.protocol)
+    else:
+        raise _UsageError(f"{args.model_or_run} is not a run folder: give the sets to evaluate, e.g. --sets docci,urban1k")
+    if not sets:
+        raise _UsageError("no evaluation sets: the run's recipe has an empty eval.sets; give --sets")
+    ks = _parse_ks(args.ks) if args.ks else list(recipe.eval.ks if recipe else DEFAULT_KS)
+    batch_size = args.batch_size or (recipe.eval.batch_size if recipe else 64)
+    on_error = args.on_error or (recipe.data.on_error if recipe else "skip")
+    cache_dir = args.cache_dir or (recipe.data.cache_dir if recipe else None)
+
+    import finetune
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    try:
+        if recipe is not None:
+            model = finetune.load_finetuned(str(target / "final"))
+        else:
+            model = finetune.load_model(args.model_or_run, max_text_len=args.max_text_len)
+    except (OSError, ValueError, KeyError) as exc:
+        raise _UsageError(f"cannot load {args.model_or_run}: {exc}") from None
+    model.to(accelerator.device)
+
+    results = evaluate_sets(model, sets, batch_size=batch_size, ks=ks, on_error=on_error, cache_dir=cache_dir,
+                            accelerator=accelerator, num_workers=args.num_workers)
+    if accelerator.is_main_process:
+        print(format_table(None, results), flush=True)
+        out = Path(args.out) if args.out else (target / "metrics_eval.json" if recipe is not None else None)
+        if out is not None:
+            from finetune.report import write_json_atomic
+
+            write_json_atomic(out, {"model": args.model_or_run, "run": recipe is not None,
+                                    "max_text_len": model.max_text_len, "ks": ks, "sets": results})
+            print(f"wrote {out}", flush=True)
+    accelerator.wait_for_everyone()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
