@@ -115,8 +115,11 @@ class _Rows:
             self.caption_lists.append(list(captions if captions is not None else [caption]))
 
     def problem(self, where: str, what: str) -> None:
-        """A record that cannot become an example: an id naming it, no image, no caption."""
-        logger.warning("%s: %s", where, what)
+        """A record that cannot become an example: an id naming it, no image, no caption.
+
+        Not logged one by one: ``load_source`` reports the skipped count and the first ids.
+        """
+        logger.debug("%s: %s", where, what)
         self.add(f"{where} ({what})", None, "", [])
         self.is_problem[-1] = True
 
@@ -307,8 +310,9 @@ def _docci_files(spec: SourceSpec) -> tuple[Path, Path]:
     url, sha = OFFICIAL_FILES["docci_descriptions"]
     descriptions = fetch(url, sha, cache_dir=_cache(), desc="DOCCI descriptions")
     url, sha = OFFICIAL_FILES["docci_images"]
-    images = fetch_archive(url, sha, cache_dir=_cache(), desc="DOCCI images") / "images"
-    return descriptions, images
+    unpacked = fetch_archive(url, sha, cache_dir=_cache(), desc="DOCCI images")
+    images = unpacked / "images"  # the archive's top folder
+    return descriptions, images if images.is_dir() else unpacked
 
 
 def _read_docci(spec: SourceSpec, splits: set[str], rows: _Rows, sentences: str | None) -> None:
