@@ -1,0 +1,293 @@
+"""Image-text contrastive losses: CLIP's InfoNCE, SigLIP's sigmoid loss and Long-CLIP's loss.
+
+Conventions (DESIGN 4): embeddings are raw and L2-normalised here; ``logit_scale`` is the
+multiplier (already exponentiated); ``logit_bias`` is raw. With ``gather`` each rank scores its
+local rows against the rows of every rank (gathered with autograd) and returns a value whose mean
+over ranks equals the single-process loss on the concatenated batch, with exact gradients under
+DDP's gradient averaging.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .distributed import gather_with_grad, should_gather, world_info
+
+logger = logging.getLogger(__name__)
+
+
+def _check_embeds(name: str, x: Tensor) -> None:
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a (B, D) tensor, got {shape}")
+
+
+def _check_pair(image_embeds: Tensor, text_embeds: Tensor, *, same_batch: bool = True) -> None:
+    _check_embeds("image_embeds", image_embeds)
+    _check_embeds("text_embeds", text_embeds)
+    if image_embeds.shape[1] != text_embeds.shape[1]:
+        raise ValueError(
+            f"image_embeds and text_embeds must share the embedding dim D, got "
+            f"{image_embeds.shape[1]} and {text_embeds.shape[1]}"
+        )
+    if same_batch and image_embeds.shape[0] != text_embeds.shape[0]:
+        raise ValueError(
+            f"image_embeds ({image_embeds.shape[0]} rows) and text_embeds ({text_embeds.shape[0]} "
+            "rows) must be paired row by row"
+        )
+
+
+def _check_mask(name: str, mask: Tensor, shape: tuple[int, ...]) -> None:
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:
+        got = (mask.dtype, tuple(mask.shape)) if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"{name} must be a bool tensor of shape {shape}, got {got}")
+
+
+def _symmetric_infonce(
+    image_rows: Tensor,
+    text_rows: Tensor,
+    image_cols: Tensor,
+    text_cols: Tensor,
+    logit_scale: Tensor | float,
+    *,
+    row_offset: int,
+    world: int,
+    label_smoothing: float,
+    valid_rows: Tensor | None,
+    valid_cols: Tensor | None,
+) -> Tensor:
+    """Local-loss symmetric InfoNCE on normalised embeddings.
+
+    Rows ``(B, D)`` are this rank's pairs, columns ``(world * B, D)`` all ranks' pairs (the rows
+    included, starting at ``row_offset``). Returns ``world / N * sum over local valid rows`` of
+    ``(CE_i->t + CE_t->i) / 2``, N the number of valid pairs over all ranks, so that the mean over
+    ranks is the mean over the global batch.
+    """
+    labels = torch.arange(image_rows.shape[0], device=image_rows.device) + row_offset
+    if valid_cols is None:
+        n_pairs: Tensor | int = image_cols.shape[0]
+    else:
+        # Invalid pairs leave the batch: they are neither queries nor candidates.
+        column_index = torch.cumsum(valid_cols.long(), dim=0) - 1
+        labels = column_index[labels][valid_rows]
+        image_rows, text_rows = image_rows[valid_rows], text_rows[valid_rows]
+        image_cols, text_cols = image_cols[valid_cols], text_cols[valid_cols]
+        n_pairs = valid_cols.sum().clamp(min=1)
+    logits_per_image = logit_scale * image_rows @ text_cols.T
+    logits_per_text = logit_scale * text_rows @ image_cols.T
+    ce = F.cross_entropy(
+        logits_per_image, labels, label_smoothing=label_smoothing, reduction="sum"
+    ) + F.cross_entropy(logits_per_text, labels, label_smoothing=label_smoothing, reduction="sum")
+    return ce / 2 * (world / n_pairs)
+
+
+def clip_loss(
+    image_embeds: Tensor,
+    text_embeds: Tensor,
+    logit_scale: Tensor | float,
+    *,
+    label_smoothing: float = 0.0,
+    valid: Tensor | None = None,
+    gather: bool | None = None,
+) -> Tensor:
+    """Symmetric InfoNCE of CLIP (Radford et al. 2021, Fig. 3): mean of image->text and
+    text->image cross-entropy over the batch, cosine similarities times ``logit_scale``.
+
+    Also StructXLIP's L_{I,T} and L_{I',T'} (StructXLIP 3.2) and Long-CLIP's long/short losses
+    (``label_smoothing=0.1``).
+
+    Args:
+        image_embeds: ``(B, D)`` raw image embeddings (normalised here).
+        text_embeds: ``(B, D)`` raw text embeddings, row i paired with image row i.
+        logit_scale: scalar multiplier of the cosine logits (``exp`` of the model's parameter).
+        label_smoothing: cross-entropy label smoothing over the candidates (``F.cross_entropy``).
+        valid: optional ``(B,)`` bool; pairs marked False are dropped from the batch (neither
+            queries nor negatives), e.g. StructXLIP rows without an edge map. The mean runs over
+            valid pairs; 0 (with the graph intact) when there are none.
+        gather: ``None`` gathers across ranks when a process group of size > 1 is initialised.
+            Distributed, this rank's rows are scored against all ranks' columns (gathered with
+            autograd, labels offset by rank), and the value is scaled by ``world / N_valid`` so
+            that the mean over ranks equals the single-process loss on the concatenated batch;
+            every rank must pass the same B.
+
+    Returns:
+        Scalar loss (mean reduction).
+    """
+    _check_pair(image_embeds, text_embeds)
+    if valid is not None:
+        _check_mask("valid", valid, (image_embeds.shape[0],))
+    image = F.normalize(image_embeds, dim=-1)
+    text = F.normalize(text_embeds, dim=-1)
+    rank, world = world_info() if should_gather(gather) else (0, 1)
+    image_all, text_all = (gather_with_grad(image), gather_with_grad(text)) if world > 1 else (image, text)
+    valid_all = gather_with_grad(valid) if valid is not None and world > 1 else valid
+    return _symmetric_infonce(
+        image,
+        text,
+        image_all,
+        text_all,
+        logit_scale,
+        row_offset=rank * image.shape[0],
+        world=world,
+        label_smoothing=label_smoothing,
+        valid_rows=valid,
+        valid_cols=valid_all,
+    )
+
+
+def siglip_loss(
+    image_embeds: Tensor,
+    text_embeds: Tensor,
+    logit_scale: Tensor | float,
+    logit_bias: Tensor | float,
+    *,
+    positives: Tensor | None = None,
+    gather: bool | None = None,
+) -> Tensor:
+    """Pairwise sigmoid loss of SigLIP (Zhai et al. 2023, section 3.2 and Algorithm 1).
+
+    ``-sum_ij log sigmoid(y_ij (s cos(i, j) + b)) / B_image`` with ``y_ij = 1`` for positive
+    pairs and -1 otherwise: the sum over all pairs divided by the number of images, like
+    open_clip's ``SigLipLoss``.
+
+    Args:
+        image_embeds: ``(B_image, D)`` raw image embeddings.
+        text_embeds: ``(B_text, D)`` raw text embeddings.
+        logit_scale: scalar multiplier ``s`` (``exp`` of the model's parameter).
+        logit_bias: scalar bias ``b`` (raw).
+        positives: ``(B_image, B_text)`` bool, True where text j describes image i (several
+            captions per image); default the identity (then ``B_image == B_text``). With a gather
+            it indexes this rank's texts; other ranks' texts are negatives.
+        gather: ``None`` gathers when a process group of size > 1 is initialised. Distributed,
+            local images are scored against all ranks' texts gathered with autograd (the simple
+            exact scheme; open_clip's ring exchange of text blocks gives the same value with less
+            memory and is a possible optimisation). The mean over ranks equals the
+            single-process loss on the concatenated batch; every rank must pass the same shapes.
+
+    Returns:
+        Scalar loss.
+    """
+    _check_pair(image_embeds, text_embeds, same_batch=False)
+    n_image, n_text = image_embeds.shape[0], text_embeds.shape[0]
+    if positives is None:
+        if n_image != n_text:
+            raise ValueError(
+                f"siglip_loss: image_embeds has {n_image} rows and text_embeds {n_text}; pass "
+                "positives (B_image, B_text) bool to say which texts describe which image"
+            )
+        positives = torch.eye(n_image, dtype=torch.bool, device=image_embeds.device)
+    _check_mask("positives", positives, (n_image, n_text))
+    image = F.normalize(image_embeds, dim=-1)
+    text = F.normalize(text_embeds, dim=-1)
+    rank, world = world_info() if should_gather(gather) else (0, 1)
+    if world > 1:
+        text = gather_with_grad(text)
+        block = positives
+        positives = torch.zeros(n_image, world * n_text, dtype=torch.bool, device=block.device)
+        positives[:, rank * n_text : (rank + 1) * n_text] = block
+    logits = logit_scale * image @ text.T + logit_bias
+    signs = positives.to(logits.dtype) * 2 - 1
+    return -F.logsigmoid(signs * logits).sum() / n_image
+
+
+def pca_reconstruct(x: Tensor, k: int = 32) -> Tensor:
+    """Long-CLIP's coarse image features for the short caption (Zhang et al. 2024, section 3.2,
+    "primary component matching").
+
+    Rows are L2-normalised, centred, projected on the top-``k`` principal components of the
+    batch, and the mean is added back; the result is *not* re-normalised (as in the public
+    training code; a loss normalises it when it consumes it).
+
+    Args:
+        x: ``(B, D)`` raw image embeddings of the batch.
+        k: number of principal components kept (Long-CLIP: 32).
+
+    Returns:
+        ``(B, D)`` reconstruction, differentiable through the decomposition. When
+        ``B <= k + 1`` the centred rows span at most ``k`` dimensions and the reconstruction is
+        exactly the normalised input, which is returned without a decomposition. If the SVD fails
+        (e.g. non-finite features, Long-CLIP issue #52) a warning is logged and the normalised
+        input is returned unreduced.
+    """
+    _check_embeds("x", x)
+    if k < 1:
+        raise ValueError(f"k (number of principal components) must be >= 1, got {k}")
+    x = F.normalize(x, dim=-1)
+    if x.shape[0] <= k + 1:
+        return x
+    work = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    mean = work.mean(dim=0, keepdim=True)
+    centred = work - mean
+    try:
+        u, s, vh = torch.linalg.svd(centred, full_matrices=False)
+    except torch.linalg.LinAlgError as err:
+        logger.warning("pca_reconstruct: SVD failed (%s); using the unreduced features", err)
+        return x
+    reconstructed = (u[:, :k] * s[:k]) @ vh[:k] + mean
+    return reconstructed.to(x.dtype)
+
+
+def longclip_loss(
+    image_embeds: Tensor,
+    long_text_embeds: Tensor,
+    short_text_embeds: Tensor,
+    logit_scale: Tensor | float,
+    *,
+    pca_dim: int = 32,
+    label_smoothing: float = 0.1,
+    gather: bool | None = None,
+) -> Tensor:
+    """Long-CLIP's fine-tuning loss (Zhang et al. 2024, section 3.2): long loss + short loss.
+
+    ``clip_loss(image, long caption)`` plus the same symmetric InfoNCE between
+    ``pca_reconstruct(image)`` and the short caption, both with label smoothing 0.1 and equal
+    weights, as in Long-CLIP's public training code. The short caption is the long caption's
+    first sentence (the caller encodes it). As in that code, the short loss's image side is the
+    PCA reconstruction itself, not re-normalised (the paper does not say); the text side and
+    the long loss use cosine similarities.
+
+    Args:
+        image_embeds: ``(B, D)`` raw image embeddings.
+        long_text_embeds: ``(B, D)`` raw embeddings of the long captions.
+        short_text_embeds: ``(B, D)`` raw embeddings of the short captions (first sentences).
+        logit_scale: scalar multiplier (``exp`` of the model's parameter).
+        pca_dim: principal components kept for the short loss's image features (32).
+        label_smoothing: for both cross-entropies (0.1).
+        gather: as in :func:`clip_loss`. Distributed, the PCA runs on the *gathered* image batch
+            (every rank decomposes the same ``(world * B, D)`` matrix): the loss then equals the
+            single-process loss on the concatenated batch whatever the number of ranks. The
+            public code decomposes each GPU's own batch, which makes the objective depend on the
+            sharding and turns PCA into a no-op for per-GPU batches of 33 or fewer (issue #68).
+
+    Returns:
+        Scalar loss, the sum of the long and the short loss.
+    """
+    _check_pair(image_embeds, long_text_embeds)
+    _check_pair(image_embeds, short_text_embeds)
+    image = F.normalize(image_embeds, dim=-1)
+    long_text = F.normalize(long_text_embeds, dim=-1)
+    short_text = F.normalize(short_text_embeds, dim=-1)
+    rank, world = world_info() if should_gather(gather) else (0, 1)
+    n = image.shape[0]
+    image_all = gather_with_grad(image) if world > 1 else image
+    long_all = gather_with_grad(long_text) if world > 1 else long_text
+    short_all = gather_with_grad(short_text) if world > 1 else short_text
+    options = dict(row_offset=rank * n, world=world, label_smoothing=label_smoothing)
+    long_loss = _symmetric_infonce(
+        image, long_text, image_all, long_all, logit_scale, valid_rows=None, valid_cols=None, **options
+    )
+    # Used as it is, like Long-CLIP's code: the short logits are dot products with the
+    # reconstruction, which is not re-normalised.
+    pca_all = pca_reconstruct(image_all, pca_dim)
+    pca_rows = pca_all[rank * n : (rank + 1) * n]
+    short_loss = _symmetric_infonce(
+        pca_rows, short_text, pca_all, short_all, logit_scale, valid_rows=None, valid_cols=None, **options
+    )
+    return long_loss + short_loss
+
+
+__all__ = ["clip_loss", "siglip_loss", "pca_reconstruct", "longclip_loss"]
