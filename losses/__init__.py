@@ -1,1 +1,32 @@
-"""xlipkit losses: contrastive and structure losses for CLIP-family models, torch only."""
+"""xlipkit losses: contrastive and structure losses for CLIP-family models, torch only.
+
+Embeddings are passed raw (every loss L2-normalises), ``logit_scale`` is the multiplier (already
+exponentiated), and every loss gathers across ranks with autograd when a process group of size
+> 1 is initialised (``gather=None``), so that it can be used in any training loop.
+"""
+
+from .contrastive import clip_loss, longclip_loss, pca_reconstruct, siglip_loss
+from .distributed import (
+    VariableGather,
+    gather_variable_with_grad,
+    gather_with_grad,
+    should_gather,
+    world_info,
+)
+from .structxlip import StructXLIPLoss, consistency_loss, local_structure_loss, official_weight_decay
+
+__all__ = [
+    "clip_loss",
+    "siglip_loss",
+    "longclip_loss",
+    "pca_reconstruct",
+    "consistency_loss",
+    "local_structure_loss",
+    "StructXLIPLoss",
+    "official_weight_decay",
+    "gather_with_grad",
+    "gather_variable_with_grad",
+    "VariableGather",
+    "should_gather",
+    "world_info",
+]
