@@ -119,6 +119,16 @@ def _stream_to(url: str, handle, desc: str) -> None:
                 bar.update(len(chunk))
 
 
+def _offline() -> bool:
+    """True when ``HF_DATASETS_OFFLINE`` or ``HF_HUB_OFFLINE`` is set (read at call time)."""
+    import datasets.config
+
+    flags = (os.environ.get("HF_DATASETS_OFFLINE", ""), os.environ.get("HF_HUB_OFFLINE", ""))
+    return datasets.config.HF_DATASETS_OFFLINE or any(
+        flag.strip().upper() in ("1", "ON", "YES", "TRUE") for flag in flags
+    )
+
+
 def _fetch_hub(url: str, sha256: str | None) -> Path:
     """``hf://datasets/ORG/NAME/FILE[@REVISION]`` through huggingface_hub (its cache, its token)."""
     from huggingface_hub import hf_hub_download
@@ -175,7 +185,8 @@ def fetch(
 
     Raises:
         ChecksumError: the downloaded file's sha256 differs from ``sha256``.
-        ConnectionError: the URL could not be read.
+        ConnectionError: the URL could not be read, or offline mode (``HF_DATASETS_OFFLINE``
+            / ``HF_HUB_OFFLINE``) forbids a download that is not cached.
         ValueError: unsupported URL scheme.
     """
     scheme = urllib.parse.urlparse(url).scheme
@@ -191,6 +202,11 @@ def fetch(
                 return target
             logger.warning("cached %s does not match the expected sha256; downloading again",
                            target)
+        if scheme != "file" and _offline():
+            raise ConnectionError(
+                f"{url} is not in the cache ({target}) and HF_DATASETS_OFFLINE / HF_HUB_OFFLINE "
+                "forbid downloads: unset them, or set the source's `path:` to a local copy"
+            )
         fd, tmp_name = tempfile.mkstemp(
             dir=target.parent, prefix=f".{target.name}.", suffix=".part"
         )

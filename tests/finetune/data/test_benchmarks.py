@@ -188,6 +188,12 @@ def test_docci_download_checksum_mismatch_leaves_nothing(docci, tmp_path, monkey
     assert leftovers == []
 
 
+def test_docci_without_path_offline_says_to_set_a_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ConnectionError, match="storage.googleapis.com/docci.*`path:`"):
+        load_source({"name": "docci"}, cache_dir=str(tmp_path / "cache"))
+
+
 def _undecoded():
     import datasets
 

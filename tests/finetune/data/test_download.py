@@ -93,6 +93,17 @@ def test_unreachable_url_and_unsupported_scheme_give_clear_errors(tmp_path):
         fetch("ftp://example.org/x.zip", None, cache_dir=tmp_path / "cache")
 
 
+def test_offline_mode_refuses_network_downloads_but_not_cached_or_local_files(
+    tmp_path, payload, monkeypatch
+):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ConnectionError, match="HF_DATASETS_OFFLINE.*path:"):
+        fetch("https://example.invalid/docci.jsonlines", None, cache_dir=tmp_path / "cache")
+    assert _files(tmp_path / "cache") == []
+    local = fetch(payload.as_uri(), _sha(payload), cache_dir=tmp_path / "cache")
+    assert local.read_bytes() == payload.read_bytes()
+
+
 def test_default_cache_is_under_the_datasets_cache(tmp_path, monkeypatch):
     import datasets.config
 
