@@ -1,0 +1,287 @@
+"""Objectives: one base loss plus any number of added terms (DESIGN 3).
+
+A :class:`Term` is a small ``nn.Module`` that
+
+1. declares the batch fields it needs (``needs``) and produces them: ``preprocess`` (once per dataset,
+   cached), ``prepare`` (per example, in the data workers) and ``collate`` (per batch);
+2. asks the :class:`Objective` for the images and texts it wants encoded (``image_inputs`` /
+   ``text_inputs``): the objective runs ONE image-tower pass over every image request of the batch
+   (StructXLIP's colour images and edge maps together) and one text pass per padded length;
+3. turns the encoded features into unweighted loss values (``loss``).
+
+Features are a flat ``dict[str, Tensor]`` so that the gradient-accumulation scheme of DESIGN 6 can cache
+them per micro-batch and concatenate them: every tensor is concatenated along dim 0, and keys ending in
+``_owner`` (the sample index a row belongs to) are offset by the number of samples before them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+Features = dict[str, Tensor]
+Batch = dict[str, Any]
+
+#: key of the 0-dim tensor holding the number of samples a feature dict was encoded from
+N_SAMPLES = "n_samples"
+
+
+@dataclass
+class ImageRequest:
+    """Images a term wants encoded: the keyword inputs of ``DualEncoder.encode_image``.
+
+    Attributes:
+        inputs: ``{"pixel_values": (n, 3, H, W), ...}`` (NaFlex adds ``pixel_attention_mask`` and
+            ``spatial_shapes``).
+        states: whether the term needs patch states (``ImageFeatures.states``) too.
+    """
+
+    inputs: dict[str, Tensor]
+    states: bool = False
+
+    @property
+    def count(self) -> int:
+        return int(self.inputs["pixel_values"].shape[0])
+
+
+@dataclass
+class TextRequest:
+    """Token ids a term wants encoded.
+
+    Attributes:
+        input_ids: ``(n, L)``.
+        attention_mask: ``(n, L)``.
+        states: whether token states are needed too.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    states: bool = False
+
+
+class Term(nn.Module):
+    """One loss term of an objective. Subclasses set ``name`` and ``needs`` and override what they use.
+
+    ``loss`` returns unweighted scalar values; the objective applies the recipe's weights. A term with
+    learnable parameters of its own (a temperature, a head) holds them as submodules/parameters: they are
+    trained, checkpointed and synchronised with the model.
+    """
+
+    name: str = ""
+    #: batch fields this term adds (beyond ``pixel_values``, ``input_ids``, ``attention_mask``)
+    needs: frozenset[str] = frozenset()
+    #: model parameters this term's loss reads directly (e.g. "logit_scale"); see ``detach_params``
+    uses_logit_bias: bool = False
+
+    def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
+        """Add this term's cached per-example fields to ``dataset`` (runs once, before training)."""
+        return dataset
+
+    def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
+        """Per-example work in the data workers; returns the fields ``collate`` reads."""
+        return {}
+
+    def collate(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Any]:
+        """Stack the prepared fields of a batch into tensors."""
+        return {}
+
+    def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
+        """Images to encode, by feature key (embeds land in ``feats[key]``)."""
+        return {}
+
+    def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
+        """Texts to encode, by feature key."""
+        return {}
+
+    def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
+        """Add non-embedding features (owners, masks, pooled states) after the encoders ran."""
+
+    def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
+        """Unweighted loss values from (possibly merged) features.
+
+        Args:
+            detach_params: use detached copies of parameters the loss reads directly (logit scale,
+                temperatures). The accumulation scheme sets it on all but the last micro-batch so those
+                parameters receive their gradient exactly once.
+        """
+        raise NotImplementedError(f"term {type(self).__name__} must implement loss()")
+
+
+def scale_of(param: Tensor, detach: bool) -> Tensor:
+    """``exp(param)``: the multiplier of a log-parameterised logit scale, optionally detached."""
+    return (param.detach() if detach else param).exp()
+
+
+@dataclass
+class WeightedTerm:
+    term: Term
+    weight: float = 1.0
+
+
+class Objective(nn.Module):
+    """A base term plus weighted added terms: ``loss = base + sum_k w_k * term_k``.
+
+    ``forward`` is not used; the :class:`~finetune.train.TrainModule` calls ``encode`` and ``loss`` so
+    that everything runs inside the prepared (DDP/FSDP) module's forward.
+    """
+
+    def __init__(self, base: Term, terms: list[tuple[Term, dict[str, float] | float]] | None = None) -> None:
+        super().__init__()
+        self.base = base
+        self.terms = nn.ModuleList([t for t, _ in terms or []])
+        self.term_weights: list[dict[str, float] | float] = [w for _, w in terms or []]
+
+    @property
+    def all_terms(self) -> list[Term]:
+        return [self.base, *self.terms]
+
+    @property
+    def needs(self) -> frozenset[str]:
+        out: set[str] = set()
+        for t in self.all_terms:
+            out |= set(t.needs)
+        return frozenset(out)
+
+    # -- data side --------------------------------------------------------------------------------
+    def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
+        for t in self.all_terms:
+            dataset = t.preprocess(dataset, model, cache_dir=cache_dir, log=log)
+        return dataset
+
+    def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for t in self.all_terms:
+            out.update(t.prepare(example))
+        return out
+
+    def collate(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for t in self.all_terms:
+            out.update(t.collate(examples, model))
+        return out
+
+    # -- model side -------------------------------------------------------------------------------
+    def encode(self, model: Any, batch: Batch) -> Features:
+        """Run the encoders once for every term's requests and return the merged feature dict.
+
+        All image requests go through ONE ``encode_image`` call (concatenated along the batch); text
+        requests are grouped by padded length, one ``encode_text`` call per group.
+        """
+        image_reqs: dict[str, ImageRequest] = {}
+        text_reqs: dict[str, TextRequest] = {}
+        for t in self.all_terms:
+            for key, req in t.image_inputs(batch).items():
+                image_reqs.setdefault(key, req)
+            for key, req in t.text_inputs(batch).items():
+                text_reqs.setdefault(key, req)
+        feats: Features = {N_SAMPLES: torch.tensor(len(batch["input_ids"]))}
+        feats.update(_encode_images(model, image_reqs))
+        feats.update(_encode_texts(model, text_reqs))
+        for t in self.all_terms:
+            t.extra_features(model, batch, feats)
+        return feats
+
+    def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
+        """Weighted total and every unweighted value: ``{"loss": total, "<term>": value, ...}``."""
+        values = self.base.loss(model, feats, detach_params=detach_params)
+        total = sum(values.values())
+        out: dict[str, Tensor] = dict(values)
+        for term, weight in zip(self.terms, self.term_weights):
+            term_values = term.loss(model, feats, detach_params=detach_params)
+            for key, value in term_values.items():
+                w = weight.get(key, 1.0) if isinstance(weight, dict) else weight
+                if w:
+                    total = total + w * value
+                out[key] = value
+        out["loss"] = total
+        return out
+
+
+def _encode_images(model: Any, reqs: dict[str, ImageRequest]) -> Features:
+    if not reqs:
+        return {}
+    keys = list(reqs)
+    want_states = any(r.states for r in reqs.values())
+    names = list(reqs[keys[0]].inputs)
+    inputs = {n: torch.cat([reqs[k].inputs[n] for k in keys]) if len(keys) > 1 else reqs[keys[0]].inputs[n]
+              for n in names}
+    out = model.encode_image(**inputs, states=want_states)
+    feats: Features = {}
+    start = 0
+    for k in keys:
+        n = reqs[k].count
+        feats[k] = out.embeds[start:start + n]
+        if reqs[k].states and out.states is not None:
+            feats[f"{k}_states"] = out.states[start:start + n]
+        start += n
+    if want_states:
+        feats["image_grid"] = torch.tensor(out.grid)
+    return feats
+
+
+def _encode_texts(model: Any, reqs: dict[str, TextRequest]) -> Features:
+    feats: Features = {}
+    groups: dict[tuple[int, bool], list[str]] = {}
+    for k, r in reqs.items():
+        groups.setdefault((r.input_ids.shape[1], r.states), []).append(k)
+    for (_, states), keys in groups.items():
+        ids = torch.cat([reqs[k].input_ids for k in keys])
+        mask = torch.cat([reqs[k].attention_mask for k in keys])
+        if ids.shape[0] == 0:
+            for k in keys:
+                feats[k] = ids.new_zeros((0, 0), dtype=torch.float32)
+            continue
+        out = model.encode_text(ids, mask, states=states)
+        start = 0
+        for k in keys:
+            n = reqs[k].input_ids.shape[0]
+            feats[k] = out.embeds[start:start + n]
+            if states and out.states is not None:
+                feats[f"{k}_states"] = out.states[start:start + n]
+                feats[f"{k}_mask"] = mask[start:start + n]
+            start += n
+    return feats
+
+
+def merge_features(parts: list[Features]) -> Features:
+    """Concatenate the features of micro-batches as if they were encoded from one batch.
+
+    Every tensor is concatenated along dim 0; ``*_owner`` rows are offset by the number of samples of the
+    micro-batches before them; ``n_samples`` is summed; ``image_grid`` is taken from the first part.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    merged: Features = {}
+    offsets = [0]
+    for p in parts[:-1]:
+        offsets.append(offsets[-1] + int(p[N_SAMPLES]))
+    for key in parts[0]:
+        if key == N_SAMPLES:
+            merged[key] = torch.tensor(offsets[-1] + int(parts[-1][N_SAMPLES]))
+        elif key == "image_grid":
+            merged[key] = parts[0][key]
+        elif key.endswith("_owner"):
+            merged[key] = torch.cat([p[key] + off for p, off in zip(parts, offsets)])
+        else:
+            merged[key] = torch.cat([p[key] for p in parts])
+    return merged
+
+
+def all_finite(values: dict[str, Tensor]) -> str | None:
+    """Name of the first non-finite value, or None when all are finite."""
+    for k, v in values.items():
+        if not math.isfinite(float(v.detach())):
+            return k
+    return None
+
+
+@dataclass
+class TermSpec:
+    """What a recipe's ``objective.terms.<name>`` resolves to: the term and its loss weights."""
+
+    term: Term
+    weights: dict[str, float] | float = field(default=1.0)

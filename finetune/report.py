@@ -1,0 +1,153 @@
+"""The run report: ``metrics.json``, ``report.md`` and ``plots/`` (loss curves per term, recall before and
+after) of a run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write ``data`` as indented JSON to ``path`` through a temp file and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=False, default=_jsonable)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "__dict__"):
+        return obj.__dict__
+    return str(obj)
+
+
+def plot_losses(history: list[dict[str, float]], path: str | Path) -> Path | None:
+    """One panel per logged loss term (and the learning rate) against the step; returns the PNG path."""
+    if not history:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in history[0] if k not in ("step",)]
+    steps = [h["step"] for h in history]
+    n = len(keys)
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        ax.plot(steps, [h.get(key, float("nan")) for h in history], lw=1.5)
+        ax.set_title("total loss" if key == "loss" else key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_recall(before: dict | None, after: dict, path: str | Path) -> Path | None:
+    """Grouped bars of R@K before and after training, one panel per evaluation set and direction."""
+    if not after:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(s, d) for s in after for d in ("t2i", "i2t") if d in after[s]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
+    for ax, (name, direction) in zip(axes.flat, panels):
+        ks = list(after[name][direction])
+        x = range(len(ks))
+        width = 0.38
+        if before and name in before:
+            ax.bar([i - width / 2 for i in x], [before[name][direction][k] for k in ks], width,
+                   label="before", color="#9aa5b1")
+        ax.bar([i + width / 2 for i in x], [after[name][direction][k] for k in ks], width,
+               label="after", color="#2f6fb0")
+        ax.set_xticks(list(x), ks)
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("recall (%)")
+        ax.set_title(f"{name}: {'text→image' if direction == 't2i' else 'image→text'}")
+        ax.legend(loc="upper left", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(run_dir: str | Path, metrics: dict[str, Any], *, table: str, extra_sections: list[str] = ()) -> Path:
+    """``report.md``: what ran, the recall table before/after, the plots and any extra sections."""
+    run_dir = Path(run_dir)
+    recipe = metrics.get("recipe", {})
+    model = recipe.get("model", {})
+    lines = [
+        f"# Run report: {run_dir.name}",
+        "",
+        "## What ran",
+        "",
+        f"- model: `{model.get('name_or_path')}` (backend {metrics.get('backend', model.get('backend'))}), "
+        f"text positions {metrics.get('max_text_len')}",
+        f"- adapter: {recipe.get('adapter', {}).get('type')}; trainable parameters "
+        f"{metrics.get('trainable_parameters', 0):,} of {metrics.get('total_parameters', 0):,}",
+        f"- objective: {metrics.get('objective')}",
+        f"- training data: {metrics.get('train_set')} ({metrics.get('train_examples')} examples, "
+        f"{metrics.get('skipped', {}).get('train', 0)} skipped)",
+        f"- steps: {metrics.get('steps')} at global batch {recipe.get('train', {}).get('batch_size')}, "
+        f"{metrics.get('wall_time_s', 0):.1f} s of training, {metrics.get('samples_per_s', 0):.1f} samples/s "
+        f"on {metrics.get('num_processes', 1)} process(es)",
+        f"- captions longer than {metrics.get('max_text_len')} tokens (truncated): "
+        f"{metrics.get('truncated_captions', 0)}",
+        "",
+        "## Retrieval (Recall@K, %)",
+        "",
+        table,
+        "",
+    ]
+    if metrics.get("final_losses"):
+        lines += ["## Final losses", "", "| term | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.4f} |" for k, v in metrics["final_losses"].items()]
+        lines.append("")
+    lines += ["## Plots", ""]
+    for name, title in (("loss.png", "Loss per term"), ("recall.png", "Recall before and after")):
+        if (run_dir / "plots" / name).exists():
+            lines += [f"### {title}", "", f"![{title}](plots/{name})", ""]
+    for section in extra_sections:
+        lines += [section, ""]
+    path = run_dir / "report.md"
+    write_text_atomic(path, "\n".join(lines))
+    return path

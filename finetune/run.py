@@ -1,0 +1,237 @@
+"""Fine-tune a CLIP-family model from a recipe.
+
+    accelerate launch finetune/run.py RECIPE.yaml [key.sub=value ...]
+    accelerate launch --num_processes 8 finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5
+    python finetune/run.py --list
+
+recipe -> model (backend, Long-CLIP KPS, adapter) -> data (+ the preprocessing the objective needs, cached)
+-> Recall@K before -> training -> Recall@K after -> run folder (recipe.yaml, metrics.json, report.md,
+plots/, final/, checkpoints/) -> optional hub push.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this file's folder would shadow real packages (e.g. `evaluate`) on sys.path.
+_here = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+log = logging.getLogger("xlipkit")
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="finetune/run.py",
+        description=(
+            "Fine-tune a CLIP / SigLIP / SigLIP2 model on long captions from a YAML recipe: load the model, "
+            "stretch its text positions (Long-CLIP KPS), add a LoRA/DoRA adapter or train fully, run the "
+            "recipe's objective (clip, siglip, longclip + StructXLIP ...), and report Recall@K before and "
+            "after. Launch with `accelerate launch` for mixed precision and multi-GPU (DDP/FSDP/DeepSpeed)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  accelerate launch finetune/run.py recipes/quickstart.yaml\n"
+            "  accelerate launch finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5 adapter.type=lora\n"
+            "  accelerate launch --num_processes 2 --cpu finetune/run.py recipes/quickstart.yaml train.max_steps=20\n"
+            "  python finetune/run.py --list"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("recipe", nargs="?", help="path to a recipe YAML (see --list)")
+    p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value (typed, validated)")
+    p.add_argument("--list", action="store_true", help="list the recipes shipped in recipes/ and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from finetune.config import RecipeError, list_recipes, load_recipe
+
+    if args.list:
+        for name, desc in list_recipes(RECIPES_DIR):
+            print(f"{name:34s} {desc}")
+        return 0
+    if not args.recipe:
+        _parser().print_usage(sys.stderr)
+        print("error: give a recipe path (see --list)", file=sys.stderr)
+        return 2
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(f"recipe error: {exc}", file=sys.stderr)
+        return 2
+    return run(recipe)
+
+
+def run(recipe: Any) -> int:
+    """Run a validated recipe end to end; returns the process exit status."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    from finetune.config import dump_recipe, recipe_to_dict
+
+    out_dir = Path(recipe.output.dir)
+    trackers = list(recipe.train.trackers or [])
+    accelerator = Accelerator(
+        mixed_precision=recipe.train.mixed_precision,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "logs")),
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
+    )
+    _setup_logging(out_dir, accelerator.is_main_process)
+    set_seed(recipe.train.seed)
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dump_recipe(recipe, out_dir / "recipe.yaml")
+    recipe_dict = recipe_to_dict(recipe)
+    if trackers:
+        accelerator.init_trackers(out_dir.name, config=_flat_scalars(recipe_dict))
+    try:
+        return _run(recipe, recipe_dict, accelerator, out_dir)
+    finally:
+        accelerator.end_training()
+
+
+def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int:
+    import torch
+
+    from finetune import load_model
+    from finetune.data.collate import Collator
+    from finetune.data.sources import load_source
+    from finetune.evaluate import evaluate_sets, format_table
+    from finetune.models.adapters import AdapterConfig, apply_adapter, save_finetuned
+    from finetune.objectives import build_objective
+    from finetune.report import plot_losses, plot_recall, write_json_atomic, write_report
+    from finetune.train import TrainModule, Trainer
+
+    t0 = time.perf_counter()
+    m = recipe.model
+    model = load_model(
+        m.name_or_path, backend=m.backend, max_text_len=m.max_text_len, dtype=m.dtype,
+        trust_remote_code=m.trust_remote_code, kps=dict(vars(m.kps)) if m.kps is not None else None,
+    )
+    model = apply_adapter(model, AdapterConfig(**vars(recipe.adapter)))
+    if m.gradient_checkpointing:
+        from finetune.models.adapters import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(model)
+    objective = build_objective(recipe.objective)
+    if model.logit_bias is not None and not any(t.uses_logit_bias for t in objective.all_terms):
+        # an unused parameter breaks DDP (open_clip #1076): InfoNCE on a SigLIP model leaves the bias alone
+        model.logit_bias.requires_grad_(False)
+    model.to(accelerator.device)
+    n_total = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad) + sum(
+        p.numel() for p in objective.parameters() if p.requires_grad)
+    log.info("model %s (%s, %s): %s parameters, %s trainable; text positions %d", m.name_or_path,
+             model.backend, model.family, f"{n_total:,}", f"{n_train:,}", model.max_text_len)
+
+    with accelerator.main_process_first():
+        train_src = load_source(recipe.data.train, on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir)
+    _log_skips("train", train_src)
+    train_ds = objective.preprocess(train_src.dataset, model, cache_dir=recipe.data.cache_dir, log=log)
+
+    ev = recipe.eval
+    eval_kwargs = dict(batch_size=ev.batch_size, ks=tuple(ev.ks), on_error=recipe.data.on_error,
+                       cache_dir=recipe.data.cache_dir, accelerator=accelerator)
+    before = evaluate_sets(model, ev.sets, **eval_kwargs) if ev.sets and ev.before else None
+    if before is not None and accelerator.is_main_process:
+        print("Recall@K before training:\n" + format_table(None, before), flush=True)
+
+    module = TrainModule(model, objective)
+    from finetune.models import no_weight_decay_names
+
+    trainer = Trainer(accelerator, module, train_ds, Collator(model, objective), recipe.train, out_dir,
+                      extra_no_decay={f"model.{n}" for n in no_weight_decay_names(model)},
+                      num_workers=recipe.data.num_workers)
+    trainer.maybe_resume(recipe.train.resume)
+    result = trainer.train()
+    accelerator.wait_for_everyone()
+    model = accelerator.unwrap_model(trainer.wrapped).model
+    model.eval()
+
+    after = evaluate_sets(model, ev.sets, **eval_kwargs) if ev.sets and ev.after else {}
+    truncated = torch.tensor(result.truncated_captions, device=accelerator.device)
+    truncated = int(accelerator.reduce(truncated, reduction="sum")) if accelerator.num_processes > 1 else int(truncated)
+
+    if accelerator.is_main_process:
+        save_finetuned(model, out_dir / "final", recipe=recipe_dict)
+        table = format_table(before, after) if after else "(no evaluation sets)"
+        print("Recall@K before -> after training:\n" + table, flush=True)
+        metrics = {
+            "recipe": recipe_dict,
+            "backend": model.backend,
+            "family": model.family,
+            "max_text_len": model.max_text_len,
+            "objective": ", ".join([recipe.objective.base, *recipe.objective.terms]),
+            "train_set": train_src.name,
+            "train_examples": len(train_src.dataset),
+            "skipped": {"train": train_src.skipped, "train_examples": train_src.skipped_examples},
+            "before": before,
+            "after": after,
+            "final_losses": result.final_losses,
+            "steps": result.steps,
+            "skipped_steps": result.skipped_steps,
+            "truncated_captions": truncated,
+            "wall_time_s": result.wall_time_s,
+            "total_time_s": time.perf_counter() - t0,
+            "samples_per_s": result.samples_per_s,
+            "num_processes": accelerator.num_processes,
+            "trainable_parameters": n_train,
+            "total_parameters": n_total,
+            "history": result.history,
+        }
+        plot_losses(result.history, out_dir / "plots" / "loss.png")
+        plot_recall(before, after, out_dir / "plots" / "recall.png")
+        write_json_atomic(out_dir / "metrics.json", metrics)
+        report = write_report(out_dir, metrics, table=table)
+        print(f"wrote {out_dir / 'metrics.json'}, {report}, {out_dir / 'final'}", flush=True)
+        if recipe.hub.push:
+            from finetune.hub import push
+
+            push(out_dir, recipe.hub.repo_id, private=recipe.hub.private, revision=recipe.hub.revision)
+    accelerator.wait_for_everyone()
+    return 0
+
+
+def _log_skips(role: str, src: Any) -> None:
+    if src.skipped:
+        ids = ", ".join(str(e.get("id")) for e in src.skipped_examples[:5])
+        log.warning("%s set %s: skipped %d unreadable examples (first: %s)", role, src.name, src.skipped, ids)
+
+
+def _flat_scalars(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat_scalars(v, key + "."))
+        elif isinstance(v, (int, float, str, bool)):
+            out[key] = v
+        elif v is not None:
+            out[key] = str(v)
+    return out
+
+
+def _setup_logging(out_dir: Path, main: bool) -> None:
+    level = logging.INFO if main else logging.WARNING
+    logger = logging.getLogger("xlipkit")
+    logger.setLevel(level)
+    if not logger.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(h)
+        logger.propagate = False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
