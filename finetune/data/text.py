@@ -1,0 +1,204 @@
+"""Caption text utilities: sentence splitting, token-budget chunking, sub-caption sampling.
+
+Long captions are handled sentence by sentence by several methods: FLAIR samples sub-captions of
+1-3 sentences (FLAIR paper, section 3 and implementation details), Long-CLIP aligns the first
+sentence with a PCA-reduced image embedding (its primary-component matching;
+``caption.split(". ")[0]`` in its public code), StructXLIP and F-CAST cut captions into chunks
+of sentences. These helpers are the one place where a caption becomes sentences.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Sequence
+
+__all__ = ["split_sentences", "chunk_sentences", "sample_subcaptions", "first_sentence"]
+
+# Words that end in a period without ending the sentence when followed by a capital or digit
+# ("Mr. Smith", "Fig. 3", "e.g. Paris"). Lower-case followers never end a sentence anyway, so
+# "etc." is left out on purpose: "plates, etc. The table" is two sentences.
+_ABBREVIATIONS = frozenset(
+    {
+        "mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "mt", "ft", "fig", "figs", "no", "nos",
+        "vol", "vs", "cf", "e.g", "i.e", "approx", "ca", "inc", "ltd", "co", "corp", "dept", "gen",
+        "gov", "capt", "lt", "col", "sgt", "rev", "hon", "mx", "al", "jan", "feb", "mar", "apr",
+        "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec", "ave", "blvd", "rd", "est",
+    }
+)
+# A terminator (with closing quotes/brackets) followed by whitespace: a candidate boundary.
+_BOUNDARY = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s)")
+_LAST_WORD = re.compile(r"(\S+)$")
+
+
+def _is_abbreviation(text_before: str) -> bool:
+    """True when the word that ends at a period is an abbreviation or an initial ("J.", "U.S.")."""
+    match = _LAST_WORD.search(text_before)
+    if match is None:
+        return False
+    word = match.group(1).lstrip("\"'“‘([").rstrip(".").lower()
+    if word in _ABBREVIATIONS:
+        return True
+    # single letters ("J. K. Rowling") and dotted acronyms ("U.S", "a.m")
+    return bool(re.fullmatch(r"[a-z](\.[a-z])*", word))
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split a caption into sentences, keeping each sentence's own punctuation.
+
+    A sentence ends at ``.``, ``!``, ``?`` or ``…`` (plus closing quotes or brackets) followed by
+    whitespace and a character that is not lower-case, unless the word before the period is a
+    known abbreviation ("Mr.", "Dr.", "Fig.", "e.g.") or an initial ("J.", "U.S."). Decimals
+    ("3.5 cm") never split since no whitespace follows their period; a newline always ends a
+    sentence (captions use line breaks between paragraphs); a missing final period is fine.
+
+    Args:
+        text: a caption (any length; may be empty).
+    Returns:
+        the non-empty sentences, stripped, in order. ``" ".join(result)`` restores the text up
+        to whitespace.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"split_sentences expects a str, got {type(text).__name__}")
+    sentences: list[str] = []
+    for line in text.splitlines():
+        start = 0
+        for match in _BOUNDARY.finditer(line):
+            end = match.end()
+            rest = line[end:].lstrip()
+            if not rest:
+                continue
+            if rest[0].islower():
+                continue
+            if match.group(0).startswith(".") and len(match.group(0).rstrip("\"'”’)]")) == 1:
+                if _is_abbreviation(line[start : match.start() + 1]):
+                    continue
+            piece = line[start:end].strip()
+            if piece:
+                sentences.append(piece)
+            start = end
+        piece = line[start:].strip()
+        if piece:
+            sentences.append(piece)
+    return sentences
+
+
+def chunk_sentences(
+    sentences: Sequence[str], max_tokens: int, count_tokens: Callable[[str], int]
+) -> list[str]:
+    """Group consecutive sentences into chunks that fit a token budget (greedy, order kept).
+
+    A generic utility, not a paper's method: it cuts a long caption into pieces that a 77-token
+    text encoder reads whole (e.g. to encode a caption chunk by chunk). F-CAST's random and
+    balanced chunking (F-CAST appendix C) count sentences instead and live with that method.
+    A sentence is added to the current chunk while
+    ``count_tokens(chunk + " " + sentence) <= max_tokens``;
+    a single sentence longer than the budget becomes a chunk of its own (the tokenizer then
+    truncates it), so no text is ever dropped here.
+
+    Args:
+        sentences: the sentences in caption order (e.g. from :func:`split_sentences`).
+        max_tokens: the budget per chunk, as counted by ``count_tokens`` (include special
+            tokens in the count if the encoder's limit includes them).
+        count_tokens: maps a text to its number of tokens.
+    Returns:
+        the chunks, each the space-joined sentences it holds; ``" ".join(result)`` equals
+        ``" ".join(sentences)``.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    chunks: list[str] = []
+    current = ""
+    for sentence in sentences:
+        sentence = sentence.strip()
+        if not sentence:
+            continue
+        candidate = f"{current} {sentence}" if current else sentence
+        if current and count_tokens(candidate) > max_tokens:
+            chunks.append(current)
+            current = sentence
+        else:
+            current = candidate
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _as_rng(rng: random.Random | int | None) -> random.Random:
+    if isinstance(rng, random.Random):
+        return rng
+    if rng is None or isinstance(rng, int):
+        return random.Random(rng)
+    raise TypeError(f"rng must be a random.Random, an int seed or None, got {type(rng).__name__}")
+
+
+def sample_subcaptions(
+    sentences: Sequence[str],
+    k: int,
+    min_s: int = 1,
+    max_s: int = 3,
+    rng: random.Random | int | None = None,
+    *,
+    consecutive: float = 0.5,
+) -> list[str]:
+    """Sample FLAIR's K diverse sub-captions of a long caption (FLAIR paper, section 3).
+
+    For each of the ``k`` sub-captions independently: draw ``s`` uniformly in
+    ``[min_s, max_s]`` (capped at the number of sentences); with probability ``consecutive``
+    take a window of ``s`` consecutive sentences (every window start equally likely, the last
+    one included), otherwise ``s`` distinct sentences from random positions, concatenated in
+    the order drawn ("either randomly sampled, i.e. independently sampled and concatenated, or
+    extracted as a consecutive sequence"; implementation details: K=8, S=3). The FLAIR code's
+    window off-by-one (the last window never drawn) and its repeated sentences when a caption
+    has fewer than ``s`` sentences are not reproduced. ``consecutive=1.0`` gives windows only.
+
+    Args:
+        sentences: the caption's sentences (non-empty list).
+        k: number of sub-captions (FLAIR: 8).
+        min_s, max_s: the range of sentences per sub-caption (FLAIR: 1 and 3).
+        rng: a ``random.Random`` (for reproducible sampling in a data loader), a seed, or None.
+        consecutive: probability that a sub-caption is a consecutive window.
+    Returns:
+        ``k`` sub-captions, each the space-joined sentences it holds.
+    """
+    items = [s.strip() for s in sentences if s and s.strip()]
+    if not items:
+        raise ValueError("sample_subcaptions needs at least one non-empty sentence")
+    if k < 1:
+        raise ValueError(f"k (number of sub-captions) must be at least 1, got {k}")
+    if min_s < 1 or max_s < min_s:
+        raise ValueError(f"need 1 <= min_s <= max_s, got min_s={min_s}, max_s={max_s}")
+    if not 0.0 <= consecutive <= 1.0:
+        raise ValueError(f"consecutive is a probability in [0, 1], got {consecutive}")
+    generator = _as_rng(rng)
+    n = len(items)
+    result = []
+    for _ in range(k):
+        s = min(generator.randint(min_s, max_s), n)
+        if s == n:
+            chosen = items
+        elif generator.random() < consecutive:
+            start = generator.randint(0, n - s)
+            chosen = items[start : start + s]
+        else:
+            chosen = [items[i] for i in generator.sample(range(n), s)]
+        result.append(" ".join(chosen))
+    return result
+
+
+def first_sentence(text: str) -> str:
+    """The short caption Long-CLIP pairs with its PCA-reduced image features (primary-component matching).
+
+    Follows the public Long-CLIP training code, ``caption.split(". ")[0]``: everything before
+    the first ". " (the trailing period of a one-sentence caption is kept, as there), stripped.
+    Unlike :func:`split_sentences` it does not know abbreviations; it is kept simple on purpose
+    so that the short-caption loss sees what Long-CLIP trained on.
+
+    Args:
+        text: a caption.
+    Returns:
+        the first sentence (the whole text when it has no ". ").
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"first_sentence expects a str, got {type(text).__name__}")
+    return text.strip().split(". ")[0].strip()

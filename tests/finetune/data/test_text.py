@@ -1,0 +1,114 @@
+"""Sentence splitting, chunking, FLAIR sub-caption sampling and Long-CLIP's first sentence."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from finetune.data.text import chunk_sentences, first_sentence, sample_subcaptions, split_sentences
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "Mr. Smith holds a 3.5 kg bag. Dr. Jones waves!",
+            ["Mr. Smith holds a 3.5 kg bag.", "Dr. Jones waves!"],
+        ),
+        ("A red car on a road. A tree behind it", ["A red car on a road.", "A tree behind it"]),
+        ("A dog\nA cat on a mat.\n\nA bird", ["A dog", "A cat on a mat.", "A bird"]),
+        ("Fruit, e.g. Apples and pears. Plates, etc. The table is wooden.",
+         ["Fruit, e.g. Apples and pears.", "Plates, etc.", "The table is wooden."]),
+        ("The U.S. flag waves. J. K. Rowling signs books.", ["The U.S. flag waves.", "J. K. Rowling signs books."]),
+        ('He said "stop." Then he left. Is it red? Yes.', ['He said "stop."', "Then he left.", "Is it red?", "Yes."]),
+        ("Version 2.0 ships in 2024. Prices rise... Nobody cares.",
+         ["Version 2.0 ships in 2024.", "Prices rise...", "Nobody cares."]),
+        ("A sign reads no. entry allowed.", ["A sign reads no. entry allowed."]),
+        ("   ", []),
+        ("", []),
+    ],
+)
+def test_split_sentences_tricky_inputs(text, expected):
+    assert split_sentences(text) == expected
+
+
+def test_split_sentences_rejects_non_strings():
+    with pytest.raises(TypeError, match="expects a str"):
+        split_sentences(None)
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def test_chunk_sentences_respects_the_budget_and_keeps_all_text():
+    sentences = ["one two three.", "four five.", "six seven eight nine.", "ten.", "a b c d e f g h i j k l."]
+    chunks = chunk_sentences(sentences, 6, _words)
+
+    assert chunks == ["one two three. four five.", "six seven eight nine. ten.", "a b c d e f g h i j k l."]
+    assert " ".join(chunks) == " ".join(sentences)
+    assert all(_words(c) <= 6 for c in chunks[:-1])  # the last is a lone over-long sentence
+    assert chunk_sentences([], 10, _words) == []
+    with pytest.raises(ValueError, match="max_tokens"):
+        chunk_sentences(sentences, 0, _words)
+
+
+SENTENCES = ["S0.", "S1.", "S2.", "S3.", "S4."]
+
+
+def _parts(subcaption: str) -> list[str]:
+    return subcaption.split(" ")
+
+
+def test_sample_subcaptions_counts_and_determinism():
+    first = sample_subcaptions(SENTENCES, 8, rng=random.Random(3))
+    again = sample_subcaptions(SENTENCES, 8, rng=random.Random(3))
+    assert first == again and len(first) == 8
+    many = sample_subcaptions(SENTENCES, 300, rng=0)
+    lengths = [len(_parts(c)) for c in many]
+    assert set(lengths) == {1, 2, 3}
+    for caption in many:
+        parts = _parts(caption)
+        assert len(set(parts)) == len(parts)  # never a repeated sentence
+        assert set(parts) <= set(SENTENCES)
+
+
+def test_sample_subcaptions_windows_include_the_last_one():
+    windows = sample_subcaptions(SENTENCES, 400, 2, 2, rng=1, consecutive=1.0)
+    starts = {SENTENCES.index(_parts(w)[0]) for w in windows}
+    assert starts == {0, 1, 2, 3}  # the FLAIR code's off-by-one would never draw start 3
+    for window in windows:
+        a, b = _parts(window)
+        assert SENTENCES.index(b) == SENTENCES.index(a) + 1
+
+
+def test_sample_subcaptions_random_positions_and_short_captions():
+    scattered = sample_subcaptions(SENTENCES, 300, 2, 2, rng=2, consecutive=0.0)
+    gaps = {SENTENCES.index(_parts(c)[1]) - SENTENCES.index(_parts(c)[0]) for c in scattered}
+    assert any(abs(g) > 1 for g in gaps)  # not only windows
+    assert sample_subcaptions(["Only.", "Two."], 3, 3, 3, rng=0) == ["Only. Two."] * 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sentences": [], "k": 2}, "at least one"),
+        ({"sentences": ["  "], "k": 2}, "at least one"),
+        ({"sentences": SENTENCES, "k": 0}, "k"),
+        ({"sentences": SENTENCES, "k": 2, "min_s": 0}, "min_s"),
+        ({"sentences": SENTENCES, "k": 2, "min_s": 3, "max_s": 2}, "min_s"),
+        ({"sentences": SENTENCES, "k": 2, "consecutive": 1.5}, "probability"),
+    ],
+)
+def test_sample_subcaptions_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sample_subcaptions(**kwargs)
+
+
+def test_first_sentence_follows_long_clip_split():
+    assert first_sentence("A red car. A blue sky. Trees.") == "A red car"
+    assert first_sentence("  Just one sentence.  ") == "Just one sentence."
+    assert first_sentence("No period at all") == "No period at all"
+    assert first_sentence("Mr. Smith waves. Hi") == "Mr"  # exactly caption.split(". ")[0]
+    assert first_sentence("Version 2.5 is out. More") == "Version 2.5 is out"
