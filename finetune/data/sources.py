@@ -1,0 +1,680 @@
+"""The data-source registry and the generic local formats (JSONL, CSV, parquet, image folders).
+
+A recipe names its data as a :class:`SourceSpec` (``data.train: {name: synthetic, size: 2000}``,
+``eval.sets: [docci, urban1k]``). :func:`load_source` looks the name up in the registry
+(:func:`register_source`), calls the builder, then validates and normalises what it returns in
+one place: columns ``id`` (str), ``image`` (``datasets.Image()`` decoding to RGB) and ``caption``
+(str), plus ``captions`` (list[str]) where a source has several per image. Examples with a
+missing, empty (0-byte) or corrupt image or an empty caption are skipped and counted
+(``on_error="skip"``, the default) or stop loading with a :class:`DataError` naming the id and
+path (``on_error="raise"``).
+
+Validation stays fast for large sets: each image is only probed (header + PIL ``verify()``, see
+:func:`finetune.data.images.probe_image`), the image bytes are never rewritten unless an image
+needs a conversion that ``PIL.Image.convert("RGB")`` gets wrong (alpha, 16-bit), and skipped rows
+are dropped through an index mapping (``Dataset.select``), not a copy.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import difflib
+import hashlib
+import importlib
+import io
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from finetune.data.images import IMAGE_EXTENSIONS, DataError, ImageReadError, probe_image, read_image
+
+__all__ = [
+    "DataError",
+    "SourceSpec",
+    "SourceBuilder",
+    "LoadedSource",
+    "register_source",
+    "available_sources",
+    "load_source",
+    "source_cache_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+SourceBuilder = Callable[["SourceSpec"], datasets.Dataset]
+
+# Modules that register built-in sources when imported; a missing optional module is skipped.
+_BUILTIN_MODULES = ("finetune.data.synthetic", "finetune.data.benchmarks")
+_ON_ERROR = ("skip", "raise")
+_VALIDATE = ("quick", "full")
+_SKIPPED_EXAMPLES_KEPT = 5
+_cache_dir: contextvars.ContextVar[str | None] = contextvars.ContextVar("xlipkit_source_cache_dir", default=None)
+
+
+def _closest(word: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+@dataclass
+class SourceSpec:
+    """What a recipe's ``data.train`` or an ``eval.sets`` entry holds.
+
+    Attributes:
+        name: registered source name (``synthetic``, ``jsonl``, ``csv``, ``parquet``,
+            ``imagefolder``, ``docci``, ...; see :func:`available_sources`).
+        path: a local folder or file.
+        split: ``train`` / ``test`` / ...; for a folder of files, selects ``SPLIT*.ext`` files or
+            the ``SPLIT/`` sub-folder.
+        protocol: a benchmark's evaluation protocol (default: the first one it registers).
+        size: number of scenes (synthetic).
+        seed: random seed (synthetic).
+        limit: keep the first N examples (after the split / protocol, before validation).
+        image_column, caption_column, id_column: column names in the raw data (generic formats);
+            without ``id_column`` an ``id`` column is used if present, else the row index (tables)
+            or the file name (image folders).
+        options: source-specific extras.
+    """
+
+    name: str
+    path: str | None = None
+    split: str | None = None
+    protocol: str | None = None
+    size: int | None = None
+    seed: int = 0
+    limit: int | None = None
+    image_column: str = "image"
+    caption_column: str = "caption"
+    id_column: str | None = None
+    options: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, value: str | dict | SourceSpec) -> SourceSpec:
+        """Build a spec from a recipe value: ``"docci"``, ``"docci:goal"`` (name and protocol, as
+        in recipes) or ``{"name": "docci", ...}``.
+
+        Raises:
+            DataError: naming the key and how to fix it, on an unknown key (with the closest
+                valid one), a wrong type or a missing ``name``.
+        """
+        if isinstance(value, SourceSpec):
+            return value
+        if isinstance(value, str):
+            name, _, protocol = value.strip().partition(":")
+            value = {"name": name.strip(), "protocol": protocol.strip() or None}
+        if not isinstance(value, dict):
+            raise DataError(
+                f"a data source must be a name (e.g. 'synthetic') or a mapping with a 'name' key, "
+                f"got {type(value).__name__}: {value!r}"
+            )
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in value:
+            if key not in valid:
+                raise DataError(
+                    f"unknown data source key {key!r}{_closest(str(key), valid)}; valid keys: {', '.join(valid)}"
+                )
+        if "name" not in value:
+            raise DataError(f"a data source needs a 'name' (one of the registered sources), got {value!r}")
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in value:
+                kwargs[f.name] = _check_type(f.name, value[f.name])
+        spec = cls(**kwargs)
+        if not spec.name:
+            raise DataError("data source 'name' must not be empty")
+        return spec
+
+
+# key -> (accepted types, expected type in words, may be None)
+_SPEC_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
+    "name": ((str,), "a string", False),
+    "path": ((str, os.PathLike), "a path string", True),
+    "split": ((str,), "a string", True),
+    "protocol": ((str,), "a string", True),
+    "size": ((int,), "an integer", True),
+    "seed": ((int,), "an integer", False),
+    "limit": ((int,), "an integer", True),
+    "image_column": ((str,), "a string", False),
+    "caption_column": ((str,), "a string", False),
+    "id_column": ((str,), "a string", True),
+    "options": ((dict,), "a mapping", False),
+}
+
+
+def _check_type(key: str, value: Any) -> Any:
+    types, words, nullable = _SPEC_TYPES[key]
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise DataError(
+            f"data source key {key!r} must be {words}{' or null' if nullable else ''}, "
+            f"got {type(value).__name__}: {value!r}"
+        )
+    if key in ("size", "limit") and value < (1 if key == "size" else 0):
+        raise DataError(f"data source key {key!r} must be {'positive' if key == 'size' else '>= 0'}, got {value}")
+    if key == "path":
+        return os.fspath(value)
+    if key == "options":
+        return dict(value)
+    return value
+
+
+@dataclass(frozen=True)
+class _Entry:
+    builder: SourceBuilder
+    description: str
+    protocols: tuple[str, ...]
+    splits: tuple[str, ...]
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_source(
+    name: str, *, description: str = "", protocols: tuple[str, ...] = (), splits: tuple[str, ...] = ()
+) -> Callable[[SourceBuilder], SourceBuilder]:
+    """Register a source builder under ``name`` (a decorator).
+
+    Args:
+        name: the name recipes use.
+        description: one line for :func:`available_sources` and ``run.py --list``.
+        protocols: the evaluation protocols the builder knows, default first; a spec without a
+            protocol gets the first, an unknown one is an error listing them.
+        splits: the splits the builder knows (empty: any); an unknown one is an error.
+    Returns:
+        the decorator, which returns the builder unchanged.
+    """
+
+    def decorator(builder: SourceBuilder) -> SourceBuilder:
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing.builder.__qualname__ != builder.__qualname__:
+            raise ValueError(f"data source {name!r} is already registered by {existing.builder.__module__}")
+        _REGISTRY[name] = _Entry(builder, description, tuple(protocols), tuple(splits))
+        return builder
+
+    return decorator
+
+
+def _import_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name != module:  # the module exists but one of its imports is missing
+                raise
+
+
+def available_sources() -> dict[str, str]:
+    """The registered sources: name -> description (built-ins imported first)."""
+    _import_builtins()
+    return {name: entry.description for name, entry in sorted(_REGISTRY.items())}
+
+
+def source_cache_dir() -> str | None:
+    """The ``cache_dir`` passed to the running :func:`load_source` (for builders that download)."""
+    return _cache_dir.get()
+
+
+@dataclass
+class LoadedSource:
+    """A validated source.
+
+    Attributes:
+        dataset: columns ``id`` (str), ``image`` (``datasets.Image(mode="RGB")``, decodes to an
+            RGB PIL image), ``caption`` (str, non-empty); optional ``captions`` (list[str]),
+            ``sentences``, ``objects`` and any other column the builder returned.
+        name, split, protocol: as resolved (protocol defaults to the builder's first).
+        skipped: number of examples dropped by validation.
+        skipped_examples: the first few dropped, as ``{"id", "path", "reason"}``.
+        info: ``num_examples``, ``num_read`` (before skipping), ``ids_sha256`` (of the kept ids,
+            in order, newline-joined), ``path``, ``columns``.
+    """
+
+    dataset: datasets.Dataset
+    name: str
+    split: str | None
+    protocol: str | None
+    skipped: int
+    skipped_examples: list[dict]
+    info: dict
+
+
+def load_source(
+    spec: SourceSpec | str | dict,
+    *,
+    on_error: str = "skip",
+    cache_dir: str | None = None,
+    validate: str = "quick",
+) -> LoadedSource:
+    """Build a registered source, validate every example and normalise its columns.
+
+    Args:
+        spec: a :class:`SourceSpec` or what :meth:`SourceSpec.parse` accepts.
+        on_error: ``"skip"`` (count and drop bad examples; the count and the first ids are
+            logged and returned) or ``"raise"`` (stop at the first, naming its id and path).
+        cache_dir: where builders cache what they read or download (``datasets`` cache for
+            the generic formats); None: the ``datasets`` default.
+        validate: ``"quick"`` probes each image (header + ``verify()``); ``"full"`` decodes
+            every image, which also catches truncated JPEG bodies.
+    Returns:
+        the :class:`LoadedSource`.
+    Raises:
+        DataError: unknown source (listing the registered ones), unknown split or protocol,
+            missing columns, or, with ``on_error="raise"``, the first bad example.
+    """
+    if on_error not in _ON_ERROR:
+        raise ValueError(f"on_error must be one of {', '.join(_ON_ERROR)}, got {on_error!r}")
+    if validate not in _VALIDATE:
+        raise ValueError(f"validate must be one of {', '.join(_VALIDATE)}, got {validate!r}")
+    spec = SourceSpec.parse(spec)
+    _import_builtins()
+    entry = _REGISTRY.get(spec.name)
+    if entry is None:
+        names = sorted(_REGISTRY)
+        raise DataError(
+            f"unknown data source {spec.name!r}{_closest(spec.name, names)}; registered sources: {', '.join(names)}"
+        )
+    spec = _resolve_split_and_protocol(spec, entry)
+    token = _cache_dir.set(cache_dir)
+    try:
+        dataset = entry.builder(spec)
+    finally:
+        _cache_dir.reset(token)
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(f"the builder of data source {spec.name!r} returned {type(dataset).__name__}, not a datasets.Dataset")
+    dataset = _standardise_columns(dataset, spec)
+    if spec.limit is not None and spec.limit < len(dataset):
+        dataset = dataset.select(range(spec.limit))
+    num_read = len(dataset)
+    dataset, skipped = _validate(dataset, spec, on_error=on_error, full=validate == "full")
+    if skipped:
+        shown = "; ".join(f"id={e['id']} path={e['path']}: {e['reason']}" for e in skipped[:_SKIPPED_EXAMPLES_KEPT])
+        logger.warning(
+            "data source %r: skipped %d of %d examples (first: %s). Set data.on_error: raise to stop on the first one.",
+            spec.name, len(skipped), num_read, shown,
+        )
+    ids = list(dataset["id"])
+    info = {
+        "num_examples": len(dataset),
+        "num_read": num_read,
+        "ids_sha256": hashlib.sha256("\n".join(ids).encode("utf-8")).hexdigest(),
+        "path": spec.path,
+        "columns": list(dataset.column_names),
+    }
+    return LoadedSource(
+        dataset=dataset,
+        name=spec.name,
+        split=spec.split,
+        protocol=spec.protocol,
+        skipped=len(skipped),
+        skipped_examples=skipped[:_SKIPPED_EXAMPLES_KEPT],
+        info=info,
+    )
+
+
+def _resolve_split_and_protocol(spec: SourceSpec, entry: _Entry) -> SourceSpec:
+    if entry.protocols:
+        if spec.protocol is None:
+            spec = dataclasses.replace(spec, protocol=entry.protocols[0])
+        elif spec.protocol not in entry.protocols:
+            raise DataError(
+                f"data source {spec.name!r} has no protocol {spec.protocol!r}; protocols: {', '.join(entry.protocols)}"
+            )
+    elif spec.protocol is not None:
+        raise DataError(f"data source {spec.name!r} has no protocols; remove protocol: {spec.protocol!r}")
+    if entry.splits and spec.split is not None and spec.split not in entry.splits:
+        raise DataError(f"data source {spec.name!r} has no split {spec.split!r}; splits: {', '.join(entry.splits)}")
+    return spec
+
+
+# --------------------------------------------------------------------------- normalisation
+
+
+def _is_string_list(feature: Any) -> bool:
+    return isinstance(feature, (datasets.List, datasets.LargeList, datasets.Sequence)) and getattr(
+        feature.feature, "dtype", None
+    ) in ("string", "large_string")
+
+
+def _standardise_columns(dataset: datasets.Dataset, spec: SourceSpec) -> datasets.Dataset:
+    """Rename the spec's columns to ``image``/``caption``/``id`` and derive what is missing."""
+    columns = dataset.column_names
+    for target, key in (("image", "image_column"), ("caption", "caption_column")):
+        source = getattr(spec, key)
+        if target in columns:
+            continue
+        if source in columns:
+            dataset = dataset.rename_column(source, target)
+            columns = dataset.column_names
+            continue
+        raise DataError(
+            f"data source {spec.name!r}{_where(spec)} has no {target} column {source!r}; columns: "
+            f"{', '.join(columns)}. Set {key} to the column that holds the {target}{_closest(source, columns)}."
+        )
+    # Undecoded from here on: maps below must not decode images.
+    dataset = dataset.cast_column("image", datasets.Image(decode=False))
+    if _is_string_list(dataset.features["caption"]):
+        if "captions" in columns:
+            raise DataError(
+                f"data source {spec.name!r}{_where(spec)}: 'caption' holds lists and a 'captions' column exists too; "
+                "set caption_column to the single-caption column"
+            )
+        dataset = dataset.rename_column("caption", "captions")
+        dataset = dataset.map(
+            lambda lists: {"caption": [_first_non_empty(captions) for captions in lists]},
+            input_columns=["captions"],
+            batched=True,
+            desc="first caption",
+        )
+    if "id" not in dataset.column_names:
+        if spec.id_column is not None and spec.id_column in dataset.column_names:
+            dataset = dataset.rename_column(spec.id_column, "id")
+        elif spec.id_column is not None:
+            raise DataError(
+                f"data source {spec.name!r}{_where(spec)} has no id column {spec.id_column!r}; columns: "
+                f"{', '.join(dataset.column_names)}{_closest(spec.id_column, dataset.column_names)}"
+            )
+        else:
+            dataset = dataset.map(
+                lambda _, indices: {"id": [str(i) for i in indices]},
+                input_columns=["caption"],
+                with_indices=True,
+                batched=True,
+                desc="row ids",
+            )
+    if dataset.features["id"] != datasets.Value("string"):
+        dataset = dataset.cast_column("id", datasets.Value("string"))
+    return dataset
+
+
+def _first_non_empty(captions: list | None) -> str:
+    return next((c for c in (captions or []) if isinstance(c, str) and c.strip()), "")
+
+
+def _where(spec: SourceSpec) -> str:
+    return f" ({spec.path})" if spec.path else ""
+
+
+def _validate(
+    dataset: datasets.Dataset, spec: SourceSpec, *, on_error: str, full: bool
+) -> tuple[datasets.Dataset, list[dict]]:
+    """Probe every example; return the dataset without the bad ones and what was dropped."""
+    keep: list[int] = []
+    skipped: list[dict] = []
+    converted: dict[int, dict] = {}
+    view = dataset.select_columns(["id", "image", "caption"])
+    index = 0
+    for batch in view.iter(batch_size=256):
+        for id_, image, caption in zip(batch["id"], batch["image"], batch["caption"]):
+            path = (image or {}).get("path") or ("<bytes>" if image and image.get("bytes") else "<none>")
+            reason = None
+            if not isinstance(caption, str) or not caption.strip():
+                reason = "empty caption"
+            elif image is None:
+                reason = "no image"
+            else:
+                try:
+                    info = probe_image(image)
+                    if full or info.needs_conversion:
+                        rgb = read_image(image)
+                        if info.needs_conversion:
+                            buffer = io.BytesIO()
+                            rgb.save(buffer, format="PNG")
+                            converted[index] = {"bytes": buffer.getvalue(), "path": image.get("path")}
+                except ImageReadError as error:
+                    reason = error.reason
+            if reason is None:
+                keep.append(index)
+            else:
+                if on_error == "raise":
+                    raise DataError(
+                        f"data source {spec.name!r}: example id={id_!r} (image {path}): {reason}. Fix or remove "
+                        "the example, or set data.on_error: skip to skip and count such examples."
+                    )
+                skipped.append({"id": id_, "path": path, "reason": reason})
+            index += 1
+    if converted:
+        image_feature = datasets.Image(decode=False)
+
+        def replace(images: list, indices: list[int]) -> dict:
+            return {"image": [converted.get(i, image) for image, i in zip(images, indices)]}
+
+        dataset = dataset.map(
+            replace,
+            input_columns=["image"],
+            with_indices=True,
+            batched=True,
+            features=datasets.Features({**dataset.features, "image": image_feature}),
+            desc="converting images to RGB",
+        )
+    if skipped:
+        dataset = dataset.select(keep)
+    return dataset.cast_column("image", datasets.Image(mode="RGB")), skipped
+
+
+# --------------------------------------------------------------------------- generic formats
+
+
+def _require_path(spec: SourceSpec) -> Path:
+    if not spec.path:
+        raise DataError(f"data source {spec.name!r} needs a path: set path to a file or a folder of files")
+    path = Path(spec.path).expanduser()
+    if not path.exists():
+        raise DataError(f"data source {spec.name!r}: path {str(path)!r} does not exist")
+    return path
+
+
+def _data_files(spec: SourceSpec, extensions: tuple[str, ...]) -> list[Path]:
+    """The files of a tabular source: the file itself, or a folder's files (of a split)."""
+    path = _require_path(spec)
+    if path.is_file():
+        return [path]
+    if spec.split and (path / spec.split).is_dir():
+        path = path / spec.split
+        split = None
+    else:
+        split = spec.split
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(extensions))
+    if split:
+        files = [p for p in files if p.stem == split or p.stem.startswith((f"{split}-", f"{split}_", f"{split}."))]
+    if not files:
+        wanted = " or ".join(f"*{e}" for e in extensions)
+        which = f" for split {split!r} (named {split}*{extensions[0]} or in a {split}/ folder)" if split else ""
+        raise DataError(f"data source {spec.name!r}: no {wanted} files{which} in {str(path)!r}")
+    return files
+
+
+def _resolve_image_paths(dataset: datasets.Dataset, base: Path) -> datasets.Dataset:
+    """Image paths relative to the data file become absolute; bytes are left alone."""
+
+    def resolve(images: list) -> dict:
+        out = []
+        for image in images:
+            if image is not None and image.get("bytes") is None and image.get("path"):
+                path = Path(os.path.expanduser(image["path"]))
+                image = {"bytes": None, "path": str(path if path.is_absolute() else base / path)}
+            out.append(image)
+        return {"image": out}
+
+    return dataset.map(resolve, input_columns=["image"], batched=True, desc="resolving image paths")
+
+
+def _load_table(spec: SourceSpec, builder: str, extensions: tuple[str, ...]) -> datasets.Dataset:
+    parts = []
+    offset = 0
+    for file in _data_files(spec, extensions):
+        try:
+            table = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=source_cache_dir())
+        except Exception as error:  # datasets wraps parser errors in several types
+            raise DataError(f"data source {spec.name!r}: cannot read {str(file)!r} as {builder}: {error}") from error
+        columns = table.column_names
+        for key in ("image_column", "caption_column"):
+            column = getattr(spec, key)
+            if column not in columns:
+                raise DataError(
+                    f"data source {spec.name!r}: {str(file)!r} has no column {column!r}{_closest(column, columns)}; "
+                    f"columns: {', '.join(columns)}. Set {key} to the column that holds the "
+                    f"{key.split('_')[0]}."
+                )
+        renames = {spec.image_column: "image", spec.caption_column: "caption"}
+        id_source = spec.id_column or ("id" if "id" in columns else None)
+        if id_source is not None:
+            if id_source not in columns:
+                raise DataError(
+                    f"data source {spec.name!r}: {str(file)!r} has no id column {id_source!r}"
+                    f"{_closest(id_source, columns)}; columns: {', '.join(columns)}"
+                )
+            renames[id_source] = "id"
+        clashes = [target for source, target in renames.items() if target in columns and source != target]
+        if clashes:
+            table = table.remove_columns(clashes)
+        table = table.rename_columns({s: t for s, t in renames.items() if s != t})
+        if id_source is None:
+            table = table.map(
+                lambda _, indices, start=offset: {"id": [str(start + i) for i in indices]},
+                input_columns=["caption"],
+                with_indices=True,
+                batched=True,
+                desc="row ids",
+            )
+        else:
+            table = table.cast_column("id", datasets.Value("string"))
+        table = table.cast_column("image", datasets.Image(decode=False))
+        parts.append(_resolve_image_paths(table, file.parent))
+        offset += len(table)
+    if len(parts) == 1:
+        return parts[0]
+    try:
+        return datasets.concatenate_datasets(parts)
+    except ValueError as error:
+        raise DataError(f"data source {spec.name!r}: the files in {spec.path!r} have different columns: {error}") from error
+
+
+@register_source("jsonl", description="JSON lines file(s): an image path (relative to the file) or bytes, and a caption")
+def build_jsonl(spec: SourceSpec) -> datasets.Dataset:
+    """JSONL source: a ``.jsonl``/``.json`` file or a folder of them, read by ``datasets``' json builder.
+
+    Each row holds the image (a path relative to its file, an absolute path, or
+    ``{"bytes", "path"}``) in ``image_column`` and the caption (a string, or a list of strings:
+    then ``captions`` holds the list and ``caption`` its first entry) in ``caption_column``.
+    """
+    return _load_table(spec, "json", (".jsonl", ".json"))
+
+
+@register_source("csv", description="CSV file(s): an image path column (relative to the file) and a caption column")
+def build_csv(spec: SourceSpec) -> datasets.Dataset:
+    """CSV source: a ``.csv`` file or a folder of them; one caption per row, image paths relative to the file."""
+    return _load_table(spec, "csv", (".csv",))
+
+
+@register_source("parquet", description="parquet file(s): image bytes or paths, and a caption")
+def build_parquet(spec: SourceSpec) -> datasets.Dataset:
+    """Parquet source: a ``.parquet`` file or a folder of them; the image column holds raw bytes,
+    ``{"bytes", "path"}`` structs (what ``datasets.Image`` writes) or paths."""
+    return _load_table(spec, "parquet", (".parquet",))
+
+
+def _read_mapping(file: Path, spec: SourceSpec) -> tuple[list[str], list[Any], list[str | None]]:
+    """(file names, captions, ids) from ``metadata.jsonl`` or ``captions.json``."""
+    names, captions, ids = [], [], []
+    if file.name == "metadata.jsonl":
+        with open(file, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise DataError(f"{file}: line {number} is not valid JSON ({error})") from error
+                if not isinstance(row, dict) or "file_name" not in row:
+                    raise DataError(f"{file}: line {number} needs a 'file_name' key (the image path relative to the folder)")
+                if spec.caption_column not in row:
+                    raise DataError(
+                        f"{file}: line {number} has no {spec.caption_column!r} key{_closest(spec.caption_column, list(row))}; "
+                        "set caption_column to the key that holds the caption"
+                    )
+                names.append(str(row["file_name"]))
+                captions.append(row[spec.caption_column])
+                ids.append(str(row[spec.id_column]) if spec.id_column and spec.id_column in row else None)
+        return names, captions, ids
+    try:
+        mapping = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise DataError(f"{file} is not valid JSON ({error})") from error
+    if not isinstance(mapping, dict):
+        raise DataError(f"{file} must map image file names to captions, e.g. {{\"cat.jpg\": \"A cat ...\"}}")
+    for name, caption in mapping.items():
+        names.append(str(name))
+        captions.append(caption)
+        ids.append(None)
+    return names, captions, ids
+
+
+def _find_image(root: Path, name: str) -> Path:
+    """``name`` under ``root``; a name without extension (captions.json keyed by stem) is looked up."""
+    path = root / name
+    if path.suffix or path.exists():
+        return path
+    for extension in sorted(IMAGE_EXTENSIONS):
+        candidate = path.with_suffix(extension)
+        if candidate.exists():
+            return candidate
+    return path
+
+
+@register_source(
+    "imagefolder",
+    description="a folder of images with NAME.txt captions beside them, or a metadata.jsonl / captions.json mapping",
+)
+def build_imagefolder(spec: SourceSpec) -> datasets.Dataset:
+    """Image-folder source (split: the ``SPLIT/`` sub-folder).
+
+    Captions come from, in order of precedence: ``metadata.jsonl`` (one ``{"file_name": ...,
+    CAPTION_COLUMN: ...}`` per line, as ``datasets``' imagefolder writes it), ``captions.json``
+    (``{file name or stem: caption}``), or a ``NAME.txt`` beside each ``NAME.jpg``. With a
+    mapping, its entries are the examples (a listed file that is missing is counted as
+    missing); otherwise every image in the folder tree is, and one without a ``.txt`` gets an
+    empty caption (counted as such). Ids are the image paths relative to the folder, without
+    extension. Written by hand because ``datasets``' imagefolder reads neither ``.txt``
+    captions nor ``captions.json``.
+    """
+    root = _require_path(spec)
+    if not root.is_dir():
+        raise DataError(f"data source 'imagefolder': path {str(root)!r} is a file; set path to the folder of images")
+    if spec.split:
+        if not (root / spec.split).is_dir():
+            raise DataError(f"data source 'imagefolder': no {spec.split!r} folder in {str(root)!r} for split {spec.split!r}")
+        root = root / spec.split
+    mapping_file = next((root / n for n in ("metadata.jsonl", "captions.json") if (root / n).is_file()), None)
+    if mapping_file is not None:
+        names, captions, given_ids = _read_mapping(mapping_file, spec)
+        paths = [_find_image(root, name) for name in names]
+    else:
+        paths = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+        captions = []
+        for path in paths:
+            text_file = path.with_suffix(".txt")
+            captions.append(text_file.read_text(encoding="utf-8").strip() if text_file.is_file() else "")
+        given_ids = [None] * len(paths)
+    if not paths:
+        raise DataError(
+            f"data source 'imagefolder': no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) in {str(root)!r}"
+        )
+    ids = [
+        given if given is not None else path.relative_to(root).with_suffix("").as_posix()
+        for path, given in zip(paths, given_ids)
+    ]
+    columns: dict[str, list] = {"id": ids, "image": [str(p) for p in paths]}
+    if any(isinstance(c, list) for c in captions):
+        columns["captions"] = [c if isinstance(c, list) else [c] for c in captions]
+        columns["caption"] = [_first_non_empty(c) for c in columns["captions"]]
+    else:
+        columns["caption"] = ["" if c is None else str(c) for c in captions]
+    return datasets.Dataset.from_dict(columns)
