@@ -157,8 +157,8 @@ def _check_type(key: str, value: Any) -> Any:
             f"data source key {key!r} must be {words}{' or null' if nullable else ''}, "
             f"got {type(value).__name__}: {value!r}"
         )
-    if key in ("size", "limit") and value < (1 if key == "size" else 0):
-        raise DataError(f"data source key {key!r} must be {'positive' if key == 'size' else '>= 0'}, got {value}")
+    if key in ("size", "limit") and value < 1:
+        raise DataError(f"data source key {key!r} must be positive, got {value}")
     if key == "path":
         return os.fspath(value)
     if key == "options":
@@ -299,6 +299,12 @@ def load_source(
         logger.warning(
             "data source %r: skipped %d of %d examples (first: %s). Set data.on_error: raise to stop on the first one.",
             spec.name, len(skipped), num_read, shown,
+        )
+    if len(dataset) == 0:
+        first = "; ".join(f"id={e['id']}: {e['reason']}" for e in skipped[:_SKIPPED_EXAMPLES_KEPT])
+        raise DataError(
+            f"data source {spec.name!r}{_where(spec)} has no usable examples ({num_read} read"
+            + (f", all skipped; first: {first})" if skipped else ")")
         )
     ids = list(dataset["id"])
     info = {

@@ -53,7 +53,7 @@ def test_parse_name_and_mapping():
         ({"name": "synthetic", "size": "10"}, "'size' must be an integer or null, got str"),
         ({"name": "synthetic", "size": True}, "'size' must be an integer"),
         ({"name": "synthetic", "size": 0}, "'size' must be positive"),
-        ({"name": "synthetic", "limit": -1}, "'limit' must be >= 0"),
+        ({"name": "synthetic", "limit": 0}, "'limit' must be positive"),
         ({"name": "synthetic", "options": [1]}, "'options' must be a mapping"),
         ({"path": "/data"}, "needs a 'name'"),
         ({"name": ""}, "must not be empty"),
@@ -197,6 +197,13 @@ def test_imagefolder_with_metadata_and_captions_json(tmp_path):
     loaded = load_source({"name": "imagefolder", "path": str(tmp_path / "mapped"), "split": "test"})
     assert loaded.dataset["id"] == ["x"] and loaded.dataset["caption"] == ["By stem."]
     assert loaded.skipped == 1 and loaded.skipped_examples[0]["reason"] == "file not found"
+
+
+def test_no_usable_examples_is_an_error(tmp_path):
+    _write(tmp_path / "broken.png", b"")
+    (tmp_path / "broken.txt").write_text("A caption.")
+    with pytest.raises(DataError, match=r"no usable examples \(1 read, all skipped; first: id=broken: empty file"):
+        load_source({"name": "imagefolder", "path": str(tmp_path)})
 
 
 def test_path_errors(tmp_path):
