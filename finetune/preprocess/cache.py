@@ -1,0 +1,189 @@
+"""One-off, per-dataset preprocessing cached on disk and keyed by its parameters (DESIGN 2-3).
+
+:func:`cached_map` runs a ``datasets.Dataset.map`` function once per (dataset, step, parameters,
+code version) and reuses the result afterwards: StructXLIP's edge maps, filtered captions and
+regions are computed once before fine-tuning (paper D.3) and every later run starts at once.
+
+Layout: ``<cache_dir>/<name>-<key>/`` holds the computed columns only (``data*.arrow``, one file
+per process of ``num_proc``) and ``meta.json`` (name, parameters, code version, dataset
+fingerprint, rows). The input columns are not copied: the cached columns are joined back to the
+input dataset column-wise. A step is written into a temporary folder next to it and moved into
+place with ``os.replace``, so an interrupted or failing step never leaves a partial cache behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+__all__ = ["cache_key", "cached_map", "default_cache_dir"]
+
+logger = logging.getLogger("xlipkit")
+
+
+def default_cache_dir() -> Path:
+    """``$XLIPKIT_CACHE/preprocess``, by default ``~/.cache/xlipkit/preprocess``."""
+    root = os.environ.get("XLIPKIT_CACHE") or Path.home() / ".cache" / "xlipkit"
+    return Path(root) / "preprocess"
+
+
+def _fingerprint(dataset: datasets.Dataset) -> str:
+    fingerprint = getattr(dataset, "_fingerprint", None)
+    if not fingerprint:
+        raise ValueError("the dataset has no fingerprint; pass a datasets.Dataset (not an IterableDataset).")
+    return fingerprint
+
+
+def cache_key(dataset: datasets.Dataset, *, name: str, params: Mapping[str, Any], code_version: str) -> str:
+    """A stable 16-hex-digit key of (dataset fingerprint, step name, parameters, code version).
+
+    ``params`` is serialised as sorted JSON (values that JSON cannot hold are written with
+    ``str``), so equal parameters give equal keys across processes and runs.
+    """
+    payload = json.dumps(
+        {"dataset": _fingerprint(dataset), "name": name, "params": params, "code_version": code_version},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _validate_name(name: str) -> None:
+    if not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith("."):
+        raise ValueError(
+            f"cache step name {name!r} must be non-empty and use only letters, digits, '-', '_' and '.'."
+        )
+
+
+def _load(folder: Path) -> datasets.Dataset:
+    files = sorted(folder.glob("data*.arrow"))
+    if not files:
+        raise FileNotFoundError(f"cache folder {str(folder)!r} holds no data*.arrow file.")
+    parts = [datasets.Dataset.from_file(str(f)) for f in files]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _read_meta(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cached_map(
+    dataset: datasets.Dataset,
+    fn: Callable[..., dict[str, Any]],
+    *,
+    params: Mapping[str, Any],
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    code_version: str = "1",
+    batched: bool = False,
+    batch_size: int = 100,
+    num_proc: int | None = None,
+    features: datasets.Features | None = None,
+    desc: str | None = None,
+) -> datasets.Dataset:
+    """``dataset`` plus the columns ``fn`` computes, computed once and cached on disk.
+
+    Args:
+        dataset: the input ``datasets.Dataset``; its fingerprint is part of the key.
+        fn: a ``Dataset.map`` function returning only the *new* columns (a column that already
+            exists in ``dataset`` is replaced by the new one).
+        params: every setting that changes ``fn``'s output; a change gives a new key.
+        name: the step's name (``edges``, ``lexicon``, ``regions``, ...), used in the folder name.
+        cache_dir: where caches live; default :func:`default_cache_dir`.
+        code_version: bump it when ``fn``'s code changes its output.
+        batched, batch_size, num_proc, features, desc: passed to ``Dataset.map``.
+
+    Returns:
+        A dataset with ``dataset``'s columns followed by the computed ones. A dataset with an
+        indices mapping (after ``select``/``shuffle``) is flattened to join them.
+
+    In multi-process training run it on the main process first (``accelerator.main_process_first()``)
+    so that the other ranks reuse the cache instead of computing it again.
+    """
+    _validate_name(name)
+    key = cache_key(dataset, name=name, params=params, code_version=code_version)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    folder = root / f"{name}-{key}"
+    meta = _read_meta(folder)
+    if meta is not None and meta.get("num_rows") == len(dataset):
+        logger.info("reusing cached %s (%s) from %s", name, key, folder)
+        computed = _load(folder)
+    else:
+        if folder.exists():
+            logger.warning("discarding incomplete cache %s", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        logger.info("computing %s (%s) for %d examples into %s", name, key, len(dataset), folder)
+        computed = _compute(dataset, fn, folder, key=key, name=name, params=params, code_version=code_version,
+                            batched=batched, batch_size=batch_size, num_proc=num_proc, features=features, desc=desc)
+    overlap = [c for c in computed.column_names if c in dataset.column_names]
+    base = dataset.remove_columns(overlap) if overlap else dataset
+    return datasets.concatenate_datasets([base, computed], axis=1)
+
+
+def _compute(
+    dataset: datasets.Dataset,
+    fn: Callable[..., dict[str, Any]],
+    folder: Path,
+    *,
+    key: str,
+    name: str,
+    params: Mapping[str, Any],
+    code_version: str,
+    batched: bool,
+    batch_size: int,
+    num_proc: int | None,
+    features: datasets.Features | None,
+    desc: str | None,
+) -> datasets.Dataset:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        result = dataset.map(
+            fn,
+            batched=batched,
+            batch_size=batch_size,
+            num_proc=num_proc,
+            remove_columns=dataset.column_names,
+            cache_file_name=str(tmp / "data.arrow"),
+            load_from_cache_file=False,
+            new_fingerprint=key,
+            features=features,
+            desc=desc or f"computing {name}",
+        )
+        meta = {
+            "name": name,
+            "key": key,
+            "params": json.loads(json.dumps(dict(params), default=str)),
+            "code_version": code_version,
+            "dataset_fingerprint": _fingerprint(dataset),
+            "num_rows": len(result),
+            "columns": result.column_names,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        del result
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            # Another process finished the same step first: keep its result, drop ours.
+            if _read_meta(folder) is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _load(folder)
