@@ -1,0 +1,272 @@
+"""Regions (StructXLIP 3.2, D.3): default regions, crops, chunks, top-K, FastSAM loading, caching."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import cv2
+import datasets
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from finetune.preprocess.edges import EdgeConfig, edge_map
+from finetune.preprocess.regions import (
+    FastSAMRegions,
+    RegionMatcher,
+    RegionProposals,
+    compute_regions,
+    crop_box,
+    default_regions,
+    preserve_thread_settings,
+    split_chunks,
+    topk_regions,
+)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_datasets():
+    datasets.disable_progress_bars()
+    yield
+    datasets.enable_progress_bars()
+
+
+@pytest.fixture(scope="module")
+def random_seg_checkpoint(tmp_path_factory) -> str:
+    """An ultralytics segmentation model (YOLOv8n-seg, FastSAM-s's family) with random weights,
+    saved as a checkpoint file so that FastSAMRegions runs the real loading path."""
+    path = tmp_path_factory.mktemp("fastsam") / "random-seg.pt"
+    with preserve_thread_settings():  # importing ultralytics drops OpenCV's threads
+        from ultralytics import YOLO
+
+        torch.manual_seed(0)
+        YOLO("yolov8n-seg.yaml").save(str(path))
+    return str(path)
+
+
+def _two_colour_image(width: int = 64, height: int = 32) -> Image.Image:
+    """Left half red, right half blue: crops of either half are told apart by their mean colour."""
+    arr = np.zeros((height, width, 3), np.uint8)
+    arr[:, : width // 2, 0] = 255
+    arr[:, width // 2 :, 2] = 255
+    return Image.fromarray(arr)
+
+
+def test_default_regions_are_quadrants_and_centre():
+    assert default_regions(100, 60) == [
+        (0.0, 0.0, 50.0, 30.0),
+        (50.0, 0.0, 100.0, 30.0),
+        (0.0, 30.0, 50.0, 60.0),
+        (50.0, 30.0, 100.0, 60.0),
+        (25.0, 15.0, 75.0, 45.0),
+    ]
+    with pytest.raises(ValueError, match="positive"):
+        default_regions(0, 10)
+
+
+def test_crop_box_rounds_outwards_clips_and_never_empties():
+    image = Image.fromarray(np.arange(10 * 20, dtype=np.uint8).reshape(10, 20))
+    crop = crop_box(image, (2.5, 1.2, 7.1, 4.0))
+    assert crop.size == (6, 3)  # x 2..8, y 1..4
+    np.testing.assert_array_equal(np.asarray(crop), np.asarray(image)[1:4, 2:8])
+    assert crop_box(image, (-5, -5, 50, 50)).size == (20, 10)
+    assert crop_box(image, (19.5, 9.5, 19.5, 9.5)).size == (1, 1)
+    with pytest.raises(ValueError, match="x1, y1, x2, y2"):
+        crop_box(image, (1, 2, 3))
+
+
+def test_split_chunks_at_sentence_delimiters():
+    assert split_chunks("A cat sits; a dog runs. It is 3.5 m tall! Why? ") == [
+        "A cat sits",
+        "a dog runs",
+        "It is 3.5 m tall",
+        "Why",
+    ]
+    assert split_chunks("") == [] and split_chunks(" . ; ") == []
+
+
+def test_topk_regions_on_hand_made_embeddings():
+    chunks = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.2]])
+    regions = torch.tensor([[0.0, 1.0], [3.0, 0.0], [1.0, 0.9], [-1.0, 0.0]])
+    indices, scores = topk_regions(chunks, regions, k=2)
+    assert indices.tolist() == [[1, 2], [0, 2], [2, 0]]
+    n = np.hypot(1, 0.9)
+    expected = [[1.0, 1 / n], [1.0, 0.9 / n], [(1 + 1.2 * 0.9) / (np.hypot(1, 1.2) * n), 1.2 / np.hypot(1, 1.2)]]
+    np.testing.assert_allclose(scores.numpy(), expected, rtol=1e-6)
+    # k larger than the number of regions: k' = R
+    indices, scores = topk_regions(chunks, regions[:1], k=3)
+    assert indices.shape == (3, 1) and scores.shape == (3, 1)
+    with pytest.raises(ValueError, match=r"\(M, D\)"):
+        topk_regions(chunks, torch.zeros(4, 3))
+
+
+class FixedSegmenter:
+    """Left half, right half and whole image for every image."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def params(self) -> dict:
+        return {"segmenter": "fixed-halves"}
+
+    def __call__(self, images):
+        self.calls += len(images)
+        out = []
+        for image in images:
+            w, h = (float(v) for v in image.size)
+            out.append(RegionProposals([(0.0, 0.0, w / 2, h), (w / 2, 0.0, w, h), (0.0, 0.0, w, h)], False))
+        return out
+
+
+def _mean_colour(crops):
+    """(n, 2) embedding = mean red and mean blue of each crop."""
+    means = [np.asarray(c, dtype=np.float32).mean(axis=(0, 1)) for c in crops]
+    return torch.tensor(np.stack([[m[0], m[2]] for m in means]))
+
+
+_WORDS = {"left": [1.0, 0.0], "right": [0.0, 1.0], "all": [1.0, 1.0]}
+
+
+def _text_embed(texts):
+    return torch.tensor([_WORDS[t.split()[0].lower()] for t in texts])
+
+
+def test_region_matcher_pairs_each_chunk_with_its_most_similar_regions():
+    matcher = RegionMatcher(FixedSegmenter(), _mean_colour, _text_embed, model_id="hand-made", k=2, match_on="image")
+    out = matcher({"image": [_two_colour_image()], "filtered_caption": ["Left part here. right part; all of it."]})
+    assert out["region_boxes"] == [[[0.0, 0.0, 32.0, 32.0], [32.0, 0.0, 64.0, 32.0], [0.0, 0.0, 64.0, 32.0]]]
+    assert out["region_fallback"] == [False]
+    assert out["chunks"] == [["Left part here", "right part", "all of it"]]
+    # left -> left half then whole image; right -> right half then whole; all -> whole then a half
+    assert out["chunk_topk"][0][0] == [0, 2]
+    assert out["chunk_topk"][0][1] == [1, 2]
+    assert out["chunk_topk"][0][2][0] == 2
+    np.testing.assert_allclose(out["chunk_topk_scores"][0][0][0], 1.0, rtol=1e-6)
+
+
+def test_region_matcher_uses_edge_crops_and_handles_captions_without_chunks():
+    seen = []
+
+    def encode_images(crops):
+        seen.extend(crops)
+        return torch.ones(len(crops), 2)
+
+    image = _two_colour_image()
+    matcher = RegionMatcher(
+        FixedSegmenter(), encode_images, _text_embed, model_id="m", k=3, edge_cfg=EdgeConfig(low=10, high=20)
+    )
+    out = matcher({"image": [image, image], "filtered_caption": ["", "left."]})
+    assert out["chunks"] == [[], ["left"]]
+    assert out["chunk_topk"][0] == [] and len(out["chunk_topk"][1][0]) == 3
+    expected_edges = edge_map(image, EdgeConfig(low=10, high=20))
+    np.testing.assert_array_equal(np.asarray(seen[0]), np.asarray(crop_box(expected_edges, (0, 0, 32, 32))))
+    with pytest.raises(KeyError, match="filtered_caption"):
+        matcher({"image": [image], "caption": ["x"]})
+    with pytest.raises(ValueError, match="match_on"):
+        RegionMatcher(FixedSegmenter(), encode_images, _text_embed, model_id="m", match_on="both")
+
+
+def _image_dataset(n: int = 3) -> datasets.Dataset:
+    features = datasets.Features({"image": datasets.Image(), "filtered_caption": datasets.Value("string")})
+    images = [_two_colour_image(64 + 8 * i, 32) for i in range(n)]
+    captions = ["left side. right side.", "all of it", ""][:n]
+    return datasets.Dataset.from_dict({"image": images, "filtered_caption": captions}, features=features)
+
+
+def test_compute_regions_is_cached_and_reused(tmp_path, caplog):
+    segmenter = FixedSegmenter()
+    matcher = RegionMatcher(segmenter, _mean_colour, _text_embed, model_id="m", k=1, match_on="image")
+    first = compute_regions(_image_dataset(), matcher, cache_dir=tmp_path, batch_size=2)
+    assert segmenter.calls == 3
+    assert first.column_names == [
+        "image", "filtered_caption", "region_boxes", "region_fallback", "chunks", "chunk_topk", "chunk_topk_scores",
+    ]
+    assert first[0]["chunk_topk"] == [[0], [1]]
+    assert first[2]["chunks"] == [] and first[2]["chunk_topk"] == []
+
+    with caplog.at_level(logging.INFO, logger="xlipkit"):
+        second = compute_regions(_image_dataset(), matcher, cache_dir=tmp_path, batch_size=2)
+    assert segmenter.calls == 3
+    assert "reusing cached regions" in caplog.text
+    assert second["chunk_topk"] == first["chunk_topk"]
+
+    other = RegionMatcher(segmenter, _mean_colour, _text_embed, model_id="m", k=2, match_on="image")
+    compute_regions(_image_dataset(), other, cache_dir=tmp_path, batch_size=2)
+    assert segmenter.calls == 6  # k changed: recomputed
+
+
+def test_fastsam_missing_checkpoint_says_how_to_get_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="FastSAM-s.pt or FastSAM-x.pt.*regions.checkpoint"):
+        FastSAMRegions(tmp_path / "FastSAM-s.pt")
+    (tmp_path / "ok.pt").write_bytes(b"x")
+    with pytest.raises(ValueError, match="min_area"):
+        FastSAMRegions(tmp_path / "ok.pt", min_area=0.9, max_area=0.1)
+
+
+def test_fastsam_rejects_files_that_are_not_segmentation_checkpoints(tmp_path):
+    detector = tmp_path / "detector.pt"
+    with preserve_thread_settings():
+        from ultralytics import YOLO
+
+        YOLO("yolov8n.yaml").save(str(detector))
+    with pytest.raises(ValueError, match="DetectionModel, not a segmentation model"):
+        FastSAMRegions(detector, imgsz=64, device="cpu")([_two_colour_image()])
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="could not load"):
+        FastSAMRegions(garbage, imgsz=64, device="cpu")([_two_colour_image()])
+
+
+def test_fastsam_random_weights_fall_back_and_restore_threads(random_seg_checkpoint):
+    saved = torch.get_num_threads(), cv2.getNumThreads()
+    # Counts ultralytics would change (it sets torch to cores - 1 in predict on a CPU).
+    torch_threads, cv2_threads = (os.cpu_count() or 1) + 2, 3
+    torch.set_num_threads(torch_threads)
+    cv2.setNumThreads(cv2_threads)
+    segmenter = FastSAMRegions(random_seg_checkpoint, imgsz=64, device="cpu")
+    image = _two_colour_image(80, 48)
+    try:
+        (proposal,) = segmenter([image])
+        threads_after = torch.get_num_threads(), cv2.getNumThreads()
+    finally:
+        torch.set_num_threads(saved[0])
+        cv2.setNumThreads(saved[1])
+    # An untrained model predicts no mask above conf 0.4: the default regions are used and counted.
+    assert proposal.fallback and proposal.boxes == default_regions(80, 48)
+    assert (segmenter.images, segmenter.fallbacks) == (1, 1)
+    assert threads_after == (torch_threads, cv2_threads)
+    params = segmenter.params()
+    assert len(params["checkpoint_sha256"]) == 64 and params["conf"] == 0.4
+
+
+def test_fastsam_masks_become_boxes_inside_the_image(random_seg_checkpoint):
+    # With a near-zero confidence threshold the random model yields masks: the real mask path runs.
+    segmenter = FastSAMRegions(
+        random_seg_checkpoint, imgsz=64, conf=1e-4, min_area=0.0, max_area=1.0, max_regions=3, device="cpu"
+    )
+    images = [_two_colour_image(80, 48), _two_colour_image(40, 30)]
+    proposals = segmenter(images)
+    for image, proposal in zip(images, proposals):
+        assert not proposal.fallback
+        assert 1 <= len(proposal.boxes) <= 3 and len(set(proposal.boxes)) == len(proposal.boxes)
+        w, h = image.size
+        for x1, y1, x2, y2 in proposal.boxes:
+            assert 0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h
+    # An area window no mask falls into sends every image to the fallback.
+    none_pass = FastSAMRegions(
+        random_seg_checkpoint, imgsz=64, conf=1e-4, min_area=0.4321, max_area=0.4321, device="cpu"
+    )
+    assert all(p.fallback for p in none_pass(images))
+
+
+def test_fastsam_through_compute_regions(random_seg_checkpoint, tmp_path, caplog):
+    segmenter = FastSAMRegions(random_seg_checkpoint, imgsz=64, device="cpu")
+    matcher = RegionMatcher(segmenter, _mean_colour, _text_embed, model_id="m", k=3)
+    with caplog.at_level(logging.INFO, logger="xlipkit"):
+        out = compute_regions(_image_dataset(2), matcher, cache_dir=tmp_path)
+    assert out["region_fallback"] == [True, True]
+    assert [len(b) for b in out["region_boxes"]] == [5, 5]
+    assert [len(t) for t in out["chunk_topk"][0]] == [3, 3]
+    assert "2 of 2 images had no mask" in caplog.text
