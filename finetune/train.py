@@ -390,10 +390,13 @@ class Trainer:
         last_losses: dict[str, float] = {}
         while self.state.step < self.total_steps:
             epoch, within = divmod(self.state.step, self.steps_per_epoch)
-            self.sampler.set_epoch(epoch)
             loader = self.loader
             if within:
                 loader = acc.skip_first_batches(self.loader, within)
+            # accelerate's loaders re-seed the sampler with their own pass counter: give them the epoch
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            self.sampler.set_epoch(epoch)
             self.wrapped.train()
             for batch in loader:
                 if self.state.step >= self.total_steps:

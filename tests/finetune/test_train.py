@@ -1,0 +1,225 @@
+"""The training loop on a tiny CLIP and tiny synthetic data: steps, accumulation, resume, non-finite stops."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.state import AcceleratorState, GradientState
+
+from finetune import load_model
+from finetune.config import load_recipe
+from finetune.data.collate import Collator
+from finetune.data.sources import load_source
+from finetune.models.adapters import AdapterConfig, apply_adapter
+from finetune.objectives import ClipTerm, Objective, build_objective
+from finetune.objectives.base import Term
+from finetune.train import (
+    NonFiniteLossError,
+    TrainModule,
+    Trainer,
+    list_checkpoints,
+    lr_lambda,
+    parameter_groups,
+)
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    return load_source({"name": "synthetic", "size": 32, "seed": 0, "options": {"image_size": 32}}).dataset
+
+
+def _accelerator() -> Accelerator:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
+
+
+def _train_cfg(tmp_path: Path, **train) -> object:
+    recipe = {"train": {"lr": 1e-3, "batch_size": 8, "max_steps": 4, "trackers": [], "log_every": 1,
+                        "seed": 0, "warmup_steps": 0, **train}}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return load_recipe(path).train
+
+
+def _trainer(tmp_path, scenes, *, adapter="full", objective=None, **train):
+    torch.manual_seed(0)
+    model = load_model("tiny-clip", max_text_len=248)
+    model = apply_adapter(model, AdapterConfig(type=adapter, r=4, alpha=8, dropout=0.1))
+    objective = objective or Objective(ClipTerm())
+    module = TrainModule(model, objective)
+    acc = _accelerator()
+    cfg = _train_cfg(tmp_path, **train)
+    return Trainer(acc, module, scenes, Collator(model, objective), cfg, tmp_path / "run")
+
+
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    module = trainer.acc.unwrap_model(trainer.wrapped)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_loop_runs_and_logs_every_term(tmp_path, scenes):
+    trainer = _trainer(tmp_path, scenes, max_steps=4, checkpoint_every=2, keep_checkpoints=1)
+    before = _weights(trainer)
+    result = trainer.train()
+    assert result.steps == 4
+    assert [h["step"] for h in result.history] == [1, 2, 3, 4]
+    for h in result.history:
+        assert set(h) >= {"step", "loss", "clip", "lr", "logit_scale"}
+        assert torch.isfinite(torch.tensor(h["loss"]))
+    after = _weights(trainer)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    # keep_checkpoints=1: only the newest complete checkpoint remains, no temp folder
+    ckpts = list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert [p.name for p in ckpts] == ["step-4"]
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
+    state = json.loads((ckpts[0] / "train_state.json").read_text())
+    assert state["step"] == 4
+
+
+def test_parameter_groups_exclude_norms_biases_positions_and_scale():
+    model = load_model("tiny-clip", max_text_len=248)
+    groups = parameter_groups(TrainModule(model, Objective(ClipTerm())), 0.1)
+    decayed = {id(p) for p in groups[0]["params"]}
+    names = {n: p for n, p in model.named_parameters()}
+    assert id(model.logit_scale) not in decayed
+    assert id(model.position_embedding()) not in decayed
+    assert all(id(p) not in decayed for n, p in names.items() if n.endswith(".bias") or "norm" in n)
+    assert any(id(p) in decayed for n, p in names.items() if n.endswith("q_proj.weight"))
+    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
+
+
+def test_cosine_schedule_with_warmup():
+    f = lr_lambda("cosine", warmup=2, total=10, min_ratio=0.0)
+    assert f(0) == pytest.approx(0.5) and f(1) == pytest.approx(1.0)
+    assert f(2) == pytest.approx(1.0)
+    assert f(6) == pytest.approx(0.5)
+    assert f(10) == pytest.approx(0.0, abs=1e-12)
+    assert lr_lambda("constant", 0, 10, 0.0)(7) == 1.0
+
+
+def _grads(trainer, batch) -> dict[str, torch.Tensor]:
+    trainer.optimizer.zero_grad(set_to_none=True)
+    out = trainer._step(batch)
+    module = trainer.acc.unwrap_model(trainer.wrapped)
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}, out
+
+
+def test_accumulation_with_cached_features_equals_one_big_batch(tmp_path, scenes):
+    one = _trainer(tmp_path / "a", scenes, accumulation_steps=1)
+    two = _trainer(tmp_path / "b", scenes, accumulation_steps=2)
+    two.acc.unwrap_model(two.wrapped).load_state_dict(one.acc.unwrap_model(one.wrapped).state_dict())
+    batch = Collator(one.module.model, one.module.objective)([scenes[i] for i in range(8)])
+    g1, out1 = _grads(one, batch)
+    g2, out2 = _grads(two, batch)
+    assert torch.allclose(out1["loss"], out2["loss"], atol=1e-6)
+    assert set(g1) == set(g2)
+    assert "model.model.logit_scale" in g1
+    for name in g1:
+        assert torch.allclose(g1[name], g2[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_naive_micro_batch_losses_would_differ(tmp_path, scenes):
+    """The check above is not vacuous: two independent micro-batch losses give another gradient."""
+    one = _trainer(tmp_path, scenes)
+    module = one.acc.unwrap_model(one.wrapped)
+    batch = Collator(module.model, module.objective)([scenes[i] for i in range(8)])
+    g_big, _ = _grads(one, batch)
+    from finetune.train import _split
+
+    one.optimizer.zero_grad(set_to_none=True)
+    for mb in _split(batch, 2):
+        one.wrapped(mb)["loss"].backward()
+    g_naive = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    name = "model.model.visual_projection.weight"
+    assert not torch.allclose(g_big[name], g_naive[name], atol=1e-6)
+
+
+class _NaNAtStep(Term):
+    """A term that turns non-finite on its third call."""
+
+    name = "probe"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def loss(self, model, feats, *, detach_params=False):
+        self.calls += 1
+        value = feats["image"].sum() * 0.0
+        return {"probe": value + (float("nan") if self.calls == 3 else 0.0)}
+
+
+def test_nonfinite_term_stops_the_run_naming_step_and_term(tmp_path, scenes):
+    objective = Objective(ClipTerm(), [(_NaNAtStep(), 1.0)])
+    trainer = _trainer(tmp_path, scenes, objective=objective, max_steps=5)
+    with pytest.raises(NonFiniteLossError, match=r"step 3: term 'probe' = nan"):
+        trainer.train()
+
+
+def test_nonfinite_skip_drops_the_step(tmp_path, scenes):
+    objective = Objective(ClipTerm(), [(_NaNAtStep(), 1.0)])
+    trainer = _trainer(tmp_path, scenes, objective=objective, max_steps=4, on_nonfinite="skip")
+    result = trainer.train()
+    assert result.steps == 4 and result.skipped_steps == 1
+    for p in trainer.acc.unwrap_model(trainer.wrapped).parameters():
+        assert torch.isfinite(p).all()
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_resume_reaches_bit_identical_weights(tmp_path, scenes, adapter):
+    common = dict(adapter=adapter, max_steps=8, checkpoint_every=4, keep_checkpoints=3)
+    straight = _trainer(tmp_path / "straight", scenes, **common)
+    straight.train()
+    expected = _weights(straight)
+
+    interrupted = _trainer(tmp_path / "resumed", scenes, **common)
+
+    def stop(step, values):
+        if step == 4:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        interrupted.train(on_step=stop)
+    assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "run" / "checkpoints")] == ["step-4"]
+
+    resumed = _trainer(tmp_path / "resumed", scenes, **common)
+    assert resumed.maybe_resume("latest")
+    assert resumed.state.step == 4
+    resumed.train()
+    got = _weights(resumed)
+    assert set(got) == set(expected)
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+
+
+def test_resume_path_that_is_not_a_checkpoint_is_a_clear_error(tmp_path, scenes):
+    trainer = _trainer(tmp_path, scenes)
+    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
+        trainer.maybe_resume(str(tmp_path))
+
+
+def test_batch_must_split_over_accumulation(tmp_path, scenes):
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        _trainer(tmp_path, scenes, batch_size=8, accumulation_steps=3)
+
+
+def test_build_objective_from_recipe(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"objective": {"base": "longclip"}}))
+    obj = build_objective(load_recipe(path).objective)
+    assert obj.base.name == "longclip" and obj.base.label_smoothing == 0.1
+    assert "short_caption" in obj.needs
+    copy.deepcopy(obj)
