@@ -1,0 +1,148 @@
+"""Every recipe in `recipes/` validates, and runs a few steps on a tiny model and fixture data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from accelerate.state import AcceleratorState, GradientState
+
+from finetune.config import RecipeError, list_recipes, load_recipe
+from finetune.models.registry import save_tiny
+from tests.finetune.data.fixtures import (
+    write_dci_fixture,
+    write_docci_fixture,
+    write_urban1k_fixture,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+def test_recipes_exist_and_list():
+    names = [name for name, _ in list_recipes(ROOT / "recipes")]
+    assert "quickstart" in names and "longclip_docci" in names
+    assert all(desc for _, desc in list_recipes(ROOT / "recipes"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_validates(path):
+    recipe = load_recipe(path)
+    assert recipe.train.lr > 0
+    assert recipe.output.dir
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fixtures")
+    return {
+        "tiny-clip": save_tiny("tiny-clip", root / "tiny-clip"),
+        "tiny-siglip": save_tiny("tiny-siglip", root / "tiny-siglip"),
+        "docci": write_docci_fixture(root / "docci", n_train=8, n_test=6, n_qual_test=2),
+        "dci": write_dci_fixture(root / "dci", n_train=3, n_valid=2, n_test=2),
+        "urban1k": write_urban1k_fixture(root / "urban1k", 6),
+    }
+
+
+def _fixture_set(entry, fixtures) -> dict:
+    spec = {"name": entry} if isinstance(entry, str) else dict(entry)
+    name = spec["name"]
+    if name in ("docci", "dci", "urban1k"):
+        spec["path"] = str(fixtures[name])
+        if name == "docci" and spec.get("protocol") not in (None, "test", "goal"):
+            spec.pop("protocol")
+    elif name == "synthetic":
+        spec.update(size=8, options={"image_size": 32})
+    return spec
+
+
+def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
+    """Overrides that keep a recipe's method, objective and adapter but swap in a tiny saved model, fixture
+    data and a few steps."""
+    raw = yaml.safe_load(path.read_text())
+    model_name = str(raw.get("model", {}).get("name_or_path", ""))
+    tiny = fixtures["tiny-siglip"] if "siglip" in model_name.lower() else fixtures["tiny-clip"]
+    train = _fixture_set(raw.get("data", {}).get("train", {"name": "synthetic"}), fixtures)
+    if train["name"] == "synthetic":
+        train["size"] = 16
+    sets = [_fixture_set(s, fixtures) for s in raw.get("eval", {}).get("sets", [])]
+    return [
+        f"model.name_or_path={tiny}",
+        "model.dtype=null",
+        f"data.train={json.dumps(train)}",
+        f"eval.sets={json.dumps(sets)}",
+        "eval.batch_size=8",
+        "data.num_workers=0",
+        "train.max_steps=2",
+        "train.batch_size=4",
+        "train.accumulation_steps=1",
+        "train.mixed_precision=no",
+        "train.checkpoint_every=0",
+        "train.trackers=[]",
+        f"output.dir={out_dir}",
+    ]
+
+
+def _reset_accelerate() -> None:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
+    from finetune.run import run
+
+    out = tmp_path / "run"
+    recipe = load_recipe(path, tiny_overrides(path, fixtures, out))
+    if recipe.objective.terms.get("structxlip") is not None:
+        pytest.skip("StructXLIP recipes run end to end in tests/finetune/objectives/test_structxlip.py")
+    _reset_accelerate()
+    assert run(recipe) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 2
+    assert all(v == v for v in metrics["final_losses"].values())  # finite, not NaN
+    assert len(metrics["after"]) == len(recipe.eval.sets)
+    assert (out / "report.md").is_file() and (out / "plots" / "loss.png").is_file()
+    assert (out / "final" / "xlipkit.json").is_file()
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["max_steps"] == 2
+
+
+@pytest.mark.slow
+def test_longclip_docci_through_accelerate_launch(fixtures, tmp_path):
+    path = ROOT / "recipes" / "longclip_docci.yaml"
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+           str(ROOT / "finetune" / "run.py"), str(path), *tiny_overrides(path, fixtures, out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["after"]) >= {"docci", "urban1k", "dci"}
+    assert metrics["after"]["docci"]["n_images"] == 6  # the DOCCI test split of the fixture
+    assert "Recall@K before -> after training" in proc.stdout
+
+
+def test_bad_recipe_exits_2_with_a_message(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("# bad\ntrain:\n  lr: 1e-3\n  batchsize: 8\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "finetune" / "run.py"), str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "batch_size" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(RecipeError):
+        load_recipe(bad)
+
+
+def test_run_help_and_list():
+    proc = subprocess.run([sys.executable, str(ROOT / "finetune" / "run.py"), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "accelerate launch" in proc.stdout
+    proc = subprocess.run([sys.executable, str(ROOT / "finetune" / "run.py"), "--list"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "quickstart" in proc.stdout and "longclip_docci" in proc.stdout
