@@ -46,6 +46,7 @@ __all__ = [
     "list_recipes",
     "load_recipe",
     "parse_source_shorthand",
+    "parse_sources",
     "recipe_to_dict",
     "register_term_config",
     "registered_term_configs",
@@ -316,10 +317,10 @@ def _import_objectives() -> None:
 
 
 # -- where a key came from ------------------------------------------------------------------------
-Path_ = tuple[Any, ...]
+KeyPath = tuple[Any, ...]
 
 
-def _dotted(path: Path_) -> str:
+def _dotted(path: KeyPath) -> str:
     return ".".join(str(p) for p in path)
 
 
@@ -327,15 +328,15 @@ class _Origins:
     """Maps key paths to their place in the recipe file (YAML node marks) or to the override
     that set them, so that errors can say where to look."""
 
-    def __init__(self, file: str | None, node: yaml.Node | None, overrides: Sequence[tuple[Path_, str]] = ()):
+    def __init__(self, file: str | None, node: yaml.Node | None, overrides: Sequence[tuple[KeyPath, str]] = ()):
         self.file = file
-        self.key_lines: dict[Path_, int] = {}
-        self.value_lines: dict[Path_, int] = {}
+        self.key_lines: dict[KeyPath, int] = {}
+        self.value_lines: dict[KeyPath, int] = {}
         self.overrides = list(overrides)
         if node is not None:
             self._walk(node, ())
 
-    def _walk(self, node: yaml.Node, path: Path_) -> None:
+    def _walk(self, node: yaml.Node, path: KeyPath) -> None:
         self.value_lines[path] = node.start_mark.line + 1
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
@@ -347,7 +348,7 @@ class _Origins:
                 self.key_lines[path + (i,)] = item.start_mark.line + 1
                 self._walk(item, path + (i,))
 
-    def overridden(self, path: Path_) -> str | None:
+    def overridden(self, path: KeyPath) -> str | None:
         """The override text that set ``path`` (or a key above or below it), else ``None``."""
         for opath, text in reversed(self.overrides):
             n = min(len(opath), len(path))
@@ -355,10 +356,10 @@ class _Origins:
                 return text
         return None
 
-    def in_file(self, path: Path_) -> bool:
+    def in_file(self, path: KeyPath) -> bool:
         return path in self.key_lines
 
-    def error(self, path: Path_, message: str, *, key_error: bool = False, name_key: bool = True) -> RecipeError:
+    def error(self, path: KeyPath, message: str, *, key_error: bool = False, name_key: bool = True) -> RecipeError:
         """A :class:`RecipeError` for ``path`` that names the override or the file and line; the
         message follows the key (``name_key``) or stands alone."""
         dotted = _dotted(path)
@@ -429,7 +430,7 @@ def _plural(tp: Any) -> str:
     return f"values ({_describe(tp)})"
 
 
-def _suggest(key: str, valid: Iterable[str], prefix: Path_, schema_paths: Iterable[str] = ()) -> str:
+def _suggest(key: str, valid: Iterable[str], prefix: KeyPath, schema_paths: Iterable[str] = ()) -> str:
     valid = list(valid)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:
@@ -460,10 +461,10 @@ class _Validator:
         self.origins = origins
         self.schema_paths = _schema_paths(Recipe)
 
-    def fail(self, path: Path_, message: str, *, key_error: bool = False) -> RecipeError:
+    def fail(self, path: KeyPath, message: str, *, key_error: bool = False) -> RecipeError:
         return self.origins.error(path, message, key_error=key_error)
 
-    def fail_any(self, paths: Sequence[Path_], message: str) -> RecipeError:
+    def fail_any(self, paths: Sequence[KeyPath], message: str) -> RecipeError:
         """An error about several keys (the message names them), located at the first one an
         override set, else the first one the file sets, else the first."""
         for path in paths:
@@ -474,11 +475,11 @@ class _Validator:
                 return self.origins.error(path, message, name_key=False)
         return self.origins.error(paths[0], message, name_key=False)
 
-    def wrong_type(self, path: Path_, tp: Any, value: Any) -> RecipeError:
+    def wrong_type(self, path: KeyPath, tp: Any, value: Any) -> RecipeError:
         return self.fail(path, f"expected {_describe(tp)}, got {value!r} ({_type_name(value)}); "
                                f"write {_describe(tp)} there")
 
-    def convert(self, value: Any, tp: Any, path: Path_) -> Any:
+    def convert(self, value: Any, tp: Any, path: KeyPath) -> Any:
         origin = typing.get_origin(tp)
         args = typing.get_args(tp)
         if tp is Any:
@@ -574,7 +575,7 @@ class _Validator:
             return value
         return value
 
-    def dataclass(self, value: Any, cls: type, path: Path_) -> Any:
+    def dataclass(self, value: Any, cls: type, path: KeyPath) -> Any:
         if value is None:
             value = {}
         if not isinstance(value, Mapping):
@@ -617,13 +618,15 @@ class _Validator:
             kwargs[name] = converted
         return cls(**kwargs)
 
-    def source(self, value: Any, path: Path_) -> dict[str, Any]:
+    def source(self, value: Any, path: KeyPath) -> dict[str, Any]:
         """A dataset entry: a name string (``docci`` or ``docci:goal``) or a ``SourceSpec`` mapping,
         returned as a plain mapping holding the keys given."""
         if isinstance(value, str):
             if not value.strip():
                 raise self.fail(path, "is an empty dataset name; write a name like `docci` or a mapping")
-            return parse_source_shorthand(value)
+            spec = parse_source_shorthand(value)
+            self.check_source_name(spec["name"], path)
+            return spec
         if not isinstance(value, Mapping):
             raise self.fail(path, f"expected a dataset name (e.g. `docci`, `docci:goal`) or a mapping with "
                                   f"{', '.join(SOURCE_SPEC_KEYS)}; got {value!r} ({_type_name(value)})")
@@ -635,9 +638,19 @@ class _Validator:
                 raise
             raise self.fail(path, f"is not a valid dataset entry: {exc}") from None
         hints = typing.get_type_hints(spec_cls)
-        return {k: self.convert(v, hints[k], path + (k,)) for k, v in value.items()}
+        spec = {k: self.convert(v, hints[k], path + (k,)) for k, v in value.items()}
+        self.check_source_name(spec["name"], path + ("name",))
+        return spec
 
-    def terms(self, value: Any, path: Path_) -> dict[str, Any]:
+    def check_source_name(self, name: str, path: KeyPath) -> None:
+        known = _available_sources()
+        if known is not None and name not in known:
+            close = difflib.get_close_matches(name, list(known), n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            raise self.fail(path, f"is {name!r}, not a registered data source: {hint}"
+                                  f"registered sources: {', '.join(sorted(known))}")
+
+    def terms(self, value: Any, path: KeyPath) -> dict[str, Any]:
         if value is None:
             return {}
         if not isinstance(value, Mapping):
@@ -693,6 +706,32 @@ def _source_spec_class() -> type:
     return SourceSpec if dataclasses.is_dataclass(SourceSpec) else _SourceSpecKeys
 
 
+def _available_sources() -> dict[str, str] | None:
+    """The registered data sources, or None when ``finetune.data.sources`` is not importable."""
+    try:
+        from finetune.data.sources import available_sources
+    except ImportError:
+        return None
+    return available_sources()
+
+
+def parse_sources(value: Any, key: str = "eval.sets") -> list[dict[str, Any]]:
+    """Validate a list of dataset entries as the recipe validates ``eval.sets`` (names,
+    ``name:protocol`` shorthands or ``SourceSpec`` mappings; a single entry is a list of one) and
+    return them as plain mappings. Errors name ``key``.
+
+    Raises:
+        RecipeError: on unknown keys, wrong types or a missing ``name``.
+    """
+    if isinstance(value, (str, Mapping)):
+        value = [value]
+    validator = _Validator(_Origins(None, None))
+    path = tuple(key.split("."))
+    if not isinstance(value, (list, tuple)):
+        raise validator.fail(path, f"expected a list of datasets, got {value!r} ({_type_name(value)})")
+    return [validator.source(v, path + (i,)) for i, v in enumerate(value)]
+
+
 def parse_source_shorthand(text: str) -> dict[str, Any]:
     """``"docci"`` -> ``{"name": "docci"}``; ``"docci:goal"`` -> ``{"name": "docci", "protocol": "goal"}``."""
     name, sep, protocol = text.strip().partition(":")
@@ -743,7 +782,7 @@ def _compose(text: str, file: str) -> tuple[Any, yaml.Node | None]:
     return data, node
 
 
-def _reject_duplicates(node: yaml.Node, file: str, path: Path_ = ()) -> None:
+def _reject_duplicates(node: yaml.Node, file: str, path: KeyPath = ()) -> None:
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
@@ -760,7 +799,7 @@ def _reject_duplicates(node: yaml.Node, file: str, path: Path_ = ()) -> None:
             _reject_duplicates(item, file, path + (i,))
 
 
-def _parse_override(text: str) -> tuple[Path_, Any]:
+def _parse_override(text: str) -> tuple[KeyPath, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -779,12 +818,12 @@ def _parse_override(text: str) -> tuple[Path_, Any]:
     return tuple(int(p) if p.isdigit() else p for p in parts), value
 
 
-def _is_source_path(path: Path_) -> bool:
+def _is_source_path(path: KeyPath) -> bool:
     keys = tuple(str(p) for p in path)
     return keys == ("data", "train") or (len(keys) == 3 and keys[:2] == ("eval", "sets"))
 
 
-def _set_path(tree: dict[str, Any], path: Path_, value: Any, text: str) -> None:
+def _set_path(tree: dict[str, Any], path: KeyPath, value: Any, text: str) -> None:
     """Set ``tree[path] = value``, creating mappings on the way; integer parts index lists and a
     dataset shorthand string (``docci:goal``) on the way becomes its mapping."""
     node: Any = tree

@@ -374,11 +374,16 @@ def evaluate_sets(
         on_error, cache_dir: passed to ``load_source``.
         progress: progress bars while encoding.
 
+    Raises:
+        DataError: naming the set, when it cannot be loaded (unknown name or protocol, missing
+            files); bad examples with ``on_error="raise"``.
+
     Returns:
         ``{label: {"protocol", "n_images", "n_texts", "t2i", "i2t", "truncated", "skipped"}}``
         where ``label`` is :func:`set_label` (a repeated label gets ``#2``, ``#3`` ...).
     """
     from finetune.config import parse_source_shorthand
+    from finetune.data.images import DataError
     from finetune.data.sources import load_source
 
     results: dict[str, dict[str, Any]] = {}
@@ -393,7 +398,10 @@ def evaluate_sets(
             label = f"{label}#{n}"
         ctx = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
         with ctx:
-            source = load_source(spec, on_error=on_error, cache_dir=cache_dir)
+            try:
+                source = load_source(spec, on_error=on_error, cache_dir=cache_dir)
+            except (DataError, OSError) as exc:  # say which set: builders' messages may not
+                raise DataError(f"evaluation set {label!r} could not be loaded: {exc}") from exc
         emb = encode_for_retrieval(model, source.dataset, batch_size=batch_size, accelerator=accelerator,
                                    num_workers=num_workers, progress=progress, desc=f"eval {label}")
         metrics = recall_at_k(emb.image_embeds, emb.text_embeds, emb.text_to_image, ks)
@@ -470,7 +478,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model_or_run", metavar="MODEL_OR_RUN", help="run folder, registry name, hub id or model folder")
-    p.add_argument("--sets", help="comma-separated sets, each `name` or `name:protocol` (e.g. docci,urban1k)")
+    p.add_argument("--sets", help="comma-separated sets, each `name` or `name:protocol` (e.g. docci,urban1k), or a "
+                                  "YAML list as in a recipe's eval.sets, e.g. '[{name: synthetic, split: test}]'")
     p.add_argument("--protocol", action="append", default=[], metavar="SET=PROTOCOL",
                    help="evaluation protocol of one set (repeatable), e.g. --protocol docci=goal")
     p.add_argument("--batch-size", type=int, help="rows per forward pass (default: the recipe's, else 64)")
@@ -489,8 +498,19 @@ class _UsageError(Exception):
 
 
 def _parse_sets(text: str, protocols: list[str]) -> list[dict[str, Any]]:
-    from finetune.config import parse_source_shorthand
+    """``docci,urban1k:default`` or a YAML flow list of entries as in a recipe's ``eval.sets``
+    (``[{name: synthetic, split: test, size: 256}]``)."""
+    import yaml
 
+    from finetune.config import RecipeError, parse_source_shorthand, parse_sources
+
+    if text.lstrip().startswith(("[", "{")):
+        try:
+            return _apply_protocols(parse_sources(yaml.safe_load(text), "--sets"), protocols)
+        except yaml.YAMLError as exc:
+            raise _UsageError(f"--sets {text!r} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        except RecipeError as exc:
+            raise _UsageError(str(exc)) from None
     names = [t.strip() for t in text.split(",")]
     if not all(names):
         raise _UsageError(f"--sets {text!r} has an empty entry; write names separated by commas, e.g. docci,urban1k")
@@ -567,21 +587,27 @@ def _main(args: argparse.Namespace) -> int:
     on_error = args.on_error or (recipe.data.on_error if recipe else "skip")
     cache_dir = args.cache_dir or (recipe.data.cache_dir if recipe else None)
 
-    import finetune
     from accelerate import Accelerator
+
+    from finetune.models import load_finetuned, load_model
 
     accelerator = Accelerator()
     try:
         if recipe is not None:
-            model = finetune.load_finetuned(str(target / "final"))
+            model = load_finetuned(str(target / "final"))
         else:
-            model = finetune.load_model(args.model_or_run, max_text_len=args.max_text_len)
+            model = load_model(args.model_or_run, max_text_len=args.max_text_len)
     except (OSError, ValueError, KeyError) as exc:
         raise _UsageError(f"cannot load {args.model_or_run}: {exc}") from None
     model.to(accelerator.device)
 
-    results = evaluate_sets(model, sets, batch_size=batch_size, ks=ks, on_error=on_error, cache_dir=cache_dir,
-                            accelerator=accelerator, num_workers=args.num_workers)
+    from finetune.data.images import DataError
+
+    try:
+        results = evaluate_sets(model, sets, batch_size=batch_size, ks=ks, on_error=on_error, cache_dir=cache_dir,
+                                accelerator=accelerator, num_workers=args.num_workers)
+    except DataError as exc:  # unknown set or protocol, missing files, bad examples
+        raise _UsageError(str(exc)) from None
     if accelerator.is_main_process:
         print(format_table(None, results), flush=True)
         out = Path(args.out) if args.out else (target / "metrics_eval.json" if recipe is not None else None)

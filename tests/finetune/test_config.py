@@ -266,6 +266,11 @@ def test_dataset_entry_errors(tmp_path):
         load_recipe(write(tmp_path, "data:\n  train: {name: synthetic, size: lots}\n"))
     with pytest.raises(RecipeError, match=r"`data.train` expected a dataset name"):
         load_recipe(write(tmp_path, "data:\n  train: 12\n"))
+    with pytest.raises(RecipeError, match=r"line 2: `eval.sets.1` is 'synthtic', not a registered data source: "
+                                          r"did you mean `synthetic`\? registered sources: .*docci"):
+        load_recipe(write(tmp_path, "eval:\n  sets: [docci, synthtic]\n"))
+    with pytest.raises(RecipeError, match=r"`data.train.name` is 'jsnl', not a registered data source: did you mean `jsonl`"):
+        load_recipe(write(tmp_path, "data:\n  train: {name: jsnl, path: x.jsonl}\n"))
 
 
 def test_unknown_term_lists_registered_terms(tmp_path, term_registry):

@@ -145,3 +145,199 @@ def test_format_table_before_and_after():
 def test_format_table_single_result_and_empty():
     assert format_table(None, {"s": _result(5.0, 6.0)}).splitlines()[2] == "| s | 10 / 50 | text→image | 5.0 | 6.0 |"
     assert format_table(None, {}) == "(no evaluation sets)"
+
+
+# -- encoding with a real tiny model --------------------------------------------------------------
+# Building tiny-clip imports transformers (several seconds on a shared CPU): these tests are `slow`.
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+LONG = " ".join(f"word{i}" for i in range(120))  # well past 77 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_clip():
+    from finetune.models import load_model
+
+    return load_model("tiny-clip")
+
+
+def _image(colour, mode="RGB"):
+    from PIL import Image
+
+    return Image.new(mode, (40, 30), colour)
+
+
+def _rows(tmp_path):
+    import io
+
+    path = tmp_path / "blue.png"
+    _image((0, 0, 255)).save(path)
+    buf = io.BytesIO()
+    _image((0, 255, 0)).save(buf, format="PNG")
+    return [
+        {"id": "a", "image": _image((255, 0, 0, 128), "RGBA"), "caption": "a red square"},
+        {"id": "b", "image": str(path), "caption": "unused", "captions": ["a blue circle", LONG]},
+        {"id": "c", "image": buf.getvalue(), "caption": "a green star", "captions": None},
+        {"id": "d", "image": {"bytes": buf.getvalue(), "path": None}, "captions": ["green", "still green", "a star"]},
+    ]
+
+
+def _direct(model, rows):
+    from finetune.data.images import read_image
+
+    images, texts, owner = [], [], []
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            inputs = model.preprocess_images([read_image(row["image"])])
+            images.append(model.encode_image(**inputs).embeds[0])
+            for caption in row.get("captions") or [row["caption"]]:
+                tok = model.tokenize([caption])
+                texts.append(model.encode_text(tok.input_ids, tok.attention_mask).embeds[0])
+                owner.append(i)
+    return torch.stack(images), torch.stack(texts), torch.tensor(owner)
+
+
+@pytest.mark.slow
+def test_encode_matches_one_by_one_encoding(tiny_clip, tmp_path):
+    from finetune.evaluate import encode_for_retrieval
+
+    rows = _rows(tmp_path)
+    tiny_clip.train()
+    stats = dict(tiny_clip.truncation_stats)
+    got = encode_for_retrieval(tiny_clip, rows, batch_size=3)
+    assert tiny_clip.training and tiny_clip.truncation_stats == stats  # restored
+    images, texts, owner = _direct(tiny_clip, rows)
+    assert got.text_to_image.tolist() == owner.tolist() == [0, 1, 1, 2, 3, 3, 3]
+    torch.testing.assert_close(got.image_embeds, images, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.text_embeds, texts, atol=1e-5, rtol=1e-4)
+    assert got.truncated == 1  # the 120-word caption
+
+
+@pytest.mark.slow
+def test_encode_names_the_bad_example(tiny_clip, tmp_path):
+    from finetune.data.images import DataError
+    from finetune.evaluate import encode_for_retrieval
+
+    rows = _rows(tmp_path)
+    with pytest.raises(ValueError, match=r"example 'x' has an empty or missing caption"):
+        encode_for_retrieval(tiny_clip, rows + [{"id": "x", "image": _image((1, 2, 3)), "caption": " "}], batch_size=8)
+    with pytest.raises(DataError, match=r"example 'y': cannot read image .*missing\.png"):
+        encode_for_retrieval(tiny_clip, rows + [{"id": "y", "image": str(tmp_path / "missing.png"), "caption": "x"}],
+                             batch_size=8)
+
+
+@pytest.mark.slow
+def test_evaluate_sets_on_synthetic_scenes(tiny_clip):
+    from finetune.data.sources import load_source
+    from finetune.evaluate import encode_for_retrieval, evaluate_sets
+
+    spec = {"name": "synthetic", "split": "test", "size": 12, "seed": 4}
+    res = evaluate_sets(tiny_clip, [spec, spec], batch_size=5, ks=(1, 5), progress=False)
+    assert list(res) == ["synthetic", "synthetic#2"]
+    one = res["synthetic"]
+    assert (one["n_images"], one["n_texts"], one["skipped"]) == (12, 12, 0)
+    assert one["truncated"] > 0  # synthetic captions run past tiny-clip's 77 positions
+    emb = encode_for_retrieval(tiny_clip, load_source(spec).dataset, batch_size=12)
+    assert {d: one[d] for d in ("t2i", "i2t")} == recall_at_k(*emb[:3], ks=(1, 5))
+    assert res["synthetic#2"] == one
+
+
+@pytest.mark.slow
+def test_cli_run_folder_and_model(tiny_clip, tmp_path, capsys):
+    import json
+
+    from finetune.config import dump_recipe, load_recipe
+    from finetune.evaluate import evaluate_sets, main
+    from finetune.models import save_finetuned
+
+    recipe_file = tmp_path / "in.yaml"
+    recipe_file.write_text("# tiny\nmodel: {name_or_path: tiny-clip, max_text_len: null}\n"
+                           "eval:\n  sets: [{name: synthetic, split: test, size: 10, seed: 2}]\n  ks: [1, 5]\n")
+    run = tmp_path / "run"
+    dump_recipe(load_recipe(recipe_file), run / "recipe.yaml")
+    save_finetuned(tiny_clip, run / "final")
+
+    assert main([str(run)]) == 0
+    written = json.loads((run / "metrics_eval.json").read_text())
+    expected = evaluate_sets(tiny_clip, [{"name": "synthetic", "split": "test", "size": 10, "seed": 2}],
+                             batch_size=64, ks=(1, 5), progress=False)
+    assert written["sets"] == json.loads(json.dumps(expected))
+    assert written["run"] is True and written["ks"] == [1, 5]
+    out = capsys.readouterr().out
+    assert "| synthetic | 10 / 10 | text→image |" in out and "metrics_eval.json" in out
+
+    out_file = tmp_path / "model.json"
+    sets = "[{name: synthetic, split: test, size: 20}, urban1k]"
+    assert main(["tiny-clip", "--sets", sets, "--ks", "1,10", "--out", str(out_file)]) == 2  # urban1k: no local copy
+    assert "urban1k" in capsys.readouterr().err and not out_file.exists()
+    assert main(["tiny-clip", "--sets", sets.replace(", urban1k", ""), "--ks", "1,10", "--out", str(out_file)]) == 0
+    written = json.loads(out_file.read_text())
+    assert written["run"] is False and written["max_text_len"] == 77
+    assert written["sets"]["synthetic"]["n_images"] == 20 and list(written["sets"]["synthetic"]["t2i"]) == ["R@1", "R@10"]
+
+
+@pytest.mark.slow
+def test_cli_bad_arguments_exit_2(tmp_path, capsys):
+    from finetune.evaluate import main
+
+    assert main(["no-such-model-xyz"]) == 2
+    assert "not a run folder: give the sets" in capsys.readouterr().err
+    assert main([str(tmp_path / "nowhere"), "--sets", "synthetic"]) == 2
+    assert "cannot load" in capsys.readouterr().err
+    assert main(["tiny-clip", "--sets", "synthetic", "--protocol", "docci=goal"]) == 2
+    assert "no set named 'docci'" in capsys.readouterr().err
+    assert main(["tiny-clip", "--sets", "synthetic:goal"]) == 2
+    assert "has no protocols" in capsys.readouterr().err
+    assert main(["tiny-clip", "--sets", "synthetic", "--ks", "1,x"]) == 2
+    assert main(["tiny-clip", "--sets", "[{name: synthetic, splt: test}]"]) == 2
+    assert "`--sets.0.splt` is not a recipe key: did you mean `--sets.0.split`?" in capsys.readouterr().err
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("train: {}\n")
+    assert main([str(run)]) == 2
+    assert "has no final/" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["tiny-clip", "--batch-size", "many"])
+    assert info.value.code == 2
+
+
+MULTI_PROCESS_SCRIPT = """
+import sys, torch
+from accelerate import Accelerator
+from finetune.data.sources import load_source
+from finetune.evaluate import encode_for_retrieval
+from finetune.models import load_model
+
+acc = Accelerator(cpu=True)
+model = load_model("tiny-clip").to(acc.device)
+ds = load_source({"name": "synthetic", "split": "test", "size": 7, "seed": 3}).dataset
+ds = ds.map(lambda row, i: {"captions": [row["caption"]] * (1 + i % 3)}, with_indices=True)
+emb = encode_for_retrieval(model, ds, batch_size=2, accelerator=acc)
+if acc.is_main_process:
+    torch.save(emb._asdict(), sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_single_process_embeddings(tiny_clip, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from finetune.data.sources import load_source
+    from finetune.evaluate import encode_for_retrieval
+
+    script, out = tmp_path / "enc.py", tmp_path / "emb.pt"
+    script.write_text(MULTI_PROCESS_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           str(script), str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out, weights_only=True)
+    ds = load_source({"name": "synthetic", "split": "test", "size": 7, "seed": 3}).dataset
+    ds = ds.map(lambda row, i: {"captions": [row["caption"]] * (1 + i % 3)}, with_indices=True)
+    ref = encode_for_retrieval(tiny_clip, ds, batch_size=2)
+    assert got["text_to_image"].tolist() == ref.text_to_image.tolist() == [0, 1, 1, 2, 2, 2, 3, 4, 4, 5, 5, 5, 6]
+    torch.testing.assert_close(got["image_embeds"], ref.image_embeds, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got["text_embeds"], ref.text_embeds, atol=1e-5, rtol=1e-4)
+    assert got["truncated"] == ref.truncated
