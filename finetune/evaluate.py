@@ -186,6 +186,8 @@ def _rows(batch: list[Any]) -> list[Any]:
 
 
 def _row_captions(row: Mapping[str, Any], index: int) -> list[str]:
+    from finetune.data.images import DataError
+
     captions = row.get("captions")
     if captions is None or (isinstance(captions, (list, tuple)) and len(captions) == 0):
         captions = [row.get("caption")]
@@ -193,7 +195,7 @@ def _row_captions(row: Mapping[str, Any], index: int) -> list[str]:
         captions = [captions]
     bad = [c for c in captions if not isinstance(c, str) or not c.strip()]
     if bad:
-        raise ValueError(f"evaluation example {row.get('id', index)!r} has an empty or missing caption "
+        raise DataError(f"evaluation example {row.get('id', index)!r} has an empty or missing caption "
                          f"({bad[0]!r}); fix the data or load it with on_error='skip'")
     return list(captions)
 

@@ -218,7 +218,7 @@ def test_encode_names_the_bad_example(tiny_clip, tmp_path):
     from finetune.evaluate import encode_for_retrieval
 
     rows = _rows(tmp_path)
-    with pytest.raises(ValueError, match=r"example 'x' has an empty or missing caption"):
+    with pytest.raises(DataError, match=r"example 'x' has an empty or missing caption"):
         encode_for_retrieval(tiny_clip, rows + [{"id": "x", "image": _image((1, 2, 3)), "caption": " "}], batch_size=8)
     with pytest.raises(DataError, match=r"example 'y': cannot read image .*missing\.png"):
         encode_for_retrieval(tiny_clip, rows + [{"id": "y", "image": str(tmp_path / "missing.png"), "caption": "x"}],
