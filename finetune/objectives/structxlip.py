@@ -1,0 +1,988 @@
+"""The ``structxlip`` objective term: StructXLIP's three structure-centric losses on top of any base term.
+
+StructXLIP (Ruan et al., "StructXLIP: Enhancing Vision-language Models with Multimodal Structural Cues")
+adds to the base image-text loss L_{I,T} (``objective.base``: clip, siglip or longclip) the auxiliary
+objective of eq. 4, ``L* = l1 L_{I',T'} + l2 L_{I,I'} + l3 L^local_{I',T'}``:
+
+- ``structure`` L_{I',T'} (3.2): symmetric InfoNCE between edge maps I' and appearance-filtered captions T'
+  with its own learnable temperature tau';
+- ``consistency`` L_{I,I'} (3.2, eq. 3): mean of ``1 - cos`` between each colour image and its edge map;
+- ``local`` L^local_{I',T'} (3.2, eqs. 1-2): each chunk of T' against the edge-map regions of the batch,
+  its K most similar regions (under the frozen pretrained model) as positives, temperature 0.07.
+
+Defaults are the paper's (section 4 and Supp. Mat. D.2): weights 0.25 / 0.1 / 0.1, local temperature 0.07,
+Canny edge maps, the Fig. 5 lexicon, FastSAM regions, K = 3, chunks split at ``.`` and ``;``.
+``compat: official`` reproduces the public code's choices (DESIGN 5): weights 0.25 / 0.001 / 0.001 decayed
+per epoch (floors 0.7 / 0.5 / 0.4, :meth:`StructXLIPTerm.set_epoch`), L_{I',T'} with the main logit scale
+detached instead of its own temperature, a local scale ``min(s / 0.07, 100)``, chunks that are sliding word
+windows over clauses split at ``[.,;!?]``, and every kept region of the image a positive of every chunk.
+
+Where the work happens:
+
+- :meth:`StructXLIPTerm.preprocess` (once per dataset, cached by ``finetune.preprocess.cache.cached_map``,
+  keyed by the parameters): lexicon-filtered captions (with what was removed, for the B.3 statistics),
+  edge maps (unless ``edges.on_the_fly``), regions (FastSAM masks' boxes, or the default regions), chunks
+  and each chunk's top-K regions under the frozen model as loaded, before any training step.
+- :meth:`prepare` / :meth:`collate` (data workers): the regions kept per image (``regions.per_image``, the
+  ones most often among the chunks' top-K), their edge-map crops (crop mode) or patch masks (pool mode),
+  and tokenised filtered captions and chunks. Chunks are padded to the longest chunk of the batch.
+  Samples without chunks or regions add no rows: nothing is encoded for them.
+- :meth:`image_inputs` / :meth:`text_inputs`: the edge maps and (crop mode) the region crops join the base
+  term's colour images in ONE pass of the image tower; filtered captions and chunks go through the text
+  tower.
+- ``regions.encode: pool`` (our extension, not in the paper): a region is the mean of the edge map's last
+  patch states inside its box (the box mapped through the processor's exact resize and centre crop), then
+  the model's own final norm and projection (``DualEncoder.project_image_states``): no extra image forward.
+
+Per-sample batch fields are kept per sample (lists of length B, or ``(B, ...)`` tensors) under
+``batch["structxlip"]``, so that the trainer's micro-batch split slices them correctly; feature rows carry
+their sample index in ``*_owner`` keys, which ``merge_features`` offsets, and positives are stored as region
+indices *within the sample* (``chunk_topk`` against ``region_slot``), so merged micro-batches give the loss
+of one batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from losses import clip_loss, consistency_loss, local_structure_loss
+from losses.structxlip import (
+    OFFICIAL_LOCAL_SCALE_MAX,
+    OFFICIAL_WEIGHT_FLOORS,
+    OFFICIAL_WEIGHTS,
+    PAPER_WEIGHTS,
+    official_weight_decay,
+)
+
+from . import register_term
+from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
+
+__all__ = [
+    "EdgeOptions",
+    "LexiconOptions",
+    "RegionOptions",
+    "StructXLIPOptions",
+    "StructXLIPTerm",
+    "StructXLIPWeights",
+    "DefaultRegionSegmenter",
+    "box_patch_mask",
+    "build_structxlip",
+    "model_fingerprint",
+    "official_chunks",
+    "select_regions",
+]
+
+logger = logging.getLogger("xlipkit")
+
+TERM_NAME = "structxlip"
+LOSS_KEYS = ("structure", "consistency", "local")
+#: columns the preprocessing adds (besides ``edges`` and the region columns of ``finetune.preprocess.regions``)
+LEXICON_COLUMNS = ("filtered_caption", "lexicon_removed", "lexicon_categories", "lexicon_reverted", "caption_words")
+#: bump when the preprocessing code changes its output (part of every cache key)
+CODE_VERSION = "1"
+
+
+# -- options (validated by the recipe schema) ---------------------------------------------------------
+def _positive(value: Any) -> str | None:
+    return None if value is None or value > 0 else f"must be > 0, got {value!r}"
+
+
+def _non_negative(value: Any) -> str | None:
+    return None if value is None or value >= 0 else f"must be >= 0, got {value!r}"
+
+
+def _at_least_one(value: Any) -> str | None:
+    return None if value is None or value >= 1 else f"must be >= 1, got {value!r}"
+
+
+def _unit(value: Any) -> str | None:
+    return None if value is None or 0 <= value <= 1 else f"must be in [0, 1], got {value!r}"
+
+
+@dataclass
+class StructXLIPWeights:
+    """lambda_1-3 of eq. 4; ``null`` takes the ``compat`` default (paper 0.25 / 0.1 / 0.1, section 4;
+    official 0.25 / 0.001 / 0.001). A weight of 0 switches its loss off (and, for ``local``, the
+    region/chunk work with it)."""
+
+    structure: float | None = field(default=None, metadata={"check": _non_negative})
+    consistency: float | None = field(default=None, metadata={"check": _non_negative})
+    local: float | None = field(default=None, metadata={"check": _non_negative})
+
+
+@dataclass
+class EdgeOptions:
+    """The edge extractor E of paper 3.1 (``finetune.preprocess.edges.EdgeConfig``) and where it runs.
+
+    ``on_the_fly: false`` computes the maps once and caches them (paper D.3); ``true`` computes them in the
+    data workers each time an example is loaded (no disk, more CPU per step).
+    """
+
+    method: Literal["canny", "log"] = "canny"
+    low: float = field(default=100.0, metadata={"check": _non_negative})
+    high: float = field(default=200.0, metadata={"check": _non_negative})
+    aperture: int = 3
+    l2_gradient: bool = False
+    blur: int = field(default=0, metadata={"check": _non_negative})
+    invert: bool = False
+    log_sigma: float = field(default=2.0, metadata={"check": _positive})
+    log_threshold: float | None = field(default=None, metadata={"check": _non_negative})
+    on_the_fly: bool = False
+
+
+@dataclass
+class LexiconOptions:
+    """The lexicon filter F of paper 3.1 / B.2 (``finetune.preprocess.lexicon.LexiconFilter``).
+
+    ``file`` replaces the Fig. 5 vocabulary, ``extra_terms`` extends it (``"term"`` or ``"term:category"``),
+    ``min_content_words`` is the revert threshold (B.2 gives no number; the public code uses 2),
+    ``categories`` keeps only some categories (``[colour]`` is what the public code trains with).
+    """
+
+    file: str | None = None
+    extra_terms: list[str] = field(default_factory=list)
+    min_content_words: int = field(default=1, metadata={"check": _non_negative})
+    categories: list[str] | None = None
+
+
+@dataclass
+class RegionOptions:
+    """Regions of the local loss (paper 3.2, D.3).
+
+    Attributes:
+        checkpoint: FastSAM checkpoint (``FastSAM-s.pt`` / ``FastSAM-x.pt`` from the ultralytics assets);
+            ``null`` gives every image the default regions (4 quadrants + centre), counted and logged.
+        k: K, the positives of each chunk (paper: 3).
+        per_image: regions encoded per image and step (the ones most often among its chunks' top-K, then
+            by score); ``null`` keeps every region that is a top-K of some chunk.
+        encode: ``crop`` (the paper: each region's edge-map crop through the image tower) or ``pool`` (our
+            extension: the edge map's patch states inside the box, mean-pooled and projected).
+        min_area, max_area: FastSAM masks kept by area share of the image (GOAL's LISM: 0.01-0.8).
+        imgsz, conf, iou, max_masks, device: FastSAM inference settings.
+        match_on: top-K measured on ``edges`` crops (the structure-centric regions) or ``image`` crops.
+    """
+
+    checkpoint: str | None = None
+    k: int = field(default=3, metadata={"check": _at_least_one})
+    per_image: int | None = field(default=3, metadata={"check": _at_least_one})
+    encode: Literal["crop", "pool"] = "crop"
+    min_area: float = field(default=0.01, metadata={"check": _unit})
+    max_area: float = field(default=0.8, metadata={"check": _unit})
+    imgsz: int = field(default=1024, metadata={"check": _at_least_one})
+    conf: float = field(default=0.4, metadata={"check": _unit})
+    iou: float = field(default=0.9, metadata={"check": _unit})
+    max_masks: int | None = field(default=None, metadata={"check": _at_least_one})
+    match_on: Literal["edges", "image"] = "edges"
+    device: str | None = None
+
+
+@dataclass
+class StructXLIPOptions:
+    """``objective.terms.structxlip`` of a recipe.
+
+    Attributes:
+        compat: ``paper`` (defaults of the paper) or ``official`` (the public code's choices, DESIGN 5).
+        weights: lambda_1-3 (:class:`StructXLIPWeights`).
+        local_temperature: gamma of eq. 1, fixed (D.2: 0.07). Official: the main scale is divided by it.
+        structure_temperature: initial tau' of L_{I',T'} (learnable, paper mode).
+        structure_logit_scale_max: upper clamp of log(1 / tau') after each step (as D.2's clamp of the
+            main scale, 3.5).
+        edges, lexicon, regions: the preprocessing (:class:`EdgeOptions`, :class:`LexiconOptions`,
+            :class:`RegionOptions`).
+    """
+
+    compat: Literal["paper", "official"] = "paper"
+    weights: StructXLIPWeights = field(default_factory=StructXLIPWeights)
+    local_temperature: float = field(default=0.07, metadata={"check": _positive})
+    structure_temperature: float = field(default=0.07, metadata={"check": _positive})
+    structure_logit_scale_max: float = 3.5
+    edges: EdgeOptions = field(default_factory=EdgeOptions)
+    lexicon: LexiconOptions = field(default_factory=LexiconOptions)
+    regions: RegionOptions = field(default_factory=RegionOptions)
+
+
+# -- chunks, regions, boxes --------------------------------------------------------------------------
+_CLAUSE = re.compile(r"[.,;!?]+")
+_WORDS = re.compile(r"\b\w+\b")
+#: the public code's window: 2 words for clauses of <= 4 words, then w, w+1, w+2, w+3 with w = 3
+_WINDOW_STEPS = ((4, 2), (10, 3), (20, 4), (40, 5))
+_MAX_WINDOWS = 64
+
+
+def official_chunks(text: str) -> list[str]:
+    """Chunks as the StructXLIP public code makes them (``compat: official``; notes section 2): the caption
+    split into clauses at ``[.,;!?]``, and in each clause a sliding word window with stride 1 whose size
+    depends on the clause's word count n (2 if n <= 4, 3 if n <= 10, 4 if n <= 20, 5 if n <= 40, else 6);
+    a clause shorter than its window is one chunk; at most 64 chunks per caption.
+
+    Example: ``"A tall tree, a bench."`` -> ``["A tall", "tall tree", "a bench"]``.
+    """
+    out: list[str] = []
+    for clause in _CLAUSE.split(text):
+        words = _WORDS.findall(clause)
+        n = len(words)
+        if not n:
+            continue
+        window = next((w for limit, w in _WINDOW_STEPS if n <= limit), 6)
+        if n <= window:
+            out.append(" ".join(words))
+        else:
+            out.extend(" ".join(words[i : i + window]) for i in range(n - window + 1))
+        if len(out) >= _MAX_WINDOWS:
+            return out[:_MAX_WINDOWS]
+    return out
+
+
+def select_regions(topk: list[list[int]], scores: list[list[float]], per_image: int | None) -> list[int]:
+    """The regions of one image that are encoded: every region that is among some chunk's top-K, ranked by
+    how many chunks have it (then by its best cosine), the first ``per_image`` of them.
+
+    Args:
+        topk: ``(M, k')`` region indices of each chunk, most similar first.
+        scores: ``(M, k')`` their cosine similarities under the frozen model.
+        per_image: how many to keep; ``None`` keeps all of them.
+
+    Returns:
+        Region indices (into the image's region list), best first.
+    """
+    votes: dict[int, int] = {}
+    best: dict[int, float] = {}
+    for row, row_scores in zip(topk, scores):
+        for r, s in zip(row, row_scores):
+            votes[r] = votes.get(r, 0) + 1
+            best[r] = max(best.get(r, -math.inf), s)
+    ranked = sorted(votes, key=lambda r: (-votes[r], -best[r], r))
+    return ranked if per_image is None else ranked[:per_image]
+
+
+def _resize_shortest(width: int, height: int, size: int) -> tuple[int, int]:
+    # transformers' get_resize_output_image_size(default_to_square=False) and torchvision's Resize(int)
+    if width <= height:
+        return size, int(size * height / width)
+    return int(size * width / height), size
+
+
+def input_geometry(
+    width: int, height: int, params: dict[str, Any], spatial_shape: tuple[int, int] | None = None
+) -> tuple[float, float, float, float, int, int]:
+    """How the image processor maps an image of ``width`` x ``height`` onto the network input.
+
+    Args:
+        params: ``DualEncoder.image_transform_params()``.
+        spatial_shape: NaFlex ``(rows, cols)`` of this image.
+
+    Returns:
+        ``(scale_x, scale_y, offset_x, offset_y, input_w, input_h)``: a pixel x of the image lands at
+        ``x * scale_x - offset_x`` of the input (likewise y).
+    """
+    mode = params["mode"]
+    if mode == "naflex":
+        if spatial_shape is None:
+            raise ValueError("a NaFlex model needs the image's spatial_shapes to map boxes to patches")
+        p = int(params["patch_size"])
+        rows, cols = spatial_shape
+        return cols * p / width, rows * p / height, 0.0, 0.0, cols * p, rows * p
+    size, crop = params["size"], params.get("crop")
+    if mode in ("shortest_center_crop", "shortest"):
+        new_w, new_h = _resize_shortest(width, height, int(size))
+        in_h, in_w = (int(crop[0]), int(crop[1])) if crop else (new_h, new_w)
+        off_x, off_y = (new_w - in_w) // 2, (new_h - in_h) // 2
+        return new_w / width, new_h / height, float(off_x), float(off_y), in_w, in_h
+    if mode == "squash":
+        in_h, in_w = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        return in_w / width, in_h / height, 0.0, 0.0, in_w, in_h
+    if mode == "longest_pad":
+        in_h, in_w = (int(crop[0]), int(crop[1])) if crop else ((int(size),) * 2 if isinstance(size, int) else size)
+        scale = max(in_h, in_w) / max(width, height)
+        new_w, new_h = int(round(width * scale)), int(round(height * scale))
+        return scale, scale, -float(round((in_w - new_w) / 2)), -float(round((in_h - new_h) / 2)), in_w, in_h
+    raise ValueError(f"regions.encode: pool does not know the image transform mode {mode!r}")
+
+
+def box_patch_mask(
+    box: tuple[float, float, float, float] | list[float],
+    image_size: tuple[int, int],
+    params: dict[str, Any],
+    *,
+    n_patches: int | None = None,
+    spatial_shape: tuple[int, int] | None = None,
+) -> Tensor | None:
+    """The patches of the network input that a region box covers (``regions.encode: pool``).
+
+    The box ``(x1, y1, x2, y2)`` in pixels of the original image is mapped through the processor's exact
+    resize and centre crop (:func:`input_geometry`); a patch belongs to the region when its centre lies in
+    the mapped box; a box smaller than a patch takes the patch under its centre.
+
+    Args:
+        image_size: ``(width, height)`` of the original image.
+        params: ``DualEncoder.image_transform_params()``.
+        n_patches: length of the mask (NaFlex: the padded patch count); default rows x cols.
+        spatial_shape: NaFlex ``(rows, cols)`` of this image.
+
+    Returns:
+        ``(N,)`` bool mask in the row-major patch order of the states, or ``None`` when the box lies
+        outside the input (cut away by the centre crop).
+    """
+    width, height = image_size
+    sx, sy, ox, oy, in_w, in_h = input_geometry(width, height, params, spatial_shape)
+    p = int(params["patch_size"])
+    rows, cols = in_h // p, in_w // p
+    x1, y1, x2, y2 = (box[0] * sx - ox, box[1] * sy - oy, box[2] * sx - ox, box[3] * sy - oy)
+    centres_x = (torch.arange(cols, dtype=torch.float32) + 0.5) * p
+    centres_y = (torch.arange(rows, dtype=torch.float32) + 0.5) * p
+    inside = ((centres_y >= y1) & (centres_y <= y2))[:, None] & ((centres_x >= x1) & (centres_x <= x2))[None, :]
+    if not bool(inside.any()):
+        cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
+        if not (0 <= cx < cols * p and 0 <= cy < rows * p):
+            return None
+        inside[int(cy // p), int(cx // p)] = True
+    flat = inside.flatten()
+    total = n_patches or rows * cols
+    if total < flat.numel():
+        raise ValueError(f"the patch grid {rows}x{cols} does not fit in {total} patch states")
+    mask = torch.zeros(total, dtype=torch.bool)
+    mask[: flat.numel()] = flat
+    return mask
+
+
+class DefaultRegionSegmenter:
+    """Segmenter without a model: every image gets the default regions (4 quadrants + centre), marked as a
+    fallback (``regions.checkpoint: null``)."""
+
+    def params(self) -> dict[str, Any]:
+        """Cache-key parameters."""
+        return {"segmenter": "default_regions"}
+
+    def __call__(self, images: list[Any]) -> list[Any]:
+        from finetune.preprocess.regions import RegionProposals, default_regions
+
+        return [RegionProposals(default_regions(*im.size), True) for im in images]
+
+
+def model_fingerprint(model: Any) -> str:
+    """A short id of a model's weights for cache keys: its description (``config_dict``) and a sha256 of
+    every parameter's name, shape and first and last 256 values (cheap, and different for any two
+    checkpoints in practice)."""
+    digest = hashlib.sha256()
+    describe = model.config_dict() if hasattr(model, "config_dict") else {}
+    digest.update(repr(sorted(describe.items())).encode())
+    digest.update(repr(getattr(getattr(model, "adapter", None), "type", None)).encode())
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            flat = param.detach().reshape(-1)
+            sample = torch.cat([flat[:256], flat[-256:]]).float().cpu().numpy().tobytes()
+            digest.update(name.encode())
+            digest.update(repr(tuple(param.shape)).encode())
+            digest.update(sample)
+    return digest.hexdigest()[:16]
+
+
+class _FrozenEncoders:
+    """The model as loaded, in eval mode, as the ``encode_images`` / ``encode_texts`` functions of
+    ``RegionMatcher`` (paper 3.2: R_m^K "based on the pre-trained VLM encoders")."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def _inputs(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        device, dtype = self.model.device, self.model.dtype
+        return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+
+    def images(self, images: list[Any]) -> Tensor:
+        with torch.inference_mode():
+            return self.model.encode_image(**self._inputs(self.model.preprocess_images(images))).embeds.float()
+
+    def texts(self, texts: list[str]) -> Tensor:
+        tok = self.model.tokenize(list(texts))
+        with torch.inference_mode():
+            return self.model.encode_text(
+                tok.input_ids.to(self.model.device), tok.attention_mask.to(self.model.device)
+            ).embeds.float()
+
+
+class _LexiconColumns:
+    """``datasets.map`` function (batched): the filtered caption and what was removed."""
+
+    def __init__(self, lexicon: Any) -> None:
+        self.lexicon = lexicon
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        results = [self.lexicon.filter(c or "") for c in batch["caption"]]
+        return {
+            "filtered_caption": [r.text for r in results],
+            "lexicon_removed": [r.removed for r in results],
+            "lexicon_categories": [r.categories for r in results],
+            "lexicon_reverted": [r.reverted for r in results],
+            "caption_words": [r.n_words for r in results],
+        }
+
+
+class _EdgeColumn:
+    """``datasets.map`` function (batched): the edge map of each image, stored as a one-channel PNG."""
+
+    def __init__(self, cfg: Any, num_threads: int | None = None) -> None:
+        self.cfg = cfg
+        self.num_threads = num_threads
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        from PIL import Image
+
+        from finetune.preprocess.edges import edge_array
+
+        images = batch["image"]
+        threads = min(self.num_threads or os.cpu_count() or 1, len(images)) or 1
+        if threads > 1:
+            with ThreadPoolExecutor(max_workers=threads) as pool:  # OpenCV releases the GIL
+                arrays = list(pool.map(lambda im: edge_array(im, self.cfg), images))
+        else:
+            arrays = [edge_array(im, self.cfg) for im in images]
+        return {"edges": [Image.fromarray(a) for a in arrays]}
+
+
+def _cat(parts: list[Tensor], empty: Tensor) -> Tensor:
+    parts = [p for p in parts if p is not None and p.shape[0]]
+    return torch.cat(parts) if parts else empty
+
+
+# -- the term ----------------------------------------------------------------------------------------
+class StructXLIPTerm(Term):
+    """StructXLIP's L* (paper 3.2, eq. 4) as an objective term added to any base term and any adapter.
+
+    ``loss`` returns the unweighted ``{"structure": L_{I',T'}, "consistency": L_{I,I'}, "local": L^local}``;
+    :attr:`weights` (returned by :func:`build_structxlip` and applied by the ``Objective``) holds lambda_1-3.
+
+    Args:
+        options: :class:`StructXLIPOptions` (a recipe's ``objective.terms.structxlip``).
+
+    Raises:
+        FileNotFoundError: ``lexicon.file`` or ``regions.checkpoint`` does not exist.
+        ValueError: inconsistent edge parameters (e.g. ``low > high``).
+    """
+
+    name = TERM_NAME
+    needs = frozenset({"edges", "filtered_caption", "regions"})
+
+    def __init__(self, options: StructXLIPOptions | None = None) -> None:
+        super().__init__()
+        from finetune.preprocess.edges import EdgeConfig
+        from finetune.preprocess.lexicon import LexiconFilter
+
+        self.options = opts = options or StructXLIPOptions()
+        self.compat = opts.compat
+        edge_values = {k: v for k, v in asdict(opts.edges).items() if k != "on_the_fly"}
+        self.edge_cfg = EdgeConfig(**edge_values)
+        self.lexicon = LexiconFilter(
+            file=opts.lexicon.file, extra_terms=list(opts.lexicon.extra_terms),
+            min_content_words=opts.lexicon.min_content_words, categories=opts.lexicon.categories,
+        )
+        r = opts.regions
+        if r.checkpoint is not None and not Path(r.checkpoint).expanduser().is_file():
+            from finetune.preprocess.regions import FASTSAM_DOWNLOAD_HINT
+
+            raise FileNotFoundError(
+                f"objective.terms.structxlip.regions.checkpoint: {r.checkpoint!r} not found: {FASTSAM_DOWNLOAD_HINT}"
+                " (or set it to null to use the default regions)"
+            )
+        if r.min_area > r.max_area:
+            raise ValueError(f"objective.terms.structxlip.regions: min_area ({r.min_area}) must not exceed max_area "
+                             f"({r.max_area})")
+        defaults = PAPER_WEIGHTS if opts.compat == "paper" else OFFICIAL_WEIGHTS
+        given = (opts.weights.structure, opts.weights.consistency, opts.weights.local)
+        self.base_weights: dict[str, float] = {
+            k: float(d if w is None else w) for k, w, d in zip(LOSS_KEYS, given, defaults)
+        }
+        #: lambda_1-3 in effect; the Objective holds this very dict, so :meth:`set_epoch` updates it in place
+        self.weights: dict[str, float] = dict(self.base_weights)
+        self.use_local = self.base_weights["local"] > 0
+        self.local_temperature = float(opts.local_temperature)
+        self.structure_logit_scale_max = float(opts.structure_logit_scale_max)
+        if opts.compat == "paper" and self.base_weights["structure"] > 0:
+            self.structure_logit_scale: nn.Parameter | None = nn.Parameter(
+                torch.tensor(math.log(1.0 / opts.structure_temperature))
+            )
+        else:  # official: no own temperature; an unused parameter (weight 0) would break DDP
+            self.structure_logit_scale = None
+        self.stats: dict[str, Any] = {}
+        self._transform: dict[str, Any] | None = None
+
+    # -- schedule hooks (the trainer calls them when it offers the hooks) -------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """``compat: official``: scale the weights by the public code's per-epoch decay
+        (``official_weight_decay``, floors 0.7 / 0.5 / 0.4); the paper's weights are constant."""
+        if self.compat != "official":
+            return
+        for key, floor in zip(LOSS_KEYS, OFFICIAL_WEIGHT_FLOORS):
+            self.weights[key] = self.base_weights[key] * official_weight_decay(epoch, floor)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """Clamp log(1 / tau') to ``structure_logit_scale_max`` (as D.2 clamps the main scale)."""
+        if self.structure_logit_scale is not None:
+            self.structure_logit_scale.clamp_(max=self.structure_logit_scale_max)
+
+    # -- preprocessing (once per dataset, cached) ------------------------------------------------
+    def chunker(self) -> Any:
+        """Caption -> chunks: sentence delimiters (paper 3.2) or the public code's word windows."""
+        from finetune.preprocess.regions import split_chunks
+
+        return official_chunks if self.compat == "official" else split_chunks
+
+    def segmenter(self) -> Any:
+        """FastSAM on the colour image when ``regions.checkpoint`` is set, else the default regions."""
+        r = self.options.regions
+        if r.checkpoint is None:
+            return DefaultRegionSegmenter()
+        from finetune.preprocess.regions import FastSAMRegions
+
+        return FastSAMRegions(Path(r.checkpoint).expanduser(), imgsz=r.imgsz, conf=r.conf, iou=r.iou,
+                              min_area=r.min_area, max_area=r.max_area, max_regions=r.max_masks, device=r.device)
+
+    def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
+        """Add the filtered captions, edge maps and regions to ``dataset`` (paper 3.1, 3.2, D.3).
+
+        Each step is a ``cached_map`` keyed by its parameters (and the dataset, and for regions the
+        frozen model's fingerprint): a second run reuses it and logs "reusing cached ...". Fills
+        :attr:`stats` (lexicon B.3 statistics, region counts).
+
+        Args:
+            dataset: a ``datasets.Dataset`` with ``image`` and ``caption`` columns.
+            model: the DualEncoder as loaded (before training): it ranks the regions of each chunk.
+            cache_dir: cache root (the recipe's ``data.cache_dir``); steps go to ``<cache_dir>/preprocess``,
+                default ``finetune.preprocess.cache.default_cache_dir()``.
+            log: a logger (default ``logging.getLogger("xlipkit")``).
+
+        Returns:
+            ``dataset`` plus the columns of :data:`LEXICON_COLUMNS`, ``edges`` (unless on the fly) and,
+            when the local loss is on, ``region_boxes``, ``region_fallback``, ``chunks``, ``chunk_topk``,
+            ``chunk_topk_scores``.
+        """
+        import datasets
+
+        from finetune.preprocess.cache import cached_map
+
+        log = log or logger
+        for column in ("image", "caption"):
+            if column not in dataset.column_names:
+                raise ValueError(f"structxlip preprocessing needs a {column!r} column; the dataset has "
+                                 f"{dataset.column_names}")
+        root = Path(cache_dir) / "preprocess" if cache_dir else None
+        text_features = datasets.Features({
+            "filtered_caption": datasets.Value("string"),
+            "lexicon_removed": datasets.List(datasets.Value("string")),
+            "lexicon_categories": datasets.List(datasets.Value("string")),
+            "lexicon_reverted": datasets.Value("bool"),
+            "caption_words": datasets.Value("int32"),
+        })
+        lexicon = cached_map(
+            dataset.select_columns(["caption"]), _LexiconColumns(self.lexicon), params=self.lexicon.params(),
+            name="lexicon", cache_dir=root, code_version=CODE_VERSION, batched=True, batch_size=1000,
+            features=text_features, desc="StructXLIP lexicon filter",
+        )
+        added = [lexicon.select_columns(list(LEXICON_COLUMNS))]
+        self.stats = {"lexicon": self._lexicon_stats(lexicon)}
+        s = self.stats["lexicon"]
+        log.info("structxlip lexicon: %d of %d captions modified (%.1f%%), %.2f words removed per caption, "
+                 "%d reverted; removed words by category: %s", s["modified"], s["captions"],
+                 100 * s["modified_share"], s["removed_words_per_caption"], s["reverted"], s["category_counts"])
+        if not self.options.edges.on_the_fly:
+            edges = cached_map(
+                dataset.select_columns(["image"]), _EdgeColumn(self.edge_cfg), params=self.edge_cfg.params(),
+                name="edges", cache_dir=root, code_version=CODE_VERSION, batched=True, batch_size=64,
+                features=datasets.Features({"edges": datasets.Image()}), desc="StructXLIP edge maps",
+            )
+            added.append(edges.select_columns(["edges"]))
+        out = datasets.concatenate_datasets([dataset.remove_columns([c for c in dataset.column_names if c in
+                                                                     (*LEXICON_COLUMNS, "edges")]), *added], axis=1)
+        if self.use_local:
+            out = self._preprocess_regions(out, model, root, log)
+        return out
+
+    def _preprocess_regions(self, dataset: Any, model: Any, root: Path | None, log: Any) -> Any:
+        import datasets
+
+        from finetune.preprocess.regions import RegionMatcher, compute_regions, region_features
+
+        r = self.options.regions
+        segmenter = self.segmenter()
+        if r.checkpoint is None:
+            log.warning("structxlip: regions.checkpoint is not set, so every image uses the default regions (4 "
+                        "quadrants + centre) instead of FastSAM masks; download FastSAM-x.pt (or FastSAM-s.pt) and "
+                        "set objective.terms.structxlip.regions.checkpoint for the paper's regions")
+        encoders = _FrozenEncoders(model)
+        was_training = model.training
+        model.eval()
+        try:
+            matcher = RegionMatcher(
+                segmenter, encoders.images, encoders.texts, model_id=model_fingerprint(model), k=r.k,
+                chunker=self.chunker(), edge_cfg=self.edge_cfg, match_on=r.match_on,
+                edges_column="edges" if "edges" in dataset.column_names else None,
+            )
+            columns = ["image", "filtered_caption"] + (["edges"] if "edges" in dataset.column_names else [])
+            regions = compute_regions(dataset.select_columns(columns), matcher, cache_dir=root,
+                                      code_version=CODE_VERSION)
+        finally:
+            model.train(was_training)
+        names = list(region_features())
+        fallback = regions["region_fallback"]
+        n_regions = [len(b) for b in regions["region_boxes"]]
+        n_chunks = [len(c) for c in regions["chunks"]]
+        n = max(1, len(fallback))
+        self.stats["regions"] = {
+            "images": len(fallback),
+            "fallback_images": int(sum(fallback)),
+            "fallback_share": sum(fallback) / n,
+            "regions_per_image": sum(n_regions) / n,
+            "chunks_per_caption": sum(n_chunks) / n,
+            "captions_without_chunks": sum(1 for c in n_chunks if c == 0),
+            "segmenter": "fastsam" if r.checkpoint else "default_regions",
+        }
+        st = self.stats["regions"]
+        log.info("structxlip regions: %d images, %d use the default regions, %.2f regions and %.2f chunks per "
+                 "image, %d captions without chunks", st["images"], st["fallback_images"], st["regions_per_image"],
+                 st["chunks_per_caption"], st["captions_without_chunks"])
+        base = dataset.remove_columns([c for c in dataset.column_names if c in names])
+        return datasets.concatenate_datasets([base, regions.select_columns(names)], axis=1)
+
+    @staticmethod
+    def _lexicon_stats(dataset: Any) -> dict[str, Any]:
+        from finetune.preprocess.lexicon import FilterResult, lexicon_stats
+
+        results = (
+            FilterResult(text, removed, reverted, categories, words)
+            for text, removed, reverted, categories, words in zip(
+                dataset["filtered_caption"], dataset["lexicon_removed"], dataset["lexicon_reverted"],
+                dataset["lexicon_categories"], dataset["caption_words"],
+            )
+        )
+        return lexicon_stats(results)
+
+    # -- data workers ----------------------------------------------------------------------------
+    def edge_image(self, example: dict[str, Any]) -> Any:
+        """The example's edge map as a one-channel PIL image (cached column, or computed now)."""
+        from PIL import Image
+
+        from finetune.preprocess.edges import edge_array
+
+        edges = example.get("edges")
+        if edges is not None:
+            return edges
+        if not self.options.edges.on_the_fly:
+            raise KeyError("the example has no 'edges' column: run the objective's preprocess(dataset, model) "
+                           "first, or set objective.terms.structxlip.edges.on_the_fly: true")
+        return Image.fromarray(edge_array(example["image"], self.edge_cfg))
+
+    def kept_regions(self, example: dict[str, Any]) -> list[int]:
+        """Indices of the regions of ``example`` that are encoded (:func:`select_regions`)."""
+        return select_regions(example["chunk_topk"], example["chunk_topk_scores"], self.options.regions.per_image)
+
+    def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
+        """Per example: the edge map, the filtered caption and, for the local loss, the chunks, their top-K
+        region indices, the kept regions' indices and boxes and (crop mode) their edge-map crops."""
+        if "filtered_caption" not in example:
+            raise KeyError("the example has no 'filtered_caption': run the objective's preprocess(dataset, model) "
+                           "before batching")
+        edges = self.edge_image(example)
+        out: dict[str, Any] = {"sx_edges": edges, "sx_filtered": example["filtered_caption"]}
+        if not self.use_local:
+            return out
+        if "chunk_topk" not in example:
+            raise KeyError("the example has no regions ('chunk_topk'): run the objective's preprocess first")
+        chunks = list(example["chunks"])
+        slots = self.kept_regions(example) if chunks else []
+        boxes = [example["region_boxes"][s] for s in slots]
+        out.update({"sx_chunks": chunks, "sx_topk": [list(row) for row in example["chunk_topk"]],
+                    "sx_slots": slots, "sx_boxes": boxes, "sx_size": edges.size})
+        if self.options.regions.encode == "crop":
+            from finetune.preprocess.regions import crop_box
+
+            out["sx_crops"] = [crop_box(edges, b) for b in boxes]
+        return out
+
+    def collate(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Any]:
+        """Batch the prepared fields into ``batch["structxlip"]``:
+
+        - ``edge_inputs``: the edge maps through ``model.preprocess_images`` (``pixel_values (B, 3, H, W)``);
+        - ``filtered_input_ids`` / ``filtered_attention_mask``: ``(B, L')`` filtered captions;
+        - per sample (lists of length B): ``chunk_input_ids`` / ``chunk_attention_mask`` ``(m_i, Lc)`` with
+          Lc the longest chunk of the batch, ``chunk_topk`` ``(m_i, K)`` region indices (-1 padded),
+          ``region_slot`` ``(r_i,)`` the kept regions' indices, and ``region_inputs`` (crop mode: a dict of
+          ``(r_i, ...)`` processor outputs) or ``region_patch_mask`` (pool mode: ``(r_i, N)`` bool).
+        """
+        filtered = model.tokenize([e["sx_filtered"] for e in examples])
+        sx: dict[str, Any] = {
+            "edge_inputs": dict(model.preprocess_images([e["sx_edges"] for e in examples])),
+            "filtered_input_ids": filtered.input_ids,
+            "filtered_attention_mask": filtered.attention_mask,
+        }
+        if self.use_local:
+            sx.update(self._collate_local(examples, model, sx["edge_inputs"]))
+        return {"structxlip": sx}
+
+    def _collate_local(self, examples: list[dict[str, Any]], model: Any, edge_inputs: dict[str, Tensor]) -> dict:
+        k = self.options.regions.k
+        counts = [len(e["sx_chunks"]) for e in examples]
+        all_chunks = [c for e in examples for c in e["sx_chunks"]]
+        if all_chunks:
+            tok = model.tokenize(all_chunks)
+            ids, mask = _trim(tok.input_ids, tok.attention_mask, model)
+            chunk_ids, chunk_mask = list(ids.split(counts)), list(mask.split(counts))
+        else:
+            chunk_ids = [torch.zeros((0, 1), dtype=torch.long) for _ in examples]
+            chunk_mask = [torch.zeros((0, 1), dtype=torch.long) for _ in examples]
+        topk = []
+        for e in examples:
+            t = torch.full((len(e["sx_topk"]), k), -1, dtype=torch.long)
+            for i, row in enumerate(e["sx_topk"]):
+                t[i, : len(row)] = torch.tensor(row[:k], dtype=torch.long)
+            topk.append(t)
+        out: dict[str, Any] = {"chunk_input_ids": chunk_ids, "chunk_attention_mask": chunk_mask, "chunk_topk": topk,
+                               "chunk_causal": getattr(model, "family", "clip") == "clip"}
+        if self.options.regions.encode == "crop":
+            slots = [torch.tensor(e["sx_slots"], dtype=torch.long) for e in examples]
+            n_crops = [len(e["sx_crops"]) for e in examples]
+            crops = [c for e in examples for c in e["sx_crops"]]
+            region_inputs: dict[str, list[Tensor | None]] = {}
+            if crops:
+                processed = model.preprocess_images(crops)
+                region_inputs = {name: list(t.split(n_crops)) for name, t in processed.items()}
+            out.update({"region_slot": slots, "region_inputs": region_inputs})
+            return out
+        if self._transform is None:
+            self._transform = model.image_transform_params()
+        params = self._transform
+        shapes = edge_inputs.get("spatial_shapes")
+        n_patches = int(edge_inputs["pixel_values"].shape[1]) if params["mode"] == "naflex" else None
+        slots, masks = [], []
+        for i, e in enumerate(examples):
+            shape = tuple(int(v) for v in shapes[i]) if shapes is not None else None
+            kept, rows = [], []
+            for slot, box in zip(e["sx_slots"], e["sx_boxes"]):
+                m = box_patch_mask(box, e["sx_size"], params, n_patches=n_patches, spatial_shape=shape)
+                if m is not None:  # a region cut away by the centre crop has no patch: it is dropped
+                    kept.append(slot)
+                    rows.append(m)
+            slots.append(torch.tensor(kept, dtype=torch.long))
+            masks.append(torch.stack(rows) if rows else torch.zeros((0, n_patches or _grid_len(params)), dtype=torch.bool))
+        out.update({"region_slot": slots, "region_patch_mask": masks})
+        return out
+
+    # -- model side ------------------------------------------------------------------------------
+    def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
+        """``edge`` (the B edge maps, with patch states in pool mode) and, in crop mode, ``region`` (only the
+        kept crops of the batch; absent when there are none)."""
+        sx = batch["structxlip"]
+        pool = self.use_local and self.options.regions.encode == "pool"
+        reqs = {"edge": ImageRequest(sx["edge_inputs"], states=pool)}
+        if self.use_local and not pool and sx["region_inputs"]:
+            inputs = {name: torch.cat([t for t in parts if t is not None])
+                      for name, parts in sx["region_inputs"].items()}
+            if inputs["pixel_values"].shape[0]:
+                reqs["region"] = ImageRequest(inputs)
+        return reqs
+
+    def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
+        """``filtered_text`` (B filtered captions) and ``chunk`` (the batch's chunks, trimmed to the longest
+        chunk of this (micro-)batch; absent when there are none)."""
+        sx = batch["structxlip"]
+        reqs = {"filtered_text": TextRequest(sx["filtered_input_ids"], sx["filtered_attention_mask"])}
+        if self.use_local:
+            ids = torch.cat(sx["chunk_input_ids"])
+            if ids.shape[0]:
+                mask = torch.cat(sx["chunk_attention_mask"])
+                ids, mask = _trim(ids, mask, None, causal=self._causal(batch))
+                reqs["chunk"] = TextRequest(ids, mask)
+        return reqs
+
+    @staticmethod
+    def _causal(batch: Batch) -> bool:
+        return bool(batch["structxlip"].get("chunk_causal", True))
+
+    def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
+        """Owners, positives and (pool mode) the pooled region embeddings; empty ``(0, D)`` rows where a
+        micro-batch has no chunks or regions, so that every micro-batch has the same keys."""
+        if not self.use_local:
+            return
+        sx = batch["structxlip"]
+        ref = feats["image"]
+        dim, device = ref.shape[1], ref.device
+        chunk_counts = [t.shape[0] for t in sx["chunk_topk"]]
+        region_counts = [t.shape[0] for t in sx["region_slot"]]
+        feats["chunk_owner"] = _owners(chunk_counts, device)
+        feats["chunk_topk"] = _cat([t.to(device) for t in sx["chunk_topk"]],
+                                   torch.zeros((0, self.options.regions.k), dtype=torch.long, device=device))
+        feats["region_owner"] = _owners(region_counts, device)
+        feats["region_slot"] = _cat([t.to(device) for t in sx["region_slot"]],
+                                    torch.zeros(0, dtype=torch.long, device=device))
+        if "chunk" not in feats:
+            feats["chunk"] = ref.new_zeros((0, dim))
+        if self.options.regions.encode == "pool":
+            states = feats.pop("edge_states")
+            masks = [m.to(device) for m in sx["region_patch_mask"]]
+            if sum(region_counts):
+                mask = torch.cat(masks).to(states.dtype)
+                if mask.shape[1] != states.shape[1]:
+                    raise ValueError(f"region patch masks have {mask.shape[1]} patches, the edge maps' states "
+                                     f"{states.shape[1]}: the model's image_transform_params() does not match "
+                                     "its processor")
+                weights = mask / mask.sum(dim=1, keepdim=True)
+                pooled = torch.einsum("rn,rnw->rw", weights, states[feats["region_owner"]])
+                feats["region"] = model.project_image_states(pooled)
+            else:
+                feats["region"] = ref.new_zeros((0, dim))
+        elif "region" not in feats:
+            feats["region"] = ref.new_zeros((0, dim))
+
+    def positives(self, feats: Features) -> Tensor | None:
+        """``(Nc, Nr)`` bool P_c of eq. 1: the chunk's top-K regions among the kept regions of its sample.
+        ``compat: official``: None (every kept region of the chunk's image, the loss's default)."""
+        if self.compat == "official":
+            return None
+        same = feats["chunk_owner"][:, None] == feats["region_owner"][None, :]
+        listed = (feats["chunk_topk"][:, :, None] == feats["region_slot"][None, None, :]).any(dim=1)
+        return same & listed
+
+    def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
+        """The unweighted L_{I',T'}, L_{I,I'} and L^local (paper eqs. 1-3; see the module docstring for
+        ``compat: official``), from possibly merged features."""
+        image, edge, filtered = feats["image"], feats["edge"], feats["filtered_text"]
+        out: dict[str, Tensor] = {}
+        main_scale = scale_of(model.logit_scale, detach_params)
+        if self.structure_logit_scale is not None:
+            structure_scale = scale_of(self.structure_logit_scale, detach_params)
+        else:
+            structure_scale = main_scale.detach()
+        if self.base_weights["structure"]:
+            out["structure"] = clip_loss(edge, filtered, structure_scale)
+        if self.base_weights["consistency"]:
+            out["consistency"] = consistency_loss(image, edge)
+        if self.use_local:
+            if self.compat == "official":
+                temperature: float | Tensor = 1.0 / (main_scale / self.local_temperature).clamp(
+                    max=OFFICIAL_LOCAL_SCALE_MAX)
+            else:
+                temperature = self.local_temperature
+            out["local"] = local_structure_loss(
+                feats["chunk"], feats["chunk_owner"], feats["region"], feats["region_owner"],
+                temperature=temperature, positives=self.positives(feats),
+            )
+        return out
+
+    # -- report ----------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """What a run's ``metrics.json`` records about the term: options, weights and the preprocessing
+        statistics (lexicon B.3, regions)."""
+        return {"options": asdict(self.options), "weights": dict(self.weights), **self.stats}
+
+    def preview_fields(self, example: dict[str, Any]) -> dict[str, Any]:
+        """What the preview shows of one preprocessed example (``finetune.preview``)."""
+        edges = self.edge_image(example)
+        fields = {
+            "id": str(example.get("id", "")),
+            "image": example["image"],
+            "edges": edges,
+            "caption": example["caption"],
+            "filtered_caption": example["filtered_caption"],
+            "removed": list(example.get("lexicon_removed") or []),
+            "reverted": bool(example.get("lexicon_reverted", False)),
+            "boxes": [], "kept": [], "chunks": [], "chunk_topk": [], "fallback": False,
+        }
+        if self.use_local and "chunk_topk" in example:
+            fields.update({
+                "boxes": [list(b) for b in example["region_boxes"]],
+                "kept": self.kept_regions(example) if example["chunks"] else [],
+                "chunks": list(example["chunks"]),
+                "chunk_topk": [list(t) for t in example["chunk_topk"]],
+                "fallback": bool(example["region_fallback"]),
+            })
+        return fields
+
+    def report_sections(self, run_dir: str | Path, dataset: Any, *, n: int = 8) -> list[str]:
+        """Markdown sections for the run report: the lexicon statistics (paper B.3), the regions, and a
+        preview of ``n`` training examples written to ``<run_dir>/plots/structxlip_preview.png``.
+
+        Args:
+            run_dir: the run folder.
+            dataset: the preprocessed training set (what :meth:`preprocess` returned).
+        """
+        from finetune.preview import render_preview
+
+        lines = ["## StructXLIP inputs", ""]
+        lex = self.stats.get("lexicon")
+        if lex:
+            share = ", ".join(f"{k} {100 * v:.1f}%" for k, v in lex["category_share"].items()) or "none"
+            lines += [
+                "Lexicon filter (paper Supp. Mat. B.3):", "",
+                "| statistic | value |", "|---|---|",
+                f"| captions | {lex['captions']} |",
+                f"| modified | {lex['modified']} ({100 * lex['modified_share']:.1f}%) |",
+                f"| reverted to the original | {lex['reverted']} ({100 * lex['reverted_share']:.1f}%) |",
+                f"| removed words per caption | {lex['removed_words_per_caption']:.2f} |",
+                f"| removed words per modified caption | {lex['removed_words_per_modified_caption']:.2f} "
+                f"({100 * lex['removed_share_of_length']:.1f}% of its words) |",
+                f"| removed words by category | {share} |",
+                "",
+            ]
+        reg = self.stats.get("regions")
+        if reg:
+            lines += [
+                f"Regions ({reg['segmenter']}): {reg['regions_per_image']:.2f} per image, "
+                f"{reg['fallback_images']} of {reg['images']} images on the default regions; "
+                f"{reg['chunks_per_caption']:.2f} chunks per caption, {reg['captions_without_chunks']} captions "
+                f"without chunks; encoded as `{self.options.regions.encode}`, K = {self.options.regions.k}.",
+                "",
+            ]
+        n = min(n, len(dataset))
+        if n:
+            path = Path(run_dir) / "plots" / "structxlip_preview.png"
+            render_preview([self.preview_fields(dataset[i]) for i in range(n)], path,
+                           title=f"StructXLIP training inputs ({self.compat})")
+            lines += ["![StructXLIP preview: images, edge maps with regions, captions](plots/structxlip_preview.png)",
+                      ""]
+        return ["\n".join(lines).rstrip()]
+
+    def extra_repr(self) -> str:
+        return (f"compat={self.compat!r}, weights={self.base_weights}, encode={self.options.regions.encode!r}, "
+                f"k={self.options.regions.k}, local_temperature={self.local_temperature}")
+
+
+def _grid_len(params: dict[str, Any]) -> int:
+    crop = params.get("crop") or params.get("size")
+    h, w = (crop, crop) if isinstance(crop, int) else crop
+    p = int(params["patch_size"])
+    return (int(h) // p) * (int(w) // p)
+
+
+def _owners(counts: list[int], device: torch.device) -> Tensor:
+    return torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                   torch.tensor(counts, dtype=torch.long, device=device))
+
+
+def _trim(ids: Tensor, mask: Tensor, model: Any, *, causal: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Cut right padding down to the longest real row, for causal towers that pool the end token (CLIP):
+    there, trailing padding does not change the embedding. Towers that pool the last position of a
+    fixed-length context (SigLIP) keep the model's own padding."""
+    if causal is None:
+        causal = getattr(model, "family", "clip") == "clip"
+    if not causal or not ids.shape[0]:
+        return ids, mask
+    longest = max(int(mask.sum(dim=1).max()), 1)
+    return ids[:, :longest], mask[:, :longest]
+
+
+@register_term(TERM_NAME, StructXLIPOptions)
+def build_structxlip(options: StructXLIPOptions | None) -> tuple[StructXLIPTerm, dict[str, float]]:
+    """Build the term of ``objective.terms.structxlip`` and its weights (the Objective applies them)."""
+    term = StructXLIPTerm(options or StructXLIPOptions())
+    return term, term.weights

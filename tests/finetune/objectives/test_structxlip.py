@@ -1,0 +1,472 @@
+"""The ``structxlip`` objective term: options, preprocessing and its cache, collate, encoding, the three losses
+(crop and pool modes, compat official), accumulation merging, the report section, and a run end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+
+from finetune import load_model
+from finetune.config import RecipeError, load_recipe
+from finetune.data.collate import Collator
+from finetune.data.sources import load_source
+from finetune.models.registry import save_tiny
+from finetune.objectives import Objective, build_objective, merge_features
+from finetune.objectives.contrastive import ClipTerm
+from finetune.objectives.structxlip import (
+    EdgeOptions,
+    LexiconOptions,
+    RegionOptions,
+    StructXLIPOptions,
+    StructXLIPTerm,
+    StructXLIPWeights,
+    box_patch_mask,
+    official_chunks,
+    select_regions,
+)
+from finetune.preprocess.edges import edge_array
+from finetune.preprocess.regions import split_chunks
+from finetune.train import _split
+from losses import clip_loss, local_structure_loss
+
+REPO = Path(__file__).resolve().parents[3]
+COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black", "grey", "pink", "cyan")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_datasets():
+    datasets.disable_progress_bars()
+    yield
+    datasets.enable_progress_bars()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """tiny-clip saved with save_pretrained and loaded like a hub id, stretched to 248 positions."""
+    folder = save_tiny("tiny-clip", tmp_path_factory.mktemp("models") / "tiny-clip")
+    return load_model(str(folder), max_text_len=248)
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    return load_source({"name": "synthetic", "size": 6, "seed": 0}).dataset
+
+
+def _options(compat: str = "paper", encode: str = "crop", **regions) -> StructXLIPOptions:
+    return StructXLIPOptions(compat=compat, regions=RegionOptions(encode=encode, **regions))
+
+
+def _objective(term: StructXLIPTerm) -> Objective:
+    return Objective(ClipTerm(), [(term, term.weights)])
+
+
+@pytest.fixture(scope="module")
+def crop_setup(model, scenes, tmp_path_factory):
+    term = StructXLIPTerm(_options())
+    cache = tmp_path_factory.mktemp("cache")
+    data = term.preprocess(scenes, model, cache_dir=str(cache))
+    return term, data
+
+
+def _batch(term: StructXLIPTerm, model, data, rows=(0, 1, 2, 3)) -> dict:
+    return Collator(model, _objective(term))([data[i] for i in rows])
+
+
+# -- options ------------------------------------------------------------------------------------------
+def _write_recipe(tmp_path: Path, terms: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(f"# test\nmodel: {{name_or_path: tiny-clip}}\nobjective:\n  base: clip\n  terms:\n{terms}")
+    return path
+
+
+def test_recipe_section_is_validated_and_builds_the_term(tmp_path):
+    path = _write_recipe(tmp_path, "    structxlip:\n      weights: {local: 0.2}\n      regions: {encode: pool, k: 2}\n")
+    recipe = load_recipe(path)
+    options = recipe.objective.terms["structxlip"]
+    assert isinstance(options, StructXLIPOptions)
+    assert (options.regions.encode, options.regions.k, options.weights.local) == ("pool", 2, 0.2)
+    objective = build_objective(recipe.objective)
+    (term,) = objective.terms
+    assert isinstance(term, StructXLIPTerm)
+    assert objective.term_weights[0] == {"structure": 0.25, "consistency": 0.1, "local": 0.2}
+    assert objective.term_weights[0] is term.weights  # set_epoch updates what the Objective applies
+
+    with pytest.raises(RecipeError, match="encode"):
+        load_recipe(_write_recipe(tmp_path, "    structxlip:\n      regions: {encode: mask}\n"))
+    with pytest.raises(RecipeError, match="k.*must be >= 1"):
+        load_recipe(_write_recipe(tmp_path, "    structxlip:\n      regions: {k: 0}\n"))
+    with pytest.raises(RecipeError, match="per_imag"):
+        load_recipe(_write_recipe(tmp_path, "    structxlip:\n      regions: {per_imag: 2}\n"))
+
+
+def test_missing_fastsam_checkpoint_and_bad_edges_fail_at_build(tmp_path):
+    with pytest.raises(FileNotFoundError, match="regions.checkpoint.*FastSAM-s.pt or FastSAM-x.pt"):
+        StructXLIPTerm(_options(checkpoint=str(tmp_path / "FastSAM-x.pt")))
+    with pytest.raises(ValueError, match="low <= high"):
+        StructXLIPTerm(StructXLIPOptions(edges=EdgeOptions(low=200, high=100)))
+    with pytest.raises(FileNotFoundError, match="lexicon"):
+        StructXLIPTerm(StructXLIPOptions(lexicon=LexiconOptions(file=str(tmp_path / "none.txt"))))
+
+
+def test_compat_defaults_and_per_epoch_decay():
+    paper = StructXLIPTerm(StructXLIPOptions())
+    assert paper.weights == {"structure": 0.25, "consistency": 0.1, "local": 0.1}
+    assert paper.structure_logit_scale is not None
+    assert paper.structure_logit_scale.item() == pytest.approx(math.log(1 / 0.07))
+    paper.set_epoch(9)
+    assert paper.weights == {"structure": 0.25, "consistency": 0.1, "local": 0.1}
+
+    official = StructXLIPTerm(StructXLIPOptions(compat="official"))
+    assert official.weights == {"structure": 0.25, "consistency": 0.001, "local": 0.001}
+    assert official.structure_logit_scale is None
+    assert list(official.parameters()) == []
+    official.set_epoch(0)
+    assert official.weights == {"structure": 0.25, "consistency": 0.001, "local": 0.001}
+    official.set_epoch(8)  # the public code's decay reaches its floors 0.7 / 0.5 / 0.4 at epoch 8
+    assert official.weights == pytest.approx({"structure": 0.175, "consistency": 0.0005, "local": 0.0004})
+
+    explicit = StructXLIPTerm(StructXLIPOptions(compat="official", weights=StructXLIPWeights(consistency=0.2)))
+    assert explicit.weights["consistency"] == 0.2
+
+
+def test_structure_scale_is_clamped_after_a_step():
+    term = StructXLIPTerm(StructXLIPOptions())
+    with torch.no_grad():
+        term.structure_logit_scale.fill_(4.0)
+    term.after_optimizer_step()
+    assert term.structure_logit_scale.item() == pytest.approx(3.5)
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def test_official_chunks_are_sliding_windows_over_clauses():
+    assert official_chunks("A tall tree, a bench.") == ["A tall", "tall tree", "a bench"]
+    # 7 words -> window 3, stride 1 -> 5 windows; a 1-word clause is one chunk
+    text = "one two three four five six seven; Eight"
+    assert official_chunks(text) == ["one two three", "two three four", "three four five", "four five six",
+                                     "five six seven", "Eight"]
+    assert official_chunks("") == []
+    assert len(official_chunks(" ".join(f"w{i}" for i in range(200)))) == 64
+
+
+def test_select_regions_ranks_by_votes_then_score():
+    topk = [[2, 0, 1], [2, 3, 0], [4, 2, 1]]
+    scores = [[0.9, 0.5, 0.1], [0.8, 0.7, 0.2], [0.95, 0.3, 0.0]]
+    # votes: 2 -> 3, 0 -> 2, 1 -> 2 (best 0.1), 3 -> 1 (0.7), 4 -> 1 (0.95)
+    assert select_regions(topk, scores, 3) == [2, 0, 1]
+    assert select_regions(topk, scores, None) == [2, 0, 1, 4, 3]
+    assert select_regions([], [], 3) == []
+
+
+def test_box_patch_mask_follows_resize_and_centre_crop():
+    params = {"mode": "shortest_center_crop", "size": 32, "crop": (32, 32), "patch_size": 8}
+    # 128 x 64 -> resized to 64 x 32, centre crop cuts 16 px on the left and right
+    everything = box_patch_mask((32, 0, 96, 64), (128, 64), params)
+    assert everything.shape == (16,) and bool(everything.all())
+    assert box_patch_mask((0, 0, 32, 64), (128, 64), params) is None  # cut away by the crop
+    one = box_patch_mask((64, 16, 80, 32), (128, 64), params)  # -> (16, 8, 24, 16): the patch at row 1, col 2
+    assert one.nonzero().flatten().tolist() == [6]
+    tiny = box_patch_mask((64, 16, 65, 17), (128, 64), params)  # smaller than a patch: the patch under its centre
+    assert tiny.nonzero().flatten().tolist() == [6]
+    squash = {"mode": "squash", "size": (32, 32), "crop": None, "patch_size": 8}
+    left = box_patch_mask((0, 0, 32, 32), (64, 32), squash)  # left half of the image = columns 0-1
+    assert left.view(4, 4)[:, :2].all() and not left.view(4, 4)[:, 2:].any()
+    naflex = {"mode": "naflex", "size": None, "crop": None, "patch_size": 8}
+    mask = box_patch_mask((0, 0, 32, 32), (64, 32), naflex, n_patches=16, spatial_shape=(2, 4))
+    assert mask.nonzero().flatten().tolist() == [0, 1, 4, 5]
+
+
+# -- preprocessing --------------------------------------------------------------------------------
+def test_preprocess_adds_filtered_captions_edges_and_regions(crop_setup, scenes):
+    term, data = crop_setup
+    for column in ("filtered_caption", "lexicon_removed", "edges", "region_boxes", "chunks", "chunk_topk"):
+        assert column in data.column_names
+    assert len(data) == len(scenes)
+    row = data[0]
+    for colour in COLOURS:
+        assert not re.search(rf"\b{colour}\b", row["filtered_caption"], re.IGNORECASE)
+    assert row["lexicon_removed"] and set(row["lexicon_removed"]) <= set(COLOURS)
+    assert row["chunks"] == split_chunks(row["filtered_caption"])
+    assert len(row["chunk_topk"]) == len(row["chunks"])
+    assert all(len(t) == 3 and max(t) < len(row["region_boxes"]) for t in row["chunk_topk"])
+    assert row["region_fallback"] and len(row["region_boxes"]) == 5  # no FastSAM checkpoint: default regions
+    assert row["edges"].mode == "L" and row["edges"].size == row["image"].size
+    assert (torch.tensor(list(row["edges"].getdata())) == torch.from_numpy(edge_array(row["image"])).flatten()).all()
+    lex = term.stats["lexicon"]
+    assert lex["captions"] == 6 and lex["modified"] == 6 and lex["category_share"] == {"colour": 1.0}
+    assert term.stats["regions"]["fallback_images"] == 6
+
+
+def test_cached_preprocessing_is_reused_and_invalidated_by_a_parameter(model, scenes, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlipkit")
+    term = StructXLIPTerm(_options())
+    term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    assert "reusing cached" not in caplog.text
+    caplog.clear()
+    again = term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    for step in ("lexicon", "edges", "regions"):
+        assert f"reusing cached {step}" in caplog.text
+    assert again["chunks"] == term.preprocess(scenes, model, cache_dir=str(tmp_path))["chunks"]
+    caplog.clear()
+    changed = StructXLIPTerm(StructXLIPOptions(edges=EdgeOptions(low=20, high=60)))
+    edges = changed.preprocess(scenes, model, cache_dir=str(tmp_path))
+    assert "reusing cached lexicon" in caplog.text
+    assert "computing edges" in caplog.text and "computing regions" in caplog.text
+    assert (torch.tensor(list(edges[0]["edges"].getdata())) > 0).sum() >= (
+        torch.tensor(list(again[0]["edges"].getdata())) > 0).sum()
+
+
+def test_on_the_fly_edges_are_not_cached_and_match(model, scenes, tmp_path):
+    term = StructXLIPTerm(StructXLIPOptions(edges=EdgeOptions(on_the_fly=True)))
+    data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    assert "edges" not in data.column_names
+    assert not list((tmp_path / "preprocess").glob("edges-*"))
+    prepared = term.prepare(data[0])
+    assert (torch.from_numpy(edge_array(data[0]["image"])) == torch.tensor(
+        list(prepared["sx_edges"].getdata())).view(64, 64)).all()
+
+
+# -- collate and encoding -----------------------------------------------------------------------------
+def test_collate_shapes_and_chunks_padded_to_the_longest_chunk(crop_setup, model):
+    term, data = crop_setup
+    batch = _batch(term, model, data)
+    sx = batch["structxlip"]
+    assert sx["edge_inputs"]["pixel_values"].shape == (4, 3, 32, 32)
+    assert sx["filtered_input_ids"].shape[0] == 4
+    chunks = [c for i in range(4) for c in data[i]["chunks"]]
+    longest = max(int(model.tokenize([c]).attention_mask.sum()) for c in chunks)
+    assert longest < 248
+    for i in range(4):
+        m = len(data[i]["chunks"])
+        assert sx["chunk_input_ids"][i].shape == (m, longest)
+        assert sx["chunk_topk"][i].shape == (m, 3)
+        kept = term.kept_regions(data[i])
+        assert sx["region_slot"][i].tolist() == kept
+        assert sx["region_inputs"]["pixel_values"][i].shape == (len(kept), 3, 32, 32)
+    text = term.text_inputs(batch)
+    assert text["chunk"].input_ids.shape == (len(chunks), longest)
+
+
+def _counting(model):
+    """Record the rows of every image and text encoder call."""
+    calls = {"image": [], "text": []}
+    encode_image, encode_text = model.encode_image, model.encode_text
+
+    def image(pixel_values, **kwargs):
+        calls["image"].append(pixel_values.shape[0])
+        return encode_image(pixel_values, **kwargs)
+
+    def text(input_ids, *args, **kwargs):
+        calls["text"].append(tuple(input_ids.shape))
+        return encode_text(input_ids, *args, **kwargs)
+
+    model.encode_image, model.encode_text = image, text
+    return calls
+
+
+def test_no_placeholder_encodes_for_samples_without_chunks(crop_setup, model):
+    term, data = crop_setup
+    rows = [dict(data[i]) for i in range(3)]
+    for row in rows[1:]:  # only the first sample keeps chunks (and so regions)
+        row.update(filtered_caption="", chunks=[], chunk_topk=[], chunk_topk_scores=[])
+    batch = Collator(model, _objective(term))(rows)
+    counting = copy.deepcopy(model)
+    calls = _counting(counting)
+    feats = _objective(term).encode(counting, batch)
+    kept = len(term.kept_regions(rows[0]))
+    assert calls["image"] == [3 + 3 + kept]  # colour + edge + the first sample's crops, one pass
+    assert feats["region"].shape[0] == kept and feats["chunk"].shape[0] == len(rows[0]["chunks"])
+    assert feats["region_owner"].tolist() == [0] * kept
+    values = _objective(term).loss(counting, feats)
+    assert all(math.isfinite(float(v.detach())) for v in values.values())
+
+    # a batch without any chunk encodes no region and no chunk, and still returns a (zero) local loss
+    empty = Collator(model, _objective(term))(rows[1:])
+    calls = _counting(counting)
+    feats = _objective(term).encode(counting, empty)
+    assert calls["image"] == [4]
+    assert feats["chunk"].shape == (0, 32) and feats["region"].shape == (0, 32)
+    assert float(_objective(term).loss(counting, feats)["local"]) == 0.0
+
+
+def _direct_local(chunks, chunk_owner, chunk_topk, regions, region_owner, region_slot, temperature):
+    """Eqs. 1-2 written out: per chunk -log(sum_pos exp(cos/T) / sum_all exp(cos/T)), mean per sample, mean."""
+    c, r = F.normalize(chunks, dim=-1), F.normalize(regions, dim=-1)
+    per_sample: dict[int, list[torch.Tensor]] = {}
+    for i in range(c.shape[0]):
+        logits = (c[i] @ r.T) / temperature
+        pos = [j for j in range(r.shape[0]) if int(region_owner[j]) == int(chunk_owner[i])
+               and int(region_slot[j]) in chunk_topk[i].tolist()]
+        if not pos:
+            continue
+        value = -torch.log(torch.exp(logits[pos]).sum() / torch.exp(logits).sum())
+        per_sample.setdefault(int(chunk_owner[i]), []).append(value)
+    return torch.stack([torch.stack(v).mean() for v in per_sample.values()]).mean()
+
+
+def test_losses_match_the_papers_equations(crop_setup, model):
+    term, data = crop_setup
+    batch = _batch(term, model, data)
+    objective = _objective(term)
+    with torch.no_grad():
+        feats = objective.encode(model, batch)
+        values = objective.loss(model, feats)
+    scale = term.structure_logit_scale.exp()
+    assert values["structure"] == pytest.approx(float(clip_loss(feats["edge"], feats["filtered_text"], scale)), rel=1e-5)
+    cos = F.cosine_similarity(feats["image"], feats["edge"], dim=-1)
+    assert values["consistency"] == pytest.approx(float((1 - cos).mean()), rel=1e-5)
+    local = _direct_local(feats["chunk"], feats["chunk_owner"], feats["chunk_topk"], feats["region"],
+                          feats["region_owner"], feats["region_slot"], 0.07)
+    assert values["local"] == pytest.approx(float(local), rel=1e-4)
+    expected_total = values["clip"] + 0.25 * values["structure"] + 0.1 * values["consistency"] + 0.1 * values["local"]
+    assert values["loss"] == pytest.approx(float(expected_total), rel=1e-6)
+
+
+@pytest.mark.parametrize("encode", ["crop", "pool"])
+def test_crop_and_pool_give_finite_losses_and_gradients_with_checkpointing(model, scenes, tmp_path, encode):
+    term = StructXLIPTerm(_options(encode=encode))
+    data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    batch = _batch(term, model, data)
+    trained = copy.deepcopy(model).train()
+    trained.set_gradient_checkpointing(True)
+    objective = _objective(term)
+    values = objective.loss(trained, objective.encode(trained, batch))
+    assert set(values) == {"clip", "structure", "consistency", "local", "loss"}
+    assert all(math.isfinite(float(v.detach())) for v in values.values())
+    values["loss"].backward()
+    vision = trained.model.vision_model.encoder.layers[0].self_attn.q_proj.weight.grad
+    text = trained.model.text_model.encoder.layers[0].self_attn.q_proj.weight.grad
+    assert vision is not None and vision.abs().sum() > 0
+    assert text is not None and text.abs().sum() > 0
+    assert term.structure_logit_scale.grad is not None and term.structure_logit_scale.grad != 0
+
+
+def test_pool_mode_pools_edge_patch_states_inside_the_box(model, scenes, tmp_path):
+    term = StructXLIPTerm(_options(encode="pool"))
+    data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    batch = _batch(term, model, data, rows=(0, 1))
+    calls = _counting(counting := copy.deepcopy(model))
+    with torch.no_grad():
+        feats = _objective(term).encode(counting, batch)
+        assert calls["image"] == [4]  # colour + edge maps only: no region forward
+        assert "edge_states" not in feats
+        sx = batch["structxlip"]
+        states = model.encode_image(**sx["edge_inputs"], states=True).states
+        mask = sx["region_patch_mask"][1][0]
+        expected = model.project_image_states(states[1][mask].mean(dim=0))
+    first_of_sample_1 = int((feats["region_owner"] == 1).nonzero()[0])
+    assert torch.allclose(feats["region"][first_of_sample_1], expected, atol=1e-5)
+    box = data[1]["region_boxes"][int(sx["region_slot"][1][0])]
+    assert torch.equal(mask, box_patch_mask(box, data[1]["image"].size, model.image_transform_params()))
+
+
+def test_compat_official_reproduces_the_public_code(model, scenes, tmp_path):
+    term = StructXLIPTerm(_options(compat="official"))
+    data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    assert data[0]["chunks"] == official_chunks(data[0]["filtered_caption"])
+    batch = _batch(term, model, data)
+    trained = copy.deepcopy(model)
+    objective = _objective(term)
+    feats = objective.encode(trained, batch)
+    values = objective.loss(trained, feats)
+    s = trained.logit_scale.exp()
+    assert float(values["structure"]) == pytest.approx(float(clip_loss(feats["edge"], feats["filtered_text"], s)),
+                                                       rel=1e-5)
+    every_region = local_structure_loss(feats["chunk"], feats["chunk_owner"], feats["region"], feats["region_owner"],
+                                        temperature=1 / min(float(s) / 0.07, 100.0))
+    assert float(values["local"]) == pytest.approx(float(every_region), rel=1e-5)
+    # the structure loss reads the main scale detached: no gradient reaches it from there
+    values["structure"].backward()
+    assert trained.logit_scale.grad is None or float(trained.logit_scale.grad) == 0.0
+
+
+@pytest.mark.parametrize("encode", ["crop", "pool"])
+def test_merged_micro_batches_give_the_loss_of_one_batch(model, scenes, tmp_path, encode):
+    term = StructXLIPTerm(_options(encode=encode))
+    data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    rows = [dict(data[i]) for i in range(4)]
+    rows[2].update(filtered_caption="", chunks=[], chunk_topk=[], chunk_topk_scores=[])  # one part has a gap
+    objective = _objective(term)
+    batch = Collator(model, objective)(rows)
+    with torch.no_grad():
+        whole = objective.loss(model, objective.encode(model, batch))
+        parts = [objective.encode(model, mb) for mb in _split(batch, 2)]
+        merged = objective.loss(model, merge_features(parts))
+    assert set(whole) == set(merged)
+    for key in whole:
+        assert float(merged[key]) == pytest.approx(float(whole[key]), rel=1e-4, abs=1e-6), key
+
+
+def test_report_sections_have_the_lexicon_statistics_and_the_preview(crop_setup, tmp_path):
+    term, data = crop_setup
+    (section,) = term.report_sections(tmp_path, data, n=2)
+    assert "Lexicon filter (paper Supp. Mat. B.3)" in section
+    assert "| modified | 6 (100.0%) |" in section
+    assert "removed words by category | colour 100.0%" in section
+    assert "![StructXLIP preview" in section and "(plots/structxlip_preview.png)" in section
+    from PIL import Image
+
+    with Image.open(tmp_path / "plots" / "structxlip_preview.png") as png:
+        assert png.width > 1000 and png.height > 400
+    summary = term.summary()
+    assert summary["lexicon"]["captions"] == 6 and summary["weights"]["local"] == 0.1
+
+
+# -- end to end -------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_structxlip_docci_recipe_runs_offline_and_reuses_its_preprocessing(tmp_path):
+    from ultralytics import YOLO
+
+    from tests.finetune.data.fixtures import write_dci_fixture, write_docci_fixture, write_urban1k_fixture
+
+    docci = write_docci_fixture(tmp_path / "docci", 8, 4, n_qual_test=2)
+    urban = write_urban1k_fixture(tmp_path / "urban", 4)
+    dci = write_dci_fixture(tmp_path / "dci", 2, 1, 2)
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny-clip")
+    checkpoint = tmp_path / "fastsam-random.pt"
+    torch.manual_seed(0)
+    YOLO("yolov8n-seg.yaml").save(str(checkpoint))
+    accelerate = Path(sys.executable).parent / "accelerate"
+    overrides = [
+        f"model.name_or_path={tiny}", f"data.train.path={docci}", f"data.cache_dir={tmp_path / 'cache'}",
+        "data.num_workers=0",
+        f"eval.sets=[{{name: docci, path: {docci}, protocol: goal}}, {{name: urban1k, path: {urban}}}, "
+        f"{{name: dci, path: {dci}}}]",
+        "eval.batch_size=8", "train.max_steps=2", "train.batch_size=4", "train.mixed_precision=no",
+        "train.trackers=[]", "train.log_every=1", "train.checkpoint_every=0",
+        f"objective.terms.structxlip.regions.checkpoint={checkpoint}", "objective.terms.structxlip.regions.imgsz=64",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "YOLO_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+
+    def run(out: Path) -> subprocess.CompletedProcess:
+        cmd = [str(accelerate), "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "--cpu", "finetune/run.py", "recipes/structxlip_docci.yaml",
+               *overrides, f"output.dir={out}"]
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return done
+
+    first = run(tmp_path / "run1")
+    assert "computing regions" in first.stderr
+    metrics = json.loads((tmp_path / "run1" / "metrics.json").read_text())
+    for key in ("clip", "structure", "consistency", "local", "loss"):
+        assert math.isfinite(metrics["final_losses"][key]), key
+    assert metrics["steps"] == 2 and len(metrics["after"]) == 3, sorted(metrics["after"])
+    assert (tmp_path / "run1" / "report.md").is_file()
+
+    second = run(tmp_path / "run2")
+    for step in ("lexicon", "edges", "regions"):
+        assert f"reusing cached {step}" in second.stderr, step
+    assert "computing regions" not in second.stderr

@@ -1,0 +1,85 @@
+"""``finetune.preview``: the PNG grid of images, edge maps with regions, and original / filtered captions."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+from PIL import Image, ImageDraw
+
+from finetune.models.registry import save_tiny
+from finetune.preview import main, render_preview
+
+
+@pytest.fixture(autouse=True)
+def _quiet_datasets():
+    datasets.disable_progress_bars()
+    yield
+    datasets.enable_progress_bars()
+
+
+def _item(index: int, chunks: int = 2) -> dict:
+    image = Image.new("RGB", (80, 60), (200, 40, 40))
+    ImageDraw.Draw(image).ellipse((10, 10, 50, 50), fill=(30, 30, 220))
+    edges = Image.new("L", (80, 60), 0)
+    ImageDraw.Draw(edges).ellipse((10, 10, 50, 50), outline=255)
+    return {
+        "id": f"example-{index}",
+        "image": image,
+        "edges": edges,
+        "caption": "A blue circle sits on a red background. " * 6,
+        "filtered_caption": "A circle sits on a background. " * 6,
+        "removed": ["blue", "red"] * 6,
+        "reverted": False,
+        "boxes": [[0, 0, 40, 30], [40, 0, 80, 30], [10, 10, 50, 50]],
+        "kept": [2, 0],
+        "chunks": [f"A circle sits on a background {c}" for c in range(chunks)],
+        "chunk_topk": [[2, 1, 0]] * chunks,
+        "fallback": False,
+    }
+
+
+def test_render_preview_writes_one_row_per_example(tmp_path):
+    one = render_preview([_item(0)], tmp_path / "one.png")
+    three = render_preview([_item(i) for i in range(3)], tmp_path / "three.png", title="three examples")
+    with Image.open(one) as a, Image.open(three) as b:
+        assert a.width == b.width == 1600
+        assert b.height > 2.5 * a.height  # rows stack
+    # a long chunk list grows the row instead of overflowing it
+    many = render_preview([_item(0, chunks=12)], tmp_path / "many.png")
+    with Image.open(many) as c, Image.open(one) as a:
+        assert c.height > a.height
+    assert not list(tmp_path.glob(".*.png"))  # written through a temp file, nothing left behind
+
+
+def test_render_preview_needs_an_example(tmp_path):
+    with pytest.raises(ValueError, match="at least one example"):
+        render_preview([], tmp_path / "none.png")
+
+
+def test_preview_command_on_a_recipe(tmp_path, capsys):
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny-clip")
+    out = tmp_path / "preview.png"
+    code = main(["recipes/quickstart_structxlip.yaml", f"model.name_or_path={tiny}", "data.train.size=4",
+                 f"data.cache_dir={tmp_path / 'cache'}", "--n", "2", "--out", str(out)])
+    assert code == 0 and out.is_file()
+    assert f"wrote {out}" in capsys.readouterr().out
+    with Image.open(out) as png:
+        assert png.width == 1600 and png.height > 300
+    # the preprocessing was cached like a run's: the lexicon, edges and regions steps are on disk
+    steps = {p.name.split("-")[0] for p in (tmp_path / "cache" / "preprocess").iterdir()}
+    assert steps == {"lexicon", "edges", "regions"}
+
+
+def test_preview_of_a_recipe_without_structxlip_uses_the_default_options(tmp_path):
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny-clip")
+    out = tmp_path / "plain.png"
+    assert main(["recipes/quickstart.yaml", f"model.name_or_path={tiny}", "data.train.size=2",
+                 f"data.cache_dir={tmp_path / 'cache'}", "--n", "1", "--out", str(out)]) == 0
+    assert out.is_file()
+
+
+def test_preview_reports_recipe_errors(tmp_path, capsys):
+    assert main(["recipes/quickstart_structxlip.yaml", "objective.terms.structxlip.regions.k=0",
+                 "--out", str(tmp_path / "x.png")]) == 2
+    assert "regions.k" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
