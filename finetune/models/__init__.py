@@ -1,0 +1,39 @@
+"""The model layer (DESIGN 4): one :class:`DualEncoder` over transformers and open_clip CLIP /
+SigLIP / SigLIP2 models, Long-CLIP KPS, full / LoRA / DoRA adapters, and the registry of named
+configs. Heavy modules load lazily, on first use of a name."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from finetune.models.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
+from finetune.models.weight_decay import no_weight_decay_names, param_groups
+
+_LAZY = {
+    "load_model": "finetune.models.loading",
+    "apply_text_length": "finetune.models.loading",
+    "load_finetuned": "finetune.models.adapters",
+    "save_finetuned": "finetune.models.adapters",
+    "apply_adapter": "finetune.models.adapters",
+    "merge_adapter": "finetune.models.adapters",
+    "enable_gradient_checkpointing": "finetune.models.adapters",
+    "AdapterConfig": "finetune.models.adapters",
+    "stretch_positions": "finetune.models.longclip",
+    "apply_kps": "finetune.models.longclip",
+    "build_model": "finetune.models.registry",
+    "save_tiny": "finetune.models.registry",
+    "registry_names": "finetune.models.registry",
+    "TINY_NAMES": "finetune.models.registry",
+    "HFDualEncoder": "finetune.models.hf",
+    "OpenCLIPDualEncoder": "finetune.models.openclip",
+}
+
+__all__ = ["DualEncoder", "ImageFeatures", "TextFeatures", "TokenizedText", "no_weight_decay_names",
+           "param_groups", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'finetune.models' has no attribute {name!r}")

@@ -30,12 +30,21 @@ class ImageFeatures:
         embeds: ``(B, D)`` projected global embedding.
         states: ``(B, N, W)`` last-layer patch states before the final norm, prefix tokens removed;
             ``None`` unless asked for.
-        grid: patch grid ``(rows, cols)`` with ``rows * cols == N``.
+        grid: patch grid ``(rows, cols)`` with ``rows * cols == N``. For SigLIP2 NaFlex batches whose
+            images have different grids it is ``(0, 0)``: read ``spatial_shapes`` instead.
+        pooled_state: ``(B, W)`` the state (before the final norm) whose projection is ``embeds``
+            (the CLS token of CLIP towers); ``None`` unless ``states`` were asked for, and ``None``
+            for attention-pooled towers (SigLIP's MAP head pools all patches).
+        patch_mask: ``(B, N)`` 1 for real patches, 0 for NaFlex padding; ``None`` for fixed grids.
+        spatial_shapes: ``(B, 2)`` NaFlex per-image patch grid ``(rows, cols)``; ``None`` otherwise.
     """
 
     embeds: Tensor
     states: Tensor | None
     grid: tuple[int, int]
+    pooled_state: Tensor | None = None
+    patch_mask: Tensor | None = None
+    spatial_shapes: Tensor | None = None
 
 
 @dataclass
@@ -46,11 +55,14 @@ class TextFeatures:
         embeds: ``(B, D)`` projected global embedding.
         states: ``(B, L, W)`` last-layer token states before the final norm; ``None`` unless asked.
         attention_mask: ``(B, L)`` 1 for real tokens, 0 for padding.
+        pool_positions: ``(B,)`` index of the token whose state is projected into ``embeds`` (the
+            EOS token for CLIP, the last position for SigLIP); filled when ``states`` are asked for.
     """
 
     embeds: Tensor
     states: Tensor | None
     attention_mask: Tensor
+    pool_positions: Tensor | None = None
 
 
 @dataclass
@@ -67,7 +79,8 @@ class TokenizedText:
     attention_mask: Tensor
     truncated: Tensor
 
-    def to(self, device: torch.device | str) -> "TokenizedText":
+    def to(self, device: torch.device | str) -> TokenizedText:
+        """Move the three tensors to ``device``."""
         return TokenizedText(
             self.input_ids.to(device), self.attention_mask.to(device), self.truncated.to(device)
         )
@@ -80,6 +93,9 @@ class DualEncoder(nn.Module, abc.ABC):
     or ``"siglip2"``), ``model`` (the wrapped backend module), ``tokenizer``, ``image_processor``,
     ``max_text_len``, ``patch_size``, ``image_size`` and ``name_or_path``, and implement the
     abstract methods below.
+
+    ``truncation_stats`` counts the captions :meth:`tokenize` has seen and how many of them did
+    not fit (``{"captions": int, "truncated": int}``), so that a run can report it.
     """
 
     backend: str = ""
@@ -98,11 +114,15 @@ class DualEncoder(nn.Module, abc.ABC):
         self.base_text_len: int = 77
         #: KPS settings once applied (``{"length", "keep", "ratio", "freeze_kept"}``), else None
         self.kps: dict[str, Any] | None = None
+        #: the adapter settings once :func:`finetune.models.adapters.apply_adapter` ran, else None
+        self.adapter: Any = None
+        self.truncation_stats: dict[str, int] = {"captions": 0, "truncated": 0}
 
     # -- towers ---------------------------------------------------------------------------------
     @abc.abstractmethod
     def encode_image(self, pixel_values: Tensor, *, states: bool = False, **kwargs: Any) -> ImageFeatures:
-        """Encode images ``(B, 3, H, W)`` into :class:`ImageFeatures`."""
+        """Encode images ``(B, 3, H, W)`` (NaFlex: ``(B, N, 3·p·p)`` patches plus the
+        ``pixel_attention_mask`` and ``spatial_shapes`` keywords) into :class:`ImageFeatures`."""
 
     @abc.abstractmethod
     def encode_text(
@@ -119,14 +139,20 @@ class DualEncoder(nn.Module, abc.ABC):
         """Map text states ``(..., W)`` to the joint space ``(..., D)`` with the model's own head."""
 
     def forward(
-        self, pixel_values: Tensor, input_ids: Tensor, attention_mask: Tensor | None = None
+        self,
+        pixel_values: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        **image_kwargs: Any,
     ) -> tuple[Tensor, Tensor]:
         """Both towers in one call: ``(image_embeds (B, D), text_embeds (B', D))``.
 
-        Going through ``forward`` matters under DDP/FSDP: the wrapped module's hooks run.
+        ``image_kwargs`` go to :meth:`encode_image` (NaFlex: ``pixel_attention_mask``,
+        ``spatial_shapes``). Going through ``forward`` matters under DDP/FSDP: the wrapped module's
+        hooks run.
         """
         return (
-            self.encode_image(pixel_values).embeds,
+            self.encode_image(pixel_values, **image_kwargs).embeds,
             self.encode_text(input_ids, attention_mask).embeds,
         )
 
@@ -151,8 +177,58 @@ class DualEncoder(nn.Module, abc.ABC):
     def position_embedding(self) -> nn.Parameter:
         """The text tower's positional table ``(max_text_len, W)`` (the tensor KPS stretches)."""
 
-    # -- state dict helpers -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def resize_text_positions(self, table: Tensor) -> None:
+        """Replace the text positional table by ``table`` ``(L', W)`` and update everything that
+        knows the text length (position ids, causal mask, config, tokenizer ``model_max_length``,
+        ``max_text_len``). Used by :func:`finetune.models.longclip.apply_kps`."""
+
+    def _count_truncation(self, truncated: Tensor) -> None:
+        self.truncation_stats["captions"] += int(truncated.numel())
+        self.truncation_stats["truncated"] += int(truncated.sum())
+
+    # -- images -----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def preprocess_images(self, images: list[Any]) -> dict[str, Tensor]:
+        """Turn PIL images into the keyword inputs of :meth:`encode_image` with the backend's own
+        image processor: ``pixel_values`` ``(B, 3, H, W)``, or for NaFlex ``pixel_values``
+        ``(B, N, 3·p·p)``, ``pixel_attention_mask`` ``(B, N)`` and ``spatial_shapes`` ``(B, 2)``."""
+
+    @abc.abstractmethod
+    def image_transform_params(self) -> dict[str, Any]:
+        """The exact geometry and normalisation of :meth:`preprocess_images`, so that a box in the
+        original image can be mapped to patch coordinates.
+
+        Keys: ``mode`` (``"shortest_center_crop"``: resize the shortest side to ``size`` then
+        centre-crop ``crop`` ``(h, w)``; ``"squash"``: resize to ``size`` ``(h, w)``;
+        ``"longest_pad"``: resize the longest side to ``size`` then pad to a square;
+        ``"naflex"``: aspect-preserving resize to at most ``max_num_patches`` patches),
+        ``size``, ``crop``, ``resample`` (e.g. ``"bicubic"``), ``mean``, ``std``, ``patch_size``,
+        ``max_num_patches`` (NaFlex only).
+        """
+
+    # -- training helpers -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def set_gradient_checkpointing(self, enable: bool = True) -> None:
+        """Turn activation checkpointing of both towers on or off (non-reentrant, so that frozen
+        inputs do not stop gradients from reaching adapter weights)."""
+
+    # -- description ------------------------------------------------------------------------------
+    def config_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable description: backend, family, base model, text lengths, KPS."""
+        return {
+            "backend": self.backend,
+            "family": self.family,
+            "name_or_path": self.name_or_path,
+            "base_text_len": self.base_text_len,
+            "max_text_len": self.max_text_len,
+            "kps": dict(self.kps) if self.kps else None,
+            "image_size": self.image_size,
+            "patch_size": self.patch_size,
+        }
+
     def trainable_parameter_names(self) -> list[str]:
+        """Names of the parameters with ``requires_grad``."""
         return [n for n, p in self.named_parameters() if p.requires_grad]
 
     @property

@@ -1,0 +1,420 @@
+"""Full fine-tuning, LoRA and DoRA through peft; target presets per backend; save, load, merge.
+
+LoRA (Hu et al., 2021) adds ``B·A`` (rank ``r``, scaled by ``alpha / r``) to frozen linear layers;
+DoRA (Liu et al., 2024) also learns each column's magnitude: peft ``LoraConfig(use_dora=True)``.
+Presets (DESIGN 4) name the attention and MLP linears:
+
+- transformers CLIP / SigLIP / SigLIP2: ``self_attn.{q,k,v,out}_proj`` and ``mlp.fc1 / fc2``
+  (SigLIP's pooling-head MLP included; its ``nn.MultiheadAttention`` is not, as peft cannot adapt
+  its ``out_proj`` separately).
+- open_clip: the blocks' ``nn.MultiheadAttention`` (peft adapts in_proj and out_proj) and
+  ``mlp.c_fc / c_proj``; timm towers: ``attn.qkv / proj`` and ``mlp.fc1 / fc2``. peft has no DoRA
+  for ``nn.MultiheadAttention``, so DoRA on open_clip's own transformer blocks adapts their MLPs
+  only (a warning says so).
+
+The stretched text positions and ``logit_scale`` / ``logit_bias`` train alongside the adapter as
+plain trainable parameters (``train_extra``) and are saved next to it.
+
+A saved adapter folder holds peft's ``adapter_config.json`` + ``adapter_model.safetensors``,
+``xlipkit_extra.safetensors`` (the extra trained tensors) and ``xlipkit.json`` (base model,
+backend, family, KPS settings, adapter settings, a fingerprint of the base architecture, the
+recipe), so that :func:`load_finetuned` rebuilds base + KPS + adapter exactly.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from finetune.models.atomic import atomic_dir
+from finetune.models.encoder import DualEncoder
+
+log = logging.getLogger(__name__)
+
+ADAPTER_TYPES = ("full", "lora", "dora")
+INFO_NAME = "xlipkit.json"
+EXTRA_NAME = "xlipkit_extra.safetensors"
+FORMAT_VERSION = 1
+#: symbolic ``train_extra`` entries
+EXTRA_SYMBOLS = ("positions", "logit_scale", "logit_bias")
+
+_HF_ATTN = r".*\.self_attn\.(?:q_proj|k_proj|v_proj|out_proj)"
+_HF_MLP = r".*\.mlp\.(?:fc1|fc2)"
+_OC_ATTN = r"(?:.*\.)?resblocks\.\d+\.attn"
+_OC_MLP = r"(?:.*\.)?resblocks\.\d+\.mlp\.(?:c_fc|c_proj)"
+_TIMM_ATTN = r".*\.blocks\.\d+\.attn\.(?:qkv|proj)"
+_TIMM_MLP = r".*\.trunk\.(?:blocks\.\d+|attn_pool)\.mlp\.(?:fc1|fc2)"
+
+
+@dataclass
+class AdapterConfig:
+    """How to fine-tune: ``full`` (every parameter), ``lora`` or ``dora`` (peft).
+
+    Attributes:
+        type: ``"full"``, ``"lora"`` or ``"dora"``.
+        r: LoRA rank.
+        alpha: LoRA ``alpha`` (the update is scaled by ``alpha / r``).
+        dropout: dropout on the LoRA branch input.
+        targets: ``"preset"`` (the backend's attention + MLP linears) or a list of module names
+            (peft's suffix matching).
+        include_mlp: with the preset, also adapt the MLP linears.
+        extra_targets: more module names to adapt (e.g. ``"text_projection"``).
+        train_extra: parameters trained as they are next to the adapter: ``"positions"`` (the
+            text positional table, when KPS stretched it), ``"logit_scale"``, ``"logit_bias"``, or
+            names / shell patterns of the backend model's parameters (``"text_model.final_layer_norm.*"``).
+    """
+
+    type: str = "full"
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    targets: str | list[str] = "preset"
+    include_mlp: bool = True
+    extra_targets: list[str] = field(default_factory=list)
+    train_extra: list[str] = field(default_factory=lambda: list(EXTRA_SYMBOLS))
+
+    def __post_init__(self) -> None:
+        if self.type not in ADAPTER_TYPES:
+            raise ValueError(f"adapter.type {self.type!r} does not exist; use one of {ADAPTER_TYPES}")
+        if int(self.r) < 1:
+            raise ValueError(f"adapter.r must be >= 1, got {self.r}")
+        if float(self.alpha) <= 0:
+            raise ValueError(f"adapter.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"adapter.dropout must be in [0, 1), got {self.dropout}")
+        names_ok = not isinstance(self.targets, str) and all(isinstance(t, str) for t in self.targets)
+        if self.targets != "preset" and not names_ok:
+            raise ValueError(f"adapter.targets must be 'preset' or a list of module names, got {self.targets!r}")
+        self.targets = self.targets if self.targets == "preset" else list(self.targets)
+        self.extra_targets = list(self.extra_targets)
+        self.train_extra = list(self.train_extra)
+
+
+# -- presets and parameter selection -------------------------------------------------------------------
+def target_modules(model: DualEncoder, cfg: AdapterConfig) -> str | list[str]:
+    """peft ``target_modules`` for ``model`` under ``cfg``: a full-match regex for the preset,
+    else the list of names. Raises ValueError when nothing would be adapted."""
+    extra = list(cfg.extra_targets)
+    if cfg.targets != "preset":
+        names = list(cfg.targets) + extra
+        if not names:
+            raise ValueError("adapter.targets is an empty list and adapter.extra_targets is empty: nothing to adapt")
+        return names
+    dora = cfg.type == "dora"
+    if model.backend == "hf":
+        patterns = [_HF_ATTN] + ([_HF_MLP] if cfg.include_mlp else [])
+    else:
+        patterns = [_TIMM_ATTN] + ([_TIMM_MLP] if cfg.include_mlp else [])
+        if dora:
+            log.warning("peft has no DoRA for nn.MultiheadAttention: the attention of open_clip's own transformer "
+                        "blocks gets no adapter, their MLP linears do")
+        else:
+            patterns.append(_OC_ATTN)
+        if cfg.include_mlp:
+            patterns.append(_OC_MLP)
+    patterns += [r"(?:.*\.)?" + re.escape(name) for name in extra]
+    timm_vision = hasattr(model.model.visual, "trunk") if model.backend == "open_clip" else False
+    if dora and model.backend == "open_clip" and not cfg.include_mlp and not extra and not timm_vision:
+        raise ValueError("DoRA on open_clip without MLP targets adapts nothing (peft has no DoRA for "
+                         "nn.MultiheadAttention): set adapter.include_mlp: true or use lora")
+    return "(?:" + "|".join(patterns) + ")"
+
+
+def _param_names(module: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def extra_parameter_names(model: DualEncoder, train_extra: list[str]) -> list[str]:
+    """Resolve ``train_extra`` into names of ``model.model``'s parameters (see
+    :class:`AdapterConfig`). ``"positions"`` resolves only when KPS stretched the table, and
+    ``"logit_bias"`` only for models that have one.
+
+    Raises:
+        ValueError: a pattern that matches no parameter.
+    """
+    ids = _param_names(model.model)
+    names: list[str] = []
+    for entry in train_extra:
+        if entry == "positions":
+            if model.kps is not None:
+                names.append(ids[id(model.position_embedding())])
+        elif entry == "logit_scale":
+            names.append(ids[id(model.logit_scale)])
+        elif entry == "logit_bias":
+            if model.logit_bias is not None:
+                names.append(ids[id(model.logit_bias)])
+        else:
+            hits = [n for n in ids.values() if fnmatch.fnmatchcase(n, entry)]
+            if not hits:
+                sample = ", ".join(list(ids.values())[:5])
+                raise ValueError(f"adapter.train_extra entry {entry!r} matches no parameter of {model.name_or_path!r} "
+                                 f"(names look like: {sample}, ...); symbolic entries: {EXTRA_SYMBOLS}")
+            names.extend(hits)
+    return list(dict.fromkeys(names))
+
+
+def base_signature(model: DualEncoder) -> dict[str, Any]:
+    """A fingerprint of the base architecture: backend, family, original text length and a hash of
+    every base parameter's name and shape (LoRA weights and the text positional table left out,
+    peft's ``base_layer`` wrappers unwrapped). Two models with the same signature accept the same
+    adapter."""
+    pos = id(model.position_embedding())
+    items = []
+    for name, p in model.model.named_parameters():
+        if "lora_" in name or id(p) == pos:
+            continue
+        items.append(f"{name.replace('.base_layer', '')}:{tuple(p.shape)}")
+    digest = hashlib.sha256("\n".join(sorted(items)).encode()).hexdigest()[:16]
+    return {"backend": model.backend, "family": model.family, "base_text_len": model.base_text_len,
+            "parameters": digest}
+
+
+def peft_model_of(model: DualEncoder) -> Any:
+    """The peft ``PeftModel`` wrapping ``model.model``, or None without a LoRA/DoRA adapter."""
+    return model.__dict__.get("_peft")
+
+
+@contextmanager
+def _quiet_peft() -> Iterator[None]:
+    # peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def _attach_peft(model: DualEncoder, peft_model: Any) -> None:
+    # kept out of nn.Module registration: the PeftModel wraps the same modules as model.model
+    object.__setattr__(model, "_peft", peft_model)
+
+
+# -- apply / save / load / merge -----------------------------------------------------------------------
+def apply_adapter(model: DualEncoder, cfg: AdapterConfig | dict[str, Any]) -> DualEncoder:
+    """Prepare ``model`` for training under ``cfg``, in place.
+
+    ``full``: every parameter trains. ``lora`` / ``dora``: peft injects adapters into the target
+    layers (``model.model`` stays the backend model, now holding them; the ``PeftModel`` is
+    :func:`peft_model_of`), freezes everything else, and the ``train_extra`` parameters are made
+    trainable again.
+
+    Returns:
+        ``model``, still a :class:`DualEncoder`, with ``model.adapter = cfg``.
+
+    Raises:
+        ValueError: unknown adapter type or bad settings, targets that match no layer, a model
+            that already carries an adapter.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    cfg = cfg if isinstance(cfg, AdapterConfig) else AdapterConfig(**cfg)
+    if model.adapter is not None:
+        raise ValueError(f"{model.name_or_path!r} already has an adapter ({model.adapter.type}); load the base model "
+                         f"again to apply another")
+    if cfg.type == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.adapter = cfg
+        return model
+    extra = extra_parameter_names(model, cfg.train_extra)
+    lora = LoraConfig(r=int(cfg.r), lora_alpha=cfg.alpha, lora_dropout=float(cfg.dropout),
+                      target_modules=target_modules(model, cfg), use_dora=cfg.type == "dora", bias="none")
+    try:
+        with _quiet_peft():
+            peft_model = get_peft_model(model.model, lora)
+    except ValueError as e:
+        raise ValueError(f"adapter targets {cfg.targets!r} + {cfg.extra_targets!r} do not fit {model.name_or_path!r} "
+                         f"({model.backend}): {e}") from e
+    _attach_peft(model, peft_model)
+    params = dict(model.model.named_parameters())
+    for name in extra:
+        params[name].requires_grad_(True)
+    model.adapter = cfg
+    return model
+
+
+def enable_gradient_checkpointing(model: DualEncoder, enable: bool = True) -> DualEncoder:
+    """Non-reentrant activation checkpointing of both towers: adapter weights still get gradients
+    although the layer inputs come from frozen weights (with reentrant checkpointing they would
+    not, DESIGN 8)."""
+    model.set_gradient_checkpointing(enable)
+    return model
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
+
+
+def save_finetuned(model: DualEncoder, folder: str | Path, *, recipe: dict[str, Any] | None = None) -> Path:
+    """Save a fine-tuned model into ``folder`` (atomically) so that :func:`load_finetuned`
+    rebuilds it.
+
+    ``full`` (or merged) models: the backend's native folder (``save_pretrained``) plus
+    ``xlipkit.json``. ``lora`` / ``dora``: peft's ``adapter_config.json`` +
+    ``adapter_model.safetensors``, ``xlipkit_extra.safetensors`` (the ``train_extra`` tensors:
+    stretched positions, logit scale/bias) and ``xlipkit.json``.
+
+    Returns:
+        the folder path.
+    """
+    from safetensors.torch import save_file
+
+    cfg = model.adapter
+    kind = "adapter" if cfg is not None and cfg.type != "full" else "full"
+    info: dict[str, Any] = {
+        "format": "xlipkit",
+        "version": FORMAT_VERSION,
+        "kind": kind,
+        "base_model": model.name_or_path,
+        "backend": model.backend,
+        "family": model.family,
+        "base_text_len": model.base_text_len,
+        "max_text_len": model.max_text_len,
+        "kps": model.kps,
+        "adapter": asdict(cfg) if cfg is not None else None,
+        "signature": base_signature(model),
+        "recipe": recipe,
+    }
+    with atomic_dir(folder) as tmp:
+        if kind == "full":
+            model.save_pretrained(str(tmp))
+        else:
+            peft_model_of(model).save_pretrained(str(tmp))
+            names = extra_parameter_names(model, cfg.train_extra)
+            params = dict(model.model.named_parameters())
+            save_file({n: params[n].detach().contiguous().cpu() for n in names}, str(tmp / EXTRA_NAME))
+            info["extra_tensors"] = names
+        _write_json(tmp / INFO_NAME, info)
+    return Path(folder)
+
+
+def read_info(folder: str | Path) -> dict[str, Any]:
+    """Read and check a folder's ``xlipkit.json``.
+
+    Raises:
+        FileNotFoundError: no ``xlipkit.json`` in the folder.
+        ValueError: not valid JSON or not an xlipkit description.
+    """
+    path = Path(folder) / INFO_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {folder} is not a folder written by save_finetuned "
+                                f"(for a plain model folder use finetune.load_model)")
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    missing = [k for k in ("kind", "base_model", "backend") if k not in info]
+    if info.get("format") != "xlipkit" or missing:
+        raise ValueError(f"{path} is not an xlipkit description (format={info.get('format')!r}, missing {missing})")
+    if info["kind"] not in ("full", "adapter"):
+        raise ValueError(f"{path}: kind {info['kind']!r} must be 'full' or 'adapter'")
+    return info
+
+
+def _check_base(info: dict[str, Any], model: DualEncoder, folder: Path) -> None:
+    saved = info.get("signature") or {}
+    found = base_signature(model)
+    diff = [f"{k}: adapter {saved[k]!r} vs base {found.get(k)!r}" for k in saved if saved[k] != found.get(k)]
+    if diff:
+        raise ValueError(f"the adapter in {folder} was trained on base model {info['base_model']!r}, but the base "
+                         f"model {model.name_or_path!r} does not match it ({'; '.join(diff)}); load it with the "
+                         f"base it was trained on (load_finetuned(path, base=...))")
+
+
+def load_finetuned(
+    path: str | Path,
+    *,
+    revision: str | None = None,
+    merge: bool = False,
+    base: str | DualEncoder | None = None,
+) -> DualEncoder:
+    """Rebuild a model saved by :func:`save_finetuned`: base + KPS + adapter (+ extra tensors).
+
+    Args:
+        path: a folder, or a hub id (downloaded with ``huggingface_hub.snapshot_download``).
+        revision: hub revision.
+        merge: fold a LoRA/DoRA adapter into the base weights (:func:`merge_adapter`).
+        base: the base model to put the adapter on (a name/path for ``load_model`` or a loaded
+            DualEncoder); default: the ``base_model`` recorded in ``xlipkit.json``.
+
+    Returns:
+        the model in eval mode, giving the outputs of the model that was saved.
+
+    Raises:
+        FileNotFoundError: no ``xlipkit.json``.
+        ValueError: a base model whose architecture does not match the adapter's.
+    """
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from finetune.models.loading import load_model
+    from finetune.models.longclip import apply_kps
+
+    folder = Path(path)
+    if not folder.is_dir():
+        if folder.exists() or str(path).startswith(("/", ".", "~")):
+            raise FileNotFoundError(f"{path} is not a folder written by save_finetuned")
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(str(path), revision=revision))
+    info = read_info(folder)
+    if info["kind"] == "full":
+        return load_model(str(folder), backend=info["backend"]).eval()
+
+    if isinstance(base, DualEncoder):
+        model = base
+    else:
+        # "auto": a base of another backend loads, and the signature check below names the mismatch
+        model = load_model(str(base or info["base_model"]))
+    if info.get("kps"):
+        apply_kps(model, **info["kps"])
+    _check_base(info, model, folder)
+    cfg = AdapterConfig(**info["adapter"])
+    try:
+        with _quiet_peft():
+            peft_model = PeftModel.from_pretrained(model.model, str(folder), is_trainable=False)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise ValueError(f"the adapter in {folder} does not fit base model {model.name_or_path!r}: {e}") from e
+    _attach_peft(model, peft_model)
+    model.adapter = cfg
+    extra_file = folder / EXTRA_NAME
+    if extra_file.is_file():
+        params = dict(model.model.named_parameters())
+        for name, tensor in load_file(str(extra_file)).items():
+            if name not in params or params[name].shape != tensor.shape:
+                have = tuple(params[name].shape) if name in params else "missing"
+                raise ValueError(f"{extra_file}: tensor {name} {tuple(tensor.shape)} does not fit the base model "
+                                 f"({have})")
+            with torch.no_grad():
+                params[name].copy_(tensor.to(params[name].dtype))
+    if merge:
+        merge_adapter(model)
+    return model.eval()
+
+
+def merge_adapter(model: DualEncoder) -> DualEncoder:
+    """Fold a LoRA/DoRA adapter into the base weights (peft ``merge_and_unload``), in place: the
+    adapter layers are removed and ``model.adapter`` becomes None, so ``save_finetuned`` then
+    writes a full native model.
+
+    Raises:
+        ValueError: the model has no LoRA/DoRA adapter.
+    """
+    peft_model = peft_model_of(model)
+    if peft_model is None:
+        raise ValueError(f"{model.name_or_path!r} has no LoRA/DoRA adapter to merge")
+    merged = peft_model.merge_and_unload()
+    model.model = merged
+    _attach_peft(model, None)
+    model.adapter = None
+    return model

@@ -1,0 +1,40 @@
+"""Atomic writes of model folders: build in a temporary sibling folder, then ``os.replace``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary folder next to ``path``; on success it replaces ``path``.
+
+    A reader never sees a half-written folder: either the old content or the new one. On error
+    the temporary folder is removed and ``path`` is left as it was.
+
+    Raises:
+        FileExistsError: when ``path`` exists and is a file.
+    """
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{target} exists and is a file; give a folder path to save a model into")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,202 @@
+"""``finetune.load_model``: one entry point for registry names, local folders, checkpoints and hub ids."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.models.encoder import DualEncoder
+
+BACKENDS = ("auto", "hf", "open_clip")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+_KPS_KEYS = {"keep", "ratio", "freeze_kept"}
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def _torch_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _looks_local(name: str) -> bool:
+    # hub ids are "org/name"; anything else with a path shape is meant as a local path
+    return (name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1
+            or (os.sep != "/" and os.sep in name) or name.endswith(_CHECKPOINT_SUFFIXES))
+
+
+def _unknown(name: str, backend: str, tried: list[str]) -> ValueError:
+    from finetune.models.registry import registry_names
+
+    lines = [f"could not load model {name!r} (backend={backend!r}). Looked for:"]
+    lines += [f"  - {t}" for t in tried]
+    lines.append(f"Registry names (random weights): {', '.join(registry_names())}")
+    lines.append("Backends: 'hf' (transformers CLIPModel, SiglipModel, Siglip2Model: hub id or save_pretrained "
+                 "folder) and 'open_clip' (architecture names such as 'ViT-B-16' or 'ViT-B-16:openai', "
+                 "'hf-hub:org/repo', open_clip folders); a Long-CLIP .pt checkpoint loads through open_clip.")
+    return ValueError("\n".join(lines))
+
+
+def _load_folder(folder: Path, backend: str, dtype: torch.dtype | None, trust_remote_code: bool) -> DualEncoder:
+    if (folder / "xlipkit.json").is_file() and not (folder / "config.json").is_file() and not (
+            folder / "open_clip_config.json").is_file():
+        from finetune.models.adapters import load_finetuned
+
+        return load_finetuned(str(folder))
+    if (folder / "open_clip_config.json").is_file() and backend in ("auto", "open_clip"):
+        from finetune.models.openclip import load_open_clip
+
+        return load_open_clip(str(folder), dtype=dtype)
+    if (folder / "config.json").is_file() and backend in ("auto", "hf"):
+        from finetune.models.hf import load_hf
+
+        return load_hf(str(folder), dtype=dtype, trust_remote_code=trust_remote_code)
+    wanted = {"auto": "config.json (transformers) or open_clip_config.json (open_clip)",
+              "hf": "config.json (transformers)", "open_clip": "open_clip_config.json (open_clip)"}[backend]
+    raise FileNotFoundError(f"{folder} is not a model folder for backend={backend!r}: no {wanted} in it "
+                            f"(found: {sorted(p.name for p in folder.iterdir())[:10]})")
+
+
+def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code: bool,
+          revision: str | None) -> DualEncoder:
+    from finetune.models.registry import REGISTRY, build_model, resolve_name
+
+    if name.startswith("local-dir:"):  # open_clip's schema for local folders
+        folder = Path(name[len("local-dir:"):]).expanduser()
+        if not folder.is_dir():
+            raise FileNotFoundError(f"open_clip folder {folder} does not exist")
+        return _load_folder(folder, "open_clip", dtype, trust_remote_code)
+    tried = []
+    key = resolve_name(name)
+    if key is not None and backend in ("auto", REGISTRY[key].backend):
+        model = build_model(key)
+        return model.to(dtype) if dtype is not None else model
+    tried.append("a registry name" + (f" (found {key!r}, but it is a {REGISTRY[key].backend} model)" if key else ""))
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return _load_folder(path, backend, dtype, trust_remote_code)
+    if path.is_file():
+        if path.suffix in _CHECKPOINT_SUFFIXES and backend in ("auto", "open_clip"):
+            from finetune.models.openclip import load_longclip_checkpoint
+
+            return load_longclip_checkpoint(path, dtype=dtype)
+        raise ValueError(f"{path} is a file; give a model folder, or a Long-CLIP/OpenAI checkpoint "
+                         f"({', '.join(_CHECKPOINT_SUFFIXES)}) with backend 'auto' or 'open_clip'")
+    tried.append(f"a local folder or checkpoint file at {path} (does not exist)")
+    if _looks_local(name):
+        raise FileNotFoundError(f"model path {path} does not exist")
+
+    import open_clip
+
+    arch = name.partition(":")[0].replace("/", "-")
+    if backend in ("auto", "open_clip") and arch in open_clip.list_models():
+        from finetune.models.openclip import load_open_clip
+
+        return load_open_clip(name.replace("/", "-"), dtype=dtype)
+    tried.append("an open_clip architecture name (open_clip.list_models())")
+
+    is_hub = name.startswith("hf-hub:") or (name.count("/") == 1 and not name.startswith("/"))
+    if not is_hub:
+        raise _unknown(name, backend, tried)
+    errors = []
+    if name.startswith("hf-hub:") or backend == "open_clip":
+        from finetune.models.openclip import load_open_clip
+
+        return load_open_clip(name, dtype=dtype, revision=revision)
+    from finetune.models.hf import load_hf
+
+    try:
+        return load_hf(name, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision)
+    except OSError as e:
+        errors.append(f"transformers: {e}")
+    if backend == "auto":
+        from finetune.models.openclip import load_open_clip
+
+        try:
+            return load_open_clip(name, dtype=dtype, revision=revision)
+        except OSError as e:
+            errors.append(f"open_clip: {e}")
+    tried.append(f"a hub repository {name!r} ({'; '.join(str(e).splitlines()[0] for e in errors)})")
+    raise _unknown(name, backend, tried)
+
+
+def apply_text_length(model: DualEncoder, max_text_len: int, kps: dict[str, Any] | None = None) -> DualEncoder:
+    """Give ``model`` ``max_text_len`` text positions: KPS (``finetune.models.longclip.apply_kps``)
+    when it is longer than the model's table, nothing when equal.
+
+    Raises:
+        ValueError: below the model's original text length, below a table that was already
+            stretched, or for unknown ``kps`` keys.
+    """
+    from finetune.models.longclip import DEFAULT_KEEP, apply_kps
+
+    if max_text_len < model.base_text_len:
+        raise ValueError(f"max_text_len={max_text_len} is below the original text length {model.base_text_len} of "
+                         f"{model.name_or_path!r}; use a value >= {model.base_text_len} (longer captions are "
+                         f"truncated with the end token kept)")
+    if max_text_len == model.max_text_len:
+        return model
+    if max_text_len < model.max_text_len:
+        raise ValueError(f"{model.name_or_path!r} already has {model.max_text_len} text positions (KPS {model.kps}); "
+                         f"max_text_len={max_text_len} cannot shrink them: use {model.max_text_len} or load the "
+                         f"unstretched base model")
+    settings: dict[str, Any] = {"keep": DEFAULT_KEEP, "ratio": None, "freeze_kept": True}
+    unknown = set(kps or {}) - _KPS_KEYS
+    if unknown:
+        raise ValueError(f"unknown KPS settings {sorted(unknown)}; known: {sorted(_KPS_KEYS)}")
+    settings.update(kps or {})
+    return apply_kps(model, length=max_text_len, **settings)
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    backend: str = "auto",
+    max_text_len: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    kps: dict[str, Any] | None = None,
+    revision: str | None = None,
+) -> DualEncoder:
+    """Load a :class:`DualEncoder` (DESIGN 4).
+
+    ``name_or_path`` is tried as, in order: a registry name (``tiny-clip``, ``small-clip``,
+    ``clip-vit-base-patch16``, ... built with random weights); a local folder in a backend's
+    native format (transformers ``config.json`` with model_type clip / siglip / siglip2, or open_clip
+    ``open_clip_config.json``; an xlipkit adapter folder goes to ``load_finetuned``); a Long-CLIP /
+    OpenAI ``.pt`` checkpoint; an open_clip architecture (``"ViT-B-16"``: random weights,
+    ``"ViT-B-16:openai"``: a pretrained tag); a hub id (transformers, or open_clip for
+    ``hf-hub:org/repo`` / ``backend="open_clip"`` / repos with only ``open_clip_config.json``).
+
+    Args:
+        name_or_path: see above.
+        backend: ``"auto"``, ``"hf"`` or ``"open_clip"``.
+        max_text_len: text positions wanted; above the model's length applies Long-CLIP KPS with
+            the ``kps`` settings; ``None`` keeps the model's own.
+        dtype: ``torch.dtype`` or ``"float32"`` / ``"bfloat16"`` / ``"float16"``.
+        trust_remote_code: passed to transformers (off by default).
+        kps: KPS settings ``{"keep": 20, "ratio": None, "freeze_kept": True}`` (any subset).
+        revision: hub revision.
+
+    Raises:
+        ValueError: unknown name (the message lists what was looked for, the registry names and
+            the backends), unsupported architecture, bad ``backend`` / ``dtype`` / ``kps``, or a
+            ``max_text_len`` below the model's original length.
+        FileNotFoundError: a local path that does not exist or is not a model folder.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+    model = _load(str(name_or_path), backend, _torch_dtype(dtype), trust_remote_code, revision)
+    if max_text_len is not None:
+        apply_text_length(model, int(max_text_len), kps)
+    return model

@@ -1,0 +1,103 @@
+"""Tokenisation shared by the backends: truncation that keeps the end token, and padding.
+
+Long captions are the point of this toolkit, so a caption that does not fit is cut in its middle
+content, never at its end token (Long-CLIP's ``tokenize`` forces the last token to EOT; HF
+tokenizers keep the special suffix when they truncate), and the cut is reported per caption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from finetune.models.encoder import TokenizedText
+
+
+def truncate_keep_end(ids: Sequence[int], max_length: int, n_end: int) -> tuple[list[int], bool]:
+    """Cut ``ids`` to ``max_length`` tokens, keeping its last ``n_end`` tokens (the end token).
+
+    Returns the (possibly shortened) list and whether it was cut.
+    """
+    if len(ids) <= max_length:
+        return list(ids), False
+    if n_end >= max_length:
+        raise ValueError(f"max_length={max_length} leaves no room for content next to {n_end} end token(s)")
+    head = list(ids[: max_length - n_end])
+    tail = list(ids[len(ids) - n_end :]) if n_end else []
+    return head + tail, True
+
+
+def pad_batch(
+    seqs: Sequence[Sequence[int]], length: int, pad_id: int, *, side: str = "right"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token lists to ``length``: ``(input_ids (B, length), attention_mask (B, length))``."""
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        n = len(s)
+        if side == "left":
+            ids[i, length - n :] = torch.tensor(s, dtype=torch.long)
+            mask[i, length - n :] = 1
+        else:
+            ids[i, :n] = torch.tensor(s, dtype=torch.long)
+            mask[i, :n] = 1
+    return ids, mask
+
+
+def special_suffix_length(tokenizer: Any) -> int:
+    """How many special tokens an HF tokenizer appends after the content (1 for CLIP's EOS and
+    T5's ``</s>``, 0 for a tokenizer that adds none)."""
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return len(full) - start - len(bare)
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    n = 0
+    while n < len(full) and full[len(full) - 1 - n] in special:
+        n += 1
+    return n
+
+
+def hf_tokenize(
+    tokenizer: Any,
+    texts: list[str],
+    max_length: int,
+    *,
+    padding: str = "max_length",
+    clean: Callable[[str], str] | None = None,
+) -> TokenizedText:
+    """Tokenise with a transformers tokenizer, truncating with the special suffix kept.
+
+    Args:
+        tokenizer: a transformers tokenizer (fast or slow).
+        texts: ``B`` captions.
+        max_length: the most tokens a caption may have, special tokens included.
+        padding: ``"max_length"`` (pad every row to ``max_length``) or ``"longest"``.
+        clean: optional text clean-up applied first (open_clip's ``clean_fn``).
+
+    Returns:
+        :class:`TokenizedText` with ``(B, L)`` ids and mask and ``(B,)`` truncation flags.
+    """
+    if isinstance(texts, str):
+        raise TypeError("texts must be a list of strings, not one string: wrap it as [text]")
+    if clean is not None:
+        texts = [clean(t) for t in texts]
+    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=False, padding=False, verbose=False)
+    n_end = special_suffix_length(tokenizer)
+    rows, flags = [], []
+    for ids in encoded["input_ids"]:
+        cut, was_cut = truncate_keep_end(ids, max_length, n_end)
+        rows.append(cut)
+        flags.append(was_cut)
+    if padding == "max_length":
+        length = max_length
+    elif padding == "longest":
+        length = max((len(r) for r in rows), default=1)
+    else:
+        raise ValueError(f"padding must be 'max_length' or 'longest', got {padding!r}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids, mask = pad_batch(rows, length, pad_id, side=getattr(tokenizer, "padding_side", "right"))
+    return TokenizedText(ids, mask, torch.tensor(flags, dtype=torch.bool))

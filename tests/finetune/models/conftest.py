@@ -1,0 +1,65 @@
+"""Fixtures of the model-layer tests: tiny models of every backend, saved once per session with
+``save_pretrained`` and loaded through ``load_model`` like hub checkpoints (DESIGN 9).
+
+Other packages' tests can do the same with the public helpers
+``finetune.models.registry.save_tiny(name, folder)`` and ``finetune.load_model(folder)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from finetune.models.encoder import DualEncoder
+from finetune.models.registry import TINY_NAMES, save_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_dir(name)``: the folder tiny registry model ``name`` was saved to (once per session)."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    saved: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in saved:
+            saved[name] = save_tiny(name, root / name)
+        return saved[name]
+
+    return get
+
+
+@pytest.fixture
+def load_tiny(tiny_dir: Callable[[str], Path]) -> Callable[..., DualEncoder]:
+    """``load_tiny(name, **load_model_kwargs)``: a fresh model loaded from the saved folder."""
+    from finetune import load_model
+
+    def load(name: str, **kwargs: object) -> DualEncoder:
+        return load_model(str(tiny_dir(name)), **kwargs)
+
+    return load
+
+
+@pytest.fixture(params=TINY_NAMES)
+def tiny(request: pytest.FixtureRequest, load_tiny: Callable[..., DualEncoder]) -> DualEncoder:
+    """Each tiny model (HF CLIP, SigLIP, SigLIP2 NaFlex, open_clip CLIP, open_clip SigLIP), loaded
+    from its saved folder."""
+    return load_tiny(request.param)
+
+
+@pytest.fixture
+def images() -> list[Image.Image]:
+    """Three small RGB images of different sizes and contents."""
+    rng = np.random.RandomState(0)
+    sizes = [(40, 30), (32, 32), (50, 64)]
+    return [Image.fromarray(rng.randint(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+
+
+@pytest.fixture
+def captions() -> list[str]:
+    """Three captions, the first longer than 77 CLIP tokens."""
+    long = " ".join(f"A red circle number {i} is at the top left of the scene." for i in range(12))
+    return [long, "two blue squares on the right", "a small green star"]
