@@ -196,9 +196,14 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
         report = write_report(out_dir, metrics, table=table)
         print(f"wrote {out_dir / 'metrics.json'}, {report}, {out_dir / 'final'}", flush=True)
         if recipe.hub.push:
-            from finetune.hub import push
+            from finetune.hub import HubPushError, push
 
-            push(out_dir, recipe.hub.repo_id, private=recipe.hub.private, revision=recipe.hub.revision)
+            try:
+                push(out_dir, recipe.hub.repo_id, private=recipe.hub.private, revision=recipe.hub.revision,
+                     token=recipe.hub.token)
+            except HubPushError as exc:  # the run itself is complete and saved
+                log.error("hub push failed (the run folder %s is intact): %s", out_dir, exc)
+                return 1
     accelerator.wait_for_everyone()
     return 0
 
