@@ -33,6 +33,7 @@ from finetune.objectives.structxlip import (
     StructXLIPTerm,
     StructXLIPWeights,
     box_patch_mask,
+    length_buckets,
     official_chunks,
     select_regions,
 )
@@ -255,7 +256,31 @@ def test_collate_shapes_and_chunks_padded_to_the_longest_chunk(crop_setup, model
         assert sx["region_slot"][i].tolist() == kept
         assert sx["region_inputs"]["pixel_values"][i].shape == (len(kept), 3, 32, 32)
     text = term.text_inputs(batch)
-    assert text["chunk"].input_ids.shape == (len(chunks), longest)
+    buckets = [req for key, req in text.items() if key.startswith("chunk@")]
+    assert sum(r.input_ids.shape[0] for r in buckets) == len(chunks)
+    for req in buckets:  # each length bucket is padded to its own longest chunk
+        assert req.input_ids.shape[1] == int(req.attention_mask.sum(dim=1).max())
+    assert sum(r.input_ids.numel() for r in buckets) <= len(chunks) * longest
+
+
+def test_length_buckets_minimise_padding_and_keep_every_row():
+    lengths = torch.tensor([5, 30, 5, 6, 5, 29])
+    groups = length_buckets(lengths, max_buckets=2)
+    assert [sorted(g.tolist()) for g in groups] == [[0, 2, 3, 4], [1, 5]]  # 4 x 6 + 2 x 30 = 84 tokens
+    assert sorted(torch.cat(length_buckets(lengths)).tolist()) == list(range(6))
+    assert [g.tolist() for g in length_buckets(torch.tensor([7, 7, 7]))] == [[0, 1, 2]]
+
+
+def test_bucketed_chunks_embed_like_one_padded_request(crop_setup, model):
+    term, data = crop_setup
+    batch = _batch(term, model, data)
+    with torch.no_grad():
+        feats = _objective(term).encode(model, batch)
+        sx = batch["structxlip"]
+        ids, mask = torch.cat(sx["chunk_input_ids"]), torch.cat(sx["chunk_attention_mask"])
+        expected = model.encode_text(ids, mask).embeds
+    assert not any(key.startswith("chunk@") for key in feats)
+    assert torch.allclose(feats["chunk"], expected, atol=1e-5)
 
 
 def _counting(model):
@@ -322,7 +347,7 @@ def test_losses_match_the_papers_equations(crop_setup, model):
     with torch.no_grad():
         feats = objective.encode(model, batch)
         values = objective.loss(model, feats)
-    scale = term.structure_logit_scale.exp()
+    scale = term.structure_logit_scale.detach().exp()
     assert values["structure"] == pytest.approx(float(clip_loss(feats["edge"], feats["filtered_text"], scale)), rel=1e-5)
     cos = F.cosine_similarity(feats["image"], feats["edge"], dim=-1)
     assert values["consistency"] == pytest.approx(float((1 - cos).mean()), rel=1e-5)
