@@ -189,6 +189,9 @@ class EvalConfig:
                           metadata=_check(_positive_ints))
     before: bool = True
     after: bool = True
+    #: also evaluate the trained model with captions cut at its original length (77 for CLIP), to show
+    #: what reading past it buys (only when KPS stretched the model)
+    compare_base_length: bool = False
 
 
 @dataclass

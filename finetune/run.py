@@ -160,12 +160,21 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     model.eval()
 
     after = evaluate_sets(model, ev.sets, **eval_kwargs) if ev.sets and ev.after else {}
+    at_base = None
+    if ev.sets and ev.compare_base_length and model.max_text_len > model.base_text_len:
+        at_base = _evaluate_at_length(model, model.base_text_len, ev.sets, eval_kwargs)
     truncated = torch.tensor(result.truncated_captions, device=accelerator.device)
     truncated = int(accelerator.reduce(truncated, reduction="sum")) if accelerator.num_processes > 1 else int(truncated)
 
     if accelerator.is_main_process:
         save_finetuned(model, out_dir / "final", recipe=recipe_dict)
         table = format_table(before, after) if after else "(no evaluation sets)"
+        extra = []
+        if at_base:
+            extra.append(
+                f"## What reading past {model.base_text_len} tokens buys\n\nThe trained model evaluated "
+                f"with every caption cut at {model.base_text_len} tokens (left) and read up to "
+                f"{model.max_text_len} tokens (right):\n\n" + format_table(at_base, after))
         print("Recall@K before -> after training:\n" + table, flush=True)
         metrics = {
             "recipe": recipe_dict,
@@ -178,6 +187,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
             "skipped": {"train": train_src.skipped, "train_examples": train_src.skipped_examples},
             "before": before,
             "after": after,
+            "after_at_base_length": at_base,
             "final_losses": result.final_losses,
             "steps": result.steps,
             "skipped_steps": result.skipped_steps,
@@ -193,7 +203,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
         plot_losses(result.history, out_dir / "plots" / "loss.png")
         plot_recall(before, after, out_dir / "plots" / "recall.png")
         write_json_atomic(out_dir / "metrics.json", metrics)
-        report = write_report(out_dir, metrics, table=table)
+        report = write_report(out_dir, metrics, table=table, extra_sections=extra)
         print(f"wrote {out_dir / 'metrics.json'}, {report}, {out_dir / 'final'}", flush=True)
         if recipe.hub.push:
             from finetune.hub import HubPushError, push
@@ -206,6 +216,19 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
                 return 1
     accelerator.wait_for_everyone()
     return 0
+
+
+def _evaluate_at_length(model: Any, length: int, sets: list, eval_kwargs: dict) -> dict:
+    """Recall@K of ``model`` with captions tokenised to at most ``length`` tokens (end token kept)."""
+    import functools
+
+    from finetune.evaluate import evaluate_sets
+
+    model.tokenize = functools.partial(type(model).tokenize, model, max_length=length)
+    try:
+        return evaluate_sets(model, sets, **eval_kwargs)
+    finally:
+        del model.tokenize
 
 
 def _log_skips(role: str, src: Any) -> None:

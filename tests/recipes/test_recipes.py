@@ -108,6 +108,9 @@ def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
     assert metrics["steps"] == 2
     assert all(v == v for v in metrics["final_losses"].values())  # finite, not NaN
     assert len(metrics["after"]) == len(recipe.eval.sets)
+    if recipe.eval.compare_base_length:
+        assert set(metrics["after_at_base_length"]) == set(metrics["after"])
+        assert "What reading past 77 tokens buys" in (out / "report.md").read_text()
     assert (out / "report.md").is_file() and (out / "plots" / "loss.png").is_file()
     assert (out / "final" / "xlipkit.json").is_file()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["max_steps"] == 2
