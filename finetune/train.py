@@ -397,6 +397,8 @@ class Trainer:
             if hasattr(loader, "set_epoch"):
                 loader.set_epoch(epoch)
             self.sampler.set_epoch(epoch)
+            for term in self.module.objective.all_terms:  # per-epoch schedules (StructXLIP compat official)
+                term.set_epoch(epoch)
             self.wrapped.train()
             for batch in loader:
                 if self.state.step >= self.total_steps:
@@ -425,6 +427,8 @@ class Trainer:
                 if cfg.logit_scale_max is not None:
                     with torch.no_grad():
                         model.logit_scale.clamp_(max=cfg.logit_scale_max)
+                for term in self.module.objective.all_terms:  # e.g. clamp a term's own temperature
+                    term.after_optimizer_step()
                 if "truncated" in batch:
                     truncated += int(batch["truncated"].sum())
                 self.state.step = step

@@ -100,6 +100,12 @@ class Term(nn.Module):
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
         """Add non-embedding features (owners, masks, pooled states) after the encoders ran."""
 
+    def set_epoch(self, epoch: int) -> None:
+        """Called by the trainer at the start of every epoch (per-epoch weight schedules)."""
+
+    def after_optimizer_step(self) -> None:
+        """Called by the trainer after every optimiser step (clamps of the term's own parameters)."""
+
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
         """Unweighted loss values from (possibly merged) features.
 
