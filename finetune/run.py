@@ -138,7 +138,8 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     with accelerator.main_process_first():
         train_src = load_source(recipe.data.train, on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir)
     _log_skips("train", train_src)
-    train_ds = objective.preprocess(train_src.dataset, model, cache_dir=recipe.data.cache_dir, log=log)
+    with accelerator.main_process_first():  # cached preprocessing: computed once, then reused by the others
+        train_ds = objective.preprocess(train_src.dataset, model, cache_dir=recipe.data.cache_dir, log=log)
 
     ev = recipe.eval
     eval_kwargs = dict(batch_size=ev.batch_size, ks=tuple(ev.ks), on_error=recipe.data.on_error,
@@ -169,7 +170,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     if accelerator.is_main_process:
         save_finetuned(model, out_dir / "final", recipe=recipe_dict)
         table = format_table(before, after) if after else "(no evaluation sets)"
-        extra = []
+        extra = [section for term in objective.all_terms for section in term.report_sections(out_dir, train_ds)]
         if at_base:
             extra.append(
                 f"## What reading past {model.base_text_len} tokens buys\n\nThe trained model evaluated "
@@ -188,6 +189,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
             "before": before,
             "after": after,
             "after_at_base_length": at_base,
+            "terms": {t.name: t.summary() for t in objective.all_terms if t.summary()},
             "final_losses": result.final_losses,
             "steps": result.steps,
             "skipped_steps": result.skipped_steps,

@@ -100,6 +100,14 @@ class Term(nn.Module):
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
         """Add non-embedding features (owners, masks, pooled states) after the encoders ran."""
 
+    def summary(self) -> dict[str, Any]:
+        """What the run's ``metrics.json`` records about the term (options, preprocessing statistics)."""
+        return {}
+
+    def report_sections(self, run_dir: Any, dataset: Any) -> list[str]:
+        """Markdown sections the term adds to ``report.md`` (e.g. statistics, a preview image)."""
+        return []
+
     def set_epoch(self, epoch: int) -> None:
         """Called by the trainer at the start of every epoch (per-epoch weight schedules)."""
 
