@@ -12,20 +12,11 @@ from typing import Any
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
     """Write ``data`` as indented JSON to ``path`` through a temp file and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=_jsonable)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(data, indent=2, default=_jsonable) + "\n")
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
