@@ -1,13 +1,12 @@
 """What StructXLIP costs per training step, and how fast its preprocessing runs, measured in one run.
 
-    python bench/structxlip.py [--batch 8] [--k 3] [--steps 2] [--rounds 1] [--model clip-vit-base-patch16]
+    python bench/structxlip.py [--batch 8] [--k 3] [--rounds 3] [--steps 1] [--model clip-vit-base-patch16]
                                [--threads N] [--modes clip structxlip_crop structxlip_pool public_code]
                                [--skip-preprocess]
 
 On the same model (CLIP ViT-B/16 with random weights from the registry, text stretched to 248 positions) and
 the same data (``--batch`` images with DOCCI-style captions that fill the 248 positions), it times one
-training step (forward, backward, fused AdamW step; the best of ``--steps`` after one warm-up step, the mean
-is recorded too) of:
+training step (forward, backward, fused AdamW step) of:
 
 - ``clip``: the plain CLIP step (InfoNCE on B images and B captions);
 - ``structxlip_crop``: clip + the ``structxlip`` term with ``regions.encode: crop`` (the paper: 2B + B*K
@@ -19,10 +18,12 @@ is recorded too) of:
   without an attention mask, chunk embeddings pooled from the filtered captions' token states, the same four
   losses, backward.
 
-Each configuration runs in its own process, so that its peak resident memory (``ru_maxrss``) is its own;
-the memory after building the model and optimiser is reported too. Ratios are taken on the CPU time of the
-process (all threads), which load from other processes on a shared machine inflates far less than wall-clock
-time; wall-clock seconds and ratios are recorded as well. The preprocessing part reuses
+All modes run over ONE model in one process, interleaved: after a warm-up step of each, ``--rounds`` rounds
+of ``--steps`` steps of every mode in turn; each mode keeps its best step, so that load from other processes
+on a shared machine (which comes and goes) hits every mode alike and does not decide a ratio. Process CPU
+time per step is recorded beside wall-clock time. Peak memory is measured apart: each mode alone in a fresh
+process, its resident memory after building the model and optimiser and its peak (``ru_maxrss``) over one
+step. The preprocessing part reuses
 ``bench/preprocess_throughput.py``: lexicon-filter captions/s on 20,000 DOCCI-length captions and Canny
 images/s at 224 x 224 and 1024 x 768. Results go to ``bench/results/structxlip.json``; ratios compare
 numbers of this run only.
@@ -98,8 +99,12 @@ def _rss_gb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
-def _build(mode: str, args: argparse.Namespace, cache_dir: str) -> tuple[Any, Any, dict]:
-    """(module, batch, info) of one configuration; the batch's preprocessing is cached in ``cache_dir``."""
+def _build(args: argparse.Namespace, cache_dir: str, modes: list[str]) -> tuple[Any, dict, dict]:
+    """One model and, for every mode, ``(module, batch)`` over it; the preprocessing is cached in ``cache_dir``.
+
+    Returns:
+        ``(model, {mode: (module, batch)}, info about the batch)``.
+    """
     from finetune import load_model
     from finetune.data.collate import Collator
     from finetune.objectives import ClipTerm, Objective
@@ -108,22 +113,34 @@ def _build(mode: str, args: argparse.Namespace, cache_dir: str) -> tuple[Any, An
 
     torch.manual_seed(0)
     model = load_model(args.model, max_text_len=248)
-    encode = "pool" if mode == "structxlip_pool" else "crop"
-    term = StructXLIPTerm(StructXLIPOptions(regions=RegionOptions(k=args.k, per_image=args.k, encode=encode)))
-    objective = Objective(ClipTerm(), [(term, term.weights)]) if mode.startswith("structxlip") else Objective(ClipTerm())
-    data = term.preprocess(_dataset(args.batch), model, cache_dir=cache_dir)
-    batch = Collator(model, Objective(ClipTerm(), [(term, term.weights)]))([data[i] for i in range(args.batch)])
-    sx = batch["structxlip"]
+    dataset = _dataset(args.batch)
+    terms, batches = {}, {}
+    for encode in ("crop", "pool"):
+        term = StructXLIPTerm(StructXLIPOptions(regions=RegionOptions(k=args.k, per_image=args.k, encode=encode)))
+        data = term.preprocess(dataset, model, cache_dir=cache_dir)
+        terms[encode] = term
+        batches[encode] = Collator(model, Objective(ClipTerm(), [(term, term.weights)]))(
+            [data[i] for i in range(args.batch)])
+    crop = batches["crop"]
+    sx = crop["structxlip"]
     info = {
-        "caption_tokens": batch["attention_mask"].sum(1).tolist(),
+        "caption_tokens": crop["attention_mask"].sum(1).tolist(),
         "filtered_caption_tokens": sx["filtered_attention_mask"].sum(1).tolist(),
         "chunks": sum(t.shape[0] for t in sx["chunk_input_ids"]),
-        "chunk_tokens_padded_to": int(torch.cat(sx["chunk_input_ids"]).shape[1]),
+        "chunk_tokens": torch.cat(sx["chunk_attention_mask"]).sum(1).tolist(),
         "regions": sum(t.shape[0] for t in sx["region_slot"]),
     }
-    if mode == "public_code":
-        return _PublicCodeStep(model, batch), batch, info
-    return TrainModule(model, objective), batch, info
+    modules: dict[str, tuple[Any, dict]] = {}
+    for mode in modes:
+        if mode == "clip":
+            modules[mode] = (TrainModule(model, Objective(ClipTerm())), crop)
+        elif mode == "public_code":
+            modules[mode] = (_PublicCodeStep(model, crop), crop)
+        else:
+            encode = mode.split("_")[1]
+            term = terms[encode]
+            modules[mode] = (TrainModule(model, Objective(ClipTerm(), [(term, term.weights)])), batches[encode])
+    return model, modules, info
 
 
 class _PublicCodeStep(torch.nn.Module):
@@ -181,67 +198,80 @@ class _PublicCodeStep(torch.nn.Module):
         return {"loss": loss}
 
 
-def _worker(mode: str, args: argparse.Namespace, cache_dir: str, queue: Any) -> None:
+def _step(module: Any, batch: dict, optimizer: Any) -> tuple[float, float]:
+    start, start_cpu = time.perf_counter(), time.process_time()
+    out = module(batch)
+    out["loss"].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start, time.process_time() - start_cpu
+
+
+def _timing_worker(args: argparse.Namespace, cache_dir: str, queue: Any) -> None:
+    """Every mode over ONE model in one process, interleaved: rounds of one step of each mode in turn, so
+    that load from other processes hits all modes alike; each mode keeps its best step."""
     if args.threads:
         torch.set_num_threads(args.threads)
     from finetune.train import build_optimizer
 
-    module, batch, info = _build(mode, args, cache_dir)
-    optimizer = build_optimizer(module, _OptimCfg())
-    rss_setup = _rss_gb()
-    times, cpu = [], []
-    for i in range(args.steps + 1):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        out = module(batch)
-        out["loss"].backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if i:
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-    seconds = min(times)  # best of the timed steps: the least disturbed by other processes
+    _, modules, info = _build(args, cache_dir, list(args.modes))
+    optimizer = build_optimizer(torch.nn.ModuleList([m for m, _ in modules.values()]), _OptimCfg())
+    for module, batch in modules.values():  # warm-up
+        _step(module, batch, optimizer)
+    wall: dict[str, list[float]] = {m: [] for m in modules}
+    cpu: dict[str, list[float]] = {m: [] for m in modules}
+    for round_ in range(args.rounds):
+        for mode, (module, batch) in modules.items():
+            for _ in range(args.steps):
+                w, c = _step(module, batch, optimizer)
+                wall[mode].append(w)
+                cpu[mode].append(c)
+            print(f"  round {round_ + 1} {mode:16s} {wall[mode][-1]:7.2f} s/step wall, {cpu[mode][-1]:7.2f} s CPU",
+                  flush=True)
     queue.put({
-        "mode": mode,
-        "seconds_per_step": seconds,
-        "mean_seconds_per_step": sum(times) / len(times),
-        "cpu_seconds_per_step": min(cpu),
-        "samples_per_s": args.batch / seconds,
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "rss_after_setup_gb": rss_setup,
+        "info": info,
         "threads": torch.get_num_threads(),
-        **({"batch_contents": info} if mode == "structxlip_crop" else {}),
+        "modes": {m: {"seconds_per_step": min(wall[m]), "cpu_seconds_per_step": min(cpu[m]),
+                      "all_seconds_per_step": wall[m], "all_cpu_seconds_per_step": cpu[m],
+                      "samples_per_s": args.batch / min(wall[m])} for m in modules},
     })
 
 
-def step_costs(args: argparse.Namespace) -> dict:
-    """Seconds per step and peak memory of every mode, each in a fresh process (see the module docstring).
+def _memory_worker(mode: str, args: argparse.Namespace, cache_dir: str, queue: Any) -> None:
+    """One mode alone in a fresh process: resident memory after setup and the peak over one step."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from finetune.train import build_optimizer
 
-    With ``--rounds`` > 1 the modes run again in the same order and each keeps its best round, so that a
-    burst of load from other processes on a shared machine does not decide a ratio."""
+    _, modules, _ = _build(args, cache_dir, [mode])
+    module, batch = modules[mode]
+    optimizer = build_optimizer(module, _OptimCfg())
+    setup = _rss_gb()
+    _step(module, batch, optimizer)
+    queue.put({"rss_after_setup_gb": setup, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
+
+
+def _in_process(target: Any, *args: Any) -> Any:
     ctx = multiprocessing.get_context("spawn")
-    out: dict[str, Any] = {}
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def step_costs(args: argparse.Namespace) -> dict:
+    """Seconds per step of every mode (interleaved in one process, see :func:`_timing_worker`) and the peak
+    memory of each (alone in a fresh process, see :func:`_memory_worker`)."""
     with tempfile.TemporaryDirectory() as cache_dir:
-        for round_ in range(args.rounds):
-            for mode in args.modes:
-                queue = ctx.Queue()
-                proc = ctx.Process(target=_worker, args=(mode, args, cache_dir, queue))
-                proc.start()
-                result = queue.get()
-                proc.join()
-                seen = out.get(mode, {})
-                rounds = {"rounds_seconds_per_step": [*seen.get("rounds_seconds_per_step", []), result["seconds_per_step"]],
-                          "rounds_cpu_seconds_per_step": [*seen.get("rounds_cpu_seconds_per_step", []),
-                                                          result["cpu_seconds_per_step"]]}
-                best = dict(result) if not seen else {
-                    **seen,
-                    "seconds_per_step": min(seen["seconds_per_step"], result["seconds_per_step"]),
-                    "cpu_seconds_per_step": min(seen["cpu_seconds_per_step"], result["cpu_seconds_per_step"]),
-                    "peak_rss_gb": max(seen["peak_rss_gb"], result["peak_rss_gb"]),
-                }
-                best["samples_per_s"] = args.batch / best["seconds_per_step"]
-                out[mode] = {**best, **rounds}
-                print(f"  round {round_ + 1} {mode:16s} {result['seconds_per_step']:7.2f} s/step wall, "
-                      f"{result['cpu_seconds_per_step']:7.2f} s CPU, peak RSS {result['peak_rss_gb']:5.1f} GB", flush=True)
+        timing = _in_process(_timing_worker, args, cache_dir)
+        out = {"batch_contents": timing["info"], "threads": timing["threads"]}
+        for mode in args.modes:
+            memory = _in_process(_memory_worker, mode, args, cache_dir)
+            out[mode] = {**timing["modes"][mode], **memory}
+            print(f"  {mode:16s} best {out[mode]['seconds_per_step']:7.2f} s/step wall, "
+                  f"{out[mode]['cpu_seconds_per_step']:7.2f} s CPU; peak RSS {memory['peak_rss_gb']:5.1f} GB", flush=True)
     return out
 
 
@@ -250,8 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="clip-vit-base-patch16")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1, help="run every mode this many times, keep its best round")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps of a mode per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of interleaved steps; a mode keeps its best step")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the step processes (default: torch's)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--skip-preprocess", action="store_true", help="skip the lexicon and Canny throughput part")
@@ -259,12 +289,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     threads = args.threads or torch.get_num_threads()
     print(f"{args.model}, batch {args.batch}, K = {args.k}, 248 text positions, {threads} threads")
-    steps = step_costs(args)
+    costs = step_costs(args)
+    steps = {m: costs[m] for m in args.modes}
     result: dict[str, Any] = {
         "model": args.model, "batch": args.batch, "k": args.k, "steps": args.steps, "rounds": args.rounds,
         "text_positions": 248,
-        "device": "cpu", "threads": threads, "cpu_count": os.cpu_count(),
+        "device": "cpu", "threads": costs["threads"], "cpu_count": os.cpu_count(),
         "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "batch_contents": costs["batch_contents"],
         "step": steps,
     }
     def ratios_of(key: str) -> dict[str, float]:
@@ -275,18 +307,16 @@ def main(argv: list[str] | None = None) -> dict:
             ratios["structxlip_crop_vs_public_code"] = steps["structxlip_crop"][key] / steps["public_code"][key]
         return ratios
 
-    # CPU time of the process (all its threads) is what other processes on a shared machine inflate least:
-    # the targets are judged on it; wall-clock ratios are recorded beside it
-    ratios = ratios_of("cpu_seconds_per_step")
+    ratios = ratios_of("seconds_per_step")
     result["ratios"] = ratios
-    result["ratios_wall_clock"] = ratios_of("seconds_per_step")
+    result["ratios_cpu_time"] = ratios_of("cpu_seconds_per_step")
     targets = {}
     if "structxlip_crop_vs_public_code" in ratios:
         targets["crop_no_slower_than_public_code"] = ratios["structxlip_crop_vs_public_code"] <= 1.0
     if "structxlip_pool_vs_clip" in ratios:
         targets["pool_at_most_2.3x_clip"] = ratios["structxlip_pool_vs_clip"] <= 2.3
     for key, value in ratios.items():
-        print(f"  {key}: {value:.2f} (CPU time), {result['ratios_wall_clock'][key]:.2f} (wall clock)")
+        print(f"  {key}: {value:.2f} (wall clock), {result['ratios_cpu_time'][key]:.2f} (CPU time)")
     if not args.skip_preprocess:
         from preprocess_throughput import canny_throughput, lexicon_throughput
 

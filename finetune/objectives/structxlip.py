@@ -25,8 +25,9 @@ Where the work happens:
   and each chunk's top-K regions under the frozen model as loaded, before any training step.
 - :meth:`prepare` / :meth:`collate` (data workers): the regions kept per image (``regions.per_image``, the
   ones most often among the chunks' top-K), their edge-map crops (crop mode) or patch masks (pool mode),
-  and tokenised filtered captions and chunks. Chunks are padded to the longest chunk of the batch.
-  Samples without chunks or regions add no rows: nothing is encoded for them.
+  and tokenised filtered captions and chunks. Chunks are padded to the longest chunk of the batch, not to
+  248 tokens, and for causal towers grouped by length into a few requests, each padded to its own longest
+  chunk (:func:`length_buckets`). Samples without chunks or regions add no rows: nothing is encoded for them.
 - :meth:`image_inputs` / :meth:`text_inputs`: the edge maps and (crop mode) the region crops join the base
   term's colour images in ONE pass of the image tower; filtered captions and chunks go through the text
   tower.
@@ -147,13 +148,15 @@ class LexiconOptions:
     """The lexicon filter F of paper 3.1 / B.2 (``finetune.preprocess.lexicon.LexiconFilter``).
 
     ``file`` replaces the Fig. 5 vocabulary, ``extra_terms`` extends it (``"term"`` or ``"term:category"``),
-    ``min_content_words`` is the revert threshold (B.2 gives no number; the public code uses 2),
-    ``categories`` keeps only some categories (``[colour]`` is what the public code trains with).
+    ``min_content_words`` is the revert threshold, ``categories`` the categories removed. ``null`` takes the
+    ``compat`` default: paper 1 (B.2 gives no number; 1 keeps B.2's own example "a blue and white pattern"
+    -> "a pattern") and every category; official 2 and ``[colour]`` (the public code's ``min_content_tokens``
+    and ``--remove_colors``).
     """
 
     file: str | None = None
     extra_terms: list[str] = field(default_factory=list)
-    min_content_words: int = field(default=1, metadata={"check": _non_negative})
+    min_content_words: int | None = field(default=None, metadata={"check": _non_negative})
     categories: list[str] | None = None
 
 
@@ -486,9 +489,12 @@ class StructXLIPTerm(Term):
         self.compat = opts.compat
         edge_values = {k: v for k, v in asdict(opts.edges).items() if k != "on_the_fly"}
         self.edge_cfg = EdgeConfig(**edge_values)
+        lex = opts.lexicon
+        official = opts.compat == "official"
         self.lexicon = LexiconFilter(
-            file=opts.lexicon.file, extra_terms=list(opts.lexicon.extra_terms),
-            min_content_words=opts.lexicon.min_content_words, categories=opts.lexicon.categories,
+            file=lex.file, extra_terms=list(lex.extra_terms),
+            min_content_words=(2 if official else 1) if lex.min_content_words is None else lex.min_content_words,
+            categories=(["colour"] if official else None) if lex.categories is None else lex.categories,
         )
         r = opts.regions
         if r.checkpoint is not None and not Path(r.checkpoint).expanduser().is_file():

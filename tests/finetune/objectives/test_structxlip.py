@@ -142,6 +142,19 @@ def test_compat_defaults_and_per_epoch_decay():
     assert explicit.weights["consistency"] == 0.2
 
 
+def test_compat_sets_the_lexicon_defaults():
+    caption = "A red leather bag. A blue and white pattern."
+    # paper: every category, revert only when no content word is left (B.2's example stands)
+    assert StructXLIPTerm(StructXLIPOptions()).lexicon(caption) == "A bag. A pattern."
+    # official: colours only (--remove_colors), revert below 2 content words (min_content_tokens)
+    official = StructXLIPTerm(StructXLIPOptions(compat="official")).lexicon
+    assert official(caption) == "A leather bag. A pattern."
+    assert official.filter("A blue and white pattern.").reverted
+    mine = StructXLIPTerm(StructXLIPOptions(compat="official", lexicon=LexiconOptions(min_content_words=1,
+                                                                                    categories=["material"])))
+    assert mine.lexicon(caption) == "A red bag. A blue and white pattern."
+
+
 def test_structure_scale_is_clamped_after_a_step():
     term = StructXLIPTerm(StructXLIPOptions())
     with torch.no_grad():
@@ -496,3 +509,91 @@ def test_structxlip_docci_recipe_runs_offline_and_reuses_its_preprocessing(tmp_p
     for step in ("lexicon", "edges", "regions"):
         assert f"reusing cached {step}" in second.stderr, step
     assert "computing regions" not in second.stderr
+
+
+def test_naflex_siglip2_model_in_crop_and_pool_modes(scenes, tmp_path):
+    """SigLIP2 NaFlex: edge maps and crops are patch sequences, region boxes map through spatial_shapes."""
+    model = load_model(str(save_tiny("tiny-siglip2", tmp_path / "tiny-siglip2")), max_text_len=248)
+    for encode in ("crop", "pool"):
+        term = StructXLIPTerm(_options(encode=encode))
+        data = term.preprocess(scenes, model, cache_dir=str(tmp_path / "cache"))
+        batch = _batch(term, model, data)
+        chunks = batch["structxlip"]["chunk_input_ids"]
+        assert all(t.shape[1] == 248 for t in chunks)  # SigLIP keeps its fixed-length context for chunks
+        trained = copy.deepcopy(model)
+        values = _objective(term).loss(trained, _objective(term).encode(trained, batch))
+        assert all(math.isfinite(v.item()) for v in values.values()), (encode, values)
+        values["loss"].backward()
+        assert trained.model.vision_model.encoder.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.fixture(scope="module")
+def run_fixtures(tmp_path_factory):
+    from ultralytics import YOLO
+
+    from tests.finetune.data.fixtures import write_dci_fixture, write_docci_fixture, write_urban1k_fixture
+
+    root = tmp_path_factory.mktemp("run-fixtures")
+    checkpoint = root / "fastsam-random.pt"
+    torch.manual_seed(0)
+    YOLO("yolov8n-seg.yaml").save(str(checkpoint))
+    return {
+        "tiny-clip": save_tiny("tiny-clip", root / "tiny-clip"),
+        "tiny-siglip": save_tiny("tiny-siglip", root / "tiny-siglip"),
+        "docci": write_docci_fixture(root / "docci", 8, 4, n_qual_test=2),
+        "dci": write_dci_fixture(root / "dci", 4, 1, 2),
+        "urban1k": write_urban1k_fixture(root / "urban1k", 4),
+        "checkpoint": checkpoint,
+        "cache": root / "cache",
+    }
+
+
+def _tiny_overrides(path: Path, fx: dict, out: Path) -> list[str]:
+    """Keep the recipe's method, objective and adapter; swap in a tiny saved model, fixtures, two steps."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    tiny = fx["tiny-siglip"] if "siglip" in raw["model"]["name_or_path"] else fx["tiny-clip"]
+
+    def local(entry: dict) -> dict:
+        entry = dict(entry)
+        if entry["name"] in ("docci", "dci", "urban1k"):
+            entry["path"] = str(fx[entry["name"]])
+        else:
+            entry.update(size=8, options={"image_size": 32})
+        return entry
+
+    sets = [local(s) for s in raw["eval"]["sets"]]
+    return [
+        f"model.name_or_path={tiny}", f"data.train={json.dumps(local(raw['data']['train']))}",
+        f"eval.sets={json.dumps(sets)}", f"data.cache_dir={fx['cache']}", "data.num_workers=0",
+        "eval.batch_size=8", "train.max_steps=2", "train.batch_size=4", "train.mixed_precision=no",
+        "train.checkpoint_every=0", "train.trackers=[]", f"output.dir={out}",
+        f"objective.terms.structxlip.regions.checkpoint={fx['checkpoint']}",
+        "objective.terms.structxlip.regions.imgsz=64",
+    ]
+
+
+STRUCTXLIP_RECIPES = sorted((REPO / "recipes").glob("structxlip_*.yaml")) + [REPO / "recipes" / "quickstart_structxlip.yaml"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", STRUCTXLIP_RECIPES, ids=lambda p: p.stem)
+def test_every_structxlip_recipe_runs_on_tiny_models(path, run_fixtures, tmp_path):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from finetune.run import run
+
+    out = tmp_path / "run"
+    recipe = load_recipe(path, _tiny_overrides(path, run_fixtures, out))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    assert run(recipe) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 2
+    for key in ("structure", "consistency", "local", "loss"):
+        assert math.isfinite(metrics["final_losses"][key]), key
+    assert metrics["terms"]["structxlip"]["lexicon"]["captions"] == metrics["train_examples"]
+    report = (out / "report.md").read_text()
+    assert "Lexicon filter (paper Supp. Mat. B.3)" in report and "plots/structxlip_preview.png" in report
+    assert (out / "plots" / "structxlip_preview.png").is_file()
