@@ -38,6 +38,8 @@ from typing import Any, Sequence
 
 import yaml
 
+from finetune.models.atomic import replace_dir
+
 log = logging.getLogger("xlipkit")
 
 FORMATS = ("auto", "transformers", "open_clip")
@@ -212,17 +214,6 @@ def _target(dest: str | os.PathLike, overwrite: bool) -> Path:
     return target
 
 
-def _replace_dir(src: Path, target: Path) -> None:
-    """Move the finished folder ``src`` to ``target`` (replacing it) with ``os.replace``."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
-        os.replace(target, old)
-    os.replace(src, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def stage_upload(
     run_dir_or_folder: str | os.PathLike,
     dest: str | os.PathLike,
@@ -275,7 +266,7 @@ def stage_upload(
     try:
         folder = work / "upload"
         _build_upload(run, folder, repo_id=repo_id, base_model=base_model, merge=merge)
-        _replace_dir(folder, target)
+        replace_dir(folder, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target

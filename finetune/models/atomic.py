@@ -31,10 +31,15 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    replace_dir(tmp, target)
+
+
+def replace_dir(src: Path, target: Path) -> None:
+    """Move the finished folder ``src`` to ``target``, replacing any old one, with ``os.replace``."""
     old = None
     if target.exists():
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
         os.replace(target, old)
-    os.replace(tmp, target)
+    os.replace(src, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
