@@ -15,7 +15,7 @@ Conventions:
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,7 +29,8 @@ class ImageFeatures:
     Attributes:
         embeds: ``(B, D)`` projected global embedding.
         states: ``(B, N, W)`` last-layer patch states before the final norm, prefix tokens removed;
-            ``None`` unless asked for.
+            ``None`` unless asked for; ``(n, N, W)``, the first n images', when ``encode_image`` was
+            given ``states_rows=n``.
         grid: patch grid ``(rows, cols)`` with ``rows * cols == N``. For SigLIP2 NaFlex batches whose
             images have different grids it is ``(0, 0)``: read ``spatial_shapes`` instead.
         pooled_state: ``(B, W)`` the state (before the final norm) whose projection is ``embeds``
@@ -45,6 +46,14 @@ class ImageFeatures:
     pooled_state: Tensor | None = None
     patch_mask: Tensor | None = None
     spatial_shapes: Tensor | None = None
+
+
+def first_state_rows(feats: ImageFeatures, n: int | None) -> ImageFeatures:
+    """``feats`` with ``states`` cut to the first ``n`` images (``n`` None: unchanged); for backends that
+    compute every image's states anyway."""
+    if n is None or feats.states is None:
+        return feats
+    return replace(feats, states=feats.states[:n])
 
 
 @dataclass
@@ -120,9 +129,13 @@ class DualEncoder(nn.Module, abc.ABC):
 
     # -- towers ---------------------------------------------------------------------------------
     @abc.abstractmethod
-    def encode_image(self, pixel_values: Tensor, *, states: bool = False, **kwargs: Any) -> ImageFeatures:
+    def encode_image(
+        self, pixel_values: Tensor, *, states: bool = False, states_rows: int | None = None, **kwargs: Any
+    ) -> ImageFeatures:
         """Encode images ``(B, 3, H, W)`` (NaFlex: ``(B, N, 3·p·p)`` patches plus the
-        ``pixel_attention_mask`` and ``spatial_shapes`` keywords) into :class:`ImageFeatures`."""
+        ``pixel_attention_mask`` and ``spatial_shapes`` keywords) into :class:`ImageFeatures`; with
+        ``states``, ``states_rows`` = n asks for the patch states of the first n images only (the rest
+        need only their embeddings, which a backend may compute with less work)."""
 
     @abc.abstractmethod
     def encode_text(

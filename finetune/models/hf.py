@@ -30,7 +30,9 @@ from torch import Tensor, nn
 
 from finetune.models.atomic import atomic_dir
 from finetune.models.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
+from finetune.models.encoder import first_state_rows as _first_rows
 from finetune.models.longclip import sync_frozen_rows_hook
+from finetune.models.pooled_tower import clip_text_forward, clip_vision_forward, fast_path_kwargs_ok, fast_path_ok
 from finetune.models.tokens import hf_tokenize
 
 #: transformers ``model_type`` -> family
@@ -158,6 +160,10 @@ class HFDualEncoder(DualEncoder):
             attention_mask = torch.ones_like(input_ids)
         tower_mask = attention_mask if self.family == "clip" else None
         if not states:
+            tm = self.model.text_model
+            if self.family == "clip" and fast_path_ok(tm):  # last layer for the pooled token only
+                pooled = clip_text_forward(tm, input_ids, tower_mask, self.text_pool_positions(input_ids))
+                return TextFeatures(self.model.text_projection(pooled), None, attention_mask)
             out = self.model.get_text_features(input_ids=input_ids, attention_mask=tower_mask)
             return TextFeatures(_pooled(out), None, attention_mask)
         out = self.model.text_model(input_ids=input_ids, attention_mask=tower_mask, output_hidden_states=True)
@@ -206,24 +212,36 @@ class HFDualEncoder(DualEncoder):
         sync_frozen_rows_hook(new, self.kps)
 
     # -- images -----------------------------------------------------------------------------------
-    def encode_image(self, pixel_values: Tensor, *, states: bool = False, **kwargs: Any) -> ImageFeatures:
+    def encode_image(
+        self, pixel_values: Tensor, *, states: bool = False, states_rows: int | None = None, **kwargs: Any
+    ) -> ImageFeatures:
         """Encode images: ``(B, 3, H, W)``, or for NaFlex patch sequences ``(B, N, 3·p·p)`` with the
         ``pixel_attention_mask`` ``(B, N)`` and ``spatial_shapes`` ``(B, 2)`` keywords (4-D images
-        are patchified as they are)."""
+        are patchified as they are). ``states_rows`` = n returns the states of the first n images only.
+
+        CLIP towers run their last layer for the class token only where no states are needed
+        (:mod:`finetune.models.pooled_tower`); the embeddings are the transformers forward's."""
         if self.naflex:
-            return self._encode_naflex(pixel_values, states=states, **kwargs)
+            return _first_rows(self._encode_naflex(pixel_values, states=states, **kwargs), states_rows)
         grid = (pixel_values.shape[-2] // self.patch_size, pixel_values.shape[-1] // self.patch_size)
+        vm = self.model.vision_model
+        if self.family == "clip" and fast_path_ok(vm) and fast_path_kwargs_ok(kwargs):
+            n = (pixel_values.shape[0] if states_rows is None else states_rows) if states else 0
+            pooled, cls, last = clip_vision_forward(vm, pixel_values, states_rows=n, **kwargs)
+            embeds = self.model.visual_projection(pooled)
+            if not states:
+                return ImageFeatures(embeds, None, grid)
+            return ImageFeatures(embeds, last[:, 1:], grid, pooled_state=cls)
         if not states:
             embeds = _pooled(self.model.get_image_features(pixel_values=pixel_values, **kwargs))
             return ImageFeatures(embeds, None, grid)
-        vm = self.model.vision_model
         if self.family == "clip":
             out = vm(pixel_values=pixel_values, **kwargs)
             last = out.last_hidden_state  # CLIP applies post_layernorm to the CLS token only
             embeds = self.model.visual_projection(out.pooler_output)
-            return ImageFeatures(embeds, last[:, 1:], grid, pooled_state=last[:, 0])
+            return _first_rows(ImageFeatures(embeds, last[:, 1:], grid, pooled_state=last[:, 0]), states_rows)
         out = vm(pixel_values=pixel_values, output_hidden_states=True, **kwargs)
-        return ImageFeatures(out.pooler_output, out.hidden_states[-1], grid)
+        return _first_rows(ImageFeatures(out.pooler_output, out.hidden_states[-1], grid), states_rows)
 
     def _encode_naflex(self, pixel_values: Tensor, *, states: bool, pixel_attention_mask: Tensor | None = None,
                        spatial_shapes: Tensor | None = None, **kwargs: Any) -> ImageFeatures:

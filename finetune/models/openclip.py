@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from finetune.models.atomic import atomic_dir
-from finetune.models.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
+from finetune.models.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText, first_state_rows
 from finetune.models.longclip import freeze_rows, kps_ratio
 from finetune.models.tokens import hf_tokenize, pad_batch, truncate_keep_end
 
@@ -272,9 +272,12 @@ class OpenCLIPDualEncoder(DualEncoder):
         self._set_tokenizer_length(n)
 
     # -- images -----------------------------------------------------------------------------------
-    def encode_image(self, pixel_values: Tensor, *, states: bool = False, **kwargs: Any) -> ImageFeatures:
+    def encode_image(
+        self, pixel_values: Tensor, *, states: bool = False, states_rows: int | None = None, **kwargs: Any
+    ) -> ImageFeatures:
         """Encode ``(B, 3, H, W)`` images: ``embeds`` ``(B, D)``; with ``states`` the last block's
-        patch states ``(B, N, W)`` before the final norm, prefix tokens removed."""
+        patch states ``(B, N, W)`` before the final norm, prefix tokens removed (``states_rows`` = n:
+        the first n images' only)."""
         if kwargs:
             raise TypeError(f"open_clip image towers take no extra inputs, got {sorted(kwargs)}")
         grid = (pixel_values.shape[-2] // self.patch_size, pixel_values.shape[-1] // self.patch_size)
@@ -288,7 +291,8 @@ class OpenCLIPDualEncoder(DualEncoder):
         pooled_state = None
         if prefix is not None and prefix[-1].shape[1] > 0 and self._cls_pooled():
             pooled_state = prefix[-1][:, 0]
-        return ImageFeatures(out["image_features"], patches, grid, pooled_state=pooled_state)
+        return first_state_rows(ImageFeatures(out["image_features"], patches, grid, pooled_state=pooled_state),
+                                states_rows)
 
     def _cls_pooled(self) -> bool:
         v = self.model.visual

@@ -218,12 +218,14 @@ class Objective(nn.Module):
 def _encode_images(model: Any, reqs: dict[str, ImageRequest]) -> Features:
     if not reqs:
         return {}
-    keys = list(reqs)
+    # requests that need patch states first: the tower computes states for those rows only
+    keys = sorted(reqs, key=lambda k: not reqs[k].states)
     want_states = any(r.states for r in reqs.values())
+    states_rows = sum(reqs[k].count for k in keys if reqs[k].states)
     names = list(reqs[keys[0]].inputs)
     inputs = {n: torch.cat([reqs[k].inputs[n] for k in keys]) if len(keys) > 1 else reqs[keys[0]].inputs[n]
               for n in names}
-    out = model.encode_image(**inputs, states=want_states)
+    out = model.encode_image(**inputs, states=want_states, states_rows=states_rows if want_states else None)
     feats: Features = {}
     start = 0
     for k in keys:

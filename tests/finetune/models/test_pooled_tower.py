@@ -1,0 +1,144 @@
+"""The CLIP image tower with a class-token-only last layer equals the transformers forward, with gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from finetune.models.adapters import apply_adapter, enable_gradient_checkpointing
+from finetune.models.pooled_tower import clip_vision_forward, fast_path_ok
+
+
+def _pixels(model, n: int = 3) -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(n, 3, model.image_size, model.image_size)
+
+
+def _stock(model, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' own forward: projected embeddings and last hidden states."""
+    out = model.model.vision_model(pixel_values=pixels)
+    return model.model.visual_projection(out.pooler_output), out.last_hidden_state
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_embeddings_and_gradients_equal_the_transformers_forward(load_tiny, checkpointing: bool) -> None:
+    model = load_tiny("tiny-clip")
+    model.train()
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    vm = model.model.vision_model
+    assert fast_path_ok(vm)
+    pixels = _pixels(model)
+    weights = torch.randn(3, model.model.visual_projection.out_features)
+
+    stock, _ = _stock(model, pixels)
+    (stock * weights).sum().backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    ours = model.encode_image(pixels).embeds
+    (ours * weights).sum().backward()
+    got = _grads(model)
+    assert torch.allclose(ours, stock, atol=1e-5)
+    assert expected.keys() == got.keys()
+    # the last layer's query/MLP weights get gradient from the class token only, in both
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_states_of_the_first_rows_only(load_tiny) -> None:
+    model = load_tiny("tiny-clip")
+    pixels = _pixels(model, 4)
+    with torch.no_grad():
+        stock, last = _stock(model, pixels)
+        out = model.encode_image(pixels, states=True, states_rows=2)
+        everything = model.encode_image(pixels, states=True)
+        pooled, cls, full = clip_vision_forward(model.model.vision_model, pixels, states_rows=0)
+    assert out.states.shape == (2, last.shape[1] - 1, last.shape[2])
+    assert torch.allclose(out.states, last[:2, 1:], atol=1e-5)
+    assert torch.allclose(everything.states, last[:, 1:], atol=1e-5)
+    assert torch.allclose(out.embeds, stock, atol=1e-5)
+    assert torch.allclose(out.pooled_state, last[:, 0], atol=1e-5)
+    assert full is None and cls.shape == pooled.shape == (4, last.shape[2])
+    # the pooled state projects to the embedding (the DualEncoder convention)
+    assert torch.allclose(model.project_image_states(out.pooled_state), out.embeds, atol=1e-5)
+
+
+def test_lora_adapter_goes_through_the_fast_path(load_tiny) -> None:
+    model = apply_adapter(load_tiny("tiny-clip"), {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # a non-zero adapter, so that it changes the output
+    vm = model.model.vision_model
+    assert fast_path_ok(vm)
+    pixels = _pixels(model)
+    with torch.no_grad():
+        stock, _ = _stock(model, pixels)
+        ours = model.encode_image(pixels).embeds
+    assert torch.allclose(ours, stock, atol=1e-5)
+
+
+def test_a_hooked_last_layer_falls_back_to_the_transformers_forward(load_tiny) -> None:
+    model = load_tiny("tiny-clip")
+    vm = model.model.vision_model
+    calls = []
+    handle = vm.encoder.layers[-1].register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        assert not fast_path_ok(vm)
+        pixels = _pixels(model)
+        with torch.no_grad():
+            ours = model.encode_image(pixels).embeds
+            stock, _ = _stock(model, pixels)
+        assert len(calls) == 2  # both went through the layer's own forward
+        assert torch.allclose(ours, stock, atol=1e-6)
+    finally:
+        handle.remove()
+    assert fast_path_ok(vm)
+
+
+def test_other_towers_are_not_taken_for_clip(load_tiny) -> None:
+    assert not fast_path_ok(load_tiny("tiny-siglip").model.vision_model)
+
+
+def _text_grads_match(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    weights = torch.randn(ids.shape[0], model.model.text_projection.out_features)
+    stock = model.model.get_text_features(input_ids=ids, attention_mask=mask).pooler_output
+    (stock * weights).sum().backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+    ours = model.encode_text(ids, mask).embeds
+    (ours * weights).sum().backward()
+    got = _grads(model)
+    assert torch.allclose(ours, stock, atol=1e-5)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_text_embeddings_and_gradients_equal_the_transformers_forward(load_tiny, checkpointing: bool) -> None:
+    model = load_tiny("tiny-clip")
+    model.train()
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    assert fast_path_ok(model.model.text_model)
+    tok = model.tokenize(["a photo of a cat", "two red circles above a small blue square, far apart", "a"])
+    assert tok.attention_mask.sum(1).tolist() != [tok.input_ids.shape[1]] * 3  # rows of different lengths
+    _text_grads_match(model, tok.input_ids, tok.attention_mask)
+
+
+def test_text_fast_path_with_stretched_frozen_positions(load_tiny) -> None:
+    from finetune.models.longclip import apply_kps
+
+    model = apply_kps(load_tiny("tiny-clip"), length=248, keep=20, freeze_kept=True)
+    model.train()
+    tok = model.tokenize(["a long caption " * 30, "a short one"])
+    assert tok.input_ids.shape[1] > 77
+    _text_grads_match(model, tok.input_ids, tok.attention_mask)
+    table = model.position_embedding()
+    assert table.grad is None or torch.count_nonzero(table.grad[:20]) == 0  # the kept rows stay frozen
