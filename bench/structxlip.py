@@ -13,10 +13,12 @@ training step (forward, backward, fused AdamW step) of:
   images in one image-tower pass, captions, filtered captions, chunks padded to the longest chunk);
 - ``structxlip_pool``: the same with ``regions.encode: pool`` (our extension: 2B images, regions pooled from
   the edge maps' patch states);
-- ``public_code``: the StructXLIP public code's step as the notes describe it (train.py L164-246): one forward
-  over [B images | B edge maps | B*K crops] and [B captions | B filtered captions] padded to 248 tokens
-  without an attention mask, chunk embeddings pooled from the filtered captions' token states, the same four
-  losses, backward.
+- ``public_code``: the StructXLIP public code's step as its source does it (``train.py`` L164-246,
+  ``losses.py``): the lexicon filter and the tokenisation of the filtered captions inside the step, one call
+  of the transformers ``CLIPModel`` forward (not xlipkit's model layer) over [B images | B edge maps | B*K
+  crops] and [B captions | B filtered captions] padded to 248 tokens without an attention mask and with
+  ``output_hidden_states=True``, the public chunks (sliding word windows, up to 64 a caption) pooled from
+  the caption's token states in a per-sample loop, the same four losses, backward.
 
 All modes run over ONE model in one process, interleaved: after a warm-up step of each, ``--rounds`` rounds
 of ``--steps`` steps of every mode in turn; each mode keeps its best step, so that load from other processes
@@ -48,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -135,7 +138,8 @@ def _build(args: argparse.Namespace, cache_dir: str, modes: list[str]) -> tuple[
         if mode == "clip":
             modules[mode] = (TrainModule(model, Objective(ClipTerm())), crop)
         elif mode == "public_code":
-            modules[mode] = (_PublicCodeStep(model, crop), crop)
+            modules[mode] = (_PublicCodeStep(model, crop, list(dataset["caption"][:args.batch])), crop)
+            info["public_code_chunks"] = modules[mode][0].n_spans
         else:
             encode = mode.split("_")[1]
             term = terms[encode]
@@ -144,57 +148,110 @@ def _build(args: argparse.Namespace, cache_dir: str, modes: list[str]) -> tuple[
 
 
 class _PublicCodeStep(torch.nn.Module):
-    """The public code's training step as the notes describe it (train.py L164-246): ONE image forward over
-    [I | I' | B*K crops], ONE text forward over [T | T'] padded to 248 tokens with no attention mask (full
-    attention over the padding), chunk embeddings = softmax(||h||)-weighted token states over each chunk's
-    span of T' (then final norm and projection), and the four losses with the public weights (main scale
-    detached for L_I'T', local scale min(s / 0.07, 100))."""
+    """The public code's training step as its source does it (``structxlip/train.py`` L164-246 and
+    ``losses.py``, read from the notes and the code): inside the step the captions are lexicon-filtered and the
+    filtered ones tokenised to 248 tokens; ONE call of the transformers ``CLIPModel`` forward over
+    [B images | B edge maps | B*K crops] and [B captions | B filtered captions], both padded to 248 tokens with
+    no attention mask and ``output_hidden_states=True``; then, per sample, the public chunks (2-6-word sliding
+    windows with stride 1 inside clauses split at ``[.,;!?]``, at most 64 per caption, token spans from the
+    tokenizer's offsets), each chunk embedding = softmax(||h||)-weighted token states over its span (weights
+    without gradient), ``final_layer_norm`` and ``text_projection`` again, and the local loss against every
+    crop of the batch; the four losses with the public weights (main scale detached for L_I'T', local scale
+    min(s / 0.07, 100)) and ε = 1e-8 before every normalisation. Its per-step debug statistics are left out.
+    Nothing of it goes through xlipkit's model layer: the transformers model is called directly."""
 
-    def __init__(self, model: Any, batch: dict) -> None:
+    WINDOW, MAX_SPANS, EPS = 3, 64, 1e-8
+
+    def __init__(self, model: Any, batch: dict, captions: list[str]) -> None:
         super().__init__()
-        self.model = model
+        from preprocess_throughput import PublicStyleFilter
+
+        self.hf = model.model
+        self.tokenizer = model.tokenizer
+        self.filter = PublicStyleFilter()
+        self.captions = list(captions)
         sx = batch["structxlip"]
-        self.b = b = batch["input_ids"].shape[0]
+        self.b = len(self.captions)
+        self.k = sx["region_inputs"]["pixel_values"][0].shape[0]
         crops = torch.cat(sx["region_inputs"]["pixel_values"])
         self.pixels = torch.cat([batch["image_inputs"]["pixel_values"], sx["edge_inputs"]["pixel_values"], crops])
-        self.region_owner = torch.repeat_interleave(torch.arange(b), torch.tensor([t.shape[0] for t in sx["region_slot"]]))
-        pad = model.tokenizer.pad_token_id
-        ids = torch.full((2 * b, 248), pad, dtype=torch.long)
-        for row, (t, m) in enumerate(zip([*batch["input_ids"], *sx["filtered_input_ids"]],
-                                         [*batch["attention_mask"], *sx["filtered_attention_mask"]])):
-            n = int(m.sum())
-            ids[row, :n] = t[:n]
-        self.ids = ids
-        # each chunk's span: successive stretches of the filtered caption's tokens (the cost is what matters)
-        self.spans, owners = [], []
-        for i, masks in enumerate(sx["chunk_attention_mask"]):
-            start = 1
-            for m in masks:
-                end = min(start + max(int(m.sum()) - 2, 1), 247)
-                self.spans.append((b + i, min(start, 246), end))
-                owners.append(i)
-                start = end
-        self.chunk_owner = torch.tensor(owners, dtype=torch.long)
+        self.caption_ids = self._tokenize(self.captions)  # the public data loader's tokenised captions
+        self.n_spans = sum(len(self.spans(self.filter(c))) for c in self.captions)
+
+    def _tokenize(self, texts: list[str]) -> Tensor:
+        return self.tokenizer(texts, padding="max_length", truncation=True, max_length=248,
+                              return_tensors="pt").input_ids
+
+    def spans(self, caption: str) -> list[tuple[int, int]]:
+        """Token spans ``[start, end)`` of the public chunks of ``caption``."""
+        enc = self.tokenizer(caption, return_offsets_mapping=True)
+        words = list(re.finditer(r"\b\w+\b", caption))
+        clauses, begin = [], 0
+        for punct in re.finditer(r"[.,;!?]+", caption):
+            clauses.append(punct.end())
+            begin = punct.end()
+        if begin < len(caption):
+            clauses.append(len(caption))
+        out: list[tuple[int, int]] = []
+        w = 0
+        for clause_end in clauses:
+            first = w
+            while w < len(words) and words[w].start() < clause_end:
+                w += 1
+            n = w - first
+            if n <= 0:
+                continue
+            size = next(s for limit, s in ((4, 2), (10, self.WINDOW), (20, self.WINDOW + 1), (40, self.WINDOW + 2),
+                                           (10**9, self.WINDOW + 3)) if n <= limit)
+            for i in range(first, w - size + 1):
+                start, end = enc.char_to_token(words[i].start()), enc.char_to_token(words[i + size - 1].end() - 1)
+                if start is not None and end is not None and end >= start:
+                    out.append((start, end + 1))
+                if len(out) >= self.MAX_SPANS:
+                    return out
+        return out
 
     def forward(self, batch: dict) -> dict:
-        from losses import clip_loss, consistency_loss, local_structure_loss
+        import torch.nn.functional as F
 
-        b = self.b
-        image = self.model.encode_image(self.pixels).embeds
-        text = self.model.encode_text(self.ids, torch.ones_like(self.ids), states=True)
-        pooled = []
-        for row, s, e in self.spans:
-            h = text.states[row, s:e]
-            with torch.no_grad():
-                w = torch.softmax(h.norm(dim=-1), dim=0)
-            pooled.append((w[:, None] * h).sum(0))
-        chunks = self.model.project_text_states(torch.stack(pooled))
-        scale = self.model.logit_scale.exp()
+        b, k, eps = self.b, self.k, self.EPS
+        filtered = [self.filter(c) for c in self.captions]
+        ids = torch.cat([self.caption_ids, self._tokenize(filtered)])
+        out = self.hf(pixel_values=self.pixels, input_ids=ids, output_hidden_states=True, return_dict=True)
+        image, text = out.image_embeds, out.text_embeds
         img, edge, crops = image[:b], image[b:2 * b], image[2 * b:]
-        loss = (clip_loss(img, text.embeds[:b], scale) + 0.25 * clip_loss(edge, text.embeds[b:], scale.detach())
-                + 0.001 * consistency_loss(img, edge)
-                + 0.001 * local_structure_loss(chunks, self.chunk_owner, crops, self.region_owner,
-                                               temperature=1 / (scale / 0.07).clamp(max=100)))
+        cap, fil = text[:b], text[b:]
+        tokens = out.text_model_output.last_hidden_state[:b]
+        scale = self.hf.logit_scale.exp()
+
+        def nce(x: Tensor, y: Tensor, s: Tensor) -> Tensor:
+            logits = s * F.normalize(x + eps, dim=-1) @ F.normalize(y + eps, dim=-1).t()
+            target = torch.arange(x.shape[0])
+            return (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
+
+        consistency = F.cosine_embedding_loss(F.normalize(img + eps, dim=-1), F.normalize(edge + eps, dim=-1),
+                                              torch.ones(b))
+        crops_n = F.normalize(crops + eps, dim=-1)
+        local, items = torch.zeros(()), 0
+        for i in range(b):
+            spans = self.spans(filtered[i])
+            pooled = []
+            for s, e in spans:
+                h = tokens[i, s:e]
+                with torch.no_grad():
+                    w = torch.softmax(h.norm(dim=-1), dim=0)
+                pooled.append((h * w[:, None]).sum(0))
+            if not pooled:
+                continue
+            chunks = self.hf.text_projection(self.hf.text_model.final_layer_norm(torch.stack(pooled)))
+            sim = (scale / 0.07).clamp(max=100) * (F.normalize(chunks + eps, dim=-1) @ crops_n.t())
+            positive = torch.zeros(b * k, dtype=torch.bool)
+            positive[i * k:(i + 1) * k] = True
+            log_pos = torch.logsumexp(sim.masked_fill(~positive, torch.finfo(sim.dtype).min), dim=1)
+            local = local - (log_pos - torch.logsumexp(sim, dim=1)).mean()
+            items += 1
+        loss = (nce(img, cap, scale) + 0.25 * nce(edge, fil, scale.detach()) + 0.001 * consistency
+                + 0.001 * local / max(items, 1))
         return {"loss": loss}
 
 
