@@ -26,6 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+try:  # transformers >= 5: the mask builder the CLIP text tower itself calls
+    from transformers.masking_utils import create_causal_mask
+except ImportError:  # pragma: no cover - older transformers take the transformers forward
+    create_causal_mask = None
+
 __all__ = ["clip_text_forward", "clip_vision_forward", "fast_path_kwargs_ok", "fast_path_ok"]
 
 _LAYERS = {"encoder": "CLIPEncoder", "layer": "CLIPEncoderLayer", "attn": "CLIPAttention"}
@@ -51,7 +56,7 @@ def fast_path_ok(tower: nn.Module) -> bool:
     if names != _LAYERS or type(getattr(tower, "embeddings", None)).__name__ not in _EMBEDDINGS:
         return False
     if type(tower.embeddings).__name__ == "CLIPTextEmbeddings":
-        if not hasattr(tower, "final_layer_norm") or _old_signature(last):
+        if create_causal_mask is None or not hasattr(tower, "final_layer_norm") or _old_signature(last):
             return False
         if getattr(tower.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
             return False
@@ -151,19 +156,19 @@ def clip_text_forward(
         ``(B, W)`` the pooled states after ``final_layer_norm`` (the transformers ``pooler_output``).
     """
     hidden = text_model.embeddings(input_ids=input_ids)
-    b, length, _ = hidden.shape
-    keys = torch.arange(length, device=hidden.device)
-    allowed = keys[None, :] <= keys[:, None]  # causal (L, L)
-    if attention_mask is not None:
-        allowed = allowed[None] & attention_mask.bool()[:, None, :]
-    mask = _additive(allowed.expand(b, length, length)[:, None], hidden.dtype)
+    # layers 1 .. L-1 get the mask transformers builds (None without padding under SDPA: its causal kernel)
+    mask = create_causal_mask(config=text_model.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                              past_key_values=None)
     layers = text_model.encoder.layers
     for layer in layers[:-1]:
-        hidden = layer(hidden, mask)
-        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        hidden = layer(hidden, mask, is_causal=True)
+    b, length, _ = hidden.shape
+    keys = torch.arange(length, device=hidden.device)
+    allowed = keys[None, :] <= pool_positions[:, None]  # (B, L): the pooled token sees itself and before
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()
+    pooled_mask = _additive(allowed[:, None, None, :], hidden.dtype)  # (B, 1, 1, L)
     last = layers[-1]
-    rows = torch.arange(b, device=hidden.device)
-    pooled_mask = mask[rows, :, pool_positions][:, :, None]  # (B, 1, 1, L): the pooled token's row of the mask
     if getattr(last, "gradient_checkpointing", False) and last.training and torch.is_grad_enabled():
         out = checkpoint(_last_layer_at, last, hidden, pool_positions, pooled_mask, use_reentrant=False)
     else:
