@@ -28,6 +28,8 @@ Batch = dict[str, Any]
 
 #: key of the 0-dim tensor holding the number of samples a feature dict was encoded from
 N_SAMPLES = "n_samples"
+#: most text-tower passes the embedding-only rows of a causal (CLIP) batch are split into by length
+TEXT_BUCKETS = 4
 
 
 @dataclass
@@ -240,10 +242,20 @@ def _encode_images(model: Any, reqs: dict[str, ImageRequest]) -> Features:
 
 
 def _encode_texts(model: Any, reqs: dict[str, TextRequest]) -> Features:
+    """Encode every text request. Causal towers that pool the end token (CLIP): the rows of all requests
+    without states go through the tower together, in at most :data:`TEXT_BUCKETS` passes of rows of similar
+    length, each cut to its longest row (trailing padding does not change a causal embedding), so that short
+    rows (StructXLIP's chunks, short captions) are not padded to the longest caption. Requests with states,
+    and other towers (SigLIP pools the last position of its fixed context), go one pass per padded length."""
     feats: Features = {}
+    causal = getattr(model, "family", "clip") == "clip"
+    bucketed = [k for k, r in reqs.items() if causal and not r.states]
+    if bucketed:
+        feats.update(_encode_bucketed(model, {k: reqs[k] for k in bucketed}))
     groups: dict[tuple[int, bool], list[str]] = {}
     for k, r in reqs.items():
-        groups.setdefault((r.input_ids.shape[1], r.states), []).append(k)
+        if k not in bucketed:
+            groups.setdefault((r.input_ids.shape[1], r.states), []).append(k)
     for (_, states), keys in groups.items():
         ids = torch.cat([reqs[k].input_ids for k in keys])
         mask = torch.cat([reqs[k].attention_mask for k in keys])
@@ -261,6 +273,69 @@ def _encode_texts(model: Any, reqs: dict[str, TextRequest]) -> Features:
                 feats[f"{k}_mask"] = mask[start:start + n]
             start += n
     return feats
+
+
+def _encode_bucketed(model: Any, reqs: dict[str, TextRequest]) -> Features:
+    counts = [r.input_ids.shape[0] for r in reqs.values()]
+    if not sum(counts):
+        return {k: r.input_ids.new_zeros((0, 0), dtype=torch.float32) for k, r in reqs.items()}
+    width = max(r.input_ids.shape[1] for r in reqs.values())
+    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None) or 0
+
+    def widen(t: Tensor, value: int) -> Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    ids = torch.cat([widen(r.input_ids, pad) for r in reqs.values()])
+    mask = torch.cat([widen(r.attention_mask, 0) for r in reqs.values()])
+    lengths = mask.sum(dim=1)
+    parts, order = [], []
+    for rows in length_buckets(lengths):
+        longest = max(int(lengths[rows].max()), 1)
+        parts.append(model.encode_text(ids[rows, :longest], mask[rows, :longest]).embeds)
+        order.append(rows)
+    embeds = torch.cat(parts)
+    rows = torch.cat(order).to(embeds.device)
+    embeds = torch.empty_like(embeds).index_copy(0, rows, embeds)
+    return dict(zip(reqs, embeds.split(counts)))
+
+
+def length_buckets(lengths: Tensor, max_buckets: int | None = None) -> list[Tensor]:
+    """Split rows into at most ``max_buckets`` groups of similar length that minimise the padded token count
+    ``sum_b |b| * max(len in b)`` (dynamic programming over the distinct lengths, groups contiguous in length).
+
+    Args:
+        lengths: ``(N,)`` real token counts.
+        max_buckets: default :data:`TEXT_BUCKETS`.
+
+    Returns:
+        Row indices of each group, shortest group first; together a permutation of ``range(N)``.
+    """
+    max_buckets = max_buckets or TEXT_BUCKETS
+    order = torch.argsort(lengths, stable=True)
+    values, counts = torch.unique(lengths, return_counts=True)
+    u, c = values.tolist(), counts.tolist()
+    n = len(u)
+    prefix = [0]
+    for k in c:
+        prefix.append(prefix[-1] + k)
+    inf = float("inf")
+    # best[g][j]: least padded tokens of the first j distinct lengths in g groups; cut[g][j]: where the last starts
+    best = [[inf] * (n + 1) for _ in range(max_buckets + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_buckets + 1)]
+    best[0][0] = 0.0
+    for g in range(1, max_buckets + 1):
+        for j in range(1, n + 1):
+            for i in range(g - 1, j):
+                cost = best[g - 1][i] + (prefix[j] - prefix[i]) * u[j - 1]
+                if cost < best[g][j]:
+                    best[g][j], cut[g][j] = cost, i
+    groups = min(range(1, max_buckets + 1), key=lambda g: (best[g][n], g))
+    bounds, j = [], n
+    for g in range(groups, 0, -1):
+        i = cut[g][j]
+        bounds.append((prefix[i], prefix[j]))
+        j = i
+    return [order[a:b] for a, b in reversed(bounds)]
 
 
 def merge_features(parts: list[Features]) -> Features:

@@ -26,11 +26,11 @@ Where the work happens:
 - :meth:`prepare` / :meth:`collate` (data workers): the regions kept per image (``regions.per_image``, the
   ones most often among the chunks' top-K), their edge-map crops (crop mode) or patch masks (pool mode),
   and tokenised filtered captions and chunks. Chunks are padded to the longest chunk of the batch, not to
-  248 tokens, and for causal towers grouped by length into a few requests, each padded to its own longest
-  chunk (:func:`length_buckets`). Samples without chunks or regions add no rows: nothing is encoded for them.
+  248 tokens. Samples without chunks or regions add no rows: nothing is encoded for them.
 - :meth:`image_inputs` / :meth:`text_inputs`: the edge maps and (crop mode) the region crops join the base
   term's colour images in ONE pass of the image tower; filtered captions and chunks go through the text
-  tower.
+  tower with the captions, for causal towers (CLIP) in a few passes of rows of similar length
+  (:func:`finetune.objectives.base.length_buckets`), so that chunks are not padded to caption length.
 - ``regions.encode: pool`` (our extension, not in the paper): a region is the mean of the edge map's last
   patch states inside its box (the box mapped through the processor's exact resize and centre crop), then
   the model's own final norm and projection (``DualEncoder.project_image_states``): no extra image forward.
@@ -65,7 +65,7 @@ from losses.structxlip import (
 )
 
 from . import register_term
-from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
+from .base import Batch, Features, ImageRequest, Term, TextRequest, length_buckets, scale_of
 
 __all__ = [
     "EdgeOptions",
@@ -91,8 +91,6 @@ LOSS_KEYS = ("structure", "consistency", "local")
 LEXICON_COLUMNS = ("filtered_caption", "lexicon_removed", "lexicon_categories", "lexicon_reverted", "caption_words")
 #: bump when the preprocessing code changes its output (part of every cache key)
 CODE_VERSION = "1"
-#: most text requests the chunks of a batch are split into by length (:func:`length_buckets`)
-CHUNK_BUCKETS = 4
 
 
 # -- options (validated by the recipe schema) ---------------------------------------------------------
@@ -756,8 +754,7 @@ class StructXLIPTerm(Term):
             for i, row in enumerate(e["sx_topk"]):
                 t[i, : len(row)] = torch.tensor(row[:k], dtype=torch.long)
             topk.append(t)
-        out: dict[str, Any] = {"chunk_input_ids": chunk_ids, "chunk_attention_mask": chunk_mask, "chunk_topk": topk,
-                               "chunk_causal": getattr(model, "family", "clip") == "clip"}
+        out: dict[str, Any] = {"chunk_input_ids": chunk_ids, "chunk_attention_mask": chunk_mask, "chunk_topk": topk}
         if self.options.regions.encode == "crop":
             slots = [torch.tensor(e["sx_slots"], dtype=torch.long) for e in examples]
             n_crops = [len(e["sx_crops"]) for e in examples]
@@ -802,36 +799,16 @@ class StructXLIPTerm(Term):
         return reqs
 
     def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
-        """``filtered_text`` (B filtered captions) and the batch's chunks (absent when there are none).
-
-        For causal towers (CLIP) the chunks are grouped by length into at most :data:`CHUNK_BUCKETS` requests
-        ``chunk@0``, ``chunk@1``, ... each padded to its own longest chunk (:func:`length_buckets`): the
-        embeddings are those of one request padded to the longest chunk, with fewer padding tokens encoded.
-        Other towers get one ``chunk@0`` request with the model's own padding.
-        """
+        """``filtered_text`` (B filtered captions) and ``chunk``, the batch's chunks (absent when there are
+        none). The objective encodes causal (CLIP) requests in length buckets, so that short chunks are not
+        padded to the longest caption (:func:`finetune.objectives.base.length_buckets`)."""
         sx = batch["structxlip"]
         reqs = {"filtered_text": TextRequest(sx["filtered_input_ids"], sx["filtered_attention_mask"])}
         if self.use_local:
-            for key, (ids, mask) in self._chunk_buckets(batch).items():
-                reqs[key] = TextRequest(ids, mask)
+            ids = torch.cat(sx["chunk_input_ids"])
+            if ids.shape[0]:
+                reqs["chunk"] = TextRequest(ids, torch.cat(sx["chunk_attention_mask"]))
         return reqs
-
-    def _chunk_buckets(self, batch: Batch) -> dict[str, tuple[Tensor, Tensor]]:
-        sx = batch["structxlip"]
-        ids = torch.cat(sx["chunk_input_ids"])
-        if not ids.shape[0]:
-            return {}
-        mask = torch.cat(sx["chunk_attention_mask"])
-        if not self._causal(batch):
-            return {"chunk@0": (ids, mask)}
-        out = {}
-        for b, rows in enumerate(length_buckets(mask.sum(dim=1))):
-            out[f"chunk@{b}"] = _trim(ids[rows], mask[rows], None, causal=True)
-        return out
-
-    @staticmethod
-    def _causal(batch: Batch) -> bool:
-        return bool(batch["structxlip"].get("chunk_causal", True))
 
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
         """Owners, positives and (pool mode) the pooled region embeddings; empty ``(0, D)`` rows where a
@@ -849,13 +826,7 @@ class StructXLIPTerm(Term):
         feats["region_owner"] = _owners(region_counts, device)
         feats["region_slot"] = _cat([t.to(device) for t in sx["region_slot"]],
                                     torch.zeros(0, dtype=torch.long, device=device))
-        parts = [feats.pop(f"chunk@{b}") for b in range(CHUNK_BUCKETS) if f"chunk@{b}" in feats]
-        if parts:
-            lengths = torch.cat(sx["chunk_attention_mask"]).sum(dim=1)
-            order = torch.cat(length_buckets(lengths)) if self._causal(batch) else torch.arange(lengths.shape[0])
-            chunks = torch.cat(parts)
-            feats["chunk"] = torch.empty_like(chunks).index_copy(0, order.to(chunks.device), chunks)
-        else:
+        if "chunk" not in feats:
             feats["chunk"] = ref.new_zeros((0, dim))
         if self.options.regions.encode == "pool":
             states = feats.pop("edge_states")
@@ -985,45 +956,6 @@ class StructXLIPTerm(Term):
     def extra_repr(self) -> str:
         return (f"compat={self.compat!r}, weights={self.base_weights}, encode={self.options.regions.encode!r}, "
                 f"k={self.options.regions.k}, local_temperature={self.local_temperature}")
-
-
-def length_buckets(lengths: Tensor, max_buckets: int | None = None) -> list[Tensor]:
-    """Split rows into at most ``max_buckets`` groups of similar length that minimise the padded token count
-    ``sum_b |b| * max(len in b)`` (dynamic programming over the distinct lengths, groups contiguous in length).
-
-    Args:
-        lengths: ``(N,)`` real token counts.
-        max_buckets: default :data:`CHUNK_BUCKETS`.
-
-    Returns:
-        Row indices of each group, shortest group first; together a permutation of ``range(N)``.
-    """
-    max_buckets = max_buckets or CHUNK_BUCKETS
-    order = torch.argsort(lengths, stable=True)
-    values, counts = torch.unique(lengths, return_counts=True)
-    u, c = values.tolist(), counts.tolist()
-    n = len(u)
-    prefix = [0]
-    for k in c:
-        prefix.append(prefix[-1] + k)
-    inf = float("inf")
-    # best[g][j]: least padded tokens of the first j distinct lengths in g groups; cut[g][j]: where the last starts
-    best = [[inf] * (n + 1) for _ in range(max_buckets + 1)]
-    cut = [[0] * (n + 1) for _ in range(max_buckets + 1)]
-    best[0][0] = 0.0
-    for g in range(1, max_buckets + 1):
-        for j in range(1, n + 1):
-            for i in range(g - 1, j):
-                cost = best[g - 1][i] + (prefix[j] - prefix[i]) * u[j - 1]
-                if cost < best[g][j]:
-                    best[g][j], cut[g][j] = cost, i
-    groups = min(range(1, max_buckets + 1), key=lambda g: (best[g][n], g))
-    bounds, j = [], n
-    for g in range(groups, 0, -1):
-        i = cut[g][j]
-        bounds.append((prefix[i], prefix[j]))
-        j = i
-    return [order[a:b] for a, b in reversed(bounds)]
 
 
 def _grid_len(params: dict[str, Any]) -> int:
