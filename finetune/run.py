@@ -88,6 +88,7 @@ def run(recipe: Any) -> int:
         dataloader_config=DataLoaderConfiguration(split_batches=True),
     )
     _setup_logging(out_dir, accelerator.is_main_process)
+    _cpu_threads(accelerator)
     set_seed(recipe.train.seed)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +100,24 @@ def run(recipe: Any) -> int:
         return _run(recipe, recipe_dict, accelerator, out_dir)
     finally:
         accelerator.end_training()
+
+
+def _cpu_threads(accelerator: Any) -> None:
+    """``accelerate launch`` without ``--cpu`` on a machine without a GPU exports ``OMP_NUM_THREADS=1``, which
+    leaves a single CPU process one core: give it every core it may run on, and say so. With ``--cpu`` the
+    user's (or accelerate's) ``--num_cpu_threads_per_process`` stands."""
+    import os
+
+    import torch
+
+    launched = "ACCELERATE_USE_CPU" in os.environ and os.environ["ACCELERATE_USE_CPU"].lower() not in ("1", "true")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if (launched and accelerator.device.type == "cpu" and accelerator.num_processes == 1
+            and os.environ.get("OMP_NUM_THREADS") == "1" and torch.get_num_threads() == 1 and cores > 1):
+        torch.set_num_threads(cores)
+        logging.getLogger("xlipkit").info(
+            "accelerate launch set OMP_NUM_THREADS=1 for this one CPU process: using all %d cores "
+            "(accelerate launch --cpu --num_cpu_threads_per_process N chooses N)", cores)
 
 
 def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int:
