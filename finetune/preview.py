@@ -1,7 +1,7 @@
 """Preview what StructXLIP trains on, before spending GPU hours.
 
     python -m finetune.preview recipes/structxlip_docci.yaml --n 8 --out preview.png
-    python -m finetune.preview recipes/quickstart_structxlip.yaml data.train.size=16 --n 4
+    python -m finetune.preview recipes/quickstart.yaml data.train.size=16 --n 4
 
 For the first ``n`` training examples of a recipe the preview runs the StructXLIP preprocessing exactly as
 training will (``StructXLIPTerm.preprocess``: lexicon filter, edge maps, regions and each chunk's top-K

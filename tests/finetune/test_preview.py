@@ -59,7 +59,7 @@ def test_render_preview_needs_an_example(tmp_path):
 def test_preview_command_on_a_recipe(tmp_path, capsys):
     tiny = save_tiny("tiny-clip", tmp_path / "tiny-clip")
     out = tmp_path / "preview.png"
-    code = main(["recipes/quickstart_structxlip.yaml", f"model.name_or_path={tiny}", "data.train.size=4",
+    code = main(["recipes/quickstart.yaml", f"model.name_or_path={tiny}", "data.train.size=4",
                  f"data.cache_dir={tmp_path / 'cache'}", "--n", "2", "--out", str(out)])
     assert code == 0 and out.is_file()
     assert f"wrote {out}" in capsys.readouterr().out
@@ -73,13 +73,13 @@ def test_preview_command_on_a_recipe(tmp_path, capsys):
 def test_preview_of_a_recipe_without_structxlip_uses_the_default_options(tmp_path):
     tiny = save_tiny("tiny-clip", tmp_path / "tiny-clip")
     out = tmp_path / "plain.png"
-    assert main(["recipes/quickstart.yaml", f"model.name_or_path={tiny}", "data.train.size=2",
+    assert main(["recipes/quickstart_clip.yaml", f"model.name_or_path={tiny}", "data.train.size=2",
                  f"data.cache_dir={tmp_path / 'cache'}", "--n", "1", "--out", str(out)]) == 0
     assert out.is_file()
 
 
 def test_preview_reports_recipe_errors(tmp_path, capsys):
-    assert main(["recipes/quickstart_structxlip.yaml", "objective.terms.structxlip.regions.k=0",
+    assert main(["recipes/quickstart.yaml", "objective.terms.structxlip.regions.k=0",
                  "--out", str(tmp_path / "x.png")]) == 2
     assert "regions.k" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()

@@ -24,6 +24,7 @@ from finetune.data.collate import Collator
 from finetune.data.sources import load_source
 from finetune.models.registry import save_tiny
 from finetune.objectives import Objective, build_objective, merge_features
+from finetune.objectives.base import TEXT_BUCKETS
 from finetune.objectives.contrastive import ClipTerm
 from finetune.objectives.structxlip import (
     EdgeOptions,
@@ -269,11 +270,8 @@ def test_collate_shapes_and_chunks_padded_to_the_longest_chunk(crop_setup, model
         assert sx["region_slot"][i].tolist() == kept
         assert sx["region_inputs"]["pixel_values"][i].shape == (len(kept), 3, 32, 32)
     text = term.text_inputs(batch)
-    buckets = [req for key, req in text.items() if key.startswith("chunk@")]
-    assert sum(r.input_ids.shape[0] for r in buckets) == len(chunks)
-    for req in buckets:  # each length bucket is padded to its own longest chunk
-        assert req.input_ids.shape[1] == int(req.attention_mask.sum(dim=1).max())
-    assert sum(r.input_ids.numel() for r in buckets) <= len(chunks) * longest
+    assert text["chunk"].input_ids.shape == (len(chunks), longest)
+    assert text["filtered_text"].input_ids.shape[0] == 4
 
 
 def test_length_buckets_minimise_padding_and_keep_every_row():
@@ -284,16 +282,23 @@ def test_length_buckets_minimise_padding_and_keep_every_row():
     assert [g.tolist() for g in length_buckets(torch.tensor([7, 7, 7]))] == [[0, 1, 2]]
 
 
-def test_bucketed_chunks_embed_like_one_padded_request(crop_setup, model):
+def test_bucketed_text_passes_embed_like_one_padded_request(crop_setup, model):
     term, data = crop_setup
     batch = _batch(term, model, data)
+    calls = _counting(counting := copy.deepcopy(model))
     with torch.no_grad():
-        feats = _objective(term).encode(model, batch)
-        sx = batch["structxlip"]
-        ids, mask = torch.cat(sx["chunk_input_ids"]), torch.cat(sx["chunk_attention_mask"])
-        expected = model.encode_text(ids, mask).embeds
-    assert not any(key.startswith("chunk@") for key in feats)
-    assert torch.allclose(feats["chunk"], expected, atol=1e-5)
+        feats = _objective(term).encode(counting, batch)
+    sx = batch["structxlip"]
+    rows_total = 8 + sum(t.shape[0] for t in sx["chunk_input_ids"])
+    # captions, filtered captions and chunks together, in a few passes of rows of similar length
+    assert 1 <= len(calls["text"]) <= TEXT_BUCKETS
+    assert sum(rows for rows, _ in calls["text"]) == rows_total
+    assert sum(rows * width for rows, width in calls["text"]) < rows_total * batch["input_ids"].shape[1]
+    with torch.no_grad():
+        for key, ids, mask in (("chunk", torch.cat(sx["chunk_input_ids"]), torch.cat(sx["chunk_attention_mask"])),
+                               ("filtered_text", sx["filtered_input_ids"], sx["filtered_attention_mask"]),
+                               ("text", batch["input_ids"], batch["attention_mask"])):
+            assert torch.allclose(feats[key], model.encode_text(ids, mask).embeds, atol=1e-5), key
 
 
 def _counting(model):
@@ -574,7 +579,7 @@ def _tiny_overrides(path: Path, fx: dict, out: Path) -> list[str]:
     ]
 
 
-STRUCTXLIP_RECIPES = sorted((REPO / "recipes").glob("structxlip_*.yaml")) + [REPO / "recipes" / "quickstart_structxlip.yaml"]
+STRUCTXLIP_RECIPES = sorted((REPO / "recipes").glob("structxlip_*.yaml")) + [REPO / "recipes" / "quickstart.yaml"]
 
 
 @pytest.mark.slow
@@ -597,3 +602,6 @@ def test_every_structxlip_recipe_runs_on_tiny_models(path, run_fixtures, tmp_pat
     report = (out / "report.md").read_text()
     assert "Lexicon filter (paper Supp. Mat. B.3)" in report and "plots/structxlip_preview.png" in report
     assert (out / "plots" / "structxlip_preview.png").is_file()
+    if recipe.eval.compare_base_length:
+        assert set(metrics["after_at_base_length"]) == set(metrics["after"])
+        assert "What reading past 77 tokens buys" in report
