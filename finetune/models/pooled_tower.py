@@ -156,6 +156,10 @@ def clip_text_forward(
         ``(B, W)`` the pooled states after ``final_layer_norm`` (the transformers ``pooler_output``).
     """
     hidden = text_model.embeddings(input_ids=input_ids)
+    if attention_mask is not None and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+        # right padding: under the causal mask no real token attends to the padding after it, and the padding
+        # rows are never read, so the padding mask changes nothing and SDPA keeps its causal kernel
+        attention_mask = None
     # layers 1 .. L-1 get the mask transformers builds (None without padding under SDPA: its causal kernel)
     mask = create_causal_mask(config=text_model.config, inputs_embeds=hidden, attention_mask=attention_mask,
                               past_key_values=None)

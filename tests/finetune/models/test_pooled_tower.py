@@ -142,3 +142,4 @@ def test_text_fast_path_with_stretched_frozen_positions(load_tiny) -> None:
     _text_grads_match(model, tok.input_ids, tok.attention_mask)
     table = model.position_embedding()
     assert table.grad is None or torch.count_nonzero(table.grad[:20]) == 0  # the kept rows stay frozen
+
