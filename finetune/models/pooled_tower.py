@@ -18,6 +18,7 @@ calls around (FSDP, DeepSpeed ZeRO-3 and other wrappers register hooks or change
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -66,7 +67,12 @@ def fast_path_ok(tower: nn.Module) -> bool:
 
 
 def _old_signature(layer: nn.Module) -> bool:
-    return "causal_attention_mask" in inspect.signature(type(layer).forward).parameters
+    return _takes_causal_mask(type(layer))
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_causal_mask(cls: type) -> bool:
+    return "causal_attention_mask" in inspect.signature(cls.forward).parameters
 
 
 def _call_layer(layer: nn.Module, hidden: Tensor) -> Tensor:

@@ -24,6 +24,12 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_same_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_embeddings_and_gradients_equal_the_transformers_forward(load_tiny, checkpointing: bool) -> None:
     model = load_tiny("tiny-clip")
@@ -44,10 +50,8 @@ def test_embeddings_and_gradients_equal_the_transformers_forward(load_tiny, chec
     (ours * weights).sum().backward()
     got = _grads(model)
     assert torch.allclose(ours, stock, atol=1e-5)
-    assert expected.keys() == got.keys()
     # the last layer's query/MLP weights get gradient from the class token only, in both
-    for name in expected:
-        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+    _assert_same_grads(got, expected)
 
 
 def test_states_of_the_first_rows_only(load_tiny) -> None:
@@ -115,9 +119,7 @@ def _text_grads_match(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
     (ours * weights).sum().backward()
     got = _grads(model)
     assert torch.allclose(ours, stock, atol=1e-5)
-    assert expected.keys() == got.keys()
-    for name in expected:
-        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+    _assert_same_grads(got, expected)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
