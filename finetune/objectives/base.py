@@ -6,7 +6,8 @@ A :class:`Term` is a small ``nn.Module`` that
    cached), ``prepare`` (per example, in the data workers) and ``collate`` (per batch);
 2. asks the :class:`Objective` for the images and texts it wants encoded (``image_inputs`` /
    ``text_inputs``): the objective runs ONE image-tower pass over every image request of the batch
-   (StructXLIP's colour images and edge maps together) and one text pass per padded length;
+   (StructXLIP's colour images and edge maps together) and, for causal (CLIP) text towers, a few passes of
+   similar-length rows over every text request (one pass per padded length for other towers);
 3. turns the encoded features into unweighted loss values (``loss``).
 
 Features are a flat ``dict[str, Tensor]`` so that the gradient-accumulation scheme of DESIGN 6 can cache

@@ -30,12 +30,18 @@ def _assert_same_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.T
         assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_embeddings_and_gradients_equal_the_transformers_forward(load_tiny, checkpointing: bool) -> None:
+def _training_clip(load_tiny, checkpointing: bool):
+    """tiny-clip in training mode, with gradient checkpointing on or off."""
     model = load_tiny("tiny-clip")
     model.train()
     if checkpointing:
         enable_gradient_checkpointing(model)
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_embeddings_and_gradients_equal_the_transformers_forward(load_tiny, checkpointing: bool) -> None:
+    model = _training_clip(load_tiny, checkpointing)
     vm = model.model.vision_model
     assert fast_path_ok(vm)
     pixels = _pixels(model)
@@ -124,10 +130,7 @@ def _text_grads_match(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_text_embeddings_and_gradients_equal_the_transformers_forward(load_tiny, checkpointing: bool) -> None:
-    model = load_tiny("tiny-clip")
-    model.train()
-    if checkpointing:
-        enable_gradient_checkpointing(model)
+    model = _training_clip(load_tiny, checkpointing)
     assert fast_path_ok(model.model.text_model)
     tok = model.tokenize(["a photo of a cat", "two red circles above a small blue square, far apart", "a"])
     assert tok.attention_mask.sum(1).tolist() != [tok.input_ids.shape[1]] * 3  # rows of different lengths
