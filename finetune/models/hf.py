@@ -28,11 +28,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from finetune.models.activations import use_fast_quick_gelu
 from finetune.models.atomic import atomic_dir
 from finetune.models.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
 from finetune.models.encoder import first_state_rows as _first_rows
 from finetune.models.longclip import sync_frozen_rows_hook
-from finetune.models.pooled_tower import clip_text_forward, clip_vision_forward, fast_path_kwargs_ok, fast_path_ok
+from finetune.models.pooled_tower import (
+    clip_text_forward,
+    clip_vision_forward,
+    fast_path_kwargs_ok,
+    fast_path_ok,
+    hooked,
+)
 from finetune.models.tokens import hf_tokenize
 
 #: transformers ``model_type`` -> family
@@ -126,6 +133,7 @@ class HFDualEncoder(DualEncoder):
         self.max_text_len = n
         self.tokenizer.model_max_length = n
         sync_frozen_rows_hook(self._text_embeddings().position_embedding, self.kps)
+        use_fast_quick_gelu(model)
 
     def _detect_family(self) -> str:
         mt = self.model.config.model_type
@@ -170,6 +178,21 @@ class HFDualEncoder(DualEncoder):
         pooled = out.pooler_output
         embeds = self.model.text_projection(pooled) if self.family == "clip" else pooled
         return TextFeatures(embeds, out.hidden_states[-1], attention_mask, self.text_pool_positions(input_ids))
+
+    def encode_text_groups(self, groups: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+        """:meth:`DualEncoder.encode_text_groups`; CLIP on the pooled-token path looks the tokens of all
+        groups up in one call, so that backward builds one dense ``(vocab, W)`` embedding gradient, not one
+        per group (each is a 100 MB zero-fill for CLIP's 49,408 x 512 table)."""
+        tm = self.model.text_model
+        if self.family != "clip" or len(groups) < 2 or not fast_path_ok(tm) or hooked(tm.embeddings):
+            return super().encode_text_groups(groups)
+        tokens = tm.embeddings.token_embedding(torch.cat([ids.reshape(-1) for ids, _ in groups]))
+        out = []
+        for (ids, mask), part in zip(groups, tokens.split([ids.numel() for ids, _ in groups])):
+            pooled = clip_text_forward(tm, ids, mask, self.text_pool_positions(ids),
+                                       token_embeds=part.view(*ids.shape, -1))
+            out.append(self.model.text_projection(pooled))
+        return out
 
     def project_text_states(self, x: Tensor) -> Tensor:
         """``(..., W)`` -> ``(..., D)``: ``final_layer_norm`` then ``text_projection`` (CLIP) or

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from finetune.models.activations import use_fast_quick_gelu
 from finetune.models.atomic import atomic_dir
 from finetune.models.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText, first_state_rows
 from finetune.models.longclip import freeze_rows, kps_ratio
@@ -84,6 +85,7 @@ class OpenCLIPDualEncoder(DualEncoder):
         self.model_cfg = deepcopy(model_cfg)
         self.tokenizer = tokenizer
         self._check_towers()
+        use_fast_quick_gelu(model)
         pp = get_model_preprocess_cfg(model)
         self.preprocess_cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in pp.items()}
         fields = {k: v for k, v in pp.items() if k in PreprocessCfg.__dataclass_fields__}
