@@ -143,6 +143,13 @@ class DualEncoder(nn.Module, abc.ABC):
     ) -> TextFeatures:
         """Encode token ids ``(B, L)`` into :class:`TextFeatures`."""
 
+    def encode_text_groups(self, groups: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+        """Embeddings of several groups of token ids, e.g. length buckets: ``[(ids (B_g, L_g), mask (B_g,
+        L_g)), ...]`` -> ``[(B_g, D), ...]``, each equal to ``encode_text(ids, mask).embeds``. Backends may
+        share work between the groups (transformers CLIP: one token-embedding lookup, so one dense
+        embedding gradient instead of one per group)."""
+        return [self.encode_text(ids, mask).embeds for ids, mask in groups]
+
     @abc.abstractmethod
     def project_image_states(self, x: Tensor) -> Tensor:
         """Map image states ``(..., W)`` to the joint space ``(..., D)`` with the model's own head."""

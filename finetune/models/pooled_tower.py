@@ -38,7 +38,8 @@ _LAYERS = {"encoder": "CLIPEncoder", "layer": "CLIPEncoderLayer", "attn": "CLIPA
 _EMBEDDINGS = {"CLIPVisionEmbeddings", "CLIPTextEmbeddings"}
 
 
-def _hooked(module: nn.Module) -> bool:
+def hooked(module: nn.Module) -> bool:
+    """Whether ``module`` has forward hooks or pre-hooks (wrappers such as DeepSpeed ZeRO-3 work through them)."""
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
@@ -63,7 +64,7 @@ def fast_path_ok(tower: nn.Module) -> bool:
             return False
     elif not hasattr(tower, "post_layernorm"):
         return False
-    return not any(_hooked(m) for m in (tower, encoder, last, attn))
+    return not any(hooked(m) for m in (tower, encoder, last, attn))
 
 
 def _old_signature(layer: nn.Module) -> bool:
@@ -148,7 +149,11 @@ def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def clip_text_forward(
-    text_model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, pool_positions: Tensor
+    text_model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    pool_positions: Tensor,
+    token_embeds: Tensor | None = None,
 ) -> Tensor:
     """Run the CLIP text tower with the last layer for the pooled (end-of-text) token only.
 
@@ -157,11 +162,13 @@ def clip_text_forward(
         input_ids: ``(B, L)``.
         attention_mask: ``(B, L)`` 1 for real tokens (None: all real).
         pool_positions: ``(B,)`` the end-of-text position of each row (the transformers pooling rule).
+        token_embeds: ``(B, L, W)`` the rows' token embeddings when the caller looked them up already
+            (positions are still added here).
 
     Returns:
         ``(B, W)`` the pooled states after ``final_layer_norm`` (the transformers ``pooler_output``).
     """
-    hidden = text_model.embeddings(input_ids=input_ids)
+    hidden = text_model.embeddings(input_ids=input_ids, inputs_embeds=token_embeds)
     if attention_mask is not None and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
         # right padding: under the causal mask no real token attends to the padding after it, and the padding
         # rows are never read, so the padding mask changes nothing and SDPA keeps its causal kernel

@@ -30,7 +30,7 @@ Batch = dict[str, Any]
 #: key of the 0-dim tensor holding the number of samples a feature dict was encoded from
 N_SAMPLES = "n_samples"
 #: most text-tower passes the embedding-only rows of a causal (CLIP) batch are split into by length
-TEXT_BUCKETS = 4
+TEXT_BUCKETS = 6
 
 
 @dataclass
@@ -289,12 +289,12 @@ def _encode_bucketed(model: Any, reqs: dict[str, TextRequest]) -> Features:
     ids = torch.cat([widen(r.input_ids, pad) for r in reqs.values()])
     mask = torch.cat([widen(r.attention_mask, 0) for r in reqs.values()])
     lengths = mask.sum(dim=1)
-    parts, order = [], []
-    for rows in length_buckets(lengths):
+    order = length_buckets(lengths)
+    groups = []
+    for rows in order:
         longest = max(int(lengths[rows].max()), 1)
-        parts.append(model.encode_text(ids[rows, :longest], mask[rows, :longest]).embeds)
-        order.append(rows)
-    embeds = torch.cat(parts)
+        groups.append((ids[rows, :longest], mask[rows, :longest]))
+    embeds = torch.cat(model.encode_text_groups(groups))
     rows = torch.cat(order).to(embeds.device)
     embeds = torch.empty_like(embeds).index_copy(0, rows, embeds)
     return dict(zip(reqs, embeds.split(counts)))
@@ -312,29 +312,28 @@ def length_buckets(lengths: Tensor, max_buckets: int | None = None) -> list[Tens
         Row indices of each group, shortest group first; together a permutation of ``range(N)``.
     """
     max_buckets = max_buckets or TEXT_BUCKETS
+    lengths = lengths.detach().cpu()
     order = torch.argsort(lengths, stable=True)
     values, counts = torch.unique(lengths, return_counts=True)
-    u, c = values.tolist(), counts.tolist()
+    u = values.double()
+    prefix = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).double()
     n = len(u)
-    prefix = [0]
-    for k in c:
-        prefix.append(prefix[-1] + k)
-    inf = float("inf")
-    # best[g][j]: least padded tokens of the first j distinct lengths in g groups; cut[g][j]: where the last starts
-    best = [[inf] * (n + 1) for _ in range(max_buckets + 1)]
-    cut = [[0] * (n + 1) for _ in range(max_buckets + 1)]
-    best[0][0] = 0.0
+    # best[g, j]: least padded tokens of the first j distinct lengths in g groups; cut[g, j]: where the last
+    # group starts. cost[i, j] puts lengths i..j-1 in one group padded to the longest, u[j - 1].
+    cost = (prefix[None, :] - prefix[:, None]) * torch.cat([u.new_zeros(1), u])[None, :]
+    cost = cost.masked_fill(torch.ones(n + 1, n + 1, dtype=torch.bool).tril(), math.inf)  # groups need i < j
+    best = torch.full((max_buckets + 1, n + 1), math.inf, dtype=torch.float64)
+    cut = torch.zeros((max_buckets + 1, n + 1), dtype=torch.long)
+    best[0, 0] = 0.0
     for g in range(1, max_buckets + 1):
-        for j in range(1, n + 1):
-            for i in range(g - 1, j):
-                cost = best[g - 1][i] + (prefix[j] - prefix[i]) * u[j - 1]
-                if cost < best[g][j]:
-                    best[g][j], cut[g][j] = cost, i
-    groups = min(range(1, max_buckets + 1), key=lambda g: (best[g][n], g))
+        best[g], cut[g] = (best[g - 1][:, None] + cost).min(dim=0)
+    totals = best[1:, n].tolist()
+    groups = min(range(1, max_buckets + 1), key=lambda g: (totals[g - 1], g))
+    starts = prefix.long().tolist()
     bounds, j = [], n
     for g in range(groups, 0, -1):
-        i = cut[g][j]
-        bounds.append((prefix[i], prefix[j]))
+        i = int(cut[g, j])
+        bounds.append((starts[i], starts[j]))
         j = i
     return [order[a:b] for a, b in reversed(bounds)]
 

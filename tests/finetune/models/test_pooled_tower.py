@@ -148,3 +148,27 @@ def test_text_fast_path_with_stretched_frozen_positions(load_tiny) -> None:
     table = model.position_embedding()
     assert table.grad is None or torch.count_nonzero(table.grad[:20]) == 0  # the kept rows stay frozen
 
+
+
+def test_text_groups_share_one_token_lookup_and_equal_encode_text(load_tiny) -> None:
+    model = _training_clip(load_tiny, checkpointing=False)
+    short = model.tokenize(["a cat", "two dogs"])
+    long = model.tokenize(["two red circles above a small blue square, far apart from each other on a wall"])
+    groups = [(short.input_ids, short.attention_mask), (long.input_ids, long.attention_mask)]
+    assert short.input_ids.shape[1] != long.input_ids.shape[1]
+    dim = model.model.text_projection.out_features
+    weights = [torch.randn(2, dim), torch.randn(1, dim)]
+
+    expected = [model.encode_text(ids, mask).embeds for ids, mask in groups]
+    sum((e * w).sum() for e, w in zip(expected, weights)).backward()
+    expected_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    lookups = []
+    model.model.text_model.embeddings.token_embedding.register_forward_hook(lambda m, a, o: lookups.append(a[0].shape))
+    got = model.encode_text_groups(groups)
+    sum((g * w).sum() for g, w in zip(got, weights)).backward()
+    assert lookups == [torch.Size([short.input_ids.numel() + long.input_ids.numel()])]  # one lookup for both
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and torch.allclose(g, e, atol=1e-5)
+    _assert_same_grads(_grads(model), expected_grads)

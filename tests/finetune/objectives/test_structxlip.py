@@ -282,6 +282,23 @@ def test_length_buckets_minimise_padding_and_keep_every_row():
     assert [g.tolist() for g in length_buckets(torch.tensor([7, 7, 7]))] == [[0, 1, 2]]
 
 
+def test_length_buckets_find_the_least_padding_of_any_split():
+    import itertools
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        lengths = torch.randint(1, 40, (9,), generator=gen)
+        for max_buckets in (1, 2, 3):
+            groups = length_buckets(lengths, max_buckets=max_buckets)
+            padded = sum(len(g) * int(lengths[g].max()) for g in groups)
+            ordered = sorted(lengths.tolist())
+            best = min(  # every split of the sorted lengths into at most max_buckets contiguous groups
+                sum((b - a) * ordered[b - 1] for a, b in zip((0, *cuts), (*cuts, len(ordered))))
+                for k in range(max_buckets) for cuts in itertools.combinations(range(1, len(ordered)), k))
+            assert len(groups) <= max_buckets and padded == best
+            assert sorted(torch.cat(groups).tolist()) == list(range(9))
+
+
 def test_bucketed_text_passes_embed_like_one_padded_request(crop_setup, model):
     term, data = crop_setup
     batch = _batch(term, model, data)
@@ -304,7 +321,7 @@ def test_bucketed_text_passes_embed_like_one_padded_request(crop_setup, model):
 def _counting(model):
     """Record the rows of every image and text encoder call."""
     calls = {"image": [], "text": []}
-    encode_image, encode_text = model.encode_image, model.encode_text
+    encode_image, encode_text, encode_groups = model.encode_image, model.encode_text, model.encode_text_groups
 
     def image(pixel_values, **kwargs):
         calls["image"].append(pixel_values.shape[0])
@@ -314,7 +331,15 @@ def _counting(model):
         calls["text"].append(tuple(input_ids.shape))
         return encode_text(input_ids, *args, **kwargs)
 
-    model.encode_image, model.encode_text = image, text
+    def groups(pairs):  # one tower pass per group, without going through encode_text on the fast path
+        calls["text"].extend(tuple(ids.shape) for ids, _ in pairs)
+        model.encode_text = encode_text
+        try:
+            return encode_groups(pairs)
+        finally:
+            model.encode_text = text
+
+    model.encode_image, model.encode_text, model.encode_text_groups = image, text, groups
     return calls
 
 
