@@ -25,12 +25,11 @@ All modes run over ONE model in one process, interleaved: after a warm-up step o
 of ``--steps`` steps of every mode in turn; each mode keeps its best step, so that load from other processes
 on a shared machine (which comes and goes) hits every mode alike and does not decide a ratio. Process CPU
 time per step is recorded beside wall-clock time, and so is the crop / public-code ratio of every round (the
-two run back to back, under the same load) with its median. Peak memory is measured apart: each mode alone in a fresh
-process, its resident memory after building the model and optimiser and its peak (``ru_maxrss``) over one
-step. The preprocessing part reuses
-``bench/preprocess_throughput.py``: lexicon-filter captions/s on 20,000 DOCCI-length captions and Canny
-images/s at 224 x 224 and 1024 x 768. Results go to ``bench/results/structxlip.json``; ratios compare
-numbers of this run only.
+two run back to back, under the same load) with its median. Peak memory is measured apart: each mode alone
+in a fresh process, its resident memory after building the model and optimiser and its peak (``ru_maxrss``)
+over one step. The preprocessing part reuses ``bench/preprocess_throughput.py``: lexicon-filter captions/s
+on 20,000 DOCCI-length captions and Canny images/s at 224 x 224 and 1024 x 768. Results go to
+``bench/results/structxlip.json``; ratios compare numbers of this run only.
 
 Targets (the issue): crop mode no slower than the public code's step; pool mode at most 2.3 x the plain
 step; the lexicon filter above 15,000 captions/s on 2 cores.
@@ -337,7 +336,8 @@ def step_costs(args: argparse.Namespace) -> dict:
             memory = _in_process(_memory_worker, mode, args, cache_dir)
             out[mode] = {**timing["modes"][mode], **memory}
             print(f"  {mode:16s} best {out[mode]['seconds_per_step']:7.2f} s/step wall, "
-                  f"{out[mode]['cpu_seconds_per_step']:7.2f} s CPU; peak RSS {memory['peak_rss_gb']:5.1f} GB", flush=True)
+                  f"{out[mode]['cpu_seconds_per_step']:7.2f} s CPU; peak RSS {memory['peak_rss_gb']:5.1f} GB",
+                  flush=True)
     return out
 
 
@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["canny"] = canny
         targets["lexicon_above_15000_captions_per_s_2_cores"] = lex["captions_per_s_2_processes"] > 15000
         print(f"  lexicon filter: {lex['captions_per_s_2_processes']:,.0f} captions/s on 2 processes "
-              f"({lex['captions_per_s_1_process']:,.0f} on 1; public-style {lex['baseline_public_style_captions_per_s']:,.0f})")
+              f"({lex['captions_per_s_1_process']:,.0f} on 1; "
+              f"public-style {lex['baseline_public_style_captions_per_s']:,.0f})")
         for size in ("224x224", "1024x768"):
             print(f"  canny {size}: {canny[size]['edge_map_images_per_s']:,.0f} images/s")
     result["targets_met"] = targets

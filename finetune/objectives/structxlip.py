@@ -780,7 +780,8 @@ class StructXLIPTerm(Term):
                     kept.append(slot)
                     rows.append(m)
             slots.append(torch.tensor(kept, dtype=torch.long))
-            masks.append(torch.stack(rows) if rows else torch.zeros((0, n_patches or _grid_len(params)), dtype=torch.bool))
+            empty = torch.zeros((0, n_patches or _grid_len(params)), dtype=torch.bool)
+            masks.append(torch.stack(rows) if rows else empty)
         out.update({"region_slot": slots, "region_patch_mask": masks})
         return out
 

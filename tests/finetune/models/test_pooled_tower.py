@@ -149,7 +149,6 @@ def test_text_fast_path_with_stretched_frozen_positions(load_tiny) -> None:
     assert table.grad is None or torch.count_nonzero(table.grad[:20]) == 0  # the kept rows stay frozen
 
 
-
 def test_text_groups_share_one_token_lookup_and_equal_encode_text(load_tiny) -> None:
     model = _training_clip(load_tiny, checkpointing=False)
     short = model.tokenize(["a cat", "two dogs"])
@@ -165,7 +164,8 @@ def test_text_groups_share_one_token_lookup_and_equal_encode_text(load_tiny) -> 
     model.zero_grad(set_to_none=True)
 
     lookups = []
-    model.model.text_model.embeddings.token_embedding.register_forward_hook(lambda m, a, o: lookups.append(a[0].shape))
+    embedding = model.model.text_model.embeddings.token_embedding
+    embedding.register_forward_hook(lambda m, a, o: lookups.append(a[0].shape))
     got = model.encode_text_groups(groups)
     sum((g * w).sum() for g, w in zip(got, weights)).backward()
     assert lookups == [torch.Size([short.input_ids.numel() + long.input_ids.numel()])]  # one lookup for both

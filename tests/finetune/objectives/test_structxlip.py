@@ -94,7 +94,8 @@ def _write_recipe(tmp_path: Path, terms: str) -> Path:
 
 
 def test_recipe_section_is_validated_and_builds_the_term(tmp_path):
-    path = _write_recipe(tmp_path, "    structxlip:\n      weights: {local: 0.2}\n      regions: {encode: pool, k: 2}\n")
+    path = _write_recipe(tmp_path,
+                         "    structxlip:\n      weights: {local: 0.2}\n      regions: {encode: pool, k: 2}\n")
     recipe = load_recipe(path)
     options = recipe.objective.terms["structxlip"]
     assert isinstance(options, StructXLIPOptions)
@@ -391,7 +392,8 @@ def test_losses_match_the_papers_equations(crop_setup, model):
         feats = objective.encode(model, batch)
         values = objective.loss(model, feats)
     scale = term.structure_logit_scale.detach().exp()
-    assert values["structure"] == pytest.approx(float(clip_loss(feats["edge"], feats["filtered_text"], scale)), rel=1e-5)
+    expected = float(clip_loss(feats["edge"], feats["filtered_text"], scale))
+    assert values["structure"] == pytest.approx(expected, rel=1e-5)
     cos = F.cosine_similarity(feats["image"], feats["edge"], dim=-1)
     assert values["consistency"] == pytest.approx(float((1 - cos).mean()), rel=1e-5)
     local = _direct_local(feats["chunk"], feats["chunk_owner"], feats["chunk_topk"], feats["region"],
