@@ -138,7 +138,11 @@ class ModelConfig:
     """Which model to load and how (``finetune.load_model``)."""
 
     name_or_path: str = field(default="small-clip", metadata=_check(_non_empty))
-    backend: Literal["auto", "hf", "open_clip"] = "auto"
+    #: the registered model family that loads it (``finetune.models.families``: ``hf``, ``open_clip``,
+    #: ...); ``auto`` detects it from a saved folder's own files or the registry name
+    family: str = field(default="auto", metadata=_check(_non_empty))
+    #: deprecated alias of ``family`` (``auto`` defers to ``family``)
+    backend: str = "auto"
     max_text_len: int | None = field(default=248, metadata=_check(_at_least(1)))
     kps: KPSConfig = field(default_factory=KPSConfig)
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
@@ -192,6 +196,12 @@ class EvalConfig:
     #: also evaluate the trained model with captions cut at its original length (77 for CLIP), to show
     #: what reading past it buys (only when KPS stretched the model)
     compare_base_length: bool = False
+    #: a registered scorer (``finetune.scorers``): ``cosine`` (default) or one a method registers
+    scorer: str = field(default="cosine", metadata=_check(_non_empty))
+    #: re-score only the global-cosine top-k candidates with the scorer (FLAIR's inference); null: all
+    rerank_top_k: int | None = field(default=None, metadata=_check(_at_least(1)))
+    #: texts x images scored per block (bounds evaluation memory)
+    block_size: int = field(default=1024, metadata=_check(_at_least(1)))
 
 
 @dataclass
@@ -203,7 +213,11 @@ class ObjectiveConfig:
     for ``longclip`` (Long-CLIP's training code); a number overrides it.
     """
 
-    base: Literal["clip", "siglip", "longclip"] = "clip"
+    #: a registered term used as the base loss (``clip``, ``siglip``, ``longclip``, ...) or ``none``
+    base: str = field(default="clip", metadata=_check(_non_empty))
+    #: modules imported before the terms are validated, so that a user's own terms and scorers
+    #: register (YAML key ``objective.import``)
+    imports: list[str] = field(default_factory=list)
     label_smoothing: float | None = field(default=None, metadata=_check(_in_unit_interval))
     terms: dict[str, Any] = field(default_factory=dict, metadata={"terms": True})
 
@@ -757,6 +771,12 @@ def _cross_checks(recipe: Recipe, v: _Validator) -> None:
     if t.min_lr > t.lr:
         raise v.fail_any([("train", "min_lr"), ("train", "lr")],
                          f"`train.min_lr` ({t.min_lr:g}) is above `train.lr` ({t.lr:g}); lower it")
+    known_bases = {"none", "clip", "siglip", "longclip", *_TERM_CONFIGS}
+    if recipe.objective.base not in known_bases:
+        close = difflib.get_close_matches(recipe.objective.base, sorted(known_bases), n=1)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        raise v.fail(("objective", "base"), f"is not a registered objective term: {hint}choose one of "
+                                            f"{', '.join(f'`{b}`' for b in sorted(known_bases))}")
     if recipe.hub.push and not recipe.hub.repo_id:
         raise v.fail_any([("hub", "repo_id"), ("hub", "push")],
                          "`hub.push: true` needs `hub.repo_id` (`user/name`); set it "
@@ -764,6 +784,32 @@ def _cross_checks(recipe: Recipe, v: _Validator) -> None:
 
 
 # -- loading --------------------------------------------------------------------------------------
+def _import_user_modules(tree: dict[str, Any], v: _Validator) -> None:
+    """``objective.import: [my_pkg.my_term]``: import the modules (they register terms, scorers or
+    model families) before the rest is validated; the YAML key ``import`` is the field ``imports``."""
+    import importlib
+
+    objective = tree.get("objective")
+    if not isinstance(objective, dict) or "import" not in objective:
+        return
+    modules = objective.pop("import")
+    objective["imports"] = modules
+    if modules is None:
+        objective["imports"] = modules = []
+    if isinstance(modules, str):
+        objective["imports"] = modules = [modules]
+    if not isinstance(modules, list) or not all(isinstance(m, str) and m.strip() for m in modules):
+        raise v.fail(("objective", "import"), f"expected a list of module names (e.g. `[my_pkg.my_term]`), "
+                                              f"got {modules!r}")
+    for i, name in enumerate(modules):
+        try:
+            importlib.import_module(name.strip())
+        except ImportError as exc:
+            raise v.fail(("objective", "import", i),
+                         f"cannot import module {name!r} ({exc}); install it or put its folder on "
+                         f"PYTHONPATH") from None
+
+
 def _compose(text: str, file: str) -> tuple[Any, yaml.Node | None]:
     """Parse YAML once, keeping both the node tree (for line numbers) and the safe-loaded data."""
     loader = yaml.SafeLoader(text)
@@ -921,6 +967,7 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     for (opath, value), text_ in parsed:
         _set_path(tree, opath, value, text_)
     validator = _Validator(_Origins(file, node, [(opath, text_) for (opath, _), text_ in parsed]))
+    _import_user_modules(tree, validator)
     recipe = validator.dataclass(tree, Recipe, ())
     _cross_checks(recipe, validator)
     recipe.description = _first_comment(text)
@@ -950,6 +997,8 @@ def recipe_to_dict(recipe: Recipe, *, keep_secrets: bool = False) -> dict[str, A
             for sec, key in _SECRET_KEYS:
                 if sec == f.name:
                     section.pop(key, None)
+        if f.name == "objective":
+            section = {("import" if k == "imports" else k): v for k, v in section.items()}
         out[f.name] = _plain(section)
     return out
 
