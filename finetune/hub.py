@@ -188,7 +188,9 @@ def _save_preprocessing(model: Any, folder: Path) -> None:
     """Tokenizer (with the stretched ``model_max_length``) and image processor of ``model``, in the
     backend's own format: transformers files for HF models and open_clip HF tokenizers; open_clip's
     own BPE tokenizer and transforms are rebuilt from the base model's config and need no file."""
-    if model.backend == "hf":
+    from finetune.models.adapters import _builtin_kind
+
+    if _builtin_kind(model) == "hf":
         model.tokenizer.save_pretrained(str(folder))
         model.image_processor.save_pretrained(str(folder))
         return

@@ -113,13 +113,14 @@ def target_modules(model: DualEncoder, cfg: AdapterConfig) -> str | list[str]:
             raise ValueError("adapter.targets is an empty list and adapter.extra_targets is empty: nothing to adapt")
         return names
     dora = cfg.type == "dora"
-    if model.backend not in ("hf", "open_clip"):
-        preset = model.adapter_preset(include_mlp=cfg.include_mlp)
-        if preset is None:
-            raise ValueError(f"model family {model.backend!r} ({type(model).__name__}) has no adapter preset: give "
-                             f"adapter.targets as a list of module names of {model.name_or_path!r}")
+    preset = model.adapter_preset(include_mlp=cfg.include_mlp)
+    if preset is not None:
         return "(?:" + "|".join([preset] + [r"(?:.*\.)?" + re.escape(name) for name in extra]) + ")"
-    if model.backend == "hf":
+    kind = _builtin_kind(model)
+    if kind is None:
+        raise ValueError(f"model family {model.backend!r} ({type(model).__name__}) has no adapter preset: give "
+                         f"adapter.targets as a list of module names of {model.name_or_path!r}")
+    if kind == "hf":
         patterns = [_HF_ATTN] + ([_HF_MLP] if cfg.include_mlp else [])
     else:
         patterns = [_TIMM_ATTN] + ([_TIMM_MLP] if cfg.include_mlp else [])
@@ -131,11 +132,22 @@ def target_modules(model: DualEncoder, cfg: AdapterConfig) -> str | list[str]:
         if cfg.include_mlp:
             patterns.append(_OC_MLP)
     patterns += [r"(?:.*\.)?" + re.escape(name) for name in extra]
-    timm_vision = hasattr(model.model.visual, "trunk") if model.backend == "open_clip" else False
-    if dora and model.backend == "open_clip" and not cfg.include_mlp and not extra and not timm_vision:
+    timm_vision = hasattr(model.model.visual, "trunk") if kind == "open_clip" else False
+    if dora and kind == "open_clip" and not cfg.include_mlp and not extra and not timm_vision:
         raise ValueError("DoRA on open_clip without MLP targets adapts nothing (peft has no DoRA for "
                          "nn.MultiheadAttention): set adapter.include_mlp: true or use lora")
     return "(?:" + "|".join(patterns) + ")"
+
+
+def _builtin_kind(model: DualEncoder) -> str | None:
+    """``"hf"`` / ``"open_clip"`` when ``model`` is (a subclass of) the transformers / open_clip
+    DualEncoder, so that a family built on them keeps their presets; else None."""
+    for cls in type(model).__mro__:
+        if (cls.__module__, cls.__name__) == ("finetune.models.hf", "HFDualEncoder"):
+            return "hf"
+        if (cls.__module__, cls.__name__) == ("finetune.models.openclip", "OpenCLIPDualEncoder"):
+            return "open_clip"
+    return None
 
 
 def _param_names(module: nn.Module) -> dict[int, str]:
