@@ -35,11 +35,11 @@ def _looks_local(name: str) -> bool:
             or (os.sep != "/" and os.sep in name) or name.endswith(_CHECKPOINT_SUFFIXES))
 
 
-def _unknown(name: str, backend: str, tried: list[str]) -> ValueError:
+def _unknown(name: str, family: str, tried: list[str]) -> ValueError:
     from finetune.models.families import model_family_names
     from finetune.models.registry import registry_names
 
-    lines = [f"could not load model {name!r} (family={backend!r}). Looked for:"]
+    lines = [f"could not load model {name!r} (family={family!r}). Looked for:"]
     lines += [f"  - {t}" for t in tried]
     lines.append(f"Registry names (random weights): {', '.join(registry_names())}")
     lines.append("Families: 'hf' (transformers CLIPModel, SiglipModel, Siglip2Model: hub id or save_pretrained "
@@ -66,7 +66,7 @@ def _adapter_folder(folder: Path) -> bool:
     return not (folder / "config.json").is_file() and not (folder / "open_clip_config.json").is_file()
 
 
-def _load_folder(folder: Path, backend: str, dtype: torch.dtype | None, trust_remote_code: bool) -> DualEncoder:
+def _load_folder(folder: Path, family: str, dtype: torch.dtype | None, trust_remote_code: bool) -> DualEncoder:
     from finetune.models.families import detect_family, get_model_family, model_family_names
     from finetune.models.inference_modules import load_inference_modules
 
@@ -74,17 +74,17 @@ def _load_folder(folder: Path, backend: str, dtype: torch.dtype | None, trust_re
         from finetune.models.adapters import load_finetuned
 
         return load_finetuned(str(folder))
-    if backend == "auto":
+    if family == "auto":
         name = detect_family(folder)
         if name is None:
             wanted = " or ".join(get_model_family(n).files for n in model_family_names())
             raise FileNotFoundError(f"{folder} is not a model folder of any registered model family: no {wanted} "
                                     f"in it (found: {sorted(p.name for p in folder.iterdir())[:10]})")
     else:
-        name = backend
-        family = get_model_family(name)
-        if family.detect is not None and not family.detect(folder):
-            raise FileNotFoundError(f"{folder} is not a model folder for family={name!r}: no {family.files} in it "
+        name = family
+        found = get_model_family(name)
+        if found.detect is not None and not found.detect(folder):
+            raise FileNotFoundError(f"{folder} is not a model folder for family={name!r}: no {found.files} in it "
                                     f"(found: {sorted(p.name for p in folder.iterdir())[:10]})")
     model = get_model_family(name).loader(str(folder), dtype=dtype, trust_remote_code=trust_remote_code,
                                           revision=None)
@@ -93,7 +93,7 @@ def _load_folder(folder: Path, backend: str, dtype: torch.dtype | None, trust_re
     return model
 
 
-def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code: bool,
+def _load(name: str, family: str, dtype: torch.dtype | None, trust_remote_code: bool,
           revision: str | None) -> DualEncoder:
     from finetune.models.families import get_model_family
     from finetune.models.registry import REGISTRY, build_model, resolve_name
@@ -103,31 +103,31 @@ def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code:
         if not folder.is_dir():
             raise FileNotFoundError(f"open_clip folder {folder} does not exist")
         return _load_folder(folder, "open_clip", dtype, trust_remote_code)
-    if backend not in _BUILTIN:  # a registered family of its own: a folder, or whatever its loader takes
+    if family not in _BUILTIN:  # a registered family of its own: a folder, or whatever its loader takes
         path = Path(name).expanduser()
         if path.is_dir():
-            return _load_folder(path, backend, dtype, trust_remote_code)
-        model = get_model_family(backend).loader(name, dtype=dtype, trust_remote_code=trust_remote_code,
+            return _load_folder(path, family, dtype, trust_remote_code)
+        model = get_model_family(family).loader(name, dtype=dtype, trust_remote_code=trust_remote_code,
                                                  revision=revision)
-        model.backend = backend
+        model.backend = family
         return model
     tried = []
     key = resolve_name(name)
-    if key is not None and backend in ("auto", REGISTRY[key].backend):
+    if key is not None and family in ("auto", REGISTRY[key].backend):
         model = build_model(key)
         return model.to(dtype) if dtype is not None else model
     tried.append("a registry name" + (f" (found {key!r}, but it is a {REGISTRY[key].backend} model)" if key else ""))
 
     path = Path(name).expanduser()
     if path.is_dir():
-        return _load_folder(path, backend, dtype, trust_remote_code)
+        return _load_folder(path, family, dtype, trust_remote_code)
     if path.is_file():
-        if path.suffix in _CHECKPOINT_SUFFIXES and backend in ("auto", "open_clip"):
+        if path.suffix in _CHECKPOINT_SUFFIXES and family in ("auto", "open_clip"):
             from finetune.models.openclip import load_longclip_checkpoint
 
             return load_longclip_checkpoint(path, dtype=dtype)
         raise ValueError(f"{path} is a file; give a model folder, or a Long-CLIP/OpenAI checkpoint "
-                         f"({', '.join(_CHECKPOINT_SUFFIXES)}) with backend 'auto' or 'open_clip'")
+                         f"({', '.join(_CHECKPOINT_SUFFIXES)}) with family 'auto' or 'open_clip'")
     tried.append(f"a local folder or checkpoint file at {path} (does not exist)")
     if _looks_local(name):
         raise FileNotFoundError(f"model path {path} does not exist")
@@ -135,7 +135,7 @@ def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code:
     import open_clip
 
     arch = name.partition(":")[0].replace("/", "-")
-    if backend in ("auto", "open_clip") and arch in open_clip.list_models():
+    if family in ("auto", "open_clip") and arch in open_clip.list_models():
         from finetune.models.openclip import load_open_clip
 
         return load_open_clip(name.replace("/", "-"), dtype=dtype)
@@ -143,9 +143,9 @@ def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code:
 
     is_hub = name.startswith("hf-hub:") or (name.count("/") == 1 and not name.startswith("/"))
     if not is_hub:
-        raise _unknown(name, backend, tried)
+        raise _unknown(name, family, tried)
     errors = []
-    if name.startswith("hf-hub:") or backend == "open_clip":
+    if name.startswith("hf-hub:") or family == "open_clip":
         from finetune.models.openclip import load_open_clip
 
         return load_open_clip(name, dtype=dtype, revision=revision)
@@ -155,7 +155,7 @@ def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code:
         return load_hf(name, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision)
     except OSError as e:
         errors.append(f"transformers: {e}")
-    if backend == "auto":
+    if family == "auto":
         from finetune.models.openclip import load_open_clip
 
         try:
@@ -163,7 +163,7 @@ def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code:
         except OSError as e:
             errors.append(f"open_clip: {e}")
     tried.append(f"a hub repository {name!r} ({'; '.join(str(e).splitlines()[0] for e in errors)})")
-    raise _unknown(name, backend, tried)
+    raise _unknown(name, family, tried)
 
 
 def apply_text_length(model: DualEncoder, max_text_len: int, kps: dict[str, Any] | None = None) -> DualEncoder:
