@@ -1,13 +1,14 @@
 """xlipkit's toolkit: models, data, objectives, training, evaluation and hub.
 
-``from finetune import load_model, load_finetuned`` (imported lazily, so that ``import finetune``
+``from finetune import load_model, load_finetuned, register_model_family,
+register_inference_module`` (imported lazily, so that ``import finetune``
 stays cheap)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["load_model", "load_finetuned"]
+__all__ = ["load_model", "load_finetuned", "register_model_family", "register_inference_module"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +20,12 @@ def __getattr__(name: str) -> Any:
         from finetune.models.adapters import load_finetuned
 
         return load_finetuned
+    if name == "register_model_family":
+        from finetune.models.families import register_model_family
+
+        return register_model_family
+    if name == "register_inference_module":
+        from finetune.models.inference_modules import register_inference_module
+
+        return register_inference_module
     raise AttributeError(f"module 'finetune' has no attribute {name!r}")

@@ -11,6 +11,8 @@ on its own too. What is uploaded (:func:`stage_upload`):
 - the model folder: for LoRA/DoRA, peft's ``adapter_config.json`` + ``adapter_model.safetensors``,
   ``xlipkit_extra.safetensors`` (stretched positions, logit scale/bias) and ``xlipkit.json``; for a
   full (or ``merge=True``) model, the backend's native folder plus ``xlipkit.json``;
+- the modules the model needs at inference (``model.inference_modules``, e.g. a term's head):
+  ``xlipkit_inference.json`` + ``xlipkit_inference.safetensors``, as ``save_finetuned`` wrote them;
 - the tokenizer and image processor (``model_max_length`` = the stretched length);
 - ``recipe.yaml`` and ``metrics.json`` of the run, and a generated ``README.md`` model card
   (:mod:`finetune.model_card`).
@@ -47,6 +49,8 @@ INFO_NAME = "xlipkit.json"
 RECIPE_NAME = "recipe.yaml"
 METRICS_NAME = "metrics.json"
 CARD_NAME = "README.md"
+INFERENCE_CONFIG = "xlipkit_inference.json"
+INFERENCE_WEIGHTS = "xlipkit_inference.safetensors"
 _SCAN_CHUNK = 1 << 20
 
 
@@ -184,7 +188,9 @@ def _save_preprocessing(model: Any, folder: Path) -> None:
     """Tokenizer (with the stretched ``model_max_length``) and image processor of ``model``, in the
     backend's own format: transformers files for HF models and open_clip HF tokenizers; open_clip's
     own BPE tokenizer and transforms are rebuilt from the base model's config and need no file."""
-    if model.backend == "hf":
+    from finetune.models.adapters import _builtin_kind
+
+    if _builtin_kind(model) == "hf":
         model.tokenizer.save_pretrained(str(folder))
         model.image_processor.save_pretrained(str(folder))
         return
@@ -409,13 +415,18 @@ def export(
     ``CLIPModel`` / ``SiglipModel`` / ``Siglip2Model.from_pretrained`` load without xlipkit and
     without ``strict=False``. ``open_clip``: ``open_clip_config.json`` (``context_length`` = the
     stretched length) and ``open_clip_model.safetensors``, which
-    ``open_clip.create_model_and_transforms("local-dir:OUT_DIR")`` loads. Both also hold
-    ``xlipkit.json``, so ``finetune.load_finetuned(OUT_DIR)`` works too.
+    ``open_clip.create_model_and_transforms("local-dir:OUT_DIR")`` loads. A model of another
+    registered family is written by that family's saver. All also hold ``xlipkit.json``, so
+    ``finetune.load_finetuned(OUT_DIR)`` works too. Modules the model needs at inference beyond
+    its towers (``model.inference_modules``, e.g. FLAIR's pool) are written beside it
+    (``xlipkit_inference.json`` + ``.safetensors``), which plain transformers / open_clip do not
+    read: the log says so.
 
     Args:
         run_dir_or_folder: a run folder or a model folder written by ``save_finetuned``.
         out_dir: a new (or empty) folder.
-        format: ``"auto"`` (the run's backend), ``"transformers"`` or ``"open_clip"``.
+        format: ``"auto"`` (the run's model family's own format), ``"transformers"`` (``hf``) or
+            ``"open_clip"``.
         overwrite: replace a non-empty ``out_dir``.
 
     Returns:
@@ -432,16 +443,21 @@ def export(
     if format not in FORMATS:
         raise ValueError(f"format {format!r} is not one of {FORMATS}")
     run = read_run(run_dir_or_folder)
-    backend = run.info["backend"]
-    native = "open_clip" if backend == "open_clip" else "transformers"
+    backend = run.info.get("model_family") or run.info["backend"]
+    native = {"open_clip": "open_clip", "hf": "transformers"}.get(backend, backend)
     if format not in ("auto", native):
-        raise ValueError(f"{run.model_dir} is a {native} model (backend {backend!r}); it exports to format "
-                         f"{native!r} only: use --format {native}")
+        raise ValueError(f"{run.model_dir} is a {native} model (model family {backend!r}); it exports to format "
+                         f"{native!r} only" + (f": use --format {native}" if native in FORMATS else
+                                               ": use --format auto"))
     target = _target(out_dir, overwrite)
     model = load_finetuned(run.model_dir, merge=run.info["kind"] == "adapter")
     model.name_or_path = run.info["base_model"]
     save_finetuned(model, target, recipe=_drop_hub_token(run.info.get("recipe"))[0])
     log.info("exported %s to %s (%s format, %d text positions)", run.model_dir, target, native, model.max_text_len)
+    if len(model.inference_modules):
+        log.info("the model's inference modules (%s) are written beside it in %s + %s: finetune.load_finetuned(%r) "
+                 "restores them, plain %s does not read them", ", ".join(model.inference_modules), INFERENCE_CONFIG,
+                 INFERENCE_WEIGHTS, str(target), native)
     return target
 
 
@@ -487,6 +503,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = export(args.run_dir, args.out_dir, format=args.format, overwrite=args.overwrite)
             print(f"wrote {out}: load it with CLIPModel/SiglipModel.from_pretrained({str(out)!r}) or "
                   f"open_clip.create_model_and_transforms('local-dir:{out}')")
+            if (out / INFERENCE_CONFIG).is_file():
+                print(f"the model's inference modules are in {out / INFERENCE_CONFIG} + {INFERENCE_WEIGHTS}: "
+                      f"finetune.load_finetuned({str(out)!r}) restores them")
             return 0
         if args.stage_only:
             out = stage_upload(args.run_dir, args.stage_only, repo_id=args.repo_id, base_model=args.base_model,

@@ -228,8 +228,11 @@ def open_clip_snippet(repo_id: str) -> str:
 
 def plain_snippet(info: dict[str, Any], repo_id: str) -> tuple[str, str] | None:
     """``(title, code)`` of the no-xlipkit way to load what ``info`` describes, or None where there
-    is none (an open_clip adapter, or an adapter whose base is not a hub repository)."""
+    is none (an open_clip adapter, an adapter whose base is not a hub repository, or a model family
+    other than ``hf`` / ``open_clip``)."""
     family = str(info.get("family") or "clip")
+    if info.get("backend") not in ("hf", "open_clip"):  # a registered model family that only xlipkit loads
+        return None
     if info.get("kind") != "adapter":
         if info.get("backend") == "open_clip":
             return "With plain open_clip", open_clip_snippet(repo_id)

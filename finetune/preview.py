@@ -183,12 +183,13 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
     """
     from finetune import load_model
     from finetune.data.sources import load_source
+    from finetune.models.families import recipe_family
 
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     term = _structxlip_term(recipe)
     m = recipe.model
-    model = load_model(m.name_or_path, backend=m.backend, max_text_len=m.max_text_len, dtype=m.dtype,
+    model = load_model(m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
                        trust_remote_code=m.trust_remote_code, kps=dict(vars(m.kps)) if m.kps is not None else None)
     spec = dict(recipe.data.train)
     spec["limit"] = min(n, spec["limit"]) if spec.get("limit") else n

@@ -128,6 +128,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     from finetune.data.sources import load_source
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import AdapterConfig, apply_adapter, save_finetuned
+    from finetune.models.families import recipe_family
     from finetune.objectives import build_objective
     from finetune.report import plot_losses, plot_recall, write_json_atomic, write_report
     from finetune.train import TrainModule, Trainer
@@ -135,7 +136,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     t0 = time.perf_counter()
     m = recipe.model
     model = load_model(
-        m.name_or_path, backend=m.backend, max_text_len=m.max_text_len, dtype=m.dtype,
+        m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
         trust_remote_code=m.trust_remote_code, kps=dict(vars(m.kps)) if m.kps is not None else None,
     )
     model = apply_adapter(model, AdapterConfig(**vars(recipe.adapter)))

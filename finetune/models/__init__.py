@@ -1,13 +1,21 @@
 """The model layer (DESIGN 4): one :class:`DualEncoder` over transformers and open_clip CLIP /
-SigLIP / SigLIP2 models, Long-CLIP KPS, full / LoRA / DoRA adapters, and the registry of named
-configs. Heavy modules load lazily, on first use of a name."""
+SigLIP / SigLIP2 models and the model families registered with ``register_model_family``, modules
+saved for inference (``register_inference_module``), Long-CLIP KPS, full / LoRA / DoRA adapters,
+and the registry of named configs. Heavy modules load lazily, on first use of a name."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from finetune.models.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
+from finetune.models.encoder import (
+    CAPABILITIES,
+    DualEncoder,
+    ImageFeatures,
+    MissingCapabilityError,
+    TextFeatures,
+    TokenizedText,
+)
 from finetune.models.weight_decay import no_weight_decay_names, param_groups
 
 _LAZY = {
@@ -27,10 +35,18 @@ _LAZY = {
     "TINY_NAMES": "finetune.models.registry",
     "HFDualEncoder": "finetune.models.hf",
     "OpenCLIPDualEncoder": "finetune.models.openclip",
+    "register_model_family": "finetune.models.families",
+    "unregister_model_family": "finetune.models.families",
+    "model_family_names": "finetune.models.families",
+    "get_model_family": "finetune.models.families",
+    "detect_family": "finetune.models.families",
+    "ModelFamily": "finetune.models.families",
+    "register_inference_module": "finetune.models.inference_modules",
+    "inference_module_names": "finetune.models.inference_modules",
 }
 
-__all__ = ["DualEncoder", "ImageFeatures", "TextFeatures", "TokenizedText", "no_weight_decay_names",
-           "param_groups", *_LAZY]
+__all__ = ["CAPABILITIES", "DualEncoder", "ImageFeatures", "MissingCapabilityError", "TextFeatures",
+           "TokenizedText", "no_weight_decay_names", "param_groups", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

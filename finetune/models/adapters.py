@@ -113,7 +113,14 @@ def target_modules(model: DualEncoder, cfg: AdapterConfig) -> str | list[str]:
             raise ValueError("adapter.targets is an empty list and adapter.extra_targets is empty: nothing to adapt")
         return names
     dora = cfg.type == "dora"
-    if model.backend == "hf":
+    preset = model.adapter_preset(include_mlp=cfg.include_mlp)
+    if preset is not None:
+        return "(?:" + "|".join([preset] + [r"(?:.*\.)?" + re.escape(name) for name in extra]) + ")"
+    kind = _builtin_kind(model)
+    if kind is None:
+        raise ValueError(f"model family {model.backend!r} ({type(model).__name__}) has no adapter preset: give "
+                         f"adapter.targets as a list of module names of {model.name_or_path!r}")
+    if kind == "hf":
         patterns = [_HF_ATTN] + ([_HF_MLP] if cfg.include_mlp else [])
     else:
         patterns = [_TIMM_ATTN] + ([_TIMM_MLP] if cfg.include_mlp else [])
@@ -125,11 +132,22 @@ def target_modules(model: DualEncoder, cfg: AdapterConfig) -> str | list[str]:
         if cfg.include_mlp:
             patterns.append(_OC_MLP)
     patterns += [r"(?:.*\.)?" + re.escape(name) for name in extra]
-    timm_vision = hasattr(model.model.visual, "trunk") if model.backend == "open_clip" else False
-    if dora and model.backend == "open_clip" and not cfg.include_mlp and not extra and not timm_vision:
+    timm_vision = hasattr(model.model.visual, "trunk") if kind == "open_clip" else False
+    if dora and kind == "open_clip" and not cfg.include_mlp and not extra and not timm_vision:
         raise ValueError("DoRA on open_clip without MLP targets adapts nothing (peft has no DoRA for "
                          "nn.MultiheadAttention): set adapter.include_mlp: true or use lora")
     return "(?:" + "|".join(patterns) + ")"
+
+
+def _builtin_kind(model: DualEncoder) -> str | None:
+    """``"hf"`` / ``"open_clip"`` when ``model`` is (a subclass of) the transformers / open_clip
+    DualEncoder, so that a family built on them keeps their presets; else None."""
+    for cls in type(model).__mro__:
+        if (cls.__module__, cls.__name__) == ("finetune.models.hf", "HFDualEncoder"):
+            return "hf"
+        if (cls.__module__, cls.__name__) == ("finetune.models.openclip", "OpenCLIPDualEncoder"):
+            return "open_clip"
+    return None
 
 
 def _param_names(module: nn.Module) -> dict[int, str]:
@@ -170,7 +188,8 @@ def base_signature(model: DualEncoder) -> dict[str, Any]:
     every base parameter's name and shape (LoRA weights and the text positional table left out,
     peft's ``base_layer`` wrappers unwrapped). Two models with the same signature accept the same
     adapter."""
-    pos = id(model.position_embedding())
+    table = model.position_embedding()
+    pos = id(table) if table is not None else None
     items = []
     for name, p in model.model.named_parameters():
         if "lora_" in name or id(p) == pos:
@@ -259,15 +278,24 @@ def save_finetuned(model: DualEncoder, folder: str | Path, *, recipe: dict[str, 
     """Save a fine-tuned model into ``folder`` (atomically) so that :func:`load_finetuned`
     rebuilds it.
 
-    ``full`` (or merged) models: the backend's native folder (``save_pretrained``) plus
-    ``xlipkit.json``. ``lora`` / ``dora``: peft's ``adapter_config.json`` +
-    ``adapter_model.safetensors``, ``xlipkit_extra.safetensors`` (the ``train_extra`` tensors:
-    stretched positions, logit scale/bias) and ``xlipkit.json``.
+    ``full`` (or merged) models: the model family's own folder (its registered saver; ``hf`` and
+    ``open_clip``: ``save_pretrained``) plus ``xlipkit.json``. ``lora`` / ``dora``: peft's
+    ``adapter_config.json`` + ``adapter_model.safetensors``, ``xlipkit_extra.safetensors`` (the
+    ``train_extra`` tensors: stretched positions, logit scale/bias) and ``xlipkit.json``. Both
+    kinds also hold ``model.inference_modules`` when there are any (``xlipkit_inference.json`` +
+    ``xlipkit_inference.safetensors``, :mod:`finetune.models.inference_modules`).
 
     Returns:
         the folder path.
+
+    Raises:
+        ValueError: the model's family (``model.backend``) is not registered, or an inference
+            module that could not be rebuilt (its class is not registered).
     """
     from safetensors.torch import save_file
+
+    from finetune.models.families import get_model_family
+    from finetune.models.inference_modules import save_inference_modules
 
     cfg = model.adapter
     kind = "adapter" if cfg is not None and cfg.type != "full" else "full"
@@ -276,7 +304,8 @@ def save_finetuned(model: DualEncoder, folder: str | Path, *, recipe: dict[str, 
         "version": FORMAT_VERSION,
         "kind": kind,
         "base_model": model.name_or_path,
-        "backend": model.backend,
+        "model_family": model.backend,
+        "backend": model.backend,  # read by folders' consumers from before model families
         "family": model.family,
         "base_text_len": model.base_text_len,
         "max_text_len": model.max_text_len,
@@ -285,15 +314,17 @@ def save_finetuned(model: DualEncoder, folder: str | Path, *, recipe: dict[str, 
         "signature": base_signature(model),
         "recipe": recipe,
     }
+    family = get_model_family(model.backend, key="model.backend (the model family that loaded it)")
     with atomic_dir(folder) as tmp:
         if kind == "full":
-            model.save_pretrained(str(tmp))
+            family.saver(model, str(tmp))
         else:
             peft_model_of(model).save_pretrained(str(tmp))
             names = extra_parameter_names(model, cfg.train_extra)
             params = dict(model.model.named_parameters())
             save_file({n: params[n].detach().contiguous().cpu() for n in names}, str(tmp / EXTRA_NAME))
             info["extra_tensors"] = names
+        info["inference_modules"] = save_inference_modules(model, tmp)
         _write_json(tmp / INFO_NAME, info)
     return Path(folder)
 
@@ -338,7 +369,8 @@ def load_finetuned(
     merge: bool = False,
     base: str | DualEncoder | None = None,
 ) -> DualEncoder:
-    """Rebuild a model saved by :func:`save_finetuned`: base + KPS + adapter (+ extra tensors).
+    """Rebuild a model saved by :func:`save_finetuned`: base + KPS + adapter (+ extra tensors, +
+    the inference modules saved with it).
 
     Args:
         path: a folder, or a hub id (downloaded with ``huggingface_hub.snapshot_download``).
@@ -357,6 +389,7 @@ def load_finetuned(
     from peft import PeftModel
     from safetensors.torch import load_file
 
+    from finetune.models.inference_modules import load_inference_modules
     from finetune.models.loading import load_model
     from finetune.models.longclip import apply_kps
 
@@ -368,8 +401,9 @@ def load_finetuned(
 
         folder = Path(snapshot_download(str(path), revision=revision))
     info = read_info(folder)
-    if info["kind"] == "full":
-        return load_model(str(folder), backend=info["backend"]).eval()
+    family = info.get("model_family") or info["backend"]
+    if info["kind"] == "full":  # load_model restores the inference modules beside the model
+        return load_model(str(folder), family=family).eval()
 
     if isinstance(base, DualEncoder):
         model = base
@@ -397,6 +431,7 @@ def load_finetuned(
                                  f"({have})")
             with torch.no_grad():
                 params[name].copy_(tensor.to(params[name].dtype))
+    load_inference_modules(model, folder)
     if merge:
         merge_adapter(model)
     return model.eval()

@@ -95,13 +95,39 @@ class TokenizedText:
         )
 
 
-class DualEncoder(nn.Module, abc.ABC):
-    """Base class of the backends: ``HFDualEncoder`` and ``OpenCLIPDualEncoder``.
+CAPABILITIES = ("states", "kps", "patch_geometry", "gradient_checkpointing")
 
-    Subclasses set ``backend`` (``"hf"`` or ``"open_clip"``), ``family`` (``"clip"``, ``"siglip"``
-    or ``"siglip2"``), ``model`` (the wrapped backend module), ``tokenizer``, ``image_processor``,
-    ``max_text_len``, ``patch_size``, ``image_size`` and ``name_or_path``, and implement the
-    abstract methods below.
+
+class MissingCapabilityError(ValueError):
+    """A model lacks an optional :class:`DualEncoder` capability that was asked of it (the message
+    names the capability, the model and what needed it)."""
+
+
+class DualEncoder(nn.Module, abc.ABC):
+    """Base class of the model families: ``HFDualEncoder``, ``OpenCLIPDualEncoder`` and those that
+    :func:`finetune.models.register_model_family` adds.
+
+    Subclasses set ``backend`` (the model family that loads them: ``"hf"``, ``"open_clip"``, ...),
+    ``family`` (the contrastive family: ``"clip"``, ``"siglip"`` or ``"siglip2"``), ``model`` (the
+    wrapped module), ``tokenizer``, ``image_processor``, ``max_text_len``, ``patch_size``,
+    ``image_size`` and ``name_or_path``.
+
+    The core every model implements: :meth:`tokenize`, :meth:`preprocess_images`,
+    :meth:`encode_image`, :meth:`encode_text`, :attr:`logit_scale` (and :attr:`logit_bias`) and
+    :meth:`save_pretrained`. Optional capabilities (:data:`CAPABILITIES`, see
+    :meth:`capabilities`), which a model has only when it says so:
+
+    - ``states``: ``encode_*(states=True)`` and ``project_*_states`` (class attribute
+      ``supports_states = True``);
+    - ``kps``: a text position table that Long-CLIP KPS stretches (:meth:`position_embedding`
+      returns it, :meth:`resize_text_positions` replaces it);
+    - ``patch_geometry``: :meth:`image_transform_params` maps image boxes to patches;
+    - ``gradient_checkpointing``: :meth:`set_gradient_checkpointing`.
+
+    Code that needs one calls :meth:`require`, which raises :class:`MissingCapabilityError`
+    naming it. ``inference_modules`` (an ``nn.ModuleDict``) holds modules the model needs at
+    inference beyond its towers (a term's head), saved and loaded with the model
+    (:mod:`finetune.models.inference_modules`).
 
     ``truncation_stats`` counts the captions :meth:`tokenize` has seen and how many of them did
     not fit (``{"captions": int, "truncated": int}``), so that a run can report it.
@@ -110,6 +136,8 @@ class DualEncoder(nn.Module, abc.ABC):
     backend: str = ""
     family: str = "clip"
     name_or_path: str = ""
+    #: the ``states`` capability: ``encode_*(states=True)`` and ``project_*_states`` work
+    supports_states: bool = False
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -126,6 +154,38 @@ class DualEncoder(nn.Module, abc.ABC):
         #: the adapter settings once :func:`finetune.models.adapters.apply_adapter` ran, else None
         self.adapter: Any = None
         self.truncation_stats: dict[str, int] = {"captions": 0, "truncated": 0}
+        #: modules the model needs at inference beyond its towers, saved with it
+        self.inference_modules = nn.ModuleDict()
+
+    # -- capabilities -----------------------------------------------------------------------------
+    def capabilities(self) -> frozenset[str]:
+        """The optional capabilities this model has (a subset of :data:`CAPABILITIES`)."""
+        found = set()
+        if self.supports_states:
+            found.add("states")
+        if self.position_embedding() is not None:
+            found.add("kps")
+        if self.image_transform_params() is not None:
+            found.add("patch_geometry")
+        if type(self).set_gradient_checkpointing is not DualEncoder.set_gradient_checkpointing:
+            found.add("gradient_checkpointing")
+        return frozenset(found)
+
+    def require(self, capability: str, purpose: str) -> None:
+        """Raise :class:`MissingCapabilityError` unless the model has ``capability``.
+
+        Args:
+            capability: one of :data:`CAPABILITIES`.
+            purpose: what needs it, for the message (``"Long-CLIP KPS (apply_kps)"``).
+        """
+        if capability not in CAPABILITIES:
+            raise ValueError(f"unknown capability {capability!r}; known: {CAPABILITIES}")
+        if capability not in self.capabilities():
+            have = ", ".join(sorted(self.capabilities())) or "none"
+            raise MissingCapabilityError(
+                f"{purpose} needs the {capability!r} capability, which model {self.name_or_path!r} "
+                f"({type(self).__name__}, model family {self.backend!r}) does not have (it has: {have}); "
+                f"use a model that has it or leave out what needs it")
 
     # -- towers ---------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -150,13 +210,19 @@ class DualEncoder(nn.Module, abc.ABC):
         embedding gradient instead of one per group)."""
         return [self.encode_text(ids, mask).embeds for ids, mask in groups]
 
-    @abc.abstractmethod
     def project_image_states(self, x: Tensor) -> Tensor:
-        """Map image states ``(..., W)`` to the joint space ``(..., D)`` with the model's own head."""
+        """Map image states ``(..., W)`` to the joint space ``(..., D)`` with the model's own head
+        (``states`` capability)."""
+        self.require("states", "project_image_states")
+        raise NotImplementedError(f"{type(self).__name__} sets supports_states but does not implement "
+                                  f"project_image_states")
 
-    @abc.abstractmethod
     def project_text_states(self, x: Tensor) -> Tensor:
-        """Map text states ``(..., W)`` to the joint space ``(..., D)`` with the model's own head."""
+        """Map text states ``(..., W)`` to the joint space ``(..., D)`` with the model's own head
+        (``states`` capability)."""
+        self.require("states", "project_text_states")
+        raise NotImplementedError(f"{type(self).__name__} sets supports_states but does not implement "
+                                  f"project_text_states")
 
     def forward(
         self,
@@ -193,15 +259,19 @@ class DualEncoder(nn.Module, abc.ABC):
         """Tokenise captions, truncating to ``max_length`` (default ``max_text_len``) with the end
         token kept, and report which captions were truncated."""
 
-    @abc.abstractmethod
-    def position_embedding(self) -> nn.Parameter:
-        """The text tower's positional table ``(max_text_len, W)`` (the tensor KPS stretches)."""
+    def position_embedding(self) -> nn.Parameter | None:
+        """The text tower's positional table ``(max_text_len, W)`` (the tensor KPS stretches), or
+        None for a model without one (no ``kps`` capability)."""
+        return None
 
-    @abc.abstractmethod
     def resize_text_positions(self, table: Tensor) -> None:
         """Replace the text positional table by ``table`` ``(L', W)`` and update everything that
         knows the text length (position ids, causal mask, config, tokenizer ``model_max_length``,
-        ``max_text_len``). Used by :func:`finetune.models.longclip.apply_kps`."""
+        ``max_text_len``). Used by :func:`finetune.models.longclip.apply_kps` (``kps``
+        capability)."""
+        self.require("kps", "resize_text_positions")
+        raise NotImplementedError(f"{type(self).__name__} has a position table but does not implement "
+                                  f"resize_text_positions")
 
     def _count_truncation(self, truncated: Tensor) -> None:
         self.truncation_stats["captions"] += int(truncated.numel())
@@ -214,8 +284,7 @@ class DualEncoder(nn.Module, abc.ABC):
         image processor: ``pixel_values`` ``(B, 3, H, W)``, or for NaFlex ``pixel_values``
         ``(B, N, 3·p·p)``, ``pixel_attention_mask`` ``(B, N)`` and ``spatial_shapes`` ``(B, 2)``."""
 
-    @abc.abstractmethod
-    def image_transform_params(self) -> dict[str, Any]:
+    def image_transform_params(self) -> dict[str, Any] | None:
         """The exact geometry and normalisation of :meth:`preprocess_images`, so that a box in the
         original image can be mapped to patch coordinates.
 
@@ -225,13 +294,24 @@ class DualEncoder(nn.Module, abc.ABC):
         ``"naflex"``: aspect-preserving resize to at most ``max_num_patches`` patches),
         ``size``, ``crop``, ``resample`` (e.g. ``"bicubic"``), ``mean``, ``std``, ``patch_size``,
         ``max_num_patches`` (NaFlex only).
+
+        None for a model without the ``patch_geometry`` capability (the default).
         """
+        return None
 
     # -- training helpers -------------------------------------------------------------------------
-    @abc.abstractmethod
     def set_gradient_checkpointing(self, enable: bool = True) -> None:
         """Turn activation checkpointing of both towers on or off (non-reentrant, so that frozen
-        inputs do not stop gradients from reaching adapter weights)."""
+        inputs do not stop gradients from reaching adapter weights); ``gradient_checkpointing``
+        capability."""
+        if enable:
+            self.require("gradient_checkpointing", "model.gradient_checkpointing")
+
+    def adapter_preset(self, *, include_mlp: bool = True) -> str | None:
+        """A full-match regex of the module names that LoRA / DoRA adapt under ``adapter.targets:
+        preset`` for a model family of its own (``hf`` and ``open_clip`` have theirs in
+        :mod:`finetune.models.adapters`); None: no preset, the recipe names the targets."""
+        return None
 
     # -- description ------------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:

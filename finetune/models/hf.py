@@ -104,6 +104,7 @@ class HFDualEncoder(DualEncoder):
     """
 
     backend = "hf"
+    supports_states = True
 
     def __init__(
         self, model: nn.Module, tokenizer: Any, image_processor: Any, *, name_or_path: str, family: str | None = None

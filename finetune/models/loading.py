@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 
 from finetune.models.encoder import DualEncoder
 
-BACKENDS = ("auto", "hf", "open_clip")
+_BUILTIN = ("auto", "hf", "open_clip")  # the families the name resolution below knows without a folder
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -34,40 +35,67 @@ def _looks_local(name: str) -> bool:
             or (os.sep != "/" and os.sep in name) or name.endswith(_CHECKPOINT_SUFFIXES))
 
 
-def _unknown(name: str, backend: str, tried: list[str]) -> ValueError:
+def _unknown(name: str, family: str, tried: list[str]) -> ValueError:
+    from finetune.models.families import model_family_names
     from finetune.models.registry import registry_names
 
-    lines = [f"could not load model {name!r} (backend={backend!r}). Looked for:"]
+    lines = [f"could not load model {name!r} (family={family!r}). Looked for:"]
     lines += [f"  - {t}" for t in tried]
     lines.append(f"Registry names (random weights): {', '.join(registry_names())}")
-    lines.append("Backends: 'hf' (transformers CLIPModel, SiglipModel, Siglip2Model: hub id or save_pretrained "
+    lines.append("Families: 'hf' (transformers CLIPModel, SiglipModel, Siglip2Model: hub id or save_pretrained "
                  "folder) and 'open_clip' (architecture names such as 'ViT-B-16' or 'ViT-B-16:openai', "
-                 "'hf-hub:org/repo', open_clip folders); a Long-CLIP .pt checkpoint loads through open_clip.")
+                 "'hf-hub:org/repo', open_clip folders); a Long-CLIP .pt checkpoint loads through open_clip. "
+                 f"Registered model families: {', '.join(repr(n) for n in model_family_names())}.")
     return ValueError("\n".join(lines))
 
 
-def _load_folder(folder: Path, backend: str, dtype: torch.dtype | None, trust_remote_code: bool) -> DualEncoder:
-    if (folder / "xlipkit.json").is_file() and not (folder / "config.json").is_file() and not (
-            folder / "open_clip_config.json").is_file():
+def _adapter_folder(folder: Path) -> bool:
+    """Whether ``folder`` is an adapter folder written by ``save_finetuned`` (``xlipkit.json`` with
+    kind ``adapter``; folders without a readable kind: no native model files beside it)."""
+    import json
+
+    info_file = folder / "xlipkit.json"
+    if not info_file.is_file():
+        return False
+    try:
+        kind = json.loads(info_file.read_text(encoding="utf-8")).get("kind")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        kind = None
+    if kind in ("adapter", "full"):
+        return kind == "adapter"
+    return not (folder / "config.json").is_file() and not (folder / "open_clip_config.json").is_file()
+
+
+def _load_folder(folder: Path, family: str, dtype: torch.dtype | None, trust_remote_code: bool) -> DualEncoder:
+    from finetune.models.families import detect_family, get_model_family, model_family_names
+    from finetune.models.inference_modules import load_inference_modules
+
+    if _adapter_folder(folder):
         from finetune.models.adapters import load_finetuned
 
         return load_finetuned(str(folder))
-    if (folder / "open_clip_config.json").is_file() and backend in ("auto", "open_clip"):
-        from finetune.models.openclip import load_open_clip
+    if family == "auto":
+        name = detect_family(folder)
+        if name is None:
+            wanted = " or ".join(get_model_family(n).files for n in model_family_names())
+            raise FileNotFoundError(f"{folder} is not a model folder of any registered model family: no {wanted} "
+                                    f"in it (found: {sorted(p.name for p in folder.iterdir())[:10]})")
+    else:
+        name = family
+        found = get_model_family(name)
+        if found.detect is not None and not found.detect(folder):
+            raise FileNotFoundError(f"{folder} is not a model folder for family={name!r}: no {found.files} in it "
+                                    f"(found: {sorted(p.name for p in folder.iterdir())[:10]})")
+    model = get_model_family(name).loader(str(folder), dtype=dtype, trust_remote_code=trust_remote_code,
+                                          revision=None)
+    model.backend = name
+    load_inference_modules(model, folder)
+    return model
 
-        return load_open_clip(str(folder), dtype=dtype)
-    if (folder / "config.json").is_file() and backend in ("auto", "hf"):
-        from finetune.models.hf import load_hf
 
-        return load_hf(str(folder), dtype=dtype, trust_remote_code=trust_remote_code)
-    wanted = {"auto": "config.json (transformers) or open_clip_config.json (open_clip)",
-              "hf": "config.json (transformers)", "open_clip": "open_clip_config.json (open_clip)"}[backend]
-    raise FileNotFoundError(f"{folder} is not a model folder for backend={backend!r}: no {wanted} in it "
-                            f"(found: {sorted(p.name for p in folder.iterdir())[:10]})")
-
-
-def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code: bool,
+def _load(name: str, family: str, dtype: torch.dtype | None, trust_remote_code: bool,
           revision: str | None) -> DualEncoder:
+    from finetune.models.families import get_model_family
     from finetune.models.registry import REGISTRY, build_model, resolve_name
 
     if name.startswith("local-dir:"):  # open_clip's schema for local folders
@@ -75,23 +103,31 @@ def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code:
         if not folder.is_dir():
             raise FileNotFoundError(f"open_clip folder {folder} does not exist")
         return _load_folder(folder, "open_clip", dtype, trust_remote_code)
+    if family not in _BUILTIN:  # a registered family of its own: a folder, or whatever its loader takes
+        path = Path(name).expanduser()
+        if path.is_dir():
+            return _load_folder(path, family, dtype, trust_remote_code)
+        model = get_model_family(family).loader(name, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 revision=revision)
+        model.backend = family
+        return model
     tried = []
     key = resolve_name(name)
-    if key is not None and backend in ("auto", REGISTRY[key].backend):
+    if key is not None and family in ("auto", REGISTRY[key].backend):
         model = build_model(key)
         return model.to(dtype) if dtype is not None else model
     tried.append("a registry name" + (f" (found {key!r}, but it is a {REGISTRY[key].backend} model)" if key else ""))
 
     path = Path(name).expanduser()
     if path.is_dir():
-        return _load_folder(path, backend, dtype, trust_remote_code)
+        return _load_folder(path, family, dtype, trust_remote_code)
     if path.is_file():
-        if path.suffix in _CHECKPOINT_SUFFIXES and backend in ("auto", "open_clip"):
+        if path.suffix in _CHECKPOINT_SUFFIXES and family in ("auto", "open_clip"):
             from finetune.models.openclip import load_longclip_checkpoint
 
             return load_longclip_checkpoint(path, dtype=dtype)
         raise ValueError(f"{path} is a file; give a model folder, or a Long-CLIP/OpenAI checkpoint "
-                         f"({', '.join(_CHECKPOINT_SUFFIXES)}) with backend 'auto' or 'open_clip'")
+                         f"({', '.join(_CHECKPOINT_SUFFIXES)}) with family 'auto' or 'open_clip'")
     tried.append(f"a local folder or checkpoint file at {path} (does not exist)")
     if _looks_local(name):
         raise FileNotFoundError(f"model path {path} does not exist")
@@ -99,7 +135,7 @@ def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code:
     import open_clip
 
     arch = name.partition(":")[0].replace("/", "-")
-    if backend in ("auto", "open_clip") and arch in open_clip.list_models():
+    if family in ("auto", "open_clip") and arch in open_clip.list_models():
         from finetune.models.openclip import load_open_clip
 
         return load_open_clip(name.replace("/", "-"), dtype=dtype)
@@ -107,9 +143,9 @@ def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code:
 
     is_hub = name.startswith("hf-hub:") or (name.count("/") == 1 and not name.startswith("/"))
     if not is_hub:
-        raise _unknown(name, backend, tried)
+        raise _unknown(name, family, tried)
     errors = []
-    if name.startswith("hf-hub:") or backend == "open_clip":
+    if name.startswith("hf-hub:") or family == "open_clip":
         from finetune.models.openclip import load_open_clip
 
         return load_open_clip(name, dtype=dtype, revision=revision)
@@ -119,7 +155,7 @@ def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code:
         return load_hf(name, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision)
     except OSError as e:
         errors.append(f"transformers: {e}")
-    if backend == "auto":
+    if family == "auto":
         from finetune.models.openclip import load_open_clip
 
         try:
@@ -127,7 +163,7 @@ def _load(name: str, backend: str, dtype: torch.dtype | None, trust_remote_code:
         except OSError as e:
             errors.append(f"open_clip: {e}")
     tried.append(f"a hub repository {name!r} ({'; '.join(str(e).splitlines()[0] for e in errors)})")
-    raise _unknown(name, backend, tried)
+    raise _unknown(name, family, tried)
 
 
 def apply_text_length(model: DualEncoder, max_text_len: int, kps: dict[str, Any] | None = None) -> DualEncoder:
@@ -161,42 +197,56 @@ def apply_text_length(model: DualEncoder, max_text_len: int, kps: dict[str, Any]
 def load_model(
     name_or_path: str,
     *,
-    backend: str = "auto",
+    family: str = "auto",
     max_text_len: int | None = None,
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
     kps: dict[str, Any] | None = None,
     revision: str | None = None,
+    backend: str = "auto",
 ) -> DualEncoder:
     """Load a :class:`DualEncoder` (DESIGN 4).
 
     ``name_or_path`` is tried as, in order: a registry name (``tiny-clip``, ``small-clip``,
-    ``clip-vit-base-patch16``, ... built with random weights); a local folder in a backend's
-    native format (transformers ``config.json`` with model_type clip / siglip / siglip2, or open_clip
-    ``open_clip_config.json``; an xlipkit adapter folder goes to ``load_finetuned``); a Long-CLIP /
-    OpenAI ``.pt`` checkpoint; an open_clip architecture (``"ViT-B-16"``: random weights,
-    ``"ViT-B-16:openai"``: a pretrained tag); a hub id (transformers, or open_clip for
-    ``hf-hub:org/repo`` / ``backend="open_clip"`` / repos with only ``open_clip_config.json``).
+    ``clip-vit-base-patch16``, ... built with random weights); a local folder of a registered model
+    family (:func:`finetune.models.register_model_family`; with ``family="auto"`` the family
+    recorded in the folder's ``xlipkit.json``, else the first family whose ``detect`` recognises
+    it: transformers ``config.json`` with model_type clip / siglip / siglip2, open_clip
+    ``open_clip_config.json``, ...; an xlipkit adapter folder goes to ``load_finetuned``); a
+    Long-CLIP / OpenAI ``.pt`` checkpoint; an open_clip architecture (``"ViT-B-16"``: random
+    weights, ``"ViT-B-16:openai"``: a pretrained tag); a hub id (transformers, or open_clip for
+    ``hf-hub:org/repo`` / ``family="open_clip"`` / repos with only ``open_clip_config.json``).
+    A family other than ``hf`` / ``open_clip`` named explicitly gets ``name_or_path`` as it is.
+    Modules the model needs at inference (``xlipkit_inference.json``) are restored with it.
 
     Args:
         name_or_path: see above.
-        backend: ``"auto"``, ``"hf"`` or ``"open_clip"``.
+        family: ``"auto"`` or a registered model family (``"hf"``, ``"open_clip"``, ...).
         max_text_len: text positions wanted; above the model's length applies Long-CLIP KPS with
-            the ``kps`` settings; ``None`` keeps the model's own.
+            the ``kps`` settings (the model needs the ``kps`` capability); ``None`` keeps the
+            model's own.
         dtype: ``torch.dtype`` or ``"float32"`` / ``"bfloat16"`` / ``"float16"``.
         trust_remote_code: passed to transformers (off by default).
         kps: KPS settings ``{"keep": 20, "ratio": None, "freeze_kept": True}`` (any subset).
         revision: hub revision.
+        backend: deprecated alias of ``family``, used while ``family`` is ``"auto"``.
+
+    Returns:
+        the model; ``model.backend`` is the name of the family that loaded it.
 
     Raises:
         ValueError: unknown name (the message lists what was looked for, the registry names and
-            the backends), unsupported architecture, bad ``backend`` / ``dtype`` / ``kps``, or a
-            ``max_text_len`` below the model's original length.
+            the families), an unregistered ``family`` (the message lists the registered ones),
+            unsupported architecture, bad ``dtype`` / ``kps``, or a ``max_text_len`` below the
+            model's original length.
         FileNotFoundError: a local path that does not exist or is not a model folder.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
-    model = _load(str(name_or_path), backend, _torch_dtype(dtype), trust_remote_code, revision)
+    from finetune.models.families import resolve_family_setting
+
+    if backend not in (None, "auto"):
+        warnings.warn("load_model(backend=...) is deprecated: use family=...", DeprecationWarning, stacklevel=2)
+    name, _ = resolve_family_setting(family, backend)
+    model = _load(str(name_or_path), name, _torch_dtype(dtype), trust_remote_code, revision)
     if max_text_len is not None:
         apply_text_length(model, int(max_text_len), kps)
     return model

@@ -163,7 +163,9 @@ def apply_kps(
         ValueError: when the model already carries an adapter, was already stretched with other
             settings (calling again with the same settings is a no-op), or ``length`` is below
             its current number of positions.
+        MissingCapabilityError: the model has no text position table (no ``kps`` capability).
     """
+    model.require("kps", f"Long-CLIP KPS (apply_kps to {length} text positions)")
     if model.adapter is not None and getattr(model.adapter, "type", "full") != "full":
         raise ValueError("apply_kps must run before a LoRA/DoRA adapter is added (load_model(..., max_text_len=...) "
                          "then apply_adapter)")

@@ -66,6 +66,7 @@ class OpenCLIPDualEncoder(DualEncoder):
     """
 
     backend = "open_clip"
+    supports_states = True
 
     def __init__(
         self,

@@ -766,6 +766,7 @@ class StructXLIPTerm(Term):
             out.update({"region_slot": slots, "region_inputs": region_inputs})
             return out
         if self._transform is None:
+            model.require("patch_geometry", "StructXLIP's region pooling (regions.encode: pool)")
             self._transform = model.image_transform_params()
         params = self._transform
         shapes = edge_inputs.get("spatial_shapes")
