@@ -84,6 +84,24 @@ class Term(nn.Module):
         """Add this term's cached per-example fields to ``dataset`` (runs once, before training)."""
         return dataset
 
+    def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
+        """The per-example form of :meth:`preprocess`, for streamed data (``finetune.data.streams``): the
+        fields ``preprocess`` would add to this example (no cache, no whole-dataset pass).
+
+        The default adds nothing, which is right for a term that does not override ``preprocess``; a term
+        that does must override this too, or :meth:`check_stream` stops the run before it starts.
+        """
+        return {}
+
+    def check_stream(self) -> None:
+        """Raise ``ValueError`` naming the recipe option that makes this term streamable when it cannot
+        run on streamed examples (called before training on a stream)."""
+        if type(self).preprocess is not Term.preprocess and type(self).stream_map is Term.stream_map:
+            raise ValueError(
+                f"objective term {self.name or type(self).__name__!r} preprocesses whole datasets and has no "
+                "per-example path (stream_map), so it cannot train on a stream: use a map-style data.train"
+            )
+
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
         """Per-example work in the data workers; returns the fields ``collate`` reads."""
         return {}
@@ -168,6 +186,19 @@ class Objective(nn.Module):
         for t in self.all_terms:
             dataset = t.preprocess(dataset, model, cache_dir=cache_dir, log=log)
         return dataset
+
+    def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
+        """Every term's :meth:`Term.stream_map` on one streamed example, in term order (a term sees the
+        fields the terms before it added); returns the added fields."""
+        out: dict[str, Any] = {}
+        for t in self.all_terms:
+            out.update(t.stream_map({**example, **out}, model))
+        return out
+
+    def check_stream(self) -> None:
+        """:meth:`Term.check_stream` of every term (``ValueError`` naming the option to change)."""
+        for t in self.all_terms:
+            t.check_stream()
 
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
