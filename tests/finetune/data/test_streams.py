@@ -302,3 +302,149 @@ def test_state_from_another_process_layout_is_refused(tmp_path):
     other = ExampleStream(open_stream(spec, rank=1, world_size=2), spec, rank=1, world_size=2)
     with pytest.raises(DataError, match="saved by process 0 of 1.*same number of processes"):
         other.load_state_dict(state)
+
+
+# --------------------------------------------------------------------------- training on a stream
+
+
+class _Stop(Exception):
+    """Stands in for a killed run."""
+
+
+def _stream_recipe(tiny: Path, urls: str, out: Path, *extra: str):
+    from finetune.config import load_recipe
+
+    return load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"model.name_or_path={tiny}", "model.dtype=null", "model.kps=null", "model.max_text_len=null",
+        f"data.train={{name: webdataset, urls: '{urls}', seed: 5}}",
+        "objective.terms.structxlip.weights.local=0",  # edge maps and lexicon per example; no regions
+        "eval.sets=[]", "eval.compare_base_length=false", "train.batch_size=4", "train.trackers=[]",
+        "train.mixed_precision=no", "train.log_every=1", "train.warmup_steps=2", f"output.dir={out}", *extra,
+    ])
+
+
+def _run_recording(recipe, monkeypatch, stop_at: int | None = None) -> list[list[str]]:
+    """Run ``recipe`` in this process; return the sample ids of every optimiser step it trains (raising
+    :class:`_Stop` when step ``stop_at`` would start, as if the run were killed)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from finetune.run import run
+    from finetune.train import Trainer
+
+    seen: list[list[str]] = []
+    original = getattr(Trainer._step, "unrecorded", Trainer._step)
+
+    def recording(self, batch):
+        if stop_at is not None and self.state.step + 1 == stop_at:
+            raise _Stop
+        seen.append(list(batch["ids"]))
+        return original(self, batch)
+
+    recording.unrecorded = original
+    monkeypatch.setattr(Trainer, "_step", recording)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        assert run(recipe) == 0
+    except _Stop:
+        pass
+    return seen
+
+
+@pytest.mark.slow
+def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, monkeypatch):
+    from finetune.models.registry import save_tiny
+
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny")
+    scenes = _scenes(24)
+    scenes[9] = {**scenes[9], "caption": ""}  # a bad sample: 23 usable per epoch
+    write_webdataset(tmp_path / "shards", scenes, 6)
+    urls = str(tmp_path / "shards" / "shard-{00000..00003}.tar")
+    steps = ["train.max_steps=8", "train.checkpoint_every=3"]
+
+    whole = _run_recording(_stream_recipe(tiny, urls, tmp_path / "whole", *steps), monkeypatch)
+    killed = _run_recording(_stream_recipe(tiny, urls, tmp_path / "run", *steps), monkeypatch, stop_at=8)
+    assert len(killed) == 7 and not (tmp_path / "run" / "metrics.json").exists()
+    resumed = _run_recording(_stream_recipe(tiny, urls, tmp_path / "run", *steps, "train.resume=latest"),
+                             monkeypatch)
+
+    assert len(whole) == 8 and all(len(ids) == 4 for ids in whole)
+    assert killed[:6] + resumed == whole  # resumed from step-6, in the second epoch: steps 7 and 8 again
+    first_epoch = [i for ids in whole for i in ids][:23]
+    assert sorted(first_epoch) == sorted(s["id"] for k, s in enumerate(scenes) if k != 9)
+    a = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    b = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert b["final_losses"] == a["final_losses"]
+    assert [h["loss"] for h in b["history"]] == [h["loss"] for h in a["history"]]
+    assert b["train_stream"]["skipped"] == a["train_stream"]["skipped"] == 1
+    assert b["skipped"]["train_examples"][0] == {"id": scenes[9]["id"], "path": str(tmp_path / "shards" / "shard-00001.tar"),
+                                                  "reason": "empty caption"}
+    assert b["train_stream"]["epoch"] == 1 and b["train_stream"]["used"] == 32
+    ckpt = tmp_path / "run" / "checkpoints" / "step-6" / "stream_state_0.json"
+    assert json.loads(ckpt.read_text())["yielded"] == 24
+
+
+_TWO_PROCESS_SCRIPT = textwrap.dedent('''
+    """Train on a webdataset stream in this process of a torchrun group; write the ids each step saw."""
+    import json, sys
+    from pathlib import Path
+
+    from finetune.config import load_recipe
+    from finetune.run import run
+    from finetune.train import Trainer
+
+    out, tiny, urls = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    seen = []
+    original = Trainer._step
+
+    def recording(self, batch):
+        seen.append(list(batch["ids"]))
+        self.acc.wait_for_everyone()
+        return original(self, batch)
+
+    Trainer._step = recording
+    recipe = load_recipe(sys.argv[4], [
+        f"model.name_or_path={tiny}", "model.dtype=null", "model.kps=null", "model.max_text_len=null",
+        f"data.train={{name: webdataset, urls: '{urls}', shuffle_buffer: 0}}", "objective.terms={}",
+        "eval.sets=[]", "eval.compare_base_length=false", "train.batch_size=4", "train.max_steps=3",
+        "train.trackers=[]", "train.mixed_precision=no", "train.checkpoint_every=3", f"output.dir={out / 'run'}",
+    ])
+    status = run(recipe)
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (out / f"ids_{rank}.json").write_text(json.dumps({"world_size": world, "ids": seen}))
+    sys.exit(status)
+''')
+
+
+@pytest.mark.slow
+def test_two_processes_read_disjoint_shards(tmp_path):
+    from finetune.models.registry import save_tiny
+
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny")
+    scenes = _scenes(24)
+    shards = write_webdataset(tmp_path / "shards", scenes, 6)  # 4 shards: 2 per process
+    shard_of = {s["id"]: k // 6 for k, s in enumerate(scenes)}
+    script = tmp_path / "two_process.py"
+    script.write_text(_TWO_PROCESS_SCRIPT)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           str(script), str(tmp_path), str(tiny), str(tmp_path / "shards" / "shard-{00000..00003}.tar"),
+           str(REPO / "recipes" / "quickstart_clip.yaml")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads((tmp_path / f"ids_{r}.json").read_text()) for r in range(2)]
+    assert [r["world_size"] for r in records] == [2, 2]
+    ids = [[i for step in r["ids"] for i in step] for r in records]
+    assert all(len(step) == 2 for r in records for step in r["ids"]) and [len(x) for x in ids] == [6, 6]
+    assert not set(ids[0]) & set(ids[1])
+    shards_seen = [{shard_of[i] for i in x} for x in ids]
+    assert shards_seen[0].isdisjoint(shards_seen[1])
+    assert ids[0] == [s["id"] for s in scenes[0:6]] and ids[1] == [s["id"] for s in scenes[6:12]]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["num_processes"] == 2 and metrics["train_stream"]["used"] == 12 and len(shards) == 4
+    ckpt = tmp_path / "run" / "checkpoints" / "step-3"
+    states = [json.loads((ckpt / f"stream_state_{r}.json").read_text()) for r in range(2)]
+    assert [(s["rank"], s["world_size"], s["yielded"]) for s in states] == [(0, 2, 6), (1, 2, 6)]
