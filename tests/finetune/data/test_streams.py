@@ -394,12 +394,12 @@ _TWO_PROCESS_SCRIPT = textwrap.dedent('''
     from finetune.train import Trainer
 
     out, tiny, urls = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    seen = []
+    seen, where = [], {}
     original = Trainer._step
 
     def recording(self, batch):
         seen.append(list(batch["ids"]))
-        self.acc.wait_for_everyone()
+        where.update(rank=self.acc.process_index, world_size=self.acc.num_processes)
         return original(self, batch)
 
     Trainer._step = recording
@@ -410,10 +410,7 @@ _TWO_PROCESS_SCRIPT = textwrap.dedent('''
         "train.trackers=[]", "train.mixed_precision=no", "train.checkpoint_every=3", f"output.dir={out / 'run'}",
     ])
     status = run(recipe)
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    (out / f"ids_{rank}.json").write_text(json.dumps({"world_size": world, "ids": seen}))
+    (out / f"ids_{where['rank']}.json").write_text(json.dumps({**where, "ids": seen}))
     sys.exit(status)
 ''')
 
@@ -436,7 +433,7 @@ def test_two_processes_read_disjoint_shards(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads((tmp_path / f"ids_{r}.json").read_text()) for r in range(2)]
-    assert [r["world_size"] for r in records] == [2, 2]
+    assert [(r["rank"], r["world_size"]) for r in records] == [(0, 2), (1, 2)]
     ids = [[i for step in r["ids"] for i in step] for r in records]
     assert all(len(step) == 2 for r in records for step in r["ids"]) and [len(x) for x in ids] == [6, 6]
     assert not set(ids[0]) & set(ids[1])
