@@ -198,7 +198,9 @@ def _check_type(key: str, value: Any) -> Any:
         return None
     if key == "streaming":
         if not isinstance(value, bool):
-            raise DataError(f"data source key 'streaming' must be true, false or null, got {type(value).__name__}: {value!r}")
+            raise DataError(
+                f"data source key 'streaming' must be true, false or null, got {type(value).__name__}: {value!r}"
+            )
         return value
     if isinstance(value, bool) or not isinstance(value, types):
         raise DataError(

@@ -113,7 +113,8 @@ def _stream_files(spec: SourceSpec, extension: str) -> list[str]:
     if spec.urls is not None:
         if spec.path is not None:
             raise DataError(f"data source {spec.name!r}: set either urls or path, not both")
-        files = [u if _is_remote(u) else str(Path(u.removeprefix("file://")).expanduser()) for u in expand_urls(spec.urls)]
+        files = [u if _is_remote(u) else str(Path(u.removeprefix("file://")).expanduser())
+                 for u in expand_urls(spec.urls)]
         missing = [f for f in files if not _is_remote(f) and not Path(f).is_file()]
         if missing:
             raise DataError(
@@ -149,6 +150,11 @@ def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int
     if not spec.is_stream:
         raise DataError(f"data source {spec.name!r} is not a stream; set streaming: true or urls (webdataset, "
                         "parquet) or use name: hub")
+    unused = [key for key in ("protocol", "size", "limit") if getattr(spec, key) is not None]
+    if spec.name != "hub" and spec.options:
+        unused.append("options")
+    if unused:
+        raise DataError(f"data source {spec.name!r}: {', '.join(unused)} is not used by a stream; remove it")
     try:
         if spec.name == "webdataset":
             files = _stream_files(spec, ".tar")
@@ -158,7 +164,8 @@ def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int
             ds = datasets.load_dataset("parquet", data_files={"train": files}, split="train", streaming=True)
         else:
             if not spec.path:
-                raise DataError("data source 'hub' needs path: a hub dataset id (org/dataset) or a local dataset folder")
+                raise DataError("data source 'hub' needs path: a hub dataset id (org/dataset) or a local dataset "
+                                "folder")
             unknown = sorted(set(spec.options) - {"config", "revision", "data_files"})
             if unknown:
                 raise DataError(f"data source 'hub': unknown option(s) {', '.join(unknown)}; valid options are "
@@ -173,7 +180,8 @@ def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int
         where = spec.path or spec.urls
         raise DataError(f"data source {spec.name!r} ({where!r}): cannot open as a stream: {error}") from error
     if not isinstance(ds, datasets.IterableDataset):
-        raise DataError(f"data source {spec.name!r}: expected one split as a stream, got {type(ds).__name__}; set split")
+        raise DataError(f"data source {spec.name!r}: expected one split as a stream, got {type(ds).__name__}; "
+                        "set split")
     ds = ds.decode(False)
     if spec.shuffle_buffer:
         ds = ds.shuffle(seed=spec.seed, buffer_size=spec.shuffle_buffer)

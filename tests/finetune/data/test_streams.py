@@ -110,7 +110,7 @@ def test_missing_shard_is_named(tmp_path):
 
 
 def test_recipe_validates_stream_entry():
-    from finetune.config import load_recipe
+    from finetune.config import RecipeError, load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
         "data.train={name: webdataset, urls: 'shards/{00000..00009}.tar', shuffle_buffer: 0}",
@@ -118,6 +118,18 @@ def test_recipe_validates_stream_entry():
     ])
     spec = SourceSpec.parse(recipe.data.train)
     assert spec.is_stream and spec.urls == "shards/{00000..00009}.tar" and spec.shuffle_buffer == 0
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        "data.train={name: parquet, urls: [a.parquet, 'b-{0..1}.parquet'], streaming: true}", "train.max_steps=5",
+    ])
+    assert SourceSpec.parse(recipe.data.train).urls == ["a.parquet", "b-{0..1}.parquet"]
+    with pytest.raises(RecipeError, match="shuffle_buffer"):
+        load_recipe(REPO / "recipes" / "quickstart.yaml", ["data.train={name: hub, path: o/d, shuffle_buffer: x}"])
+
+
+def test_keys_a_stream_does_not_use_are_refused(tmp_path):
+    write_webdataset(tmp_path, _scenes(2), 2)
+    with pytest.raises(DataError, match="limit is not used by a stream"):
+        open_stream({"name": "webdataset", "urls": str(tmp_path / "shard-00000.tar"), "limit": 5})
 
 
 def test_stream_recipe_without_max_steps_is_a_recipe_error(tmp_path, monkeypatch):
@@ -377,8 +389,8 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
     assert b["final_losses"] == a["final_losses"]
     assert [h["loss"] for h in b["history"]] == [h["loss"] for h in a["history"]]
     assert b["train_stream"]["skipped"] == a["train_stream"]["skipped"] == 1
-    assert b["skipped"]["train_examples"][0] == {"id": scenes[9]["id"], "path": str(tmp_path / "shards" / "shard-00001.tar"),
-                                                  "reason": "empty caption"}
+    bad_shard = str(tmp_path / "shards" / "shard-00001.tar")
+    assert b["skipped"]["train_examples"][0] == {"id": scenes[9]["id"], "path": bad_shard, "reason": "empty caption"}
     assert b["train_stream"]["epoch"] == 1 and b["train_stream"]["used"] == 32
     ckpt = tmp_path / "run" / "checkpoints" / "step-6" / "stream_state_0.json"
     assert json.loads(ckpt.read_text())["yielded"] == 24
