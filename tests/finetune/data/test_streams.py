@@ -457,3 +457,22 @@ def test_two_processes_read_disjoint_shards(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step-3"
     states = [json.loads((ckpt / f"stream_state_{r}.json").read_text()) for r in range(2)]
     assert [(s["rank"], s["world_size"], s["yielded"]) for s in states] == [(0, 2, 6), (1, 2, 6)]
+
+
+def test_preview_of_a_stream_recipe(tmp_path):
+    from finetune.models.registry import save_tiny
+    from finetune.preview import main
+
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny")
+    write_webdataset(tmp_path / "shards", _scenes(4), 2)
+    urls = str(tmp_path / "shards" / "shard-{00000..00001}.tar")
+    heights = []
+    for n in (1, 3):
+        out = tmp_path / f"preview-{n}.png"
+        assert main(["recipes/quickstart.yaml", f"model.name_or_path={tiny}",
+                     "objective.terms.structxlip.weights.local=0", f"data.train={{name: webdataset, urls: '{urls}'}}",
+                     "--n", str(n), "--out", str(out)]) == 0
+        with PIL.Image.open(out) as png:
+            assert png.width == 1600
+            heights.append(png.height)
+    assert heights[1] > 2.5 * heights[0]  # one row per streamed example
