@@ -90,6 +90,9 @@ class SourceSpec:
         streaming: read the source as a stream (``finetune.data.streams``) instead of a map-style
             dataset; ``null`` (default): ``webdataset`` and ``hub`` stream, ``parquet`` streams when
             ``urls`` is set. Only ``data.train`` can be a stream.
+        format: the format of a stream, ``webdataset`` / ``parquet`` / ``hub``: an alias of ``name``
+            for stream entries (``{"format": "webdataset", "urls": ...}`` is
+            ``{"name": "webdataset", "urls": ...}``); given with ``name``, the two must agree.
         shuffle_buffer: stream shuffling: ``0`` keeps the shard and example order; ``1`` (default)
             reshuffles the shard order every epoch from ``seed`` (resume is exact); ``N > 1`` also
             passes the examples through a shuffle buffer of N (a resumed run refills the buffer, so
@@ -109,6 +112,7 @@ class SourceSpec:
     options: dict = field(default_factory=dict)
     urls: str | list[str] | None = None
     streaming: bool | None = None
+    format: str | None = None
     shuffle_buffer: int = 1
 
     @classmethod
@@ -136,6 +140,13 @@ class SourceSpec:
                 raise DataError(
                     f"unknown data source key {key!r}{_closest(str(key), valid)}; valid keys: {', '.join(valid)}"
                 )
+        fmt = value.get("format")
+        if fmt is not None:
+            if fmt not in STREAM_SOURCES:
+                raise DataError(f"data source key 'format' must be one of {', '.join(STREAM_SOURCES)}, got {fmt!r}")
+            if value.get("name", fmt) != fmt:
+                raise DataError(f"data source has name {value['name']!r} and format {fmt!r}: give one of them")
+            value = {**value, "name": fmt}
         if "name" not in value:
             raise DataError(f"a data source needs a 'name' (one of the registered sources), got {value!r}")
         kwargs: dict[str, Any] = {}
@@ -188,6 +199,7 @@ _SPEC_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
     "options": ((dict,), "a mapping", False),
     "urls": ((str, list), "a string or a list of strings", True),
     "streaming": ((bool,), "true or false", True),
+    "format": ((str,), "a string", True),
     "shuffle_buffer": ((int,), "an integer >= 0", False),
 }
 

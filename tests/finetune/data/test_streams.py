@@ -29,6 +29,13 @@ REPO = Path(__file__).resolve().parents[3]
 # --------------------------------------------------------------------------- fixtures
 
 
+@pytest.fixture(autouse=True)
+def _no_shutdown_sleep(monkeypatch):
+    """datasets waits 5 s for pyarrow's reader threads whenever a parquet stream's iterator ends or is
+    dropped (an epoch, an abandoned iterator): not needed for these few-kilobyte shards."""
+    monkeypatch.setattr("datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN", 0)
+
+
 def _scenes(n: int, seed: int = 0) -> list[dict]:
     """``n`` synthetic scenes as ``{"id", "png": bytes, "caption"}``."""
     ds = synthetic_scenes(n, seed, image_size=32).cast_column("image", __import__("datasets").Image(decode=False))
@@ -91,6 +98,13 @@ def test_spec_stream_keys_and_errors():
     assert SourceSpec.parse({"name": "parquet", "urls": ["a.parquet"]}).is_stream
     assert SourceSpec.parse({"name": "parquet", "path": "d", "streaming": True}).is_stream
     assert not SourceSpec.parse({"name": "parquet", "path": "d"}).is_stream
+    spec = SourceSpec.parse({"format": "webdataset", "urls": "x/{0..1}.tar"})
+    assert spec.name == "webdataset" and spec.is_stream
+    assert SourceSpec.parse({"name": "parquet", "format": "parquet", "urls": "a.parquet"}).is_stream
+    with pytest.raises(DataError, match="name 'parquet' and format 'webdataset'"):
+        SourceSpec.parse({"name": "parquet", "format": "webdataset", "urls": "a.tar"})
+    with pytest.raises(DataError, match="'format' must be one of webdataset, hub, parquet"):
+        SourceSpec.parse({"format": "jsonl", "path": "a.jsonl"})
     with pytest.raises(DataError, match="cannot be streamed"):
         SourceSpec.parse({"name": "synthetic", "streaming": True})
     with pytest.raises(DataError, match="stream only"):
@@ -305,6 +319,25 @@ def test_state_dict_resumes_exactly_across_epochs_and_skips(tmp_path):
     assert head + tail == full
     assert (resumed.read, resumed.skipped, resumed.epoch) == (whole.read, whole.skipped, whole.epoch)
     assert whole.skipped >= 6 and state["epoch"] == 1 and state["skipped"] >= 2
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_parquet_stream_resumes_exactly(tmp_path, world_size):
+    write_parquet(tmp_path, _scenes(15), 5)  # 3 shards: with 2 processes, every other example
+    spec = {"name": "parquet", "urls": str(tmp_path / "part-{0000..0002}.parquet"), "image_column": "jpg",
+            "caption_column": "text", "id_column": "key"}
+
+    def stream() -> ExampleStream:
+        return ExampleStream(open_stream(spec, rank=world_size - 1, world_size=world_size), spec,
+                             rank=world_size - 1, world_size=world_size)
+
+    full = [e["id"] for e in _read(stream(), 20)]
+    first = stream()
+    it = iter(first)
+    head = [next(it)["id"] for _ in range(7)]
+    resumed = stream()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert head + [e["id"] for e in _read(resumed, 13)] == full
 
 
 def test_state_from_another_process_layout_is_refused(tmp_path):
