@@ -3,7 +3,8 @@
 A :class:`Term` is a small ``nn.Module`` that
 
 1. declares the batch fields it needs (``needs``) and produces them: ``preprocess`` (once per dataset,
-   cached), ``prepare`` (per example, in the data workers) and ``collate`` (per batch);
+   cached; for streamed data its per-example form ``stream_map``), ``prepare`` (per example, in the data
+   workers) and ``collate`` (per batch);
 2. asks the :class:`Objective` for the images and texts it wants encoded (``image_inputs`` /
    ``text_inputs``): the objective runs ONE image-tower pass over every image request of the batch
    (StructXLIP's colour images and edge maps together) and, for causal (CLIP) text towers, a few passes of
