@@ -182,7 +182,7 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
         the PNG path.
     """
     from finetune import load_model
-    from finetune.data.sources import load_source
+    from finetune.data.sources import SourceSpec, load_source
     from finetune.models.families import recipe_family
 
     if n < 1:
@@ -192,12 +192,23 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
     model = load_model(m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
                        trust_remote_code=m.trust_remote_code, kps=dict(vars(m.kps)) if m.kps is not None else None)
     spec = dict(recipe.data.train)
-    spec["limit"] = min(n, spec["limit"]) if spec.get("limit") else n
-    source = load_source(spec, on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir)
-    dataset = term.preprocess(source.dataset, model, cache_dir=recipe.data.cache_dir, log=log)
+    if SourceSpec.parse(spec).is_stream:  # the first n examples of the stream, with the per-example work
+        import itertools
+
+        from finetune.data.streams import ExampleStream, open_stream
+
+        term.check_stream()
+        stream = ExampleStream(open_stream(spec), spec, on_error=recipe.data.on_error,
+                               transform=lambda example: term.stream_map(example, model))
+        dataset, name = list(itertools.islice(stream, n)), stream.spec.name
+    else:
+        spec["limit"] = min(n, spec["limit"]) if spec.get("limit") else n
+        source = load_source(spec, on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir)
+        dataset = term.preprocess(source.dataset, model, cache_dir=recipe.data.cache_dir, log=log)
+        name = source.name
     items = [term.preview_fields(dataset[i]) for i in range(min(n, len(dataset)))]
     title = (f"StructXLIP training inputs: {Path(recipe.source).name if recipe.source else 'recipe'}, "
-             f"{source.name} (first {len(items)}), compat {term.compat}, regions encoded as "
+             f"{name} (first {len(items)}), compat {term.compat}, regions encoded as "
              f"{term.options.regions.encode}")
     return render_preview(items, out, title=title)
 

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        from finetune.data.streams import check_stream_recipe
+
+        check_stream_recipe(recipe)
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
@@ -133,7 +136,12 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     from finetune.report import plot_losses, plot_recall, write_json_atomic, write_report
     from finetune.train import TrainModule, Trainer
 
+    from finetune.data.sources import SourceSpec
+    from finetune.data.streams import check_stream_recipe
+
     t0 = time.perf_counter()
+    check_stream_recipe(recipe)  # before the model loads
+    streaming = SourceSpec.parse(recipe.data.train).is_stream
     m = recipe.model
     model = load_model(
         m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
@@ -155,11 +163,14 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     log.info("model %s (%s, %s): %s parameters, %s trainable; text positions %d", m.name_or_path,
              model.backend, model.family, f"{n_total:,}", f"{n_train:,}", model.max_text_len)
 
-    with accelerator.main_process_first():
-        train_src = load_source(recipe.data.train, on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir)
-    _log_skips("train", train_src)
-    with accelerator.main_process_first():  # cached preprocessing: computed once, then reused by the others
-        train_ds = objective.preprocess(train_src.dataset, model, cache_dir=recipe.data.cache_dir, log=log)
+    if streaming:
+        train_src, train_ds = None, _open_train_stream(recipe, objective, model, accelerator)
+    else:
+        with accelerator.main_process_first():
+            train_src = load_source(recipe.data.train, on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir)
+        _log_skips("train", train_src)
+        with accelerator.main_process_first():  # cached preprocessing: computed once, then reused by the others
+            train_ds = objective.preprocess(train_src.dataset, model, cache_dir=recipe.data.cache_dir, log=log)
 
     ev = recipe.eval
     eval_kwargs = dict(batch_size=ev.batch_size, ks=tuple(ev.ks), on_error=recipe.data.on_error,
@@ -186,11 +197,13 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
         at_base = _evaluate_at_length(model, model.base_text_len, ev.sets, eval_kwargs)
     truncated = torch.tensor(result.truncated_captions, device=accelerator.device)
     truncated = int(accelerator.reduce(truncated, reduction="sum")) if accelerator.num_processes > 1 else int(truncated)
+    stream_report = _stream_report(train_ds, accelerator) if streaming else None
 
     if accelerator.is_main_process:
         save_finetuned(model, out_dir / "final", recipe=recipe_dict)
         table = format_table(before, after) if after else "(no evaluation sets)"
-        extra = [section for term in objective.all_terms for section in term.report_sections(out_dir, train_ds)]
+        shown = train_ds.preview if streaming else train_ds  # a stream: the first examples it yielded
+        extra = [section for term in objective.all_terms for section in term.report_sections(out_dir, shown)]
         if at_base:
             extra.append(
                 f"## What reading past {model.base_text_len} tokens buys\n\nThe trained model evaluated "
@@ -203,9 +216,11 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
             "family": model.family,
             "max_text_len": model.max_text_len,
             "objective": ", ".join([recipe.objective.base, *recipe.objective.terms]),
-            "train_set": train_src.name,
-            "train_examples": len(train_src.dataset),
-            "skipped": {"train": train_src.skipped, "train_examples": train_src.skipped_examples},
+            "train_set": train_ds.spec.name if streaming else train_src.name,
+            "train_examples": stream_report["used"] if streaming else len(train_src.dataset),
+            "skipped": ({"train": stream_report["skipped"], "train_examples": stream_report["skipped_examples"]}
+                        if streaming else {"train": train_src.skipped, "train_examples": train_src.skipped_examples}),
+            "train_stream": stream_report,
             "before": before,
             "after": after,
             "after_at_base_length": at_base,
@@ -238,6 +253,39 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
                 return 1
     accelerator.wait_for_everyone()
     return 0
+
+
+def _open_train_stream(recipe: Any, objective: Any, model: Any, accelerator: Any) -> Any:
+    """``data.train`` as this process's :class:`~finetune.data.streams.ExampleStream`, the objective's
+    per-example work (``stream_map``) run on every example."""
+    import functools
+
+    from finetune.data.sources import SourceSpec
+    from finetune.data.streams import ExampleStream, open_stream
+
+    spec = SourceSpec.parse(recipe.data.train)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    raw = open_stream(spec, rank=rank, world_size=world)
+    log.info("training on a stream: %s (%d shards over %d processes), %d steps", spec.name, raw.num_shards, world,
+             recipe.train.max_steps)
+    return ExampleStream(raw, spec, on_error=recipe.data.on_error, rank=rank, world_size=world,
+                         transform=functools.partial(objective.stream_map, model=model))
+
+
+def _stream_report(stream: Any, accelerator: Any) -> dict:
+    """The streams' counts summed over processes: examples ``read``, ``used``, ``skipped`` (and the first
+    skipped ones), the last ``epoch`` of process 0, ``num_processes``."""
+    from accelerate.utils import gather_object
+
+    reports = gather_object([stream.report()]) if accelerator.num_processes > 1 else [stream.report()]
+    skipped_examples = [e for r in reports for e in r["skipped_examples"]][:5]
+    skipped = sum(r["skipped"] for r in reports)
+    if skipped:
+        log.warning("train stream %s: skipped %d unreadable examples (first: %s)", stream.spec.name, skipped,
+                    ", ".join(str(e["id"]) for e in skipped_examples))
+    return {"format": stream.spec.name, "num_processes": len(reports), "epoch": reports[0]["epoch"],
+            "read": sum(r["read"] for r in reports), "used": sum(r["used"] for r in reports),
+            "skipped": skipped, "skipped_examples": skipped_examples}
 
 
 def _evaluate_at_length(model: Any, length: int, sets: list, eval_kwargs: dict) -> dict:

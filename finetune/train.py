@@ -12,7 +12,8 @@ Features:
 - AdamW (fused where the device supports it) with no weight decay on biases, norms, positional tables and
   logit scale/bias; cosine-to-``min_lr`` or constant schedule with linear warmup; gradient clipping;
   ``train.logit_scale_max`` clamps the LOG logit scale after every step (StructXLIP D.2);
-- ``drop_last`` loaders with a per-epoch seeded shuffle, so a resumed run sees the same batches;
+- ``drop_last`` loaders with a per-epoch seeded shuffle, so a resumed run sees the same batches; streamed data
+  (``finetune.data.streams``) runs ``train.max_steps`` steps and resumes from each process's saved position;
 - checkpoints (``accelerator.save_state``) every ``train.checkpoint_every`` steps into
   ``checkpoints/step-N`` written atomically (temp folder, then rename), the last ``keep_checkpoints`` kept;
   ``train.resume: latest | PATH`` continues to the same weights as an uninterrupted run;
@@ -219,8 +220,19 @@ def resolve_resume(resume: str | None, ckpt_dir: Path) -> Path | None:
     return path
 
 
-def save_checkpoint(accelerator: Any, ckpt_dir: Path, state: TrainState, keep: int) -> Path:
-    """``accelerator.save_state`` into ``step-N.tmp``, then an atomic rename to ``step-N``."""
+def stream_state_file(folder: Path, rank: int) -> Path:
+    """Where process ``rank`` keeps its stream position in a checkpoint folder."""
+    return folder / f"stream_state_{rank}.json"
+
+
+def save_checkpoint(
+    accelerator: Any, ckpt_dir: Path, state: TrainState, keep: int, stream_state: dict | None = None
+) -> Path:
+    """``accelerator.save_state`` into ``step-N.tmp``, then an atomic rename to ``step-N``.
+
+    ``stream_state``: this process's stream position (``ExampleStream.state_dict()``), written as
+    ``stream_state_<rank>.json`` into the temporary folder before the rename.
+    """
     final = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
     tmp = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}.tmp"
     if accelerator.is_main_process:
@@ -229,6 +241,9 @@ def save_checkpoint(accelerator: Any, ckpt_dir: Path, state: TrainState, keep: i
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
+    if stream_state is not None:
+        stream_state_file(tmp, accelerator.process_index).write_text(json.dumps(stream_state))
+        accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / "train_state.json").write_text(state.to_json())
         if final.exists():
@@ -267,7 +282,11 @@ class Trainer:
     Args:
         accelerator: an ``accelerate.Accelerator`` (mixed precision and trackers already configured).
         module: the model + objective.
-        dataset: a map-style dataset of examples (``len`` and ``__getitem__``).
+        dataset: a map-style dataset of examples (``len`` and ``__getitem__``), or a stream (a torch
+            ``IterableDataset`` with ``state_dict`` / ``load_state_dict`` and ``epoch``, e.g.
+            ``finetune.data.streams.ExampleStream``): then each process loads batches of its share of
+            ``train.batch_size`` from its own stream, ``train.max_steps`` steps, and checkpoints hold each
+            process's stream position (``stream_state_<rank>.json``).
         collate_fn: examples -> batch dict.
         cfg: the recipe's ``train`` section.
         run_dir: the run folder (``checkpoints/`` goes inside).
@@ -298,6 +317,38 @@ class Trainer:
                 f"train.batch_size={cfg.batch_size} must be divisible by processes x accumulation_steps "
                 f"= {world} x {accum}; change train.batch_size or train.accumulation_steps"
             )
+        #: a stream (``finetune.data.streams.ExampleStream``): each process reads its own shards
+        self.stream = dataset if isinstance(dataset, torch.utils.data.IterableDataset) else None
+        if self.stream is not None:
+            if not cfg.max_steps:
+                raise ValueError("a streamed training set has no length: set train.max_steps")
+            # one loader per process over its own shards, batches of the process's share of the global
+            # batch; num_workers 0 so that the stream's position is exactly the examples consumed
+            if num_workers:
+                log.warning("data.num_workers=%d is not used for a stream: its position (for exact resume) is "
+                            "kept in the main process", num_workers)
+            loader = DataLoader(dataset, batch_size=cfg.batch_size // world, collate_fn=collate_fn, drop_last=True)
+            self.steps_per_epoch = 0
+            self.total_steps = cfg.max_steps
+        else:
+            loader = self._map_loader(dataset, collate_fn, cfg, num_workers)
+        self.module = module
+        optimizer = build_optimizer(module, cfg, extra_no_decay)
+        min_ratio = cfg.min_lr / cfg.lr if cfg.lr else 0.0
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(cfg.schedule, cfg.warmup_steps, self.total_steps, min_ratio)
+        )
+        if self.stream is not None:
+            self.wrapped, self.optimizer, self.scheduler = accelerator.prepare(module, optimizer, scheduler)
+            self.loader = loader
+        else:
+            self.wrapped, self.optimizer, self.loader, self.scheduler = accelerator.prepare(
+                module, optimizer, loader, scheduler
+            )
+        self.state = TrainState()
+
+    def _map_loader(self, dataset: Any, collate_fn: Callable, cfg: Any, num_workers: int) -> DataLoader:
+        """The loader of a map-style dataset; sets ``sampler``, ``steps_per_epoch`` and ``total_steps``."""
         # the loader yields the global batch of one optimiser step; accelerate splits it over processes
         # (split_batches=True) and `_step` splits each process's share into `accum` micro-batches
         if len(dataset) < cfg.batch_size:
@@ -319,16 +370,7 @@ class Trainer:
         if self.steps_per_epoch == 0:
             raise ValueError("the training set is smaller than one optimiser step; lower train.batch_size")
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
-        self.module = module
-        optimizer = build_optimizer(module, cfg, extra_no_decay)
-        min_ratio = cfg.min_lr / cfg.lr if cfg.lr else 0.0
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(cfg.schedule, cfg.warmup_steps, self.total_steps, min_ratio)
-        )
-        self.wrapped, self.optimizer, self.loader, self.scheduler = accelerator.prepare(
-            module, optimizer, loader, scheduler
-        )
-        self.state = TrainState()
+        return loader
 
     # -- checkpoints ------------------------------------------------------------------------------
     def maybe_resume(self, resume: str | None) -> bool:
@@ -339,6 +381,14 @@ class Trainer:
             return False
         self.acc.load_state(str(path))
         self.state = TrainState.from_json((path / "train_state.json").read_text())
+        if self.stream is not None:
+            file = stream_state_file(path, self.acc.process_index)
+            if not file.is_file():
+                raise FileNotFoundError(
+                    f"train.resume: {path} has no stream position for process {self.acc.process_index} ({file.name}): "
+                    "it was saved from map-style data or with fewer processes; resume with the data.train and "
+                    "number of processes it was saved with")
+            self.stream.load_state_dict(json.loads(file.read_text()))
         log.info("resumed from %s at step %d", path, self.state.step)
         return True
 
@@ -389,18 +439,7 @@ class Trainer:
                    desc="train", dynamic_ncols=True)
         last_losses: dict[str, float] = {}
         while self.state.step < self.total_steps:
-            epoch, within = divmod(self.state.step, self.steps_per_epoch)
-            loader = self.loader
-            if within:
-                loader = acc.skip_first_batches(self.loader, within)
-            # accelerate's loaders re-seed the sampler with their own pass counter: give them the epoch
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(epoch)
-            self.sampler.set_epoch(epoch)
-            for term in self.module.objective.all_terms:  # per-epoch schedules (StructXLIP compat official)
-                term.set_epoch(epoch)
-            self.wrapped.train()
-            for batch in loader:
+            for batch in self._batches():
                 if self.state.step >= self.total_steps:
                     break
                 out = self._step(batch)
@@ -446,7 +485,8 @@ class Trainer:
                 bar.set_postfix(loss=f"{values['loss']:.4f}", samples_s=f"{rate:.1f}")
                 bar.update(1)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    save_checkpoint(acc, self.ckpt_dir, self.state, cfg.keep_checkpoints)
+                    stream_state = self.stream.state_dict() if self.stream is not None else None
+                    save_checkpoint(acc, self.ckpt_dir, self.state, cfg.keep_checkpoints, stream_state)
                 if on_step is not None:
                     on_step(step, values)
                 if self.state.step >= self.total_steps:
@@ -462,6 +502,39 @@ class Trainer:
             skipped_steps=self.state.skipped_steps,
             truncated_captions=truncated,
         )
+
+    def _batches(self) -> Iterator[dict[str, Any]]:
+        """The batches from the current step on, epoch after epoch; the model in train mode.
+
+        Map-style data: one seeded permutation per epoch, the batches a resumed run already trained on
+        skipped. A stream: its own loader, continuing from the stream's position (the stream counts epochs),
+        batches moved to the device here (they do not pass through an accelerate loader)."""
+        acc = self.acc
+        if self.stream is not None:
+            from accelerate.utils import send_to_device
+
+            epoch = None
+            for batch in self.loader:
+                if self.stream.epoch != epoch:
+                    epoch = self.stream.epoch
+                    for term in self.module.objective.all_terms:
+                        term.set_epoch(epoch)
+                    self.wrapped.train()
+                yield send_to_device(batch, acc.device)
+            return
+        while True:
+            epoch, within = divmod(self.state.step, self.steps_per_epoch)
+            loader = self.loader
+            if within:
+                loader = acc.skip_first_batches(self.loader, within)
+            # accelerate's loaders re-seed the sampler with their own pass counter: give them the epoch
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            self.sampler.set_epoch(epoch)
+            for term in self.module.objective.all_terms:  # per-epoch schedules (StructXLIP compat official)
+                term.set_epoch(epoch)
+            self.wrapped.train()
+            yield from loader
 
     def _mean_over_processes(self, values: dict[str, float]) -> dict[str, float]:
         if self.acc.num_processes == 1:

@@ -51,7 +51,9 @@ logger = logging.getLogger(__name__)
 SourceBuilder = Callable[["SourceSpec"], datasets.Dataset]
 
 # Modules that register built-in sources when imported; a missing optional module is skipped.
-_BUILTIN_MODULES = ("finetune.data.synthetic", "finetune.data.benchmarks")
+_BUILTIN_MODULES = ("finetune.data.synthetic", "finetune.data.benchmarks", "finetune.data.streams")
+#: sources that can be read as a stream (``finetune.data.streams``); the first two only as a stream
+STREAM_SOURCES = ("webdataset", "hub", "parquet")
 _ON_ERROR = ("skip", "raise")
 _VALIDATE = ("quick", "full")
 _SKIPPED_EXAMPLES_KEPT = 5
@@ -80,7 +82,21 @@ class SourceSpec:
         image_column, caption_column, id_column: column names in the raw data (generic formats);
             without ``id_column`` an ``id`` column is used if present, else the row index (tables)
             or the file name (image folders).
-        options: source-specific extras.
+        options: source-specific extras (``hub`` streams: ``config``, ``revision``,
+            ``data_files``).
+        urls: shard files or URLs of a stream (``webdataset``, ``parquet``): a string or a list of
+            strings with webdataset-style brace ranges, ``shards/{00000..00099}.tar`` (see
+            :func:`finetune.data.streams.expand_urls`).
+        streaming: read the source as a stream (``finetune.data.streams``) instead of a map-style
+            dataset; ``null`` (default): ``webdataset`` and ``hub`` stream, ``parquet`` streams when
+            ``urls`` is set. Only ``data.train`` can be a stream.
+        format: the format of a stream, ``webdataset`` / ``parquet`` / ``hub``: an alias of ``name``
+            for stream entries (``{"format": "webdataset", "urls": ...}`` is
+            ``{"name": "webdataset", "urls": ...}``); given with ``name``, the two must agree.
+        shuffle_buffer: stream shuffling: ``0`` keeps the shard and example order; ``1`` (default)
+            reshuffles the shard order every epoch from ``seed`` (resume is exact); ``N > 1`` also
+            passes the examples through a shuffle buffer of N (a resumed run refills the buffer, so
+            the up to N examples held in it at the checkpoint are not seen in that epoch).
     """
 
     name: str
@@ -94,6 +110,10 @@ class SourceSpec:
     caption_column: str = "caption"
     id_column: str | None = None
     options: dict = field(default_factory=dict)
+    urls: str | list[str] | None = None
+    streaming: bool | None = None
+    format: str | None = None
+    shuffle_buffer: int = 1
 
     @classmethod
     def parse(cls, value: str | dict | SourceSpec) -> SourceSpec:
@@ -120,6 +140,13 @@ class SourceSpec:
                 raise DataError(
                     f"unknown data source key {key!r}{_closest(str(key), valid)}; valid keys: {', '.join(valid)}"
                 )
+        fmt = value.get("format")
+        if fmt is not None:
+            if fmt not in STREAM_SOURCES:
+                raise DataError(f"data source key 'format' must be one of {', '.join(STREAM_SOURCES)}, got {fmt!r}")
+            if value.get("name", fmt) != fmt:
+                raise DataError(f"data source has name {value['name']!r} and format {fmt!r}: give one of them")
+            value = {**value, "name": fmt}
         if "name" not in value:
             raise DataError(f"a data source needs a 'name' (one of the registered sources), got {value!r}")
         kwargs: dict[str, Any] = {}
@@ -129,7 +156,32 @@ class SourceSpec:
         spec = cls(**kwargs)
         if not spec.name:
             raise DataError("data source 'name' must not be empty")
+        spec.is_stream  # checks streaming / urls against the name
         return spec
+
+    @property
+    def is_stream(self) -> bool:
+        """Whether this entry is read as a stream (``finetune.data.streams``): ``webdataset`` and ``hub``
+        always, ``parquet`` with ``urls`` or ``streaming: true``.
+
+        Raises:
+            DataError: ``streaming``/``urls`` on a source that cannot stream, or ``streaming: false`` on
+                one that only streams.
+        """
+        if self.name in STREAM_SOURCES[:2]:
+            if self.streaming is False:
+                raise DataError(f"data source {self.name!r} is read as a stream only: remove streaming: false")
+            return True
+        if self.name == "parquet":
+            if self.streaming is False and self.urls is not None:
+                raise DataError("data source 'parquet': urls are read as a stream; use path for a map-style "
+                                "parquet source, or remove streaming: false")
+            return bool(self.streaming) or self.urls is not None
+        if self.streaming or self.urls is not None:
+            key = "streaming: true" if self.streaming else "urls"
+            raise DataError(f"data source {self.name!r} cannot be streamed ({key}); streams are "
+                            f"{', '.join(STREAM_SOURCES)}")
+        return False
 
 
 # key -> (accepted types, expected type in words, may be None)
@@ -145,6 +197,10 @@ _SPEC_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
     "caption_column": ((str,), "a string", False),
     "id_column": ((str,), "a string", True),
     "options": ((dict,), "a mapping", False),
+    "urls": ((str, list), "a string or a list of strings", True),
+    "streaming": ((bool,), "true or false", True),
+    "format": ((str,), "a string", True),
+    "shuffle_buffer": ((int,), "an integer >= 0", False),
 }
 
 
@@ -152,6 +208,12 @@ def _check_type(key: str, value: Any) -> Any:
     types, words, nullable = _SPEC_TYPES[key]
     if value is None and nullable:
         return None
+    if key == "streaming":
+        if not isinstance(value, bool):
+            raise DataError(
+                f"data source key 'streaming' must be true, false or null, got {type(value).__name__}: {value!r}"
+            )
+        return value
     if isinstance(value, bool) or not isinstance(value, types):
         raise DataError(
             f"data source key {key!r} must be {words}{' or null' if nullable else ''}, "
@@ -159,6 +221,12 @@ def _check_type(key: str, value: Any) -> Any:
         )
     if key in ("size", "limit") and value < 1:
         raise DataError(f"data source key {key!r} must be positive, got {value}")
+    if key == "shuffle_buffer" and value < 0:
+        raise DataError(f"data source key 'shuffle_buffer' must be >= 0, got {value}")
+    if key == "urls" and isinstance(value, list):
+        if not value or not all(isinstance(u, str) and u for u in value):
+            raise DataError(f"data source key 'urls' must be a non-empty list of non-empty strings, got {value!r}")
+        return list(value)
     if key == "path":
         return os.fspath(value)
     if key == "options":
@@ -274,6 +342,12 @@ def load_source(
     if validate not in _VALIDATE:
         raise ValueError(f"validate must be one of {', '.join(_VALIDATE)}, got {validate!r}")
     spec = SourceSpec.parse(spec)
+    if spec.is_stream:
+        raise DataError(
+            f"data source {spec.name!r} is a stream (urls, streaming or a stream-only source): only data.train "
+            "can be a stream, read with finetune.data.streams.open_stream; for a map-style parquet source set "
+            "path and remove urls / streaming"
+        )
     _import_builtins()
     entry = _REGISTRY.get(spec.name)
     if entry is None:

@@ -3,7 +3,8 @@
 A :class:`Term` is a small ``nn.Module`` that
 
 1. declares the batch fields it needs (``needs``) and produces them: ``preprocess`` (once per dataset,
-   cached), ``prepare`` (per example, in the data workers) and ``collate`` (per batch);
+   cached; for streamed data its per-example form ``stream_map``), ``prepare`` (per example, in the data
+   workers) and ``collate`` (per batch);
 2. asks the :class:`Objective` for the images and texts it wants encoded (``image_inputs`` /
    ``text_inputs``): the objective runs ONE image-tower pass over every image request of the batch
    (StructXLIP's colour images and edge maps together) and, for causal (CLIP) text towers, a few passes of
@@ -83,6 +84,24 @@ class Term(nn.Module):
     def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
         """Add this term's cached per-example fields to ``dataset`` (runs once, before training)."""
         return dataset
+
+    def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
+        """The per-example form of :meth:`preprocess`, for streamed data (``finetune.data.streams``): the
+        fields ``preprocess`` would add to this example (no cache, no whole-dataset pass).
+
+        The default adds nothing, which is right for a term that does not override ``preprocess``; a term
+        that does must override this too, or :meth:`check_stream` stops the run before it starts.
+        """
+        return {}
+
+    def check_stream(self) -> None:
+        """Raise ``ValueError`` naming the recipe option that makes this term streamable when it cannot
+        run on streamed examples (called before training on a stream)."""
+        if type(self).preprocess is not Term.preprocess and type(self).stream_map is Term.stream_map:
+            raise ValueError(
+                f"objective term {self.name or type(self).__name__!r} preprocesses whole datasets and has no "
+                "per-example path (stream_map), so it cannot train on a stream: use a map-style data.train"
+            )
 
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
         """Per-example work in the data workers; returns the fields ``collate`` reads."""
@@ -168,6 +187,19 @@ class Objective(nn.Module):
         for t in self.all_terms:
             dataset = t.preprocess(dataset, model, cache_dir=cache_dir, log=log)
         return dataset
+
+    def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
+        """Every term's :meth:`Term.stream_map` on one streamed example, in term order (a term sees the
+        fields the terms before it added); returns the added fields."""
+        out: dict[str, Any] = {}
+        for t in self.all_terms:
+            out.update(t.stream_map({**example, **out}, model))
+        return out
+
+    def check_stream(self) -> None:
+        """:meth:`Term.check_stream` of every term (``ValueError`` naming the option to change)."""
+        for t in self.all_terms:
+            t.check_stream()
 
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -662,6 +662,28 @@ class StructXLIPTerm(Term):
         base = dataset.remove_columns([c for c in dataset.column_names if c in names])
         return datasets.concatenate_datasets([base, regions.select_columns(names)], axis=1)
 
+    def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
+        """Streamed data: the lexicon columns and the edge map of one example, computed now (as
+        :meth:`preprocess` adds them; no statistics, no cache)."""
+        from PIL import Image
+
+        from finetune.preprocess.edges import edge_array
+
+        r = self.lexicon.filter(example.get("caption") or "")
+        return {"filtered_caption": r.text, "lexicon_removed": r.removed, "lexicon_categories": r.categories,
+                "lexicon_reverted": r.reverted, "caption_words": r.n_words,
+                "edges": Image.fromarray(edge_array(example["image"], self.edge_cfg))}
+
+    def check_stream(self) -> None:
+        """The local loss needs each chunk's top-K regions under the frozen model, matched over the whole
+        dataset before training: not on a stream."""
+        if self.use_local:
+            raise ValueError(
+                "objective.terms.structxlip: the local loss ranks regions with the frozen pretrained model "
+                "before training, which a streamed data.train cannot do; set "
+                "objective.terms.structxlip.weights.local: 0 to train on a stream (edge maps and the lexicon "
+                "filter run per example), or use a map-style data.train")
+
     @staticmethod
     def _lexicon_stats(dataset: Any) -> dict[str, Any]:
         from finetune.preprocess.lexicon import FilterResult, lexicon_stats

@@ -1,0 +1,511 @@
+"""Streams (finetune.data.streams): webdataset / parquet / hub-folder shards read back with the right ids,
+captions and images; bad samples skipped and counted; brace expansion; the per-example term hook; the
+trainer's stream branch (max_steps, exact resume); two processes on disjoint shards."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from finetune.data.sources import DataError, SourceSpec, load_source
+from finetune.data.streams import ExampleStream, expand_urls, open_stream
+from finetune.data.synthetic import synthetic_scenes
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(autouse=True)
+def _no_shutdown_sleep(monkeypatch):
+    """datasets waits 5 s for pyarrow's reader threads whenever a parquet stream's iterator ends or is
+    dropped (an epoch, an abandoned iterator): not needed for these few-kilobyte shards."""
+    monkeypatch.setattr("datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN", 0)
+
+
+def _scenes(n: int, seed: int = 0) -> list[dict]:
+    """``n`` synthetic scenes as ``{"id", "png": bytes, "caption"}``."""
+    ds = synthetic_scenes(n, seed, image_size=32).cast_column("image", __import__("datasets").Image(decode=False))
+    return [{"id": r["id"], "png": r["image"]["bytes"], "caption": r["caption"]} for r in ds]
+
+
+def write_webdataset(folder: Path, scenes: list[dict], per_shard: int, *, caption_as: str = "txt") -> list[Path]:
+    """Tar shards ``shard-00000.tar`` ... of ``per_shard`` scenes: ``ID.png`` + ``ID.txt`` (or ``ID.json``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for s, start in enumerate(range(0, len(scenes), per_shard)):
+        path = folder / f"shard-{s:05d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for scene in scenes[start:start + per_shard]:
+                text = scene["caption"] if caption_as == "txt" else json.dumps({"caption": scene["caption"], "n": 1})
+                for ext, data in (("png", scene["png"]), (caption_as, text.encode("utf-8"))):
+                    info = tarfile.TarInfo(f"{scene['id']}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        shards.append(path)
+    return shards
+
+
+def write_parquet(folder: Path, scenes: list[dict], per_shard: int, *, prefix: str = "part") -> list[Path]:
+    """Parquet shards with columns ``key`` (the id), ``jpg`` (image bytes) and ``text`` (the caption)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for s, start in enumerate(range(0, len(scenes), per_shard)):
+        rows = scenes[start:start + per_shard]
+        table = pa.table({"key": [r["id"] for r in rows], "jpg": [r["png"] for r in rows],
+                          "text": [r["caption"] for r in rows]})
+        path = folder / f"{prefix}-{s:04d}.parquet"
+        pq.write_table(table, path)
+        shards.append(path)
+    return shards
+
+
+def _read(stream: ExampleStream, n: int) -> list[dict]:
+    it = iter(stream)
+    return [next(it) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- urls and specs
+
+
+def test_expand_urls_ranges_lists_and_padding():
+    assert expand_urls("s/{00000..00002}.tar") == ["s/00000.tar", "s/00001.tar", "s/00002.tar"]
+    assert expand_urls("a{1..3}") == ["a1", "a2", "a3"]
+    assert expand_urls("a{3..1}") == ["a3", "a2", "a1"]
+    assert expand_urls("{x,y}-{0..1}") == ["x-0", "x-1", "y-0", "y-1"]
+    assert expand_urls(["p{8..10}", "q"]) == ["p8", "p9", "p10", "q"]
+    assert expand_urls("lit{abc}") == ["lit{abc}"]
+    assert len(expand_urls("shards/{00000..00099}.tar")) == 100
+    assert expand_urls("shards/{00000..00099}.tar")[-1] == "shards/00099.tar"
+
+
+def test_spec_stream_keys_and_errors():
+    assert SourceSpec.parse({"name": "webdataset", "urls": "x/{0..1}.tar"}).is_stream
+    assert SourceSpec.parse({"name": "hub", "path": "org/ds"}).is_stream
+    assert SourceSpec.parse({"name": "parquet", "urls": ["a.parquet"]}).is_stream
+    assert SourceSpec.parse({"name": "parquet", "path": "d", "streaming": True}).is_stream
+    assert not SourceSpec.parse({"name": "parquet", "path": "d"}).is_stream
+    spec = SourceSpec.parse({"format": "webdataset", "urls": "x/{0..1}.tar"})
+    assert spec.name == "webdataset" and spec.is_stream
+    assert SourceSpec.parse({"name": "parquet", "format": "parquet", "urls": "a.parquet"}).is_stream
+    with pytest.raises(DataError, match="name 'parquet' and format 'webdataset'"):
+        SourceSpec.parse({"name": "parquet", "format": "webdataset", "urls": "a.tar"})
+    with pytest.raises(DataError, match="'format' must be one of webdataset, hub, parquet"):
+        SourceSpec.parse({"format": "jsonl", "path": "a.jsonl"})
+    with pytest.raises(DataError, match="cannot be streamed"):
+        SourceSpec.parse({"name": "synthetic", "streaming": True})
+    with pytest.raises(DataError, match="stream only"):
+        SourceSpec.parse({"name": "webdataset", "urls": "a.tar", "streaming": False})
+    with pytest.raises(DataError, match="'urls' must be"):
+        SourceSpec.parse({"name": "webdataset", "urls": 3})
+    with pytest.raises(DataError, match="shuffle_buffer"):
+        SourceSpec.parse({"name": "webdataset", "urls": "a.tar", "shuffle_buffer": -1})
+    with pytest.raises(DataError, match="only data.train can be a stream"):
+        load_source({"name": "webdataset", "urls": "a.tar"})
+
+
+def test_missing_shard_is_named(tmp_path):
+    write_webdataset(tmp_path, _scenes(4), 2)
+    with pytest.raises(DataError, match=r"1 of 3 shard files do not exist \(first: .*shard-00002.tar"):
+        open_stream({"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00002}.tar")})
+
+
+def test_recipe_validates_stream_entry():
+    from finetune.config import RecipeError, load_recipe
+
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        "data.train={name: webdataset, urls: 'shards/{00000..00009}.tar', shuffle_buffer: 0}",
+        "train.max_steps=5",
+    ])
+    spec = SourceSpec.parse(recipe.data.train)
+    assert spec.is_stream and spec.urls == "shards/{00000..00009}.tar" and spec.shuffle_buffer == 0
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        "data.train={name: parquet, urls: [a.parquet, 'b-{0..1}.parquet'], streaming: true}", "train.max_steps=5",
+    ])
+    assert SourceSpec.parse(recipe.data.train).urls == ["a.parquet", "b-{0..1}.parquet"]
+    with pytest.raises(RecipeError, match="shuffle_buffer"):
+        load_recipe(REPO / "recipes" / "quickstart.yaml", ["data.train={name: hub, path: o/d, shuffle_buffer: x}"])
+
+
+def test_keys_a_stream_does_not_use_are_refused(tmp_path):
+    write_webdataset(tmp_path, _scenes(2), 2)
+    with pytest.raises(DataError, match="limit is not used by a stream"):
+        open_stream({"name": "webdataset", "urls": str(tmp_path / "shard-00000.tar"), "limit": 5})
+
+
+def test_stream_recipe_without_max_steps_is_a_recipe_error(tmp_path, monkeypatch):
+    from finetune import run as run_module
+    from finetune.config import RecipeError, load_recipe
+
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        "data.train={name: webdataset, urls: 'x.tar'}", "train.max_steps=null", "train.epochs=1",
+        f"output.dir={tmp_path / 'run'}",
+    ])
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load before the recipe error")
+
+    monkeypatch.setattr("finetune.load_model", no_model)
+    with pytest.raises(RecipeError, match="train.max_steps") as info:
+        run_module.run(recipe)
+    assert info.value.key == "train.max_steps"
+
+
+def test_structxlip_local_loss_is_not_streamable_but_edges_and_lexicon_are():
+    from finetune.objectives.structxlip import StructXLIPOptions, StructXLIPTerm, StructXLIPWeights
+
+    with pytest.raises(ValueError, match=r"objective.terms.structxlip.weights.local: 0"):
+        StructXLIPTerm().check_stream()
+    term = StructXLIPTerm(StructXLIPOptions(weights=StructXLIPWeights(local=0.0)))
+    term.check_stream()
+    image = PIL.Image.new("RGB", (32, 32), (0, 0, 0))
+    image.paste((255, 255, 255), (8, 8, 24, 24))
+    out = term.stream_map({"image": image, "caption": "A red square on a black background."}, model=None)
+    assert "red" not in out["filtered_caption"] and "square" in out["filtered_caption"]
+    assert out["lexicon_removed"] and out["caption_words"] > 0
+    edges = np.asarray(out["edges"])
+    assert edges.shape == (32, 32) and edges.max() > 0 and edges[0, 0] == 0
+
+
+def test_term_with_preprocess_but_no_stream_map_is_refused():
+    from finetune.objectives.base import Term
+
+    class Cached(Term):
+        name = "cached"
+
+        def preprocess(self, dataset, model, *, cache_dir=None, log=None):
+            return dataset
+
+    with pytest.raises(ValueError, match="'cached' preprocesses whole datasets"):
+        Cached().check_stream()
+    Term().check_stream()  # no preprocessing: streamable as is
+
+
+# --------------------------------------------------------------------------- reading back
+
+
+def test_webdataset_reads_back_ids_captions_images(tmp_path):
+    scenes = _scenes(24)
+    write_webdataset(tmp_path, scenes, 8)
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00002}.tar"), "shuffle_buffer": 0}
+    stream = ExampleStream(open_stream(spec), spec)
+    got = _read(stream, 24)
+    assert [e["id"] for e in got] == [s["id"] for s in scenes]
+    assert [e["caption"] for e in got] == [s["caption"] for s in scenes]
+    for e, s in zip(got[:5], scenes):
+        expected = np.asarray(PIL.Image.open(io.BytesIO(s["png"])).convert("RGB"))
+        assert e["image"].mode == "RGB" and np.array_equal(np.asarray(e["image"]), expected)
+    assert stream.read == 24 and stream.skipped == 0 and stream.epoch == 0
+
+
+def test_webdataset_json_caption_and_epochs(tmp_path):
+    scenes = _scenes(6)
+    write_webdataset(tmp_path, scenes, 3, caption_as="json")
+    spec = {"name": "webdataset", "path": str(tmp_path), "shuffle_buffer": 0}
+    stream = ExampleStream(open_stream(spec), spec)
+    got = _read(stream, 9)  # one and a half epochs
+    assert [e["caption"] for e in got[:6]] == [s["caption"] for s in scenes]
+    assert [e["id"] for e in got[6:]] == [s["id"] for s in scenes[:3]]
+    assert stream.epoch == 1
+
+
+def test_parquet_shards_with_column_mapping(tmp_path):
+    scenes = _scenes(12)
+    write_parquet(tmp_path, scenes, 4)
+    spec = {"name": "parquet", "urls": str(tmp_path / "part-{0000..0002}.parquet"), "image_column": "jpg",
+            "caption_column": "text", "id_column": "key", "shuffle_buffer": 0}
+    got = _read(ExampleStream(open_stream(spec), spec), 12)
+    assert [e["id"] for e in got] == [s["id"] for s in scenes]
+    assert [e["caption"] for e in got] == [s["caption"] for s in scenes]
+    assert got[3]["image"].size == (32, 32)
+
+
+def test_parquet_missing_column_names_the_key(tmp_path):
+    write_parquet(tmp_path, _scenes(4), 4)
+    spec = {"name": "parquet", "urls": str(tmp_path / "part-0000.parquet"), "image_column": "jpg",
+            "caption_column": "desc"}
+    with pytest.raises(DataError, match=r"no caption column 'desc'; columns: key, jpg, text\. "
+                                        r"Set data.train.caption_column"):
+        _read(ExampleStream(open_stream(spec), spec), 1)
+
+
+def test_hub_streaming_from_a_dataset_folder(tmp_path):
+    scenes = _scenes(8)
+    write_parquet(tmp_path / "repo" / "data", scenes, 4, prefix="train")
+    spec = {"name": "hub", "path": str(tmp_path / "repo"), "split": "train", "image_column": "jpg",
+            "caption_column": "text", "id_column": "key", "shuffle_buffer": 0}
+    got = _read(ExampleStream(open_stream(spec), spec), 8)
+    assert sorted(e["id"] for e in got) == sorted(s["id"] for s in scenes)
+
+
+def test_shard_order_shuffles_per_epoch_and_split_by_node_is_disjoint(tmp_path):
+    scenes = _scenes(24)
+    write_webdataset(tmp_path, scenes, 3)  # 8 shards
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00007}.tar"), "seed": 3}
+    epoch0 = [e["id"] for e in _read(ExampleStream(open_stream(spec), spec), 48)]
+    assert sorted(epoch0[:24]) == sorted(s["id"] for s in scenes)
+    assert epoch0[:24] != [s["id"] for s in scenes] and epoch0[:24] != epoch0[24:]
+    parts = [[e["id"] for e in _read(ExampleStream(open_stream(spec, rank=r, world_size=2), spec), 12)]
+             for r in range(2)]
+    assert not set(parts[0]) & set(parts[1])
+    assert sorted(parts[0] + parts[1]) == sorted(s["id"] for s in scenes)
+
+
+# --------------------------------------------------------------------------- bad samples
+
+
+def _with_bad_samples(tmp_path: Path) -> tuple[list[dict], dict]:
+    scenes = _scenes(10)
+    scenes[2] = {**scenes[2], "png": b"not an image at all"}
+    scenes[5] = {**scenes[5], "caption": "   "}
+    write_webdataset(tmp_path, scenes, 5)
+    return scenes, {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00001}.tar"), "shuffle_buffer": 0}
+
+
+def test_bad_samples_are_skipped_and_counted(tmp_path):
+    scenes, spec = _with_bad_samples(tmp_path)
+    stream = ExampleStream(open_stream(spec), spec)
+    got = _read(stream, 8)
+    assert [e["id"] for e in got] == [s["id"] for i, s in enumerate(scenes) if i not in (2, 5)]
+    assert stream.skipped == 2 and stream.read == 10
+    reasons = {e["id"]: e["reason"] for e in stream.skipped_examples}
+    assert reasons[scenes[5]["id"]] == "empty caption"
+    assert scenes[2]["id"] in reasons and stream.skipped_examples[0]["path"].endswith("shard-00000.tar")
+
+
+def test_bad_sample_raises_with_on_error_raise(tmp_path):
+    scenes, spec = _with_bad_samples(tmp_path)
+    stream = ExampleStream(open_stream(spec), spec, on_error="raise")
+    with pytest.raises(DataError, match=rf"id='{scenes[2]['id']}' \(shard .*shard-00000.tar\).*data.on_error: skip"):
+        _read(stream, 3)
+
+
+def test_a_stream_without_usable_examples_stops(tmp_path):
+    scenes = [{**s, "caption": ""} for s in _scenes(3)]
+    write_webdataset(tmp_path, scenes, 3)
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shard-00000.tar")}
+    with pytest.raises(DataError, match="no usable examples in epoch 0"):
+        _read(ExampleStream(open_stream(spec), spec), 1)
+
+
+# --------------------------------------------------------------------------- state
+
+
+def test_state_dict_resumes_exactly_across_epochs_and_skips(tmp_path):
+    scenes, spec = _with_bad_samples(tmp_path)
+    spec["shuffle_buffer"] = 1  # shard order reshuffled every epoch
+    whole = ExampleStream(open_stream(spec), spec)
+    full = [e["id"] for e in _read(whole, 30)]
+    first = ExampleStream(open_stream(spec), spec)
+    it = iter(first)
+    head = [next(it)["id"] for _ in range(11)]  # into the second epoch
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = ExampleStream(open_stream(spec), spec)
+    resumed.load_state_dict(state)
+    tail = [e["id"] for e in _read(resumed, 19)]
+    assert head + tail == full
+    assert (resumed.read, resumed.skipped, resumed.epoch) == (whole.read, whole.skipped, whole.epoch)
+    assert whole.skipped >= 6 and state["epoch"] == 1 and state["skipped"] >= 2
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_parquet_stream_resumes_exactly(tmp_path, world_size):
+    write_parquet(tmp_path, _scenes(15), 5)  # 3 shards: with 2 processes, every other example
+    spec = {"name": "parquet", "urls": str(tmp_path / "part-{0000..0002}.parquet"), "image_column": "jpg",
+            "caption_column": "text", "id_column": "key"}
+
+    def stream() -> ExampleStream:
+        return ExampleStream(open_stream(spec, rank=world_size - 1, world_size=world_size), spec,
+                             rank=world_size - 1, world_size=world_size)
+
+    full = [e["id"] for e in _read(stream(), 20)]
+    first = stream()
+    it = iter(first)
+    head = [next(it)["id"] for _ in range(7)]
+    resumed = stream()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert head + [e["id"] for e in _read(resumed, 13)] == full
+
+
+def test_state_from_another_process_layout_is_refused(tmp_path):
+    write_webdataset(tmp_path, _scenes(4), 2)
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00001}.tar")}
+    state = ExampleStream(open_stream(spec), spec).state_dict()
+    other = ExampleStream(open_stream(spec, rank=1, world_size=2), spec, rank=1, world_size=2)
+    with pytest.raises(DataError, match="saved by process 0 of 1.*same number of processes"):
+        other.load_state_dict(state)
+
+
+# --------------------------------------------------------------------------- training on a stream
+
+
+class _Stop(Exception):
+    """Stands in for a killed run."""
+
+
+def _stream_recipe(tiny: Path, urls: str, out: Path, *extra: str):
+    from finetune.config import load_recipe
+
+    return load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"model.name_or_path={tiny}", "model.dtype=null", "model.kps=null", "model.max_text_len=null",
+        f"data.train={{name: webdataset, urls: '{urls}', seed: 5}}",
+        "objective.terms.structxlip.weights.local=0",  # edge maps and lexicon per example; no regions
+        "eval.sets=[]", "eval.compare_base_length=false", "train.batch_size=4", "train.trackers=[]",
+        "train.mixed_precision=no", "train.log_every=1", "train.warmup_steps=2", f"output.dir={out}", *extra,
+    ])
+
+
+def _run_recording(recipe, monkeypatch, stop_at: int | None = None) -> list[list[str]]:
+    """Run ``recipe`` in this process; return the sample ids of every optimiser step it trains (raising
+    :class:`_Stop` when step ``stop_at`` would start, as if the run were killed)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from finetune.run import run
+    from finetune.train import Trainer
+
+    seen: list[list[str]] = []
+    original = getattr(Trainer._step, "unrecorded", Trainer._step)
+
+    def recording(self, batch):
+        if stop_at is not None and self.state.step + 1 == stop_at:
+            raise _Stop
+        seen.append(list(batch["ids"]))
+        return original(self, batch)
+
+    recording.unrecorded = original
+    monkeypatch.setattr(Trainer, "_step", recording)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        assert run(recipe) == 0
+    except _Stop:
+        pass
+    return seen
+
+
+@pytest.mark.slow
+def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, monkeypatch):
+    from finetune.models.registry import save_tiny
+
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny")
+    scenes = _scenes(24)
+    scenes[9] = {**scenes[9], "caption": ""}  # a bad sample: 23 usable per epoch
+    write_webdataset(tmp_path / "shards", scenes, 6)
+    urls = str(tmp_path / "shards" / "shard-{00000..00003}.tar")
+    steps = ["train.max_steps=8", "train.checkpoint_every=3"]
+
+    whole = _run_recording(_stream_recipe(tiny, urls, tmp_path / "whole", *steps), monkeypatch)
+    killed = _run_recording(_stream_recipe(tiny, urls, tmp_path / "run", *steps), monkeypatch, stop_at=8)
+    assert len(killed) == 7 and not (tmp_path / "run" / "metrics.json").exists()
+    resumed = _run_recording(_stream_recipe(tiny, urls, tmp_path / "run", *steps, "train.resume=latest"),
+                             monkeypatch)
+
+    assert len(whole) == 8 and all(len(ids) == 4 for ids in whole)
+    assert killed[:6] + resumed == whole  # resumed from step-6, in the second epoch: steps 7 and 8 again
+    first_epoch = [i for ids in whole for i in ids][:23]
+    assert sorted(first_epoch) == sorted(s["id"] for k, s in enumerate(scenes) if k != 9)
+    a = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    b = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert b["final_losses"] == a["final_losses"]
+    assert [h["loss"] for h in b["history"]] == [h["loss"] for h in a["history"]]
+    assert b["train_stream"]["skipped"] == a["train_stream"]["skipped"] == 1
+    bad_shard = str(tmp_path / "shards" / "shard-00001.tar")
+    assert b["skipped"]["train_examples"][0] == {"id": scenes[9]["id"], "path": bad_shard, "reason": "empty caption"}
+    assert b["train_stream"]["epoch"] == 1 and b["train_stream"]["used"] == 32
+    ckpt = tmp_path / "run" / "checkpoints" / "step-6" / "stream_state_0.json"
+    assert json.loads(ckpt.read_text())["yielded"] == 24
+
+
+_TWO_PROCESS_SCRIPT = textwrap.dedent('''
+    """Train on a webdataset stream in this process of a torchrun group; write the ids each step saw."""
+    import json, sys
+    from pathlib import Path
+
+    from finetune.config import load_recipe
+    from finetune.run import run
+    from finetune.train import Trainer
+
+    out, tiny, urls = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    seen, where = [], {}
+    original = Trainer._step
+
+    def recording(self, batch):
+        seen.append(list(batch["ids"]))
+        where.update(rank=self.acc.process_index, world_size=self.acc.num_processes)
+        return original(self, batch)
+
+    Trainer._step = recording
+    recipe = load_recipe(sys.argv[4], [
+        f"model.name_or_path={tiny}", "model.dtype=null", "model.kps=null", "model.max_text_len=null",
+        f"data.train={{name: webdataset, urls: '{urls}', shuffle_buffer: 0}}", "objective.terms={}",
+        "eval.sets=[]", "eval.compare_base_length=false", "train.batch_size=4", "train.max_steps=3",
+        "train.trackers=[]", "train.mixed_precision=no", "train.checkpoint_every=3", f"output.dir={out / 'run'}",
+    ])
+    status = run(recipe)
+    (out / f"ids_{where['rank']}.json").write_text(json.dumps({**where, "ids": seen}))
+    sys.exit(status)
+''')
+
+
+@pytest.mark.slow
+def test_two_processes_read_disjoint_shards(tmp_path):
+    from finetune.models.registry import save_tiny
+
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny")
+    scenes = _scenes(24)
+    shards = write_webdataset(tmp_path / "shards", scenes, 6)  # 4 shards: 2 per process
+    shard_of = {s["id"]: k // 6 for k, s in enumerate(scenes)}
+    script = tmp_path / "two_process.py"
+    script.write_text(_TWO_PROCESS_SCRIPT)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           str(script), str(tmp_path), str(tiny), str(tmp_path / "shards" / "shard-{00000..00003}.tar"),
+           str(REPO / "recipes" / "quickstart_clip.yaml")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads((tmp_path / f"ids_{r}.json").read_text()) for r in range(2)]
+    assert [(r["rank"], r["world_size"]) for r in records] == [(0, 2), (1, 2)]
+    ids = [[i for step in r["ids"] for i in step] for r in records]
+    assert all(len(step) == 2 for r in records for step in r["ids"]) and [len(x) for x in ids] == [6, 6]
+    assert not set(ids[0]) & set(ids[1])
+    shards_seen = [{shard_of[i] for i in x} for x in ids]
+    assert shards_seen[0].isdisjoint(shards_seen[1])
+    assert ids[0] == [s["id"] for s in scenes[0:6]] and ids[1] == [s["id"] for s in scenes[6:12]]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["num_processes"] == 2 and metrics["train_stream"]["used"] == 12 and len(shards) == 4
+    ckpt = tmp_path / "run" / "checkpoints" / "step-3"
+    states = [json.loads((ckpt / f"stream_state_{r}.json").read_text()) for r in range(2)]
+    assert [(s["rank"], s["world_size"], s["yielded"]) for s in states] == [(0, 2, 6), (1, 2, 6)]
+
+
+def test_preview_of_a_stream_recipe(tmp_path):
+    from finetune.models.registry import save_tiny
+    from finetune.preview import main
+
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny")
+    write_webdataset(tmp_path / "shards", _scenes(4), 2)
+    urls = str(tmp_path / "shards" / "shard-{00000..00001}.tar")
+    heights = []
+    for n in (1, 3):
+        out = tmp_path / f"preview-{n}.png"
+        assert main(["recipes/quickstart.yaml", f"model.name_or_path={tiny}",
+                     "objective.terms.structxlip.weights.local=0", f"data.train={{name: webdataset, urls: '{urls}'}}",
+                     "--n", str(n), "--out", str(out)]) == 0
+        with PIL.Image.open(out) as png:
+            assert png.width == 1600
+            heights.append(png.height)
+    assert heights[1] > 2.5 * heights[0]  # one row per streamed example
