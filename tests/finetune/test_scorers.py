@@ -304,3 +304,75 @@ def test_payload_helpers():
     with pytest.raises(ValueError, match="disagree on the number of items"):
         recall_at_k({"embeds": torch.randn(3, 4), "other": torch.randn(2)}, {"embeds": torch.randn(3, 4)},
                     torch.arange(3))
+
+
+# -- payloads gathered over processes -------------------------------------------------------------
+STATES_SCRIPT = """
+import sys, torch
+from accelerate import Accelerator
+from finetune.data.sources import load_source
+from finetune.evaluate import encode_for_retrieval
+from finetune.models import load_model
+from finetune.scorers import Scorer, register_scorer
+
+@register_scorer("test-states")
+class States(Scorer):
+    def encode_texts(self, model, input_ids, attention_mask):
+        f = model.encode_text(input_ids, attention_mask, states=True)
+        return {"embeds": f.embeds.float(), "states": f.states.float(), "mask": attention_mask}
+
+    def score(self, texts, images):
+        return texts["embeds"] @ images["embeds"].T
+
+acc = Accelerator(cpu=True)
+model = load_model("tiny-clip").to(acc.device)
+out = {"world": acc.num_processes}
+for size in (7, 1):  # with 1 row, process 0 has an empty shard
+    ds = load_source({"name": "synthetic", "split": "test", "size": size, "seed": 3}).dataset
+    ds = ds.map(lambda row, i: {"captions": [row["caption"][: 20 + 37 * i]] * (1 + i % 3)}, with_indices=True)
+    emb = encode_for_retrieval(model, ds, batch_size=2, accelerator=acc, scorer="test-states")
+    out[size] = {"text": emb.text_payload, "image": emb.image_payload, "owner": emb.text_to_image}
+if acc.is_main_process:
+    torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_gather_payloads_of_different_lengths(tmp_path):
+    """Each process pads its token states to its own longest caption (and one process may have no
+    rows at all); the gathered payloads equal the single-process ones on the real tokens."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    script, out = tmp_path / "states.py", tmp_path / "states.pt"
+    script.write_text(STATES_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "ACCELERATE_USE_CPU": "true"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+                           str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out, weights_only=True)
+    assert got["world"] == 2
+
+    single_path = tmp_path / "single.pt"
+    env.pop("ACCELERATE_USE_CPU")
+    proc = subprocess.run([sys.executable, str(script), str(single_path)], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = torch.load(single_path, weights_only=True)
+    assert ref["world"] == 1
+    for size in (7, 1):
+        g, r = got[size], ref[size]
+        assert g["owner"].tolist() == r["owner"].tolist()
+        assert g["text"].keys() == r["text"].keys() == {"embeds", "states", "mask"}
+        assert g["text"]["states"].shape == r["text"]["states"].shape  # padded to the longest caption of all
+        assert torch.equal(g["text"]["mask"], r["text"]["mask"])
+        real = r["text"]["mask"].bool()
+        torch.testing.assert_close(g["text"]["states"][real], r["text"]["states"][real], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(g["text"]["embeds"], r["text"]["embeds"], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(g["image"]["embeds"], r["image"]["embeds"], atol=1e-5, rtol=1e-4)
+    assert got[7]["owner"].tolist() == [0, 1, 1, 2, 2, 2, 3, 4, 4, 5, 5, 5, 6]
+    assert got[1]["text"]["states"].shape[0] == 1
+    assert got[7]["text"]["mask"].sum(1).unique().numel() > 2  # the captions really have different lengths
