@@ -376,3 +376,54 @@ def test_two_processes_gather_payloads_of_different_lengths(tmp_path):
     assert got[7]["owner"].tolist() == [0, 1, 1, 2, 2, 2, 3, 4, 4, 5, 5, 5, 6]
     assert got[1]["text"]["states"].shape[0] == 1
     assert got[7]["text"]["mask"].sum(1).unique().numel() > 2  # the captions really have different lengths
+
+
+# -- the recipe keys reach run.py's evaluation ----------------------------------------------------
+SCORER_MODULE = '''
+import torch
+
+from finetune.scorers import Scorer, register_scorer
+
+CALLS = {"score": 0}
+
+
+@register_scorer("test-run-scorer", replace=True)
+class NegEuclidean(Scorer):
+    def score(self, texts, images):
+        CALLS["score"] += 1
+        return -torch.cdist(texts["embeds"], images["embeds"])
+'''
+
+
+@pytest.mark.slow
+def test_run_evaluates_with_the_recipe_scorer(tmp_path, monkeypatch):
+    """``eval.scorer`` (registered by a module of ``objective.import``), ``eval.rerank_top_k`` and
+    ``eval.block_size`` reach the evaluation before and after training."""
+    import json
+    import sys
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from finetune.config import load_recipe
+    from finetune.run import run
+
+    (tmp_path / "my_scorer_mod.py").write_text(SCORER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(
+        "model: {name_or_path: tiny-clip, max_text_len: null}\n"
+        "data: {train: {name: synthetic, split: train, size: 8, seed: 0}}\n"
+        "eval:\n  sets: [{name: synthetic, split: test, size: 6, seed: 1}]\n  batch_size: 4\n"
+        "  scorer: test-run-scorer\n  rerank_top_k: 4\n  block_size: 2\n"
+        "objective: {base: clip, import: [my_scorer_mod]}\n"
+        f"train: {{max_steps: 1, batch_size: 4, mixed_precision: 'no', checkpoint_every: 0, trackers: []}}\n"
+        f"output: {{dir: {tmp_path / 'run'}}}\n")
+    recipe = load_recipe(recipe_file)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    assert run(recipe) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    for when in ("before", "after"):
+        assert metrics[when]["synthetic"]["scorer"] == "test-run-scorer@top4"
+    # the default score_candidates scores each query's 4 candidates in one call: 6 texts + 6 images, twice
+    assert sys.modules["my_scorer_mod"].CALLS["score"] == 2 * (6 + 6)
