@@ -137,7 +137,8 @@ def main() -> None:
         r = result[key]
         print(f"  {key:<22} n={r['n']:>7}: {r['seconds']:8.2f} s, peak {r['peak_extra_gib']:.3f} GiB above the "
               f"{r['inputs_gib']:.3f} GiB of inputs, t2i R@1 {r['recall']['t2i']['R@1']:.2f}")
-    print(f"  at n={args.full_n}: full matrix / blocks peak memory {result['ratio_peak_extra_memory_full_vs_blocks_at_full_n']:.1f}x, "
+    memory = result["ratio_peak_extra_memory_full_vs_blocks_at_full_n"]
+    print(f"  at n={args.full_n}: full matrix / blocks peak memory {memory:.1f}x, "
           f"blocks / full matrix time {result['ratio_time_blocks_vs_full_at_full_n']:.2f}x")
     print(f"  a full matrix at n={args.n} would need about {result['full_matrix_at_n_would_need_gib']:.1f} GiB")
     RESULTS.mkdir(parents=True, exist_ok=True)

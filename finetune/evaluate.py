@@ -23,10 +23,13 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from finetune.scorers import Scorer
 
 log = logging.getLogger("xlipkit")
 
@@ -95,7 +98,7 @@ def recall_at_k(
     ks: Sequence[int] = DEFAULT_KS,
     *,
     block_size: int = 1024,
-    scorer: str | Any = "cosine",
+    scorer: str | Scorer = "cosine",
     rerank_top_k: int | None = None,
     chunk_size: int | None = None,
 ) -> dict[str, dict[str, float]]:
@@ -271,7 +274,7 @@ def encode_for_retrieval(
     num_workers: int = 0,
     progress: bool = False,
     desc: str = "encode",
-    scorer: str | Any = "cosine",
+    scorer: str | Scorer = "cosine",
 ) -> RetrievalEmbeddings:
     """Encode every image and caption of an evaluation set with a DualEncoder, into the payloads of
     ``scorer`` (``finetune.scorers``; cosine keeps the global embeddings).
@@ -383,7 +386,7 @@ def evaluate_sets(
     accelerator: Any = None,
     num_workers: int = 0,
     progress: bool = True,
-    scorer: str | Any = "cosine",
+    scorer: str | Scorer = "cosine",
     rerank_top_k: int | None = None,
     block_size: int = 1024,
 ) -> dict[str, dict[str, Any]]:
@@ -600,7 +603,7 @@ def _parse_rerank(text: str) -> int | None:
     return k
 
 
-def _resolve_scorer(name: str, imports: list[str]) -> Any:
+def _resolve_scorer(name: str, imports: list[str]) -> Scorer:
     import importlib
 
     from finetune.scorers import get_scorer

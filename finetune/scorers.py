@@ -172,6 +172,8 @@ class Scorer(abc.ABC):
 
         The default calls :meth:`score` once per query; override it to batch.
         """
+        if query_side not in ("text", "image"):
+            raise ValueError(f"score_candidates: query_side must be 'text' or 'image', got {query_side!r}")
         rows = []
         for q in range(candidates.shape[0]):
             query, cands = take(queries, slice(q, q + 1)), take(items, candidates[q])

@@ -373,7 +373,8 @@ def test_cli_scorer_from_the_recipe_and_the_flags(tiny_clip, tmp_path, capsys):
     cosine = evaluate_sets(tiny_clip, [spec], batch_size=64, ks=(1, 5), progress=False)
     sets = json.loads(out.read_text())["sets"]
     assert sets["synthetic"]["scorer"] == "cosine@top3"
-    assert (sets["synthetic"]["t2i"], sets["synthetic"]["i2t"]) == (cosine["synthetic"]["t2i"], cosine["synthetic"]["i2t"])
+    got, ref = sets["synthetic"], cosine["synthetic"]
+    assert (got["t2i"], got["i2t"]) == (ref["t2i"], ref["i2t"])
     capsys.readouterr()
 
     assert main([str(run), "--scorer", "cosin"]) == 2
