@@ -2,10 +2,12 @@
 
 ``recall_at_k`` is the metric of the long-caption retrieval papers (Long-CLIP 4.2, StructXLIP 4,
 FAST-GOAL IV, FLAIR 4, F-CAST 4): the percentage of queries whose ground truth is among the K
-best-scoring items under cosine similarity. Several captions per image are supported (COCO,
+best-scoring items under the recipe's scorer (``eval.scorer``, cosine similarity by default;
+``finetune.scorers``). Several captions per image are supported (COCO,
 Flickr30k): a text query has one correct image; an image query is answered by its best-ranked
-caption. The similarity matrix is never materialised: it is computed block by block, so memory
-stays bounded for 100k items.
+caption. The similarity matrix is never materialised: it is computed block by block
+(``eval.block_size``), so memory stays bounded for 100k items; ``eval.rerank_top_k`` re-scores only
+each query's global-cosine top-k.
 
 Run from the command line to re-evaluate a run folder or any model ``load_model`` accepts::
 
@@ -19,13 +21,15 @@ import argparse
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from finetune.scorers import Scorer
 
 log = logging.getLogger("xlipkit")
 
@@ -44,60 +48,61 @@ __all__ = [
 
 
 # -- the metric -----------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _exact_float32_matmul(device: torch.device) -> Iterator[None]:
-    """Full-precision float32 matmuls (no TF32) and no autocast, restored on exit: the ranks
-    compare scores from a matmul with scores from an elementwise product."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    no_autocast = (torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda")
-                   else contextlib.nullcontext())
-    try:
-        with no_autocast:
-            yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
+def _check_inputs(image_embeds: Any, text_embeds: Any, text_to_image: Tensor, ks: Sequence[int],
+                  block_size: int) -> tuple[int, int]:
+    """Validate the inputs of :func:`recall_at_k`; returns ``(n_images, n_texts)``."""
+    from finetune.scorers import payload_len
 
-
-def _check_inputs(image_embeds: Tensor, text_embeds: Tensor, text_to_image: Tensor,
-                  ks: Sequence[int], chunk_size: int) -> None:
-    if image_embeds.ndim != 2 or text_embeds.ndim != 2:
-        raise ValueError(f"recall_at_k: image_embeds and text_embeds must be (N, D), got shapes "
-                         f"{tuple(image_embeds.shape)} and {tuple(text_embeds.shape)}")
-    if image_embeds.shape[1] != text_embeds.shape[1]:
-        raise ValueError(f"recall_at_k: image and text embeddings have different widths "
-                         f"({image_embeds.shape[1]} vs {text_embeds.shape[1]})")
-    if image_embeds.shape[0] == 0 or text_embeds.shape[0] == 0:
-        raise ValueError(f"recall_at_k: nothing to rank ({image_embeds.shape[0]} images, "
-                         f"{text_embeds.shape[0]} texts)")
-    if text_to_image.ndim != 1 or text_to_image.shape[0] != text_embeds.shape[0]:
-        raise ValueError(f"recall_at_k: text_to_image must be (Nt,) = ({text_embeds.shape[0]},), "
+    tensors = isinstance(image_embeds, Tensor) and isinstance(text_embeds, Tensor)
+    if tensors:
+        if image_embeds.ndim != 2 or text_embeds.ndim != 2:
+            raise ValueError(f"recall_at_k: image_embeds and text_embeds must be (N, D), got shapes "
+                             f"{tuple(image_embeds.shape)} and {tuple(text_embeds.shape)}")
+        if image_embeds.shape[1] != text_embeds.shape[1]:
+            raise ValueError(f"recall_at_k: image and text embeddings have different widths "
+                             f"({image_embeds.shape[1]} vs {text_embeds.shape[1]})")
+        n_images, n_texts = image_embeds.shape[0], text_embeds.shape[0]
+    elif isinstance(image_embeds, Mapping) and isinstance(text_embeds, Mapping):
+        n_images = payload_len(image_embeds) if image_embeds else 0
+        n_texts = payload_len(text_embeds) if text_embeds else 0
+    else:
+        raise ValueError(f"recall_at_k: give two (N, D) tensors or two scorer payloads (dicts of tensors), got "
+                         f"{type(image_embeds).__name__} and {type(text_embeds).__name__}")
+    if n_images == 0 or n_texts == 0:
+        raise ValueError(f"recall_at_k: nothing to rank ({n_images} images, {n_texts} texts)")
+    if text_to_image.ndim != 1 or text_to_image.shape[0] != n_texts:
+        raise ValueError(f"recall_at_k: text_to_image must be (Nt,) = ({n_texts},), "
                          f"got {tuple(text_to_image.shape)}")
     if text_to_image.dtype.is_floating_point or text_to_image.dtype == torch.bool:
         raise ValueError(f"recall_at_k: text_to_image must hold integer image indices, got {text_to_image.dtype}")
     low, high = int(text_to_image.min()), int(text_to_image.max())
-    if low < 0 or high >= image_embeds.shape[0]:
+    if low < 0 or high >= n_images:
         raise ValueError(f"recall_at_k: text_to_image holds index {low if low < 0 else high}, outside "
-                         f"[0, {image_embeds.shape[0]}) images")
+                         f"[0, {n_images}) images")
     if not ks or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks):
         raise ValueError(f"recall_at_k: ks must be positive integers, got {list(ks)!r}")
-    if chunk_size < 1:
-        raise ValueError(f"recall_at_k: chunk_size must be >= 1, got {chunk_size}")
-    for name, x in (("image_embeds", image_embeds), ("text_embeds", text_embeds)):
-        if not torch.isfinite(x).all():
-            raise ValueError(f"recall_at_k: {name} contains NaN or inf; the model's outputs are broken")
+    if block_size < 1:
+        raise ValueError(f"recall_at_k: block_size must be >= 1, got {block_size}")
+    if tensors:
+        for name, x in (("image_embeds", image_embeds), ("text_embeds", text_embeds)):
+            if not torch.isfinite(x).all():
+                raise ValueError(f"recall_at_k: {name} contains NaN or inf; the model's outputs are broken")
+    return n_images, n_texts
 
 
 @torch.no_grad()
 def recall_at_k(
-    image_embeds: Tensor,
-    text_embeds: Tensor,
+    image_embeds: Tensor | Mapping[str, Tensor],
+    text_embeds: Tensor | Mapping[str, Tensor],
     text_to_image: Tensor,
     ks: Sequence[int] = DEFAULT_KS,
     *,
-    chunk_size: int = 4096,
+    block_size: int = 1024,
+    scorer: str | Scorer = "cosine",
+    rerank_top_k: int | None = None,
+    chunk_size: int | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Text-to-image and image-to-text Recall@K (in percent) under cosine similarity.
+    """Text-to-image and image-to-text Recall@K (in percent) under a scorer (cosine by default).
 
     The rank of a query is the number of *wrong* items that score at least as high as its correct
     item (0 = retrieved first); Recall@K is the percentage of queries with rank < K.
@@ -107,60 +112,44 @@ def recall_at_k(
       pointing to it), against all texts of other images; this equals the usual "best rank over
       its captions". Images without any caption are left out of image -> text.
 
-    Ties count against the model (pessimistic) and scores within ``D * eps`` of the correct one
-    (the float32 rounding bound of a dot product of unit vectors, about 6e-5 for D = 512) count
-    as ties, so the result does not depend on the order of the items and a collapsed model that
+    Ties count against the model (pessimistic). Under cosine, scores within ``D * eps`` of the
+    correct one (the float32 rounding bound of a dot product of unit vectors, about 6e-5 for D = 512)
+    count as ties, so the result does not depend on the order of the items and a collapsed model that
     gives every item the same embedding gets the recall of a random ranking's worst case, not 100 %.
 
-    Memory: blocks of ``chunk_size x chunk_size`` scores, never the full ``Nt x Ni`` matrix.
-    Works on any device; computed in float32 (float64 inputs stay float64) without TF32 or autocast.
+    Memory: blocks of ``block_size x block_size`` scores, never the full ``Nt x Ni`` matrix (see
+    :func:`finetune.scorers.retrieval_ranks`). Works on any device; cosine is computed in float32
+    (float64 inputs stay float64) without TF32 or autocast.
 
     Args:
-        image_embeds: ``(Ni, D)`` raw image embeddings (normalised here).
-        text_embeds: ``(Nt, D)`` raw text embeddings (normalised here).
+        image_embeds: ``(Ni, D)`` raw image embeddings (normalised by the cosine scorer), or the image
+            payload of ``scorer`` (``encode_for_retrieval(...).image_payload``).
+        text_embeds: ``(Nt, D)`` raw text embeddings, or the text payload.
         text_to_image: ``(Nt,)`` long, the index of each text's image.
         ks: the cut-offs K.
-        chunk_size: rows and columns per score block.
+        block_size: texts and images per score block.
+        scorer: a registered scorer name or a :class:`finetune.scorers.Scorer`.
+        rerank_top_k: re-score only each query's global-cosine top-k (FLAIR's inference); None: all.
+        chunk_size: the former name of ``block_size`` (used when given).
 
     Returns:
         ``{"t2i": {"R@1": pct, ...}, "i2t": {"R@1": pct, ...}}``.
 
     Raises:
-        ValueError: on mismatched shapes, out-of-range indices, non-positive K or non-finite embeddings.
+        ValueError: on mismatched shapes, out-of-range indices, non-positive K, non-finite embeddings
+            or an unknown scorer.
     """
-    _check_inputs(image_embeds, text_embeds, text_to_image, ks, chunk_size)
-    dtype = torch.float64 if image_embeds.dtype == torch.float64 else torch.float32
-    device = image_embeds.device
-    with _exact_float32_matmul(device):
-        images = F.normalize(image_embeds.to(dtype), dim=-1)
-        texts = F.normalize(text_embeds.to(device=device, dtype=dtype), dim=-1)
-        owner = text_to_image.to(device=device, dtype=torch.long)
-        n_images, dim = images.shape
-        tol = dim * torch.finfo(dtype).eps
+    from finetune.scorers import get_scorer, recall_from_ranks, retrieval_ranks
 
-        target = (texts * images[owner]).sum(-1)  # (Nt,) score of each text with its own image
-        best = torch.full((n_images,), float("-inf"), dtype=dtype, device=device)
-        best = best.scatter_reduce(0, owner, target, reduce="amax")  # (Ni,) each image's best caption
-        has_text = torch.isfinite(best)
-
-        text_rank = torch.zeros(texts.shape[0], dtype=torch.long, device=device)
-        image_rank = torch.zeros(n_images, dtype=torch.long, device=device)
-        for t0 in range(0, texts.shape[0], chunk_size):
-            t1 = min(t0 + chunk_size, texts.shape[0])
-            block_texts, block_owner = texts[t0:t1], owner[t0:t1]
-            block_target = (target[t0:t1] - tol)[:, None]
-            for i0 in range(0, n_images, chunk_size):
-                i1 = min(i0 + chunk_size, n_images)
-                scores = block_texts @ images[i0:i1].T  # (ct, ci)
-                wrong = block_owner[:, None] != torch.arange(i0, i1, device=device)[None, :]
-                text_rank[t0:t1] += ((scores >= block_target) & wrong).sum(1)
-                image_rank[i0:i1] += ((scores >= (best[i0:i1] - tol)[None, :]) & wrong).sum(0)
-
-    image_rank = image_rank[has_text]
-    return {
-        "t2i": {f"R@{k}": float((text_rank < k).double().mean() * 100) for k in ks},
-        "i2t": {f"R@{k}": float((image_rank < k).double().mean() * 100) for k in ks},
-    }
+    if chunk_size is not None:
+        block_size = chunk_size
+    _check_inputs(image_embeds, text_embeds, text_to_image, ks, block_size)
+    scorer = get_scorer(scorer)
+    images = {"embeds": image_embeds} if isinstance(image_embeds, Tensor) else dict(image_embeds)
+    texts = {"embeds": text_embeds} if isinstance(text_embeds, Tensor) else dict(text_embeds)
+    ranks = retrieval_ranks(scorer, texts, images, text_to_image, block_size=block_size,
+                            rerank_top_k=rerank_top_k)
+    return recall_from_ranks(ranks, ks)
 
 
 # -- encoding -------------------------------------------------------------------------------------
@@ -168,16 +157,21 @@ class RetrievalEmbeddings(NamedTuple):
     """What :func:`encode_for_retrieval` returns (a tuple: unpack it or use the names).
 
     Attributes:
-        image_embeds: ``(Ni, D)`` float32 image embeddings, in dataset order.
-        text_embeds: ``(Nt, D)`` float32 text embeddings, the captions of each row in order.
+        image_embeds: ``(Ni, D)`` float32 image embeddings, in dataset order (the payload's
+            ``embeds``; None when the scorer keeps none).
+        text_embeds: ``(Nt, D)`` float32 text embeddings, the captions of each row in order (or None).
         text_to_image: ``(Nt,)`` long, the row (image) of each text.
         truncated: how many captions were longer than the model's text length and were cut.
+        image_payload: what the scorer keeps per image (``{"embeds": (Ni, D)}`` for cosine).
+        text_payload: what the scorer keeps per text.
     """
 
-    image_embeds: Tensor
-    text_embeds: Tensor
+    image_embeds: Tensor | None
+    text_embeds: Tensor | None
     text_to_image: Tensor
     truncated: int
+    image_payload: dict[str, Tensor] | None = None
+    text_payload: dict[str, Tensor] | None = None
 
 
 def _rows(batch: list[Any]) -> list[Any]:
@@ -221,6 +215,31 @@ def _shard(dataset: Any, rank: int, world: int) -> tuple[Any, int]:
     return torch.utils.data.Subset(dataset, range(start, end)), start
 
 
+def _gather_payload(accelerator: Any, chunks: list[dict[str, Tensor]], device: torch.device) -> dict[str, Tensor]:
+    """Concatenate a process's per-batch payloads and gather all processes' in rank order.
+
+    Trailing dims are zero-padded to the largest over batches and processes; a process with an
+    empty shard takes the keys, shapes and dtypes from the others.
+    """
+    from finetune.scorers import concat_payloads, pad_trailing
+
+    local = concat_payloads(chunks) if chunks else {}
+    if accelerator is None or accelerator.num_processes == 1:
+        return local
+    from accelerate.utils import gather_object
+
+    schemas = [s for s in gather_object([{k: (tuple(v.shape[1:]), v.dtype) for k, v in local.items()}]) if s]
+    if not schemas:  # an empty set: recall_at_k says "nothing to rank"
+        return {}
+    out = {}
+    for key in schemas[0]:
+        shapes = [s[key][0] for s in schemas]
+        shape = [max(sizes) for sizes in zip(*shapes)]
+        x = local[key] if key in local else torch.zeros((0, *shape), dtype=schemas[0][key][1], device=device)
+        out[key] = _gather_rows(accelerator, pad_trailing(x, shape))
+    return out
+
+
 def _gather_rows(accelerator: Any, x: Tensor) -> Tensor:
     """Concatenate the ``(n_rank, ...)`` tensors of all processes in rank order (sizes may differ).
 
@@ -255,12 +274,15 @@ def encode_for_retrieval(
     num_workers: int = 0,
     progress: bool = False,
     desc: str = "encode",
+    scorer: str | Scorer = "cosine",
 ) -> RetrievalEmbeddings:
-    """Encode every image and caption of an evaluation set with a DualEncoder.
+    """Encode every image and caption of an evaluation set with a DualEncoder, into the payloads of
+    ``scorer`` (``finetune.scorers``; cosine keeps the global embeddings).
 
     Uses only the encoder interface (DESIGN 4): ``preprocess_images(list[PIL]) -> dict`` (holds
     ``pixel_values`` and any other ``encode_image`` keyword), ``tokenize(list[str]) ->
-    TokenizedText``, ``encode_image(**inputs).embeds`` and ``encode_text(ids, mask).embeds``.
+    TokenizedText``, and what the scorer calls (``encode_image(**inputs).embeds`` and
+    ``encode_text(ids, mask).embeds`` for cosine).
     Rows have ``image`` (a PIL image, or a path / bytes / ``{"bytes", "path"}`` read with
     ``finetune.data.images.read_image``) and ``caption``, or ``captions`` (a list) for sets with
     several captions per image. The model is put in eval mode for the call and restored after.
@@ -276,13 +298,17 @@ def encode_for_retrieval(
         num_workers: DataLoader workers that fetch rows.
         progress: show a progress bar (main process only).
         desc: the progress bar's label.
+        scorer: a registered scorer name or a :class:`finetune.scorers.Scorer`.
 
     Returns:
         :class:`RetrievalEmbeddings` ``(image_embeds (Ni, D), text_embeds (Nt, D),
-        text_to_image (Nt,), truncated)``.
+        text_to_image (Nt,), truncated, image_payload, text_payload)``.
     """
+    from finetune.scorers import get_scorer
+
     if batch_size < 1:
         raise ValueError(f"encode_for_retrieval: batch_size must be >= 1, got {batch_size}")
+    scorer = get_scorer(scorer)
     dual = accelerator.unwrap_model(model) if accelerator is not None else model
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
@@ -316,10 +342,10 @@ def encode_for_retrieval(
                     owner.extend([row] * len(caps))
                     row += 1
                 inputs = _to_device(dual.preprocess_images(images), device, dtype)
-                image_chunks.append(dual.encode_image(**inputs).embeds.float())
+                image_chunks.append(scorer.encode_images(dual, inputs))
                 tokens = dual.tokenize(captions)
-                text_chunks.append(dual.encode_text(tokens.input_ids.to(device),
-                                                    tokens.attention_mask.to(device)).embeds.float())
+                text_chunks.append(scorer.encode_texts(dual, tokens.input_ids.to(device),
+                                                       tokens.attention_mask.to(device)))
                 truncated += int(tokens.truncated.sum())
                 owners.append(torch.tensor(owner, dtype=torch.long, device=device))
     finally:
@@ -327,19 +353,14 @@ def encode_for_retrieval(
         if stats:
             dual.truncation_stats = stats
 
-    width = image_chunks[0].shape[1] if image_chunks else 0
     if accelerator is not None and world > 1:
-        # a process with an empty shard still needs the embedding width to take part in the gather
-        width = int(accelerator.gather(torch.tensor([width], device=device)).max())
         truncated = int(accelerator.gather(torch.tensor([truncated], device=device)).sum())
-
-    def cat(chunks: list[Tensor], shape: tuple[int, ...], dt: torch.dtype) -> Tensor:
-        return torch.cat(chunks) if chunks else torch.zeros(shape, dtype=dt, device=device)
-
-    image_embeds = _gather_rows(accelerator, cat(image_chunks, (0, width), torch.float32))
-    text_embeds = _gather_rows(accelerator, cat(text_chunks, (0, width), torch.float32))
-    text_to_image = _gather_rows(accelerator, cat(owners, (0,), torch.long))
-    return RetrievalEmbeddings(image_embeds, text_embeds, text_to_image, truncated)
+    image_payload = _gather_payload(accelerator, image_chunks, device)
+    text_payload = _gather_payload(accelerator, text_chunks, device)
+    owners = owners or [torch.zeros((0,), dtype=torch.long, device=device)]
+    text_to_image = _gather_rows(accelerator, torch.cat(owners))
+    return RetrievalEmbeddings(image_payload.get("embeds"), text_payload.get("embeds"), text_to_image, truncated,
+                               image_payload, text_payload)
 
 
 # -- evaluation sets ------------------------------------------------------------------------------
@@ -365,6 +386,9 @@ def evaluate_sets(
     accelerator: Any = None,
     num_workers: int = 0,
     progress: bool = True,
+    scorer: str | Scorer = "cosine",
+    rerank_top_k: int | None = None,
+    block_size: int = 1024,
 ) -> dict[str, dict[str, Any]]:
     """Recall@K of ``model`` on each evaluation set (loaded with ``finetune.data.sources.load_source``).
 
@@ -375,18 +399,28 @@ def evaluate_sets(
             :func:`recall_at_k`.
         on_error, cache_dir: passed to ``load_source``.
         progress: progress bars while encoding.
+        scorer: ``eval.scorer``: a registered scorer name (``cosine``) or a
+            :class:`finetune.scorers.Scorer`.
+        rerank_top_k: ``eval.rerank_top_k``: re-score only each query's global-cosine top-k.
+        block_size: ``eval.block_size``: texts x images per score block.
 
     Raises:
+        ValueError: for an unknown scorer (before any set is loaded), naming the registered ones.
         DataError: naming the set, when it cannot be loaded (unknown name or protocol, missing
             files); bad examples with ``on_error="raise"``.
 
     Returns:
-        ``{label: {"protocol", "n_images", "n_texts", "t2i", "i2t", "truncated", "skipped"}}``
-        where ``label`` is :func:`set_label` (a repeated label gets ``#2``, ``#3`` ...).
+        ``{label: {"protocol", "n_images", "n_texts", "t2i", "i2t", "truncated", "skipped", "scorer"}}``
+        where ``label`` is :func:`set_label` (a repeated label gets ``#2``, ``#3`` ...) and ``scorer``
+        names the scorer (with ``@top{k}`` under ``rerank_top_k``).
     """
     from finetune.config import parse_source_shorthand
     from finetune.data.images import DataError
     from finetune.data.sources import load_source
+    from finetune.scorers import get_scorer, payload_len
+
+    scorer = get_scorer(scorer)
+    scorer_label = (scorer.name or type(scorer).__name__) + (f"@top{rerank_top_k}" if rerank_top_k else "")
 
     results: dict[str, dict[str, Any]] = {}
     for spec in sets:
@@ -405,16 +439,19 @@ def evaluate_sets(
             except (DataError, OSError) as exc:  # say which set: builders' messages may not
                 raise DataError(f"evaluation set {label!r} could not be loaded: {exc}") from exc
         emb = encode_for_retrieval(model, source.dataset, batch_size=batch_size, accelerator=accelerator,
-                                   num_workers=num_workers, progress=progress, desc=f"eval {label}")
-        metrics = recall_at_k(emb.image_embeds, emb.text_embeds, emb.text_to_image, ks)
+                                   num_workers=num_workers, progress=progress, desc=f"eval {label}",
+                                   scorer=scorer)
+        metrics = recall_at_k(emb.image_payload, emb.text_payload, emb.text_to_image, ks, block_size=block_size,
+                              scorer=scorer, rerank_top_k=rerank_top_k)
         results[label] = {
             "protocol": getattr(source, "protocol", None) or "default",
-            "n_images": int(emb.image_embeds.shape[0]),
-            "n_texts": int(emb.text_embeds.shape[0]),
+            "n_images": payload_len(emb.image_payload),
+            "n_texts": int(emb.text_to_image.shape[0]),
             "t2i": metrics["t2i"],
             "i2t": metrics["i2t"],
             "truncated": emb.truncated,
             "skipped": int(getattr(source, "skipped", 0) or 0),
+            "scorer": scorer_label,
         }
         log.info("eval %s: %d images, %d texts, %d captions truncated; t2i %s; i2t %s", label,
                  results[label]["n_images"], results[label]["n_texts"], emb.truncated,
@@ -475,7 +512,8 @@ def _parser() -> argparse.ArgumentParser:
             "  python -m finetune.evaluate runs/quickstart\n"
             "  python -m finetune.evaluate runs/structxlip_docci --sets docci,urban1k --protocol docci=goal\n"
             "  python -m finetune.evaluate openai/clip-vit-base-patch16 --sets urban1k --max-text-len 248 "
-            "--out clip_urban1k.json"
+            "--out clip_urban1k.json\n"
+            "  python -m finetune.evaluate runs/flair_docci --scorer flair --rerank-top-k 128"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -491,6 +529,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=("skip", "raise"), help="bad examples: skip and count, or stop")
     p.add_argument("--cache-dir", help="where data sources cache their files")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (default 0)")
+    p.add_argument("--scorer", help="a registered scorer (finetune.scorers), e.g. cosine (default: the recipe's "
+                                    "eval.scorer, else cosine)")
+    p.add_argument("--rerank-top-k", metavar="K",
+                   help="re-score only each query's global-cosine top-K with the scorer (FLAIR's inference); "
+                        "'none' scores all (default: the recipe's eval.rerank_top_k, else none)")
+    p.add_argument("--block-size", type=int,
+                   help="texts x images per score block, bounds memory (default: the recipe's, else 1024)")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first, so that the scorer it registers can be named (repeatable)")
     p.add_argument("--out", help="write the metrics JSON here (default for a run: RUN/metrics_eval.json)")
     return p
 
@@ -544,6 +591,35 @@ def _parse_ks(text: str) -> list[int]:
     return ks
 
 
+def _parse_rerank(text: str) -> int | None:
+    if text.strip().lower() in ("none", "null"):
+        return None
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise _UsageError(f"--rerank-top-k {text!r}: give a positive integer K, or 'none' to score every item")
+    return k
+
+
+def _resolve_scorer(name: str, imports: list[str]) -> Scorer:
+    import importlib
+
+    from finetune.scorers import get_scorer
+
+    for module in imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise _UsageError(f"--import {module}: cannot import it ({exc}); install it or put its folder on "
+                              f"PYTHONPATH") from None
+    try:
+        return get_scorer(name)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+
+
 def _is_run_dir(path: Path) -> bool:
     return path.is_dir() and (path / "recipe.yaml").is_file()
 
@@ -588,6 +664,14 @@ def _main(args: argparse.Namespace) -> int:
     batch_size = args.batch_size or (recipe.eval.batch_size if recipe else 64)
     on_error = args.on_error or (recipe.data.on_error if recipe else "skip")
     cache_dir = args.cache_dir or (recipe.data.cache_dir if recipe else None)
+    scorer = _resolve_scorer(args.scorer or (recipe.eval.scorer if recipe else "cosine"), args.imports)
+    if args.rerank_top_k is not None:
+        rerank_top_k = _parse_rerank(args.rerank_top_k)
+    else:
+        rerank_top_k = recipe.eval.rerank_top_k if recipe else None
+    if args.block_size is not None and args.block_size < 1:
+        raise _UsageError(f"--block-size must be >= 1, got {args.block_size}")
+    block_size = args.block_size or (recipe.eval.block_size if recipe else 1024)
 
     from accelerate import Accelerator
 
@@ -607,7 +691,8 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         results = evaluate_sets(model, sets, batch_size=batch_size, ks=ks, on_error=on_error, cache_dir=cache_dir,
-                                accelerator=accelerator, num_workers=args.num_workers)
+                                accelerator=accelerator, num_workers=args.num_workers, scorer=scorer,
+                                rerank_top_k=rerank_top_k, block_size=block_size)
     except DataError as exc:  # unknown set or protocol, missing files, bad examples
         raise _UsageError(str(exc)) from None
     if accelerator.is_main_process:

@@ -134,6 +134,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     from finetune.models.families import recipe_family
     from finetune.objectives import build_objective
     from finetune.report import plot_losses, plot_recall, write_json_atomic, write_report
+    from finetune.scorers import get_scorer
     from finetune.train import TrainModule, Trainer
 
     from finetune.data.sources import SourceSpec
@@ -174,7 +175,8 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
 
     ev = recipe.eval
     eval_kwargs = dict(batch_size=ev.batch_size, ks=tuple(ev.ks), on_error=recipe.data.on_error,
-                       cache_dir=recipe.data.cache_dir, accelerator=accelerator)
+                       cache_dir=recipe.data.cache_dir, accelerator=accelerator, scorer=get_scorer(ev.scorer),
+                       rerank_top_k=ev.rerank_top_k, block_size=ev.block_size)
     before = evaluate_sets(model, ev.sets, **eval_kwargs) if ev.sets and ev.before else None
     if before is not None and accelerator.is_main_process:
         print("Recall@K before training:\n" + format_table(None, before), flush=True)

@@ -123,6 +123,15 @@ def test_bad_inputs_raise_clear_errors():
         recall_at_k(images, bad, owner)
     with pytest.raises(ValueError, match="nothing to rank"):
         recall_at_k(images[:0], texts[:0], owner[:0])
+    with pytest.raises(ValueError, match="two .N, D. tensors or two scorer payloads"):
+        recall_at_k(images, {"embeds": texts}, owner)
+
+
+def test_chunk_size_is_the_former_name_of_block_size():
+    images, texts, owner = noisy_pairs(20, 2, 8, noise=1.0, seed=2)
+    assert recall_at_k(images, texts, owner, chunk_size=3) == recall_at_k(images, texts, owner, block_size=3)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        recall_at_k(images, texts, owner, chunk_size=0)
 
 
 # -- table ----------------------------------------------------------------------------------------
@@ -239,6 +248,144 @@ def test_evaluate_sets_on_synthetic_scenes(tiny_clip):
     emb = encode_for_retrieval(tiny_clip, load_source(spec).dataset, batch_size=12)
     assert {d: one[d] for d in ("t2i", "i2t")} == recall_at_k(*emb[:3], ks=(1, 5))
     assert res["synthetic#2"] == one
+
+
+# Recall@K of tiny-clip computed before the scorers existed (finetune.evaluate at a25cdc1): the
+# cosine scorer must give these numbers to the last digit.
+BEFORE_SCORERS_SINGLE = {
+    "t2i": {"R@1": 0.0, "R@2": 4.166666666666666, "R@3": 8.333333333333332, "R@5": 10.416666666666668,
+            "R@10": 18.75, "R@20": 35.41666666666667},
+    "i2t": {"R@1": 2.083333333333333, "R@2": 8.333333333333332, "R@3": 10.416666666666668,
+            "R@5": 10.416666666666668, "R@10": 29.166666666666668, "R@20": 45.83333333333333},
+}
+BEFORE_SCORERS_MULTI = {
+    "t2i": {"R@1": 5.333333333333334, "R@2": 9.333333333333334, "R@3": 13.333333333333334,
+            "R@5": 18.666666666666668, "R@10": 38.666666666666664, "R@20": 74.66666666666667},
+    "i2t": {"R@1": 0.0, "R@2": 6.666666666666667, "R@3": 10.0, "R@5": 20.0, "R@10": 33.33333333333333,
+            "R@20": 46.666666666666664},
+}
+KS_BEFORE = (1, 2, 3, 5, 10, 20)
+
+
+def _multi_caption_set():
+    from finetune.data.sources import load_source
+
+    ds = load_source({"name": "synthetic", "split": "test", "size": 30, "seed": 5}).dataset
+    return ds.map(lambda row, i: {"captions": [row["caption"], row["caption"].split(".")[0] + "."]
+                                  + ([row["caption"][:40]] if i % 2 else [])}, with_indices=True)
+
+
+@pytest.mark.slow
+def test_cosine_scorer_gives_the_numbers_from_before_the_scorers(tiny_clip):
+    from finetune.evaluate import encode_for_retrieval, evaluate_sets
+
+    spec = {"name": "synthetic", "split": "test", "size": 48, "seed": 11}
+    for block_size in (1024, 5):
+        res = evaluate_sets(tiny_clip, [spec], batch_size=7, ks=KS_BEFORE, progress=False, block_size=block_size)
+        assert {d: res["synthetic"][d] for d in ("t2i", "i2t")} == BEFORE_SCORERS_SINGLE
+        assert res["synthetic"]["scorer"] == "cosine"
+    emb = encode_for_retrieval(tiny_clip, _multi_caption_set(), batch_size=4)
+    assert emb.image_payload["embeds"] is emb.image_embeds and emb.text_payload["embeds"] is emb.text_embeds
+    for block_size in (1024, 7):
+        assert recall_at_k(*emb[:3], ks=KS_BEFORE, block_size=block_size) == BEFORE_SCORERS_MULTI
+        assert recall_at_k(emb.image_payload, emb.text_payload, emb.text_to_image, KS_BEFORE,
+                           block_size=block_size, scorer="cosine") == BEFORE_SCORERS_MULTI
+
+
+def _register_neg_euclidean():
+    from finetune.scorers import Scorer, available_scorers, register_scorer
+
+    if "test-neg-euclidean" not in available_scorers():
+        @register_scorer("test-neg-euclidean")
+        class NegEuclidean(Scorer):
+            """Negative Euclidean distance of the raw global embeddings."""
+
+            def score(self, texts, images):
+                return -torch.cdist(texts["embeds"].double(), images["embeds"].double())
+
+    return "test-neg-euclidean"
+
+
+def _neg_euclidean_recall(emb, ks):
+    """Brute force: the full distance matrix, ranks by counting."""
+    sim = -torch.cdist(emb.text_embeds.double(), emb.image_embeds.double())
+    own = sim[torch.arange(len(emb.text_to_image)), emb.text_to_image]
+    wrong = emb.text_to_image[:, None] != torch.arange(sim.shape[1])[None, :]
+    t_rank = ((sim >= own[:, None]) & wrong).sum(1)
+    best = torch.full((sim.shape[1],), float("-inf"), dtype=sim.dtype).scatter_reduce(
+        0, emb.text_to_image, own, reduce="amax")
+    i_rank = ((sim >= best[None, :]) & wrong).sum(0)
+    return {"t2i": {f"R@{k}": float((t_rank < k).double().mean() * 100) for k in ks},
+            "i2t": {f"R@{k}": float((i_rank < k).double().mean() * 100) for k in ks}}
+
+
+@pytest.mark.slow
+def test_a_registered_scorer_is_used_through_evaluate_sets(tiny_clip):
+    from finetune.data.sources import load_source
+    from finetune.evaluate import encode_for_retrieval, evaluate_sets
+
+    name = _register_neg_euclidean()
+    spec = {"name": "synthetic", "split": "test", "size": 40, "seed": 3}
+    ks = (1, 3, 10)
+    res = evaluate_sets(tiny_clip, [spec], batch_size=9, ks=ks, progress=False, scorer=name, block_size=7)
+    emb = encode_for_retrieval(tiny_clip, load_source(spec).dataset, batch_size=40)
+    expected = _neg_euclidean_recall(emb, ks)
+    got = res["synthetic"]
+    assert got["scorer"] == name
+    for d in ("t2i", "i2t"):
+        assert got[d] == pytest.approx(expected[d], abs=1e-9)
+    cosine = evaluate_sets(tiny_clip, [spec], batch_size=9, ks=ks, progress=False)["synthetic"]
+    assert (got["t2i"], got["i2t"]) != (cosine["t2i"], cosine["i2t"])  # the scorer really was used
+    # the prefilter with k >= N changes nothing; with k = 1, R@K of the reranked scorer is cosine's R@K for K > 1
+    top = evaluate_sets(tiny_clip, [spec], batch_size=9, ks=ks, progress=False, scorer=name, rerank_top_k=40)
+    assert top["synthetic"]["scorer"] == f"{name}@top40"
+    assert (top["synthetic"]["t2i"], top["synthetic"]["i2t"]) == (got["t2i"], got["i2t"])
+    top1 = evaluate_sets(tiny_clip, [spec], batch_size=9, ks=ks, progress=False, scorer=name, rerank_top_k=1)
+    assert top1["synthetic"]["t2i"]["R@3"] == cosine["t2i"]["R@3"]
+    assert top1["synthetic"]["t2i"]["R@1"] == cosine["t2i"]["R@1"]  # the only candidate is cosine's first
+
+
+@pytest.mark.slow
+def test_cli_scorer_from_the_recipe_and_the_flags(tiny_clip, tmp_path, capsys):
+    import json
+
+    from finetune.config import dump_recipe, load_recipe
+    from finetune.evaluate import evaluate_sets, main
+    from finetune.models import save_finetuned
+
+    name = _register_neg_euclidean()
+    spec = {"name": "synthetic", "split": "test", "size": 12, "seed": 2}
+    recipe_file = tmp_path / "in.yaml"
+    recipe_file.write_text("model: {name_or_path: tiny-clip, max_text_len: null}\n"
+                           "eval:\n  sets: [{name: synthetic, split: test, size: 12, seed: 2}]\n  ks: [1, 5]\n"
+                           f"  scorer: {name}\n  block_size: 5\n")
+    run = tmp_path / "run"
+    dump_recipe(load_recipe(recipe_file), run / "recipe.yaml")
+    save_finetuned(tiny_clip, run / "final")
+
+    assert main([str(run)]) == 0
+    written = json.loads((run / "metrics_eval.json").read_text())
+    expected = evaluate_sets(tiny_clip, [spec], batch_size=64, ks=(1, 5), progress=False, scorer=name)
+    assert written["sets"] == json.loads(json.dumps(expected)) and written["sets"]["synthetic"]["scorer"] == name
+
+    out = tmp_path / "cos.json"
+    assert main([str(run), "--scorer", "cosine", "--rerank-top-k", "3", "--block-size", "4", "--out", str(out)]) == 0
+    cosine = evaluate_sets(tiny_clip, [spec], batch_size=64, ks=(1, 5), progress=False)
+    sets = json.loads(out.read_text())["sets"]
+    assert sets["synthetic"]["scorer"] == "cosine@top3"
+    got, ref = sets["synthetic"], cosine["synthetic"]
+    assert (got["t2i"], got["i2t"]) == (ref["t2i"], ref["i2t"])
+    capsys.readouterr()
+
+    assert main([str(run), "--scorer", "cosin"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown scorer 'cosin'" in err and "did you mean 'cosine'" in err and "registered scorers are" in err
+    assert main(["tiny-clip", "--sets", "synthetic", "--rerank-top-k", "0"]) == 2
+    assert "--rerank-top-k '0': give a positive integer K" in capsys.readouterr().err
+    assert main(["tiny-clip", "--sets", "synthetic", "--block-size", "0"]) == 2
+    assert "--block-size must be >= 1" in capsys.readouterr().err
+    assert main(["tiny-clip", "--sets", "synthetic", "--import", "no_such_module_xyz"]) == 2
+    assert "--import no_such_module_xyz: cannot import it" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -1,0 +1,526 @@
+"""Retrieval scorers: how a block of texts is scored against a block of images, and ranking from blocks.
+
+Evaluation (``finetune.evaluate``) asks the recipe's scorer (``eval.scorer``) for three things:
+
+- ``encode_images(model, inputs)`` / ``encode_texts(model, input_ids, attention_mask)``: a *payload*
+  per batch, a ``dict[str, Tensor]`` whose tensors all have the items on dim 0 (the cosine scorer
+  keeps the ``(B, D)`` ``embeds``; a token-wise scorer such as GRM's eq. 7 would keep ``(B, L, W)``
+  states and ``(B, L)`` masks);
+- ``score(texts, images) -> (Tt, Ti)`` for a block of texts x images;
+- optionally ``score_pairs`` (the score of text ``j`` with image ``j``), ``score_candidates`` (each
+  query against its own candidates) and ``tie_tolerance`` when the scorer has faster or more
+  precise forms than the generic ones below.
+
+:func:`retrieval_ranks` ranks every text and image from ``block_size x block_size`` blocks: it keeps,
+per query, the score of its correct item and the count of wrong items that score at least as high,
+so memory is bounded by the block size and never by ``Nt x Ni``. With ``rerank_top_k`` a global-cosine
+pass first picks each query's top-k candidates (FLAIR's inference, 4 / public ``train.py``
+``--inference-with-flair-topk``), only those are re-scored by the scorer, and every other item ranks
+below them in cosine order.
+
+Scorers register by name (``@register_scorer("name")``) and are built with :func:`get_scorer`; a
+recipe names one in ``eval.scorer`` (a user's module that registers one is imported through
+``objective.import``).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import difflib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+Payload = dict[str, Tensor]
+"""What a scorer keeps per item: tensors that all hold the items on dim 0."""
+
+__all__ = [
+    "CosineScorer",
+    "Payload",
+    "RetrievalRanks",
+    "Scorer",
+    "available_scorers",
+    "concat_payloads",
+    "get_scorer",
+    "pad_trailing",
+    "payload_len",
+    "recall_from_ranks",
+    "register_scorer",
+    "retrieval_ranks",
+    "take",
+]
+
+
+# -- payloads -------------------------------------------------------------------------------------
+def payload_len(payload: Mapping[str, Tensor]) -> int:
+    """The number of items in ``payload`` (the common size of dim 0 of its tensors).
+
+    Raises:
+        ValueError: when the payload is empty, holds a non-tensor or its tensors disagree on dim 0.
+    """
+    if not payload:
+        raise ValueError("a scorer payload must hold at least one tensor")
+    sizes = {}
+    for key, value in payload.items():
+        if not isinstance(value, Tensor) or value.ndim == 0:
+            raise ValueError(f"scorer payload entry {key!r} must be a tensor with the items on dim 0, "
+                             f"got {type(value).__name__}{'' if not isinstance(value, Tensor) else ' (a scalar)'}")
+        sizes[key] = value.shape[0]
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"scorer payload entries disagree on the number of items (dim 0): {sizes}")
+    return next(iter(sizes.values()))
+
+
+def take(payload: Mapping[str, Tensor], index: slice | Tensor) -> Payload:
+    """The items ``index`` (a slice: views, no copy; or a ``(n,)`` long tensor) of every tensor."""
+    if isinstance(index, Tensor):
+        return {key: value[index.to(value.device)] for key, value in payload.items()}
+    return {key: value[index] for key, value in payload.items()}
+
+
+def pad_trailing(x: Tensor, shape: Sequence[int]) -> Tensor:
+    """Zero-pad the trailing dims of ``x`` (not dim 0) up to ``shape``."""
+    pad: list[int] = []
+    for have, want in zip(reversed(x.shape[1:]), reversed(shape)):
+        pad.extend((0, want - have))
+    return F.pad(x, pad) if any(pad) else x
+
+
+def concat_payloads(payloads: Sequence[Mapping[str, Tensor]]) -> Payload:
+    """Concatenate per-batch payloads along dim 0. Trailing dims that differ between batches (token
+    states padded to each batch's longest caption) are zero-padded to the largest, so masks pad as 0.
+
+    Raises:
+        ValueError: when the batches do not hold the same keys or the same number of dims per key.
+    """
+    if not payloads:
+        raise ValueError("concat_payloads: no payloads")
+    keys = list(payloads[0])
+    out: Payload = {}
+    for p in payloads:
+        if list(p) != keys:
+            raise ValueError(f"scorer payloads of different batches hold different keys: {keys} vs {list(p)}")
+    for key in keys:
+        parts = [p[key] for p in payloads]
+        if len({x.ndim for x in parts}) != 1:
+            raise ValueError(f"scorer payload entry {key!r} changes its number of dims between batches")
+        shape = [max(sizes) for sizes in zip(*(x.shape[1:] for x in parts))]
+        out[key] = torch.cat([pad_trailing(x, shape) for x in parts]) if len(parts) > 1 else parts[0]
+    return out
+
+
+# -- the interface --------------------------------------------------------------------------------
+class Scorer(abc.ABC):
+    """How evaluation scores texts against images (DESIGN 4, Seams: Scorers).
+
+    Subclasses implement :meth:`score`; the encoders default to the model's global embeddings
+    (``{"embeds": (B, D) float32}``), which is also what the ``rerank_top_k`` prefilter reads, so a
+    scorer that wants the prefilter keeps ``embeds`` in its payloads next to its own tensors.
+    Options given to :func:`get_scorer` are passed to the constructor.
+    """
+
+    #: the registered name (set by :func:`register_scorer`)
+    name: str = ""
+
+    def encode_images(self, model: Any, inputs: Mapping[str, Any]) -> Payload:
+        """Payload of a batch of images. ``inputs``: ``model.preprocess_images(...)`` on the device
+        (``pixel_values (B, 3, H, W)`` and any other ``encode_image`` keyword). Default:
+        ``{"embeds": (B, D) float32}``."""
+        return {"embeds": model.encode_image(**inputs).embeds.float()}
+
+    def encode_texts(self, model: Any, input_ids: Tensor, attention_mask: Tensor) -> Payload:
+        """Payload of a batch of captions, ``input_ids`` and ``attention_mask`` ``(B, L)``. Default:
+        ``{"embeds": (B, D) float32}``."""
+        return {"embeds": model.encode_text(input_ids, attention_mask).embeds.float()}
+
+    def prepare(self, texts: Payload, images: Payload) -> tuple[Payload, Payload]:
+        """Called once on the whole (gathered) payloads before ranking, e.g. to normalise. Default:
+        unchanged."""
+        return texts, images
+
+    @abc.abstractmethod
+    def score(self, texts: Payload, images: Payload) -> Tensor:
+        """``(Tt, Ti)`` scores of a block of ``Tt`` texts against a block of ``Ti`` images (higher =
+        better match)."""
+
+    def score_pairs(self, texts: Payload, images: Payload) -> Tensor:
+        """``(n,)`` score of text ``j`` with image ``j`` for ``n`` texts and ``n`` images.
+
+        The default takes the diagonal of :meth:`score` on chunks of 16 pairs (16x the work of the
+        pairs alone); override it where a direct pairwise form exists.
+        """
+        n = payload_len(texts)
+        out = []
+        for j0 in range(0, n, 16):
+            j1 = min(j0 + 16, n)
+            out.append(self.score(take(texts, slice(j0, j1)), take(images, slice(j0, j1))).diagonal())
+        return torch.cat(out)
+
+    def score_candidates(self, queries: Payload, items: Payload, candidates: Tensor, *,
+                         query_side: str) -> Tensor:
+        """``(Q, K)`` scores of each of ``Q`` queries with its own ``K`` candidate items.
+
+        Args:
+            queries: payload of ``Q`` queries (texts when ``query_side == "text"``, else images).
+            items: payload of all items of the other side.
+            candidates: ``(Q, K)`` long, indices into ``items``.
+            query_side: ``"text"`` (text -> image) or ``"image"`` (image -> text).
+
+        The default calls :meth:`score` once per query; override it to batch.
+        """
+        if query_side not in ("text", "image"):
+            raise ValueError(f"score_candidates: query_side must be 'text' or 'image', got {query_side!r}")
+        rows = []
+        for q in range(candidates.shape[0]):
+            query, cands = take(queries, slice(q, q + 1)), take(items, candidates[q])
+            if query_side == "text":
+                rows.append(self.score(query, cands)[0])
+            else:
+                rows.append(self.score(cands, query)[:, 0])
+        return torch.stack(rows)
+
+    def tie_tolerance(self, texts: Payload, images: Payload) -> float:
+        """Scores within this of a query's correct score count as ties (against the model): the
+        rounding bound between :meth:`score` and :meth:`score_pairs`. Default 0 (exact ties only)."""
+        return 0.0
+
+
+class CosineScorer(Scorer):
+    """Cosine similarity of the global embeddings (CLIP, SigLIP; the default ``eval.scorer``).
+
+    Payloads are the raw ``(N, D)`` float32 embeddings; :meth:`prepare` L2-normalises both sides in
+    float32 (float64 when the images are float64), so ``score`` is ``texts @ images.T``.
+    """
+
+    def prepare(self, texts: Payload, images: Payload) -> tuple[Payload, Payload]:
+        """L2-normalise ``embeds`` of both sides, in the image embeddings' float precision."""
+        dtype = torch.float64 if images["embeds"].dtype == torch.float64 else torch.float32
+        device = images["embeds"].device
+        return ({"embeds": F.normalize(texts["embeds"].to(device=device, dtype=dtype), dim=-1)},
+                {"embeds": F.normalize(images["embeds"].to(dtype), dim=-1)})
+
+    def score(self, texts: Payload, images: Payload) -> Tensor:
+        """``(Tt, Ti)`` cosine: ``texts @ images.T`` of the normalised embeddings."""
+        return texts["embeds"] @ images["embeds"].T
+
+    def score_pairs(self, texts: Payload, images: Payload) -> Tensor:
+        """``(n,)`` elementwise dot products."""
+        return (texts["embeds"] * images["embeds"]).sum(-1)
+
+    def score_candidates(self, queries: Payload, items: Payload, candidates: Tensor, *,
+                         query_side: str) -> Tensor:
+        """``(Q, K)`` batched dot products with the gathered candidate embeddings."""
+        return torch.einsum("qd,qkd->qk", queries["embeds"], items["embeds"][candidates])
+
+    def tie_tolerance(self, texts: Payload, images: Payload) -> float:
+        """``D * eps``: the float rounding bound of a dot product of unit vectors (6e-5 for D = 512),
+        so a matmul score and an elementwise score of the same pair compare as equal."""
+        x = images["embeds"]
+        return x.shape[-1] * torch.finfo(x.dtype).eps
+
+
+# -- the registry ---------------------------------------------------------------------------------
+_SCORERS: dict[str, Callable[..., Scorer]] = {}
+
+
+def register_scorer(name: str, *, replace: bool = False) -> Callable[[Any], Any]:
+    """Class decorator (or decorator of a factory returning a :class:`Scorer`) that registers a scorer
+    under ``name`` for ``eval.scorer`` / ``--scorer``.
+
+    Raises:
+        ValueError: when ``name`` is empty or already registered to something else (``replace=True``
+            overrides).
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"register_scorer: the name must be a non-empty string, got {name!r}")
+
+    def deco(factory: Any) -> Any:
+        old = _SCORERS.get(name)
+        if old is not None and old is not factory and not replace:
+            raise ValueError(f"register_scorer: {name!r} is already registered ({old!r}); pick another "
+                             f"name or pass replace=True")
+        if isinstance(factory, type) and not issubclass(factory, Scorer):
+            raise TypeError(f"register_scorer({name!r}): {factory.__name__} must subclass finetune.scorers.Scorer")
+        if isinstance(factory, type):
+            factory.name = name
+        _SCORERS[name] = factory
+        return factory
+
+    return deco
+
+
+def available_scorers() -> list[str]:
+    """Registered scorer names, sorted."""
+    return sorted(_SCORERS)
+
+
+def get_scorer(name: str | Scorer, **options: Any) -> Scorer:
+    """Build the scorer registered as ``name`` with ``options`` (a :class:`Scorer` is returned as is).
+
+    Raises:
+        ValueError: for an unknown name (listing the registered ones) or options the scorer does not take.
+    """
+    if isinstance(name, Scorer):
+        if options:
+            raise ValueError(f"get_scorer: options {sorted(options)} cannot apply to an already built scorer")
+        return name
+    factory = _SCORERS.get(name)
+    if factory is None:
+        close = difflib.get_close_matches(str(name), available_scorers(), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown scorer {name!r} (eval.scorer / --scorer): {hint}registered scorers are "
+                         f"{', '.join(available_scorers())}; a scorer from your own module registers when "
+                         f"the module is imported (recipe key objective.import)")
+    try:
+        scorer = factory(**options)
+    except TypeError as exc:
+        raise ValueError(f"scorer {name!r} does not take the options {sorted(options)}: {exc}") from None
+    if not isinstance(scorer, Scorer):
+        raise TypeError(f"scorer {name!r}: its factory returned {type(scorer).__name__}, not a Scorer")
+    if not scorer.name:
+        scorer.name = name
+    return scorer
+
+
+register_scorer("cosine")(CosineScorer)
+
+
+# -- ranking from blocks --------------------------------------------------------------------------
+class RetrievalRanks(NamedTuple):
+    """Ranks of every query: the number of *wrong* items that score at least as high as its correct
+    item (0 = retrieved first).
+
+    Attributes:
+        t2i: ``(Nt,)`` long, one per text.
+        i2t: ``(Ni',)`` long, one per image that has at least one caption (dataset order).
+    """
+
+    t2i: Tensor
+    i2t: Tensor
+
+
+@contextlib.contextmanager
+def exact_float32_matmul(device: torch.device) -> Iterator[None]:
+    """Full-precision float32 matmuls (no TF32) and no autocast, restored on exit: the ranks
+    compare scores from a matmul with scores from an elementwise product."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    no_autocast = (torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda")
+                   else contextlib.nullcontext())
+    try:
+        with no_autocast:
+            yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _device(payload: Mapping[str, Tensor]) -> torch.device:
+    return next(iter(payload.values())).device
+
+
+def _check_finite(side: str, payload: Mapping[str, Tensor]) -> None:
+    for key, value in payload.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError(f"retrieval: the {side} payload entry {key!r} contains NaN or inf; "
+                             f"the model's outputs are broken")
+
+
+def _check_block(scorer: Scorer, scores: Tensor, shape: tuple[int, ...], what: str) -> Tensor:
+    if not isinstance(scores, Tensor) or tuple(scores.shape) != shape:
+        got = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
+        raise ValueError(f"scorer {scorer.name or type(scorer).__name__!r}: {what} returned {got}, expected {shape}")
+    return scores
+
+
+def _targets(scorer: Scorer, texts: Payload, images: Payload, owner: Tensor, block_size: int) -> Tensor:
+    """``(Nt,)`` score of each text with its own image, in blocks of texts."""
+    n_texts = owner.shape[0]
+    out = []
+    for t0 in range(0, n_texts, block_size):
+        t1 = min(t0 + block_size, n_texts)
+        pairs = scorer.score_pairs(take(texts, slice(t0, t1)), take(images, owner[t0:t1]))
+        out.append(_check_block(scorer, pairs, (t1 - t0,), "score_pairs"))
+    target = torch.cat(out)
+    if target.is_floating_point() and not torch.isfinite(target).all():
+        raise ValueError(f"scorer {scorer.name!r} gave a text's own image a NaN or inf score")
+    return target
+
+
+def _full_ranks(scorer: Scorer, texts: Payload, images: Payload, owner: Tensor, n_images: int,
+                block_size: int) -> tuple[Tensor, Tensor, Tensor, float]:
+    """Pessimistic ranks of all texts and all images under ``scorer`` over every block.
+
+    Returns ``(text_rank (Nt,), image_rank (Ni,), best (Ni,) each image's best-caption score, tol)``;
+    images without a caption have ``best = -inf`` (their rank is meaningless).
+    """
+    device = owner.device
+    target = _targets(scorer, texts, images, owner, block_size)
+    tol = float(scorer.tie_tolerance(texts, images))
+    best = torch.full((n_images,), float("-inf"), dtype=target.dtype, device=device)
+    best = best.scatter_reduce(0, owner, target, reduce="amax")
+    text_threshold, image_threshold = target - tol, best - tol
+
+    n_texts = owner.shape[0]
+    text_rank = torch.zeros(n_texts, dtype=torch.long, device=device)
+    image_rank = torch.zeros(n_images, dtype=torch.long, device=device)
+    for t0 in range(0, n_texts, block_size):
+        t1 = min(t0 + block_size, n_texts)
+        block_texts, block_owner, block_threshold = take(texts, slice(t0, t1)), owner[t0:t1], text_threshold[t0:t1]
+        for i0 in range(0, n_images, block_size):
+            i1 = min(i0 + block_size, n_images)
+            scores = _check_block(scorer, scorer.score(block_texts, take(images, slice(i0, i1))),
+                                  (t1 - t0, i1 - i0), "score")
+            text_rank[t0:t1] += (scores >= block_threshold[:, None]).sum(1)
+            image_rank[i0:i1] += (scores >= image_threshold[None, i0:i1]).sum(0)
+            # the pairs (text, its own image) in this block are not wrong items: take them back out
+            rows = ((block_owner >= i0) & (block_owner < i1)).nonzero().flatten()
+            if rows.numel():
+                cols = block_owner[rows] - i0
+                own = scores[rows, cols]
+                text_rank[t0 + rows] -= (own >= block_threshold[rows]).long()
+                image_rank.index_add_(0, i0 + cols, -(own >= image_threshold[i0 + cols]).long())
+    return text_rank, image_rank, best, tol
+
+
+def _top_candidates(texts: Payload, images: Payload, owner: Tensor, k_text: int, k_image: int,
+                    block_size: int, tol: float) -> tuple[Tensor, Tensor]:
+    """Global-cosine candidates: ``(Nt, k_text)`` image indices per text and ``(Ni, k_image)`` text
+    indices per image, from a running top-k over blocks. A query's own items enter with their score
+    lowered by ``tol``, so a tie at the cut goes against the model."""
+    n_texts, n_images = owner.shape[0], payload_len(images)
+    device = owner.device
+    cosine = CosineScorer()
+    dtype = images["embeds"].dtype
+    t_val = torch.full((n_texts, k_text), float("-inf"), dtype=dtype, device=device)
+    t_idx = torch.zeros((n_texts, k_text), dtype=torch.long, device=device)
+    i_val = torch.full((n_images, k_image), float("-inf"), dtype=dtype, device=device)
+    i_idx = torch.zeros((n_images, k_image), dtype=torch.long, device=device)
+    for t0 in range(0, n_texts, block_size):
+        t1 = min(t0 + block_size, n_texts)
+        block_owner = owner[t0:t1]
+        for i0 in range(0, n_images, block_size):
+            i1 = min(i0 + block_size, n_images)
+            keys = cosine.score(take(texts, slice(t0, t1)), take(images, slice(i0, i1)))
+            rows = ((block_owner >= i0) & (block_owner < i1)).nonzero().flatten()
+            keys[rows, block_owner[rows] - i0] -= tol
+            image_ids = torch.arange(i0, i1, device=device).expand(t1 - t0, -1)
+            val, pos = torch.cat([t_val[t0:t1], keys], 1).topk(k_text, dim=1)
+            t_idx[t0:t1] = torch.cat([t_idx[t0:t1], image_ids], 1).gather(1, pos)
+            t_val[t0:t1] = val
+            text_ids = torch.arange(t0, t1, device=device).expand(i1 - i0, -1)
+            val, pos = torch.cat([i_val[i0:i1], keys.T], 1).topk(k_image, dim=1)
+            i_idx[i0:i1] = torch.cat([i_idx[i0:i1], text_ids], 1).gather(1, pos)
+            i_val[i0:i1] = val
+    return t_idx, i_idx
+
+
+def _reranked(scorer: Scorer, queries: Payload, items: Payload, candidates: Tensor, own: Tensor,
+              fallback: Tensor, tol: float, query_side: str, block_size: int) -> Tensor:
+    """Ranks of queries whose candidates are re-scored: the number of wrong candidates scoring at
+    least the best own candidate's score; a query with no own candidate keeps ``fallback`` (its
+    cosine rank, at least K: every candidate ranks above it)."""
+    n, k = candidates.shape
+    ranks = torch.empty(n, dtype=torch.long, device=candidates.device)
+    step = max(1, block_size // k)
+    for q0 in range(0, n, step):
+        q1 = min(q0 + step, n)
+        scores = scorer.score_candidates(take(queries, slice(q0, q1)), items, candidates[q0:q1],
+                                         query_side=query_side)
+        scores = _check_block(scorer, scores, (q1 - q0, k), "score_candidates")
+        mine = own[q0:q1]
+        best = scores.masked_fill(~mine, float("-inf")).amax(1)
+        wrong_above = ((scores >= (best - tol)[:, None]) & ~mine).sum(1)
+        found = mine.any(1)
+        ranks[q0:q1] = torch.where(found, wrong_above, fallback[q0:q1].clamp(min=k))
+    return ranks
+
+
+@torch.no_grad()
+def retrieval_ranks(
+    scorer: Scorer,
+    texts: Payload,
+    images: Payload,
+    text_to_image: Tensor,
+    *,
+    block_size: int = 1024,
+    rerank_top_k: int | None = None,
+) -> RetrievalRanks:
+    """Rank every text (text -> image) and every captioned image (image -> text) from blocks.
+
+    A text has one correct image, ``text_to_image[t]``; an image is answered by its best caption
+    (the highest-scoring of its texts) against all texts of other images, which is the usual "best
+    rank over its captions" of COCO and Flickr30k. Ties count against the model: wrong items within
+    ``scorer.tie_tolerance`` of the correct score rank above it.
+
+    Memory: one ``block_size x block_size`` block of scores at a time plus ``O(Nt + Ni)`` counters
+    (with ``rerank_top_k = k``: ``O((Nt + Ni) k)`` candidates). Computed in float32 without TF32 or
+    autocast.
+
+    Args:
+        scorer: a :class:`Scorer`.
+        texts: payload of ``Nt`` texts; images: payload of ``Ni`` images (as the scorer encoded them).
+        text_to_image: ``(Nt,)`` long, the index of each text's image.
+        block_size: texts and images per block.
+        rerank_top_k: ``k``: rank each query's global-cosine top-k candidates (payload key
+            ``embeds``) by the scorer, every other item below them in cosine order. ``k`` at least
+            the number of items gives the full scoring.
+
+    Raises:
+        ValueError: on non-positive ``block_size`` / ``rerank_top_k``, a payload without ``embeds``
+            under ``rerank_top_k``, non-finite payloads or blocks of the wrong shape.
+    """
+    if block_size < 1:
+        raise ValueError(f"retrieval: block_size must be >= 1, got {block_size}")
+    if rerank_top_k is not None and (isinstance(rerank_top_k, bool) or rerank_top_k < 1):
+        raise ValueError(f"retrieval: rerank_top_k must be >= 1 or None, got {rerank_top_k!r}")
+    n_texts, n_images = payload_len(texts), payload_len(images)
+    device = _device(images)
+    owner = text_to_image.to(device=device, dtype=torch.long)
+    with exact_float32_matmul(device):
+        if rerank_top_k is None:
+            texts, images = scorer.prepare(texts, images)
+            _check_finite("text", texts)
+            _check_finite("image", images)
+            text_rank, image_rank, best, _ = _full_ranks(scorer, texts, images, owner, n_images, block_size)
+            return RetrievalRanks(text_rank, image_rank[torch.isfinite(best)])
+
+        missing = [side for side, p in (("text", texts), ("image", images)) if "embeds" not in p]
+        if missing:
+            raise ValueError(f"eval.rerank_top_k needs the global embeddings: scorer {scorer.name!r} keeps no "
+                             f"'embeds' in its {' and '.join(missing)} payloads; keep them or set rerank_top_k "
+                             f"to null")
+        cosine = CosineScorer()
+        g_texts, g_images = cosine.prepare({"embeds": texts["embeds"]}, {"embeds": images["embeds"]})
+        _check_finite("text", g_texts)
+        _check_finite("image", g_images)
+        cos_text_rank, cos_image_rank, best, cos_tol = _full_ranks(cosine, g_texts, g_images, owner, n_images,
+                                                                   block_size)
+        k_text, k_image = min(rerank_top_k, n_images), min(rerank_top_k, n_texts)
+        text_cands, image_cands = _top_candidates(g_texts, g_images, owner, k_text, k_image, block_size, cos_tol)
+        del g_texts, g_images
+
+        texts, images = scorer.prepare(texts, images)
+        _check_finite("text", texts)
+        _check_finite("image", images)
+        tol = float(scorer.tie_tolerance(texts, images))
+        text_rank = _reranked(scorer, texts, images, text_cands, text_cands == owner[:, None], cos_text_rank,
+                              tol, "text", block_size)
+        has_text = torch.isfinite(best)
+        image_ids = has_text.nonzero().flatten()
+        image_cands = image_cands[image_ids]
+        image_rank = _reranked(scorer, take(images, image_ids), texts, image_cands,
+                               owner[image_cands] == image_ids[:, None], cos_image_rank[image_ids], tol,
+                               "image", block_size)
+        return RetrievalRanks(text_rank, image_rank)
+
+
+def recall_from_ranks(ranks: RetrievalRanks, ks: Sequence[int]) -> dict[str, dict[str, float]]:
+    """``{"t2i": {"R@K": pct}, "i2t": {...}}``: the percentage of queries with rank < K."""
+    return {
+        "t2i": {f"R@{k}": float((ranks.t2i < k).double().mean() * 100) for k in ks},
+        "i2t": {f"R@{k}": float((ranks.i2t < k).double().mean() * 100) for k in ks},
+    }
