@@ -1,0 +1,118 @@
+"""DualEncoder.sentence_spans: each sentence's token range in tokenize()'s ids, for the transformers
+(offset_mapping) and open_clip (sentence-by-sentence) tokenizers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from finetune.data.text import split_sentences
+from finetune.models.longclip import apply_kps
+from finetune.models.tokens import spans_by_pieces
+
+CAPTIONS = [
+    "A dog runs. A cat sleeps.",
+    "It is 3.5 m tall, e.g. Mr. Lee says so.\nA bird sings",
+    "First caption of the image. </s> Second caption, with a comma.",
+    "Only one sentence here",
+]
+SENTENCE = "A red circle is here."  # 6 CLIP tokens: a red circle is here .
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def _decode(model, ids: list[int]) -> str:
+    tokenizer = getattr(model.tokenizer, "tokenizer", model.tokenizer)  # open_clip's HFTokenizer wraps one
+    return tokenizer.decode(ids)
+
+
+def _check_words(model, captions, spans) -> None:
+    rows = model.tokenize(captions).input_ids
+    for caption, row, caption_spans in zip(captions, rows, spans):
+        sentences = split_sentences(caption)
+        assert len(caption_spans) == len(sentences)
+        for sentence, span in zip(sentences, caption_spans):
+            assert span is not None, sentence
+            start, end = span
+            assert _words(_decode(model, row[start:end].tolist())) == _words(sentence)
+
+
+def test_spans_of_a_simple_caption_start_after_the_start_token(load_tiny):
+    model = load_tiny("tiny-clip")
+    assert model.sentence_spans(["A dog runs. A cat sleeps."]) == [[(1, 5), (5, 9)]]
+    assert model.sentence_spans(["Only one sentence here", ""]) == [[(1, 5)], []]
+
+
+def test_hf_and_open_clip_tokenizers_agree_and_spans_decode_to_the_sentences(load_tiny):
+    hf, oc = load_tiny("tiny-clip"), load_tiny("tiny-openclip")
+    spans = hf.sentence_spans(CAPTIONS)
+    assert oc.sentence_spans(CAPTIONS) == spans
+    assert spans[0] == [(1, 5), (5, 9)]
+    assert [len(s) for s in spans] == [2, 2, 2, 1]  # "3.5", "e.g." and "Mr." stay inside their sentence
+    # the final punctuation is inside the range, "</s>" between the captions is in none
+    assert hf.tokenizer.decode(hf.tokenize(CAPTIONS).input_ids[2, spans[2][0][0] : spans[2][0][1]].tolist()) == (
+        "first caption of the image ."
+    )
+    _check_words(hf, CAPTIONS, spans)
+    _check_words(oc, CAPTIONS, spans)
+
+
+def test_offsets_and_pieces_agree_without_a_start_token(load_tiny):
+    model = load_tiny("tiny-siglip")  # a fast WordPiece tokenizer that appends </s> and has no start token
+    spans = model.sentence_spans(CAPTIONS)
+    assert spans == spans_by_pieces(model, CAPTIONS)
+    assert spans[0][0][0] == 0  # the first word is at position 0
+    _check_words(model, CAPTIONS, spans)
+
+
+def test_a_tokenizer_that_cleans_the_text_first(load_tiny):
+    model = load_tiny("tiny-openclip-siglip")  # open_clip HFTokenizer: canonicalize drops punctuation
+    spans = model.sentence_spans(CAPTIONS)
+    assert spans[0][0][0] == 0 and spans[0][0][1] == spans[0][1][0]  # no "." left between the sentences
+    _check_words(model, CAPTIONS, spans)
+
+
+def test_spans_follow_left_padding(load_tiny):
+    model = load_tiny("tiny-siglip")
+    model.tokenizer.padding_side = "left"
+    captions = ["A dog. A cat.", "Two blue squares."]
+    tok = model.tokenize(captions)
+    spans = model.sentence_spans(captions)
+    assert spans[1][0][0] == int((tok.attention_mask[1] == 0).sum())  # after the padding
+    _check_words(model, captions, spans)
+
+
+@pytest.mark.parametrize("name", ["tiny-clip", "tiny-openclip"])
+def test_sentences_past_token_248_are_none(load_tiny, name):
+    model = apply_kps(load_tiny(name), 248, keep=20)
+    fits = " ".join([SENTENCE] * 41)  # 1 + 41 * 6 + 1 = 248 tokens: everything fits
+    one_more = " ".join([SENTENCE] * 42)
+    straddles = "A dog. " + " ".join([SENTENCE] * 41)  # its last sentence covers positions 244-249
+    before = dict(model.truncation_stats)
+    spans = model.sentence_spans([fits, one_more, straddles])
+    assert model.truncation_stats == before  # spans do not count as captions seen
+    assert model.tokenize([fits, one_more, straddles]).truncated.tolist() == [False, True, True]
+    assert spans[0][-1] == (241, 247) and spans[1][40] == (241, 247) and spans[1][41] is None
+    assert len(spans[2]) == 42 and spans[2][40] == (238, 244) and spans[2][41] is None
+    _check_words(model, [fits], spans[:1])
+    row = model.tokenize([one_more]).input_ids[0]
+    assert _words(_decode(model, row[241:247].tolist())) == _words(SENTENCE)
+
+
+def test_a_sentence_glued_to_a_separator_keeps_its_words(load_tiny):
+    caption = ["A dog.</s>A cat."]
+    for model in (load_tiny("tiny-clip"), load_tiny("tiny-openclip")):
+        spans = model.sentence_spans(caption)
+        # BPE glues "." to "</s>" ("dog.</s>"): open_clip leaves the period out, the offsets keep it
+        assert spans[0][1] == (7, 10) and spans[0][0] in ((1, 4), (1, 3))
+        _check_words(model, caption, spans)
+
+
+def test_sentence_spans_rejects_a_single_string(load_tiny):
+    with pytest.raises(TypeError, match="wrap it"):
+        load_tiny("tiny-clip").sentence_spans("A dog.")
+    with pytest.raises(TypeError, match="wrap it"):
+        load_tiny("tiny-openclip").sentence_spans("A dog.")
