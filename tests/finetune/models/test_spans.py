@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from open_clip.tokenizer import canonicalize_text
 
 from finetune.data.text import split_sentences
 from finetune.models.longclip import apply_kps
@@ -29,7 +30,7 @@ def _decode(model, ids: list[int]) -> str:
     return tokenizer.decode(ids)
 
 
-def _check_words(model, captions, spans) -> None:
+def _check_words(model, captions, spans, clean=lambda text: text) -> None:
     rows = model.tokenize(captions).input_ids
     for caption, row, caption_spans in zip(captions, rows, spans):
         sentences = split_sentences(caption)
@@ -37,7 +38,7 @@ def _check_words(model, captions, spans) -> None:
         for sentence, span in zip(sentences, caption_spans):
             assert span is not None, sentence
             start, end = span
-            assert _words(_decode(model, row[start:end].tolist())) == _words(sentence)
+            assert _words(_decode(model, row[start:end].tolist())) == _words(clean(sentence))
 
 
 def test_spans_of_a_simple_caption_start_after_the_start_token(load_tiny):
@@ -72,7 +73,7 @@ def test_a_tokenizer_that_cleans_the_text_first(load_tiny):
     model = load_tiny("tiny-openclip-siglip")  # open_clip HFTokenizer: canonicalize drops punctuation
     spans = model.sentence_spans(CAPTIONS)
     assert spans[0][0][0] == 0 and spans[0][0][1] == spans[0][1][0]  # no "." left between the sentences
-    _check_words(model, CAPTIONS, spans)
+    _check_words(model, CAPTIONS, spans, clean=canonicalize_text)  # "3.5" reads "35", "e.g." "eg"
 
 
 def test_spans_follow_left_padding(load_tiny):
