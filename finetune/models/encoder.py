@@ -283,7 +283,7 @@ class DualEncoder(nn.Module, abc.ABC):
             to ``max_text_len`` cut (part of) the sentence, or where the sentence has no token
             of its own.
         """
-        from finetune.models.tokens import spans_by_pieces
+        from finetune.models.spans import spans_by_pieces
 
         if isinstance(captions, str):
             raise TypeError("captions must be a list of strings, not one string: wrap it as [caption]")

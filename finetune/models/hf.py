@@ -40,7 +40,8 @@ from finetune.models.pooled_tower import (
     fast_path_ok,
     hooked,
 )
-from finetune.models.tokens import hf_tokenize, spans_by_offsets, spans_by_pieces
+from finetune.models.spans import spans_by_offsets, spans_by_pieces
+from finetune.models.tokens import hf_tokenize
 
 #: transformers ``model_type`` -> family
 HF_MODEL_TYPES = {"clip": "clip", "siglip": "siglip", "siglip2": "siglip2"}

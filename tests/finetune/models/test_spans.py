@@ -10,7 +10,7 @@ from open_clip.tokenizer import canonicalize_text
 
 from finetune.data.text import split_sentences
 from finetune.models.longclip import apply_kps
-from finetune.models.tokens import spans_by_pieces
+from finetune.models.spans import spans_by_pieces
 
 CAPTIONS = [
     "A dog runs. A cat sleeps.",
