@@ -157,10 +157,10 @@ def spans_by_offsets(model: Any, tokenizer: Any, captions: list[str]) -> list[li
     result: list[list[Span | None]] = []
     for i, ((first, real), truncated) in enumerate(zip(_real_rows(row_tok), row_tok.truncated.tolist())):
         full = encoded["input_ids"][i]
-        expected, _ = truncate_keep_end(full, len(real) if truncated else len(full), n_end)
-        if len(expected) != len(real):
+        if truncate_keep_end(full, len(real), n_end)[0] != real or truncated != (len(full) > len(real)):
             raise RuntimeError(
-                f"sentence_spans: tokenize() gave {len(real)} tokens for caption {i}, the tokenizer {len(expected)}"
+                f"sentence_spans: the offsets' tokens of caption {i} are not those of tokenize(); "
+                "this backend's tokenize() changes the ids, so its spans need spans_by_pieces"
             )
         kept = len(real) - n_end if truncated else len(full)  # positions < kept are in the row
         tokens = [
