@@ -52,10 +52,28 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _special_layout(model: Any) -> tuple[int, int]:
-    """How many special tokens ``model.tokenize`` puts before and after a caption's content."""
-    (_, empty), (_, one) = _real_rows(_tokenize_untracked(model, ["", "a"]))
-    n_prefix = min(_common_prefix(empty, one), len(empty))
-    return n_prefix, len(empty) - n_prefix
+    """How many special tokens ``model.tokenize`` puts before and after a caption's content: what two
+    one-letter captions share at their start and at their end."""
+    for a, b in (("a", "b"), ("x", "z")):
+        (_, ids_a), (_, ids_b) = _real_rows(_tokenize_untracked(model, [a, b]))
+        if ids_a != ids_b:
+            n_prefix = _common_prefix(ids_a, ids_b)
+            n_end = _common_prefix(ids_a[::-1], ids_b[::-1])
+            return n_prefix, min(n_end, min(len(ids_a), len(ids_b)) - n_prefix - 1)
+    raise ValueError(f"sentence_spans: {type(model).__name__}.tokenize gives the same ids to 'a' and 'b'")
+
+
+def _tokenize_content(model: Any, texts: list[str], layout: tuple[int, int]) -> list[tuple[list[int], bool]]:
+    """Content ids (special tokens removed) and truncation flag of each text; a blank text has no
+    tokens (whatever placeholder a tokenizer gives an empty caption)."""
+    n_prefix, n_end = layout
+    out: list[tuple[list[int], bool]] = [([], False)] * len(texts)
+    todo = [i for i, text in enumerate(texts) if text.strip()]
+    if todo:
+        tok = _tokenize_untracked(model, [texts[i] for i in todo])
+        for i, (_, ids), cut in zip(todo, _real_rows(tok), tok.truncated.tolist()):
+            out[i] = (ids[n_prefix : len(ids) - n_end], bool(cut))
+    return out
 
 
 def spans_by_pieces(model: Any, captions: list[str]) -> list[list[Span | None]]:
@@ -71,7 +89,7 @@ def spans_by_pieces(model: Any, captions: list[str]) -> list[list[Span | None]]:
     offsets = [sentence_offsets(caption) for caption in captions]
     row_tok = _tokenize_untracked(model, list(captions))
     rows, row_cut = _real_rows(row_tok), row_tok.truncated.tolist()
-    n_prefix, n_end = _special_layout(model)
+    layout = n_prefix, n_end = _special_layout(model)
 
     pieces: list[str] = []  # per caption: gap, sentence, gap, sentence, ..., trailing gap
     for caption, ranges in zip(captions, offsets):
@@ -80,9 +98,7 @@ def spans_by_pieces(model: Any, captions: list[str]) -> list[list[Span | None]]:
             pieces += [caption[previous:start], caption[start:end]]
             previous = end
         pieces.append(caption[previous:])
-    piece_tok = _tokenize_untracked(model, pieces)
-    piece_ids = [ids[n_prefix : len(ids) - n_end] for _, ids in _real_rows(piece_tok)]
-    piece_cut = piece_tok.truncated.tolist()
+    piece_tokens = _tokenize_content(model, pieces, layout)
 
     result: list[list[Span | None]] = []
     k = 0
@@ -92,7 +108,7 @@ def spans_by_pieces(model: Any, captions: list[str]) -> list[list[Span | None]]:
         spans: list[Span | None] = []
         position, consistent, overflow = 0, True, False
         for j in range(2 * len(ranges) + 1):
-            ids, cut = piece_ids[k + j], piece_cut[k + j]
+            ids, cut = piece_tokens[k + j]
             is_sentence = j % 2 == 1
             if overflow or cut:  # a piece longer than the context: it and everything after are cut
                 overflow = True
@@ -108,24 +124,20 @@ def spans_by_pieces(model: Any, captions: list[str]) -> list[list[Span | None]]:
         k += 2 * len(ranges) + 1
         if not truncated:
             consistent = consistent and not overflow and position == len(kept)
-        result.append(spans if consistent else _spans_by_prefixes(model, caption, ranges, kept, base))
+        result.append(spans if consistent else _spans_by_prefixes(model, caption, ranges, kept, base, layout))
     return result
 
 
 def _spans_by_prefixes(
-    model: Any, caption: str, ranges: list[Span], kept: list[int], base: int
+    model: Any, caption: str, ranges: list[Span], kept: list[int], base: int, layout: tuple[int, int]
 ) -> list[Span | None]:
     """Sentence ranges from tokenising ``caption`` up to each boundary: a boundary whose prefix gives a
     prefix of the caption's content ids ``kept`` is exact; otherwise the token at the first difference
     straddles the boundary and is left out of the sentence's range; a boundary past ``kept`` (cut by
     truncation) gives ``None``."""
-    if not ranges:
-        return []
-    n_prefix, n_end = _special_layout(model)
-    tok = _tokenize_untracked(model, [caption[:b] for start, end in ranges for b in (start, end)])
+    prefixes = _tokenize_content(model, [caption[:b] for start, end in ranges for b in (start, end)], layout)
     bounds: list[tuple[int, int] | None] = []  # (as a start, as an end)
-    for (_, ids), cut in zip(_real_rows(tok), tok.truncated.tolist()):
-        ids = ids[n_prefix : len(ids) - n_end]
+    for ids, cut in prefixes:
         lcp = _common_prefix(ids, kept)
         if cut or (lcp == len(kept) and len(ids) > len(kept)):
             bounds.append(None)

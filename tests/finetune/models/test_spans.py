@@ -6,9 +6,11 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from open_clip.tokenizer import canonicalize_text
 
 from finetune.data.text import split_sentences
+from finetune.models.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
 from finetune.models.longclip import apply_kps
 from finetune.models.spans import spans_by_pieces
 
@@ -121,3 +123,50 @@ def test_sentence_spans_rejects_a_single_string(load_tiny):
         load_tiny("tiny-clip").sentence_spans("A dog.")
     with pytest.raises(TypeError, match="wrap it"):
         load_tiny("tiny-openclip").sentence_spans("A dog.")
+
+
+class WordModel(DualEncoder):
+    """A model family of its own: one id per word (punctuation glued to it), no special tokens, a
+    placeholder id for an empty caption, truncation that keeps no end token."""
+
+    backend = "words"
+
+    def __init__(self, max_text_len: int = 8) -> None:
+        super().__init__(torch.nn.Linear(2, 2))
+        self.max_text_len = max_text_len
+        self.vocab: dict[str, int] = {}
+
+    def tokenize(self, texts, *, max_length=None):
+        length = max_length or self.max_text_len
+        rows = [[self.vocab.setdefault(w.lower(), len(self.vocab) + 2) for w in t.split()] or [1] for t in texts]
+        truncated = torch.tensor([len(r) > length for r in rows])
+        rows = [r[:length] for r in rows]
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        self._count_truncation(truncated)
+        return TokenizedText(ids, mask, truncated)
+
+    def encode_image(self, pixel_values, *, states=False, states_rows=None, **kwargs):
+        return ImageFeatures(self.model(pixel_values.flatten(1)[:, :2]), None, (1, 1))
+
+    def encode_text(self, input_ids, attention_mask=None, *, states=False):
+        return TextFeatures(self.model(input_ids[:, :2].float()), None, torch.ones_like(input_ids))
+
+    @property
+    def logit_scale(self):
+        return self.model.bias
+
+    def preprocess_images(self, images):
+        return {"pixel_values": torch.zeros(len(images), 3, 2, 2)}
+
+    def save_pretrained(self, path):
+        raise NotImplementedError("a test model")
+
+
+def test_any_family_gets_spans_through_its_tokenize():
+    model = WordModel(max_text_len=8)
+    captions = ["A dog runs. A cat sleeps.", "", "One two three. Four five six seven. Eight nine"]
+    assert model.sentence_spans(captions) == [[(0, 3), (3, 6)], [], [(0, 3), (3, 7), None]]  # 9 words, 8 kept
+    assert model.truncation_stats == {"captions": 0, "truncated": 0}
