@@ -13,7 +13,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 
-__all__ = ["split_sentences", "chunk_sentences", "sample_subcaptions", "first_sentence"]
+__all__ = ["split_sentences", "sentence_offsets", "chunk_sentences", "sample_subcaptions", "first_sentence"]
 
 # Words that end in a period without ending the sentence when followed by a capital or digit
 # ("Mr. Smith", "Fig. 3", "e.g. Paris"). Lower-case followers never end a sentence anyway, so
@@ -26,61 +26,96 @@ _ABBREVIATIONS = frozenset(
         "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec", "ave", "blvd", "rd", "est",
     }
 )
-# A terminator (with closing quotes/brackets) followed by whitespace: a candidate boundary.
-_BOUNDARY = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s)")
+# Hard breaks: line breaks (captions put paragraphs on their own lines) and "</s>", the separator
+# between the captions of an image in FLAIR's training data (its code splits at r"\n|</s>|[.]").
+_HARD_BREAK = re.compile(r"</s>|\r\n|[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+# A terminator run with its closing quotes/brackets, followed by whitespace: a candidate boundary.
+# The whitespace lookahead is what keeps decimals ("3.5") and "U.S." inside a word together.
+_BOUNDARY = re.compile(r"(?P<stop>[.!?…]+)[\"'”’)\]]*(?=\s)")
 _LAST_WORD = re.compile(r"(\S+)$")
+_INITIAL = re.compile(r"[a-z]")  # "J. K. Rowling"
+_DOTTED_ACRONYM = re.compile(r"[a-z](?:\.[a-z])+")  # "U.S", "a.m" (the final period is cut off)
 
 
-def _is_abbreviation(text_before: str) -> bool:
-    """True when the word that ends at a period is an abbreviation or an initial ("J.", "U.S.")."""
+def _period_does_not_end(text_before: str) -> bool:
+    """True when the word that ends at a period is a known abbreviation, an initial ("J.") or a
+    dotted acronym ("U.S.")."""
     match = _LAST_WORD.search(text_before)
     if match is None:
         return False
     word = match.group(1).lstrip("\"'“‘([").rstrip(".").lower()
     if word in _ABBREVIATIONS:
         return True
-    # single letters ("J. K. Rowling") and dotted acronyms ("U.S", "a.m")
-    return bool(re.fullmatch(r"[a-z](\.[a-z])*", word))
+    if _INITIAL.fullmatch(word):
+        return True
+    return bool(_DOTTED_ACRONYM.fullmatch(word))
+
+
+def _line_sentences(text: str, begin: int, stop: int) -> list[tuple[int, int]]:
+    """Sentence ranges of ``text[begin:stop]``, a stretch without hard breaks."""
+    ranges: list[tuple[int, int]] = []
+    line = text[begin:stop]
+    start = 0
+    for match in _BOUNDARY.finditer(line):
+        end = match.end()
+        rest = line[end:].lstrip()
+        if not rest:
+            continue
+        if rest[0].islower():  # "on the mat. then it slept": a lower-case word continues the sentence
+            continue
+        # only a single period can close an abbreviation: "Z..." or "Dr?" end the sentence
+        if match.group("stop") == "." and _period_does_not_end(line[start : match.start() + 1]):
+            continue
+        ranges.append((begin + start, begin + end))
+        start = end
+    ranges.append((begin + start, begin + len(line)))
+    return ranges
+
+
+def sentence_offsets(text: str) -> list[tuple[int, int]]:
+    """Character ranges of the sentences of ``text``: the splitter of :func:`split_sentences`.
+
+    Args:
+        text: a caption.
+    Returns:
+        ``[(start, end), ...]`` half-open character ranges, in order, one per sentence of
+        :func:`split_sentences`: ``text[start:end]`` is that sentence (no surrounding whitespace).
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"split_sentences expects a str, got {type(text).__name__}")
+    ranges: list[tuple[int, int]] = []
+    begin = 0
+    for stop, after in [(m.start(), m.end()) for m in _HARD_BREAK.finditer(text)] + [(len(text), len(text))]:
+        for start, end in _line_sentences(text, begin, stop):
+            piece = text[start:end]
+            lead = len(piece) - len(piece.lstrip())
+            trail = len(piece) - len(piece.rstrip())
+            if end - trail > start + lead:
+                ranges.append((start + lead, end - trail))
+        begin = after
+    return ranges
 
 
 def split_sentences(text: str) -> list[str]:
     """Split a caption into sentences, keeping each sentence's own punctuation.
 
-    A sentence ends at ``.``, ``!``, ``?`` or ``…`` (plus closing quotes or brackets) followed by
-    whitespace and a character that is not lower-case, unless the word before the period is a
-    known abbreviation ("Mr.", "Dr.", "Fig.", "e.g.") or an initial ("J.", "U.S."). Decimals
-    ("3.5 cm") never split since no whitespace follows their period; a newline always ends a
-    sentence (captions use line breaks between paragraphs); a missing final period is fine.
+    The one sentence splitter of the toolkit (FLAIR sub-captions, StructXLIP chunks, DOCCI-FG,
+    :meth:`finetune.models.encoder.DualEncoder.sentence_spans`). A sentence ends at ``.``, ``!``,
+    ``?`` or ``…`` (plus closing quotes or brackets) followed by whitespace and a character that
+    is not lower-case, unless the word before a single period is a known abbreviation ("Mr.",
+    "Dr.", "Fig.", "e.g."), an initial ("J.") or a dotted acronym ("U.S."); an ellipsis ("...",
+    "…") always ends the sentence before a capital. Decimals ("3.5 cm") never split since no
+    whitespace follows their period. A line break and FLAIR's caption separator ``</s>`` always
+    end a sentence (``</s>`` itself is dropped); a missing final period is fine.
 
     Args:
         text: a caption (any length; may be empty).
     Returns:
-        the non-empty sentences, stripped, in order. ``" ".join(result)`` restores the text up
-        to whitespace.
+        the non-empty sentences, stripped, in order (``text[a:b]`` for each range of
+        :func:`sentence_offsets`). ``" ".join(result)`` restores the text up to whitespace and
+        ``</s>`` separators.
     """
-    if not isinstance(text, str):
-        raise TypeError(f"split_sentences expects a str, got {type(text).__name__}")
-    sentences: list[str] = []
-    for line in text.splitlines():
-        start = 0
-        for match in _BOUNDARY.finditer(line):
-            end = match.end()
-            rest = line[end:].lstrip()
-            if not rest:
-                continue
-            if rest[0].islower():
-                continue
-            if match.group(0).startswith(".") and len(match.group(0).rstrip("\"'”’)]")) == 1:
-                if _is_abbreviation(line[start : match.start() + 1]):
-                    continue
-            piece = line[start:end].strip()
-            if piece:
-                sentences.append(piece)
-            start = end
-        piece = line[start:].strip()
-        if piece:
-            sentences.append(piece)
-    return sentences
+    return [text[start:end] for start, end in sentence_offsets(text)]
 
 
 def chunk_sentences(

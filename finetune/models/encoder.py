@@ -259,6 +259,36 @@ class DualEncoder(nn.Module, abc.ABC):
         """Tokenise captions, truncating to ``max_length`` (default ``max_text_len``) with the end
         token kept, and report which captions were truncated."""
 
+    def sentence_spans(self, captions: list[str]) -> list[list[tuple[int, int] | None]]:
+        """Where each sentence of each caption lies in the token ids of ``tokenize(captions)``.
+
+        Sentences are those of :func:`finetune.data.text.split_sentences`. A span is a half-open
+        range ``(start, end)`` of positions in a row of ``tokenize(captions).input_ids`` ``(B, L)``
+        (padding included, so that ``states[b, start:end]`` of :meth:`encode_text` ``(B, L, W)``
+        are the sentence's token states, e.g. for FAST-GOAL's TSL): a start token is position 0,
+        so a caption's first word is at 1 for CLIP (0 for tokenizers without one, as SigLIP's). A
+        range holds the tokens of the sentence's own characters, its final punctuation included
+        unless the tokenizer glues that to the next character (open_clip's BPE on "dog.</s>");
+        text between sentences (spaces, ``</s>``) and special tokens belong to no sentence.
+
+        Transformers fast tokenizers give the ranges through their ``offset_mapping``; other
+        tokenizers (open_clip's BPE, tokenizers that clean the text first) by tokenising sentence
+        by sentence and checking that the pieces concatenate to the caption's ids. Calls
+        :meth:`tokenize` without counting in ``truncation_stats``.
+
+        Args:
+            captions: ``B`` captions.
+        Returns:
+            per caption, one entry per sentence: ``(start, end)``, or ``None`` where truncation
+            to ``max_text_len`` cut (part of) the sentence, or where the sentence has no token
+            of its own.
+        """
+        from finetune.models.spans import spans_by_pieces
+
+        if isinstance(captions, str):
+            raise TypeError("captions must be a list of strings, not one string: wrap it as [caption]")
+        return spans_by_pieces(self, list(captions))
+
     def position_embedding(self) -> nn.Parameter | None:
         """The text tower's positional table ``(max_text_len, W)`` (the tensor KPS stretches), or
         None for a model without one (no ``kps`` capability)."""

@@ -40,6 +40,7 @@ from finetune.models.pooled_tower import (
     fast_path_ok,
     hooked,
 )
+from finetune.models.spans import spans_by_offsets, spans_by_pieces
 from finetune.models.tokens import hf_tokenize
 
 #: transformers ``model_type`` -> family
@@ -212,6 +213,16 @@ class HFDualEncoder(DualEncoder):
         tok = hf_tokenize(self.tokenizer, texts, length, padding=padding)
         self._count_truncation(tok.truncated)
         return tok
+
+    def sentence_spans(self, captions: list[str]) -> list[list[tuple[int, int] | None]]:
+        """Each sentence's token range in ``tokenize(captions)`` (see
+        :meth:`DualEncoder.sentence_spans`), from the fast tokenizer's ``offset_mapping``; a slow
+        tokenizer falls back to tokenising sentence by sentence."""
+        if isinstance(captions, str):
+            raise TypeError("captions must be a list of strings, not one string: wrap it as [caption]")
+        if getattr(self.tokenizer, "is_fast", False):
+            return spans_by_offsets(self, self.tokenizer, list(captions))
+        return spans_by_pieces(self, list(captions))
 
     def position_embedding(self) -> nn.Parameter:
         """The text positional table ``(max_text_len, W)``."""

@@ -55,6 +55,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from finetune.data.text import split_sentences
 from losses import clip_loss, consistency_loss, local_structure_loss
 from losses.structxlip import (
     OFFICIAL_LOCAL_SCALE_MAX,
@@ -90,7 +91,7 @@ LOSS_KEYS = ("structure", "consistency", "local")
 #: columns the preprocessing adds (besides ``edges`` and the region columns of ``finetune.preprocess.regions``)
 LEXICON_COLUMNS = ("filtered_caption", "lexicon_removed", "lexicon_categories", "lexicon_reverted", "caption_words")
 #: bump when the preprocessing code changes its output (part of every cache key)
-CODE_VERSION = "1"
+CODE_VERSION = "2"  # 2: chunks from finetune.data.text.split_sentences
 
 
 # -- options (validated by the recipe schema) ---------------------------------------------------------
@@ -228,21 +229,26 @@ def official_chunks(text: str) -> list[str]:
     depends on the clause's word count n (2 if n <= 4, 3 if n <= 10, 4 if n <= 20, 5 if n <= 40, else 6);
     a clause shorter than its window is one chunk; at most 64 chunks per caption.
 
+    Sentence boundaries come from :func:`finetune.data.text.split_sentences` (so a line break or ``</s>``
+    ends a clause too, and no window spans two sentences); inside a sentence the clause split is the
+    public code's, which also cuts at commas and at the periods of "3.5" or "e.g.".
+
     Example: ``"A tall tree, a bench."`` -> ``["A tall", "tall tree", "a bench"]``.
     """
     out: list[str] = []
-    for clause in _CLAUSE.split(text):
-        words = _WORDS.findall(clause)
-        n = len(words)
-        if not n:
-            continue
-        window = next((w for limit, w in _WINDOW_STEPS if n <= limit), 6)
-        if n <= window:
-            out.append(" ".join(words))
-        else:
-            out.extend(" ".join(words[i : i + window]) for i in range(n - window + 1))
-        if len(out) >= _MAX_WINDOWS:
-            return out[:_MAX_WINDOWS]
+    for sentence in split_sentences(text):
+        for clause in _CLAUSE.split(sentence):
+            words = _WORDS.findall(clause)
+            n = len(words)
+            if not n:
+                continue
+            window = next((w for limit, w in _WINDOW_STEPS if n <= limit), 6)
+            if n <= window:
+                out.append(" ".join(words))
+            else:
+                out.extend(" ".join(words[i : i + window]) for i in range(n - window + 1))
+            if len(out) >= _MAX_WINDOWS:
+                return out[:_MAX_WINDOWS]
     return out
 
 

@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from finetune.data.text import split_sentences
+
 from .cache import cached_map
 from .edges import EdgeConfig, edge_map
 
@@ -118,18 +120,27 @@ def crop_box(image: Image.Image, box: Sequence[float]) -> Image.Image:
     return image.crop((x1, y1, x2, y2))
 
 
-_CHUNK_SPLIT = re.compile(r"[.;!?]+(?=\s|$)")
+_CLAUSE_BREAK = re.compile(r";+(?=\s|$)")
+_CHUNK_END = re.compile(r"[.;!?…]+$")
 
 
 def split_chunks(text: str) -> list[str]:
     """Split a (filtered) caption into chunks at sentence delimiters (paper 3.2: periods or
-    semicolons; "!" and "?" end sentences too). A delimiter counts only before whitespace or the
-    end, so "3.5 m" stays whole; chunks without a word character are dropped.
+    semicolons). Sentences come from :func:`finetune.data.text.split_sentences` (so "3.5 m",
+    "Mr. Smith" and "e.g. Paris" stay whole, and line breaks end a chunk); each sentence is cut
+    further at semicolons before whitespace, the delimiters at a chunk's end are dropped, and
+    chunks without a word character are dropped.
 
     Example: ``"A cat sits; a dog runs. Nothing else."`` -> ``["A cat sits", "a dog runs",
     "Nothing else"]``.
     """
-    return [c.strip() for c in _CHUNK_SPLIT.split(text) if re.search(r"\w", c)]
+    chunks = []
+    for sentence in split_sentences(text):
+        for clause in _CLAUSE_BREAK.split(sentence):
+            chunk = _CHUNK_END.sub("", clause.strip()).strip()
+            if re.search(r"\w", chunk):
+                chunks.append(chunk)
+    return chunks
 
 
 def topk_regions(chunk_embeds: Tensor, region_embeds: Tensor, k: int = 3) -> tuple[Tensor, Tensor]:

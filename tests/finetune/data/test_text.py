@@ -6,7 +6,43 @@ import random
 
 import pytest
 
-from finetune.data.text import chunk_sentences, first_sentence, sample_subcaptions, split_sentences
+from finetune.data.text import (
+    chunk_sentences,
+    first_sentence,
+    sample_subcaptions,
+    sentence_offsets,
+    split_sentences,
+)
+
+
+# One case per rule of the splitter, each protected by that rule alone: removing the rule from
+# split_sentences fails exactly its case (checked by hand for every rule).
+RULE_CASES = {
+    # no whitespace after the period, so "3.5" is no candidate ("5" is not lower-case, "3" no abbreviation)
+    "decimal": ("It is 3.5 Metres tall.", ["It is 3.5 Metres tall."]),
+    # the closing quote belongs to the terminator: '."' followed by a space ends the sentence
+    "closing_quote": ('He said "Stop." Then he left.', ['He said "Stop."', "Then he left."]),
+    # a line break ends a sentence even before a lower-case word and without a period
+    "line_break": ("A dog on grass\nthe sky is blue", ["A dog on grass", "the sky is blue"]),
+    # FLAIR's caption separator ends a sentence and is dropped
+    "separator": ("a dog</s>a cat", ["a dog", "a cat"]),
+    # a known abbreviation before a capital ("dr" is neither an initial nor an acronym)
+    "abbreviation": ("Dr. Jones waves. He smiles.", ["Dr. Jones waves.", "He smiles."]),
+    # a single-letter initial before a capital
+    "initial": ("J. Smith signs books.", ["J. Smith signs books."]),
+    # a dotted acronym before a capital ("u.s" is in no list and not a single letter)
+    "dotted_acronym": ("A U.S. Army truck passes.", ["A U.S. Army truck passes."]),
+    # a lower-case word after a period continues the sentence ("mat" is no abbreviation)
+    "lower_case_next": ("The cat sat on the mat. then it slept.", ["The cat sat on the mat. then it slept."]),
+    # an ellipsis ends the sentence even after an initial-like word ("Z")
+    "ellipsis": ("It ends with the letter Z... Then silence.", ["It ends with the letter Z...", "Then silence."]),
+}
+
+
+@pytest.mark.parametrize("rule", list(RULE_CASES))
+def test_split_sentences_tricky_inputs(rule):
+    text, expected = RULE_CASES[rule]
+    assert split_sentences(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -25,17 +61,28 @@ from finetune.data.text import chunk_sentences, first_sentence, sample_subcaptio
         ("Version 2.0 ships in 2024. Prices rise... Nobody cares.",
          ["Version 2.0 ships in 2024.", "Prices rise...", "Nobody cares."]),
         ("A sign reads no. entry allowed.", ["A sign reads no. entry allowed."]),
+        ("A dog.</s>A cat. </s> A bird\r\nA fish", ["A dog.", "A cat.", "A bird", "A fish"]),
+        ("Only one sentence", ["Only one sentence"]),
         ("   ", []),
         ("", []),
     ],
 )
-def test_split_sentences_tricky_inputs(text, expected):
+def test_split_sentences_on_mixed_captions(text, expected):
     assert split_sentences(text) == expected
+
+
+def test_sentence_offsets_locate_each_sentence():
+    text = "  Mr. Lee waves.\nA dog</s> A cat!  "
+    offsets = sentence_offsets(text)
+    assert [text[a:b] for a, b in offsets] == split_sentences(text) == ["Mr. Lee waves.", "A dog", "A cat!"]
+    assert offsets[0] == (2, 16)
 
 
 def test_split_sentences_rejects_non_strings():
     with pytest.raises(TypeError, match="expects a str"):
         split_sentences(None)
+    with pytest.raises(TypeError, match="expects a str"):
+        sentence_offsets(b"A dog.")
 
 
 def _words(text: str) -> int:

@@ -87,6 +87,17 @@ def test_split_chunks_at_sentence_delimiters():
     assert split_chunks("") == [] and split_chunks(" . ; ") == []
 
 
+def test_split_chunks_take_sentences_from_the_one_splitter():
+    # abbreviations and a lower-case continuation stay in their sentence, a line break or </s> ends one
+    assert split_chunks("Mr. Lee waves. the mat. Trees...\nA pond</s>A duck; it swims") == [
+        "Mr. Lee waves. the mat",
+        "Trees",
+        "A pond",
+        "A duck",
+        "it swims",
+    ]
+
+
 def test_topk_regions_on_hand_made_embeddings():
     chunks = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.2]])
     regions = torch.tensor([[0.0, 1.0], [3.0, 0.0], [1.0, 0.9], [-1.0, 0.0]])
@@ -135,10 +146,10 @@ def _text_embed(texts):
 
 def test_region_matcher_pairs_each_chunk_with_its_most_similar_regions():
     matcher = RegionMatcher(FixedSegmenter(), _mean_colour, _text_embed, model_id="hand-made", k=2, match_on="image")
-    out = matcher({"image": [_two_colour_image()], "filtered_caption": ["Left part here. right part; all of it."]})
+    out = matcher({"image": [_two_colour_image()], "filtered_caption": ["Left part here. Right part; all of it."]})
     assert out["region_boxes"] == [[[0.0, 0.0, 32.0, 32.0], [32.0, 0.0, 64.0, 32.0], [0.0, 0.0, 64.0, 32.0]]]
     assert out["region_fallback"] == [False]
-    assert out["chunks"] == [["Left part here", "right part", "all of it"]]
+    assert out["chunks"] == [["Left part here", "Right part", "all of it"]]
     # left -> left half then whole image; right -> right half then whole; all -> whole then a half
     assert out["chunk_topk"][0][0] == [0, 2]
     assert out["chunk_topk"][0][1] == [1, 2]
@@ -171,7 +182,7 @@ def test_region_matcher_uses_edge_crops_and_handles_captions_without_chunks():
 def _image_dataset(n: int = 3) -> datasets.Dataset:
     features = datasets.Features({"image": datasets.Image(), "filtered_caption": datasets.Value("string")})
     images = [_two_colour_image(64 + 8 * i, 32) for i in range(n)]
-    captions = ["left side. right side.", "all of it", ""][:n]
+    captions = ["Left side. Right side.", "all of it", ""][:n]
     return datasets.Dataset.from_dict({"image": images, "filtered_caption": captions}, features=features)
 
 
