@@ -20,6 +20,8 @@ from finetune.config import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+#: a recipe of all defaults (an empty file is an error)
+DEFAULTS = "# defaults\nmodel: {}\n"
 
 
 def write(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
@@ -73,8 +75,17 @@ def test_minimal_recipe_gets_schema_defaults_and_description(tmp_path):
     assert recipe.objective.terms == {}
 
 
-def test_empty_file_is_all_defaults(tmp_path):
-    assert load_recipe(write(tmp_path, "")) == Recipe()
+def test_empty_sections_are_all_defaults(tmp_path):
+    assert load_recipe(write(tmp_path, "model: {}\n")) == Recipe()
+    assert load_recipe(write(tmp_path, "model:\ntrain:\n")) == Recipe()
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "\n\n"])
+def test_empty_file_is_an_error_naming_the_file(tmp_path, text):
+    path = write(tmp_path, text)
+    with pytest.raises(RecipeError, match=rf"{path}: the recipe is empty; write at least one section") as info:
+        load_recipe(path, ["train.lr=1e-5"])
+    assert info.value.file == str(path)
 
 
 def test_yaml_numbers_without_dot_and_unquoted_no(tmp_path):
@@ -133,7 +144,7 @@ def test_overrides_are_typed_and_applied_after_the_file(tmp_path):
 
 
 def test_override_into_a_list_entry_by_index(tmp_path):
-    recipe = load_recipe(write(tmp_path, ""), ["eval.sets.0.size=32"])
+    recipe = load_recipe(write(tmp_path, DEFAULTS), ["eval.sets.0.size=32"])
     assert recipe.eval.sets == [{"name": "synthetic", "split": "test", "size": 32, "seed": 1}]
 
 
@@ -179,7 +190,7 @@ def test_unknown_section_and_key_of_another_section(tmp_path):
 
 def test_unknown_override_key_names_the_override_and_closest_key(tmp_path):
     with pytest.raises(RecipeError) as info:
-        load_recipe(write(tmp_path, ""), ["train.batchsize=4"])
+        load_recipe(write(tmp_path, DEFAULTS), ["train.batchsize=4"])
     msg = str(info.value)
     assert "override `train.batchsize=4`" in msg and "did you mean `train.batch_size`?" in msg
 
@@ -202,14 +213,14 @@ def test_wrong_type_names_the_expected_type_and_line(tmp_path):
 
 def test_wrong_type_in_override(tmp_path):
     with pytest.raises(RecipeError, match=r"override `train.epochs=many`: `train.epochs` expected an integer or null"):
-        load_recipe(write(tmp_path, ""), ["train.epochs=many"])
+        load_recipe(write(tmp_path, DEFAULTS), ["train.epochs=many"])
 
 
 def test_choice_fields_list_the_allowed_values(tmp_path):
     with pytest.raises(RecipeError, match=r"one of 'full', 'lora', 'dora', got 'lroa' \(did you mean 'lora'\?\)"):
         load_recipe(write(tmp_path, "adapter:\n  type: lroa\n"))
     with pytest.raises(RecipeError, match=r"override `objective.base=infonce`.*not a registered objective term.*`clip`, `longclip`, `none`, `siglip`"):
-        load_recipe(write(tmp_path, ""), ["objective.base=infonce"])
+        load_recipe(write(tmp_path, DEFAULTS), ["objective.base=infonce"])
 
 
 def test_invalid_yaml_and_duplicate_keys_name_the_line(tmp_path):
@@ -227,7 +238,7 @@ def test_top_level_must_be_a_mapping(tmp_path):
 
 
 def test_malformed_overrides(tmp_path):
-    path = write(tmp_path, "")
+    path = write(tmp_path, DEFAULTS)
     with pytest.raises(RecipeError, match=r"`train.lr` is not `key.sub=value`"):
         load_recipe(path, ["train.lr"])
     with pytest.raises(RecipeError, match="not valid YAML"):
@@ -241,7 +252,7 @@ def test_range_and_cross_field_checks(tmp_path):
     with pytest.raises(RecipeError, match=r"line 2: .*must be divisible by `train.accumulation_steps` \(4\)"):
         load_recipe(path)
     with pytest.raises(RecipeError, match=r"override `train.accumulation_steps=3`"):
-        load_recipe(write(tmp_path, ""), ["train.accumulation_steps=3"])
+        load_recipe(write(tmp_path, DEFAULTS), ["train.accumulation_steps=3"])
     with pytest.raises(RecipeError, match=r"`hub.push: true` needs `hub.repo_id`"):
         load_recipe(write(tmp_path, "hub:\n  push: true\n"))
     with pytest.raises(RecipeError, match=r"`train.lr` must be > 0, got 0.0"):
