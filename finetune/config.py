@@ -108,10 +108,21 @@ def _yaml_word(value: Any) -> Any:
     return value
 
 
-#: a number; ``1e-5`` written without a dot (a string in YAML 1.1) is read as one
-Float = Annotated[float, BeforeValidator(_yaml_float), Strict()]
-#: an integer; ``1e3`` and ``8.0`` are read as 1000 and 8, ``8.5`` and ``true`` are errors
-Int = Annotated[int, BeforeValidator(_yaml_int), Strict()]
+def _float(**bounds: float) -> Any:
+    """A number within ``bounds`` (``gt``, ``ge``, ``lt``, ``le``); ``1e-5`` written without a dot (a
+    string in YAML 1.1) is read as one. (The bounds sit inside the YAML conversion, so that the
+    JSON schema states them as ``minimum`` / ``exclusiveMinimum`` / ...)"""
+    return Annotated[float, Strict(), Field(**bounds), BeforeValidator(_yaml_float)]
+
+
+def _int(**bounds: int) -> Any:
+    """An integer within ``bounds``; ``1e3`` and ``8.0`` are read as 1000 and 8, ``8.5`` and
+    ``true`` are errors."""
+    return Annotated[int, Strict(), Field(**bounds), BeforeValidator(_yaml_int)]
+
+
+Float = _float()
+Int = _int()
 Bool = StrictBool
 Str = StrictStr
 
@@ -138,7 +149,7 @@ def _positive_ints(value: list[int]) -> list[int]:
 
 
 NonEmptyStr = Annotated[str, Strict(), AfterValidator(_non_empty)]
-UnitInterval = Annotated[float, BeforeValidator(_yaml_float), Strict(), Field(ge=0.0, lt=1.0)]
+UnitInterval = _float(ge=0.0, lt=1.0)
 
 
 def _doc(text: str) -> Any:
@@ -223,8 +234,8 @@ class KPSConfig:
     reaches ``model.max_text_len``); ``freeze_kept`` keeps the copied rows frozen in training.
     """
 
-    keep: Annotated[Int, Field(ge=0), _doc("position rows copied as they are (Long-CLIP: 20)")] = 20
-    ratio: Annotated[Int | None, Field(ge=1), _doc("interpolation ratio; null: the smallest that "
+    keep: Annotated[_int(ge=0), _doc("position rows copied as they are (Long-CLIP: 20)")] = 20
+    ratio: Annotated[_int(ge=1) | None, _doc("interpolation ratio; null: the smallest that "
                                                    "reaches model.max_text_len")] = None
     freeze_kept: Annotated[Bool, _doc("keep the copied rows frozen in training")] = True
 
@@ -232,7 +243,7 @@ class KPSConfig:
 def _check_family(value: str) -> str:
     if value != "auto":
         known = _registry_names("finetune.models.families",
-                                ("available_model_families", "available_families", "model_families"))
+                                ("model_family_names", "available_model_families"))
         _check_registered(value, known, "a registered model family", extra=("auto",))
     return value
 
@@ -248,7 +259,7 @@ class ModelConfig:
                            "detects it from a saved folder's files or the registry name")] = "auto"
     backend: Annotated[NonEmptyStr, AfterValidator(_check_family),
                        _doc("deprecated alias of `family` (auto defers to `family`)")] = "auto"
-    max_text_len: Annotated[Int | None, Field(ge=1), _doc("text length after KPS (Long-CLIP: 248); "
+    max_text_len: Annotated[_int(ge=1) | None, _doc("text length after KPS (Long-CLIP: 248); "
                                                           "null keeps the model's own")] = 248
     kps: Annotated[KPSConfig, _doc("Long-CLIP KPS settings")] = dataclasses.field(default_factory=KPSConfig)
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
@@ -285,8 +296,8 @@ class AdapterConfig:
     """
 
     type: Annotated[Literal["full", "lora", "dora"], _doc("full fine-tuning or a peft adapter")] = "full"
-    r: Annotated[Int, Field(ge=1), _doc("LoRA rank")] = 16
-    alpha: Annotated[Int, Field(ge=1), _doc("LoRA alpha (the update is scaled by alpha / r)")] = 32
+    r: Annotated[_int(ge=1), _doc("LoRA rank")] = 16
+    alpha: Annotated[_int(ge=1), _doc("LoRA alpha (the update is scaled by alpha / r)")] = 32
     dropout: Annotated[UnitInterval, _doc("dropout on the LoRA branch input")] = 0.05
     targets: Annotated[Literal["preset"] | list[Str],
                        _doc("preset (the backend's attention + MLP linears) or module names")] = "preset"
@@ -331,7 +342,7 @@ class DataConfig:
                                        "mapping of SourceSpec keys")] = dataclasses.field(
         default_factory=_default_train_source)
     on_error: Annotated[Literal["skip", "raise"], _doc("bad rows: count and skip them, or stop")] = "skip"
-    num_workers: Annotated[Int, Field(ge=0), _doc("data-loader worker processes")] = 0
+    num_workers: Annotated[_int(ge=0), _doc("data-loader worker processes")] = 0
     cache_dir: Annotated[Str | None, _doc("where downloaded / preprocessed data is cached")] = None
 
 
@@ -348,7 +359,7 @@ class EvalConfig:
     sets: Annotated[list[SourceEntry], BeforeValidator(_validate_source_list),
                     _doc("the evaluation sets (dataset entries)")] = dataclasses.field(
         default_factory=_default_eval_sets)
-    batch_size: Annotated[Int, Field(ge=1)] = 64
+    batch_size: _int(ge=1) = 64
     ks: Annotated[list[Int], AfterValidator(_positive_ints), _doc("the K of Recall@K")] = dataclasses.field(
         default_factory=lambda: [1, 5, 10, 25, 50])
     before: Annotated[Bool, _doc("evaluate the model before training")] = True
@@ -358,9 +369,9 @@ class EvalConfig:
         "show what reading past it buys (only when KPS stretched the model)")] = False
     scorer: Annotated[NonEmptyStr, AfterValidator(_check_scorer), _doc(
         "a registered scorer (finetune.scorers): cosine or one a method registers")] = "cosine"
-    rerank_top_k: Annotated[Int | None, Field(ge=1), _doc(
+    rerank_top_k: Annotated[_int(ge=1) | None, _doc(
         "re-score only the global-cosine top-k candidates with the scorer; null: all")] = None
-    block_size: Annotated[Int, Field(ge=1), _doc("texts x images scored per block (bounds memory)")] = 1024
+    block_size: Annotated[_int(ge=1), _doc("texts x images scored per block (bounds memory)")] = 1024
 
 
 def _validate_terms(value: Any) -> dict[str, Any]:
@@ -405,25 +416,25 @@ class TrainConfig:
     """The Accelerate loop (DESIGN 6). Defaults are StructXLIP's (D.2): AdamW lr 5e-6, weight
     decay 0.05, cosine to 0, batch 16, 10 epochs."""
 
-    lr: Annotated[Float, Field(gt=0.0), _doc("peak learning rate (AdamW)")] = 5.0e-6
-    weight_decay: Annotated[Float, Field(ge=0.0)] = 0.05
+    lr: Annotated[_float(gt=0.0), _doc("peak learning rate (AdamW)")] = 5.0e-6
+    weight_decay: _float(ge=0.0) = 0.05
     betas: Annotated[tuple[Float, Float], AfterValidator(_betas), _doc("AdamW betas")] = (0.9, 0.98)
-    eps: Annotated[Float, Field(gt=0.0)] = 1.0e-6
-    batch_size: Annotated[Int, Field(ge=1), _doc("global batch size (all processes)")] = 16
-    epochs: Annotated[Int | None, Field(ge=1)] = 10
-    max_steps: Annotated[Int | None, Field(ge=1), _doc("stop after this many optimizer steps")] = None
-    warmup_steps: Annotated[Int, Field(ge=0)] = 0
+    eps: _float(gt=0.0) = 1.0e-6
+    batch_size: Annotated[_int(ge=1), _doc("global batch size (all processes)")] = 16
+    epochs: _int(ge=1) | None = 10
+    max_steps: Annotated[_int(ge=1) | None, _doc("stop after this many optimizer steps")] = None
+    warmup_steps: _int(ge=0) = 0
     schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr: Annotated[Float, Field(ge=0.0)] = 0.0
+    min_lr: _float(ge=0.0) = 0.0
     logit_scale_max: Annotated[Float | None, _doc("clamp of the log logit scale after each step")] = None
-    grad_clip: Annotated[Float | None, Field(gt=0.0)] = None
-    accumulation_steps: Annotated[Int, Field(ge=1)] = 1
+    grad_clip: _float(gt=0.0) | None = None
+    accumulation_steps: _int(ge=1) = 1
     mixed_precision: Annotated[Literal["no", "fp16", "bf16"], BeforeValidator(_yaml_word)] = "no"
-    checkpoint_every: Annotated[Int, Field(ge=0), _doc("steps between checkpoints; 0: none")] = 0
-    keep_checkpoints: Annotated[Int, Field(ge=1)] = 2
+    checkpoint_every: Annotated[_int(ge=0), _doc("steps between checkpoints; 0: none")] = 0
+    keep_checkpoints: _int(ge=1) = 2
     resume: Annotated[Str | None, _doc("a checkpoint folder, or `latest`")] = None
     seed: Int = 42
-    log_every: Annotated[Int, Field(ge=1)] = 10
+    log_every: _int(ge=1) = 10
     trackers: list[Str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
     on_nonfinite: Literal["raise", "skip"] = "raise"
     fused_optimizer: Literal["auto"] | Bool = "auto"
