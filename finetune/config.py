@@ -1284,7 +1284,6 @@ def recipe_json_schema() -> dict[str, Any]:
     ``python finetune/run.py --schema > recipe.schema.json``).
     """
     _import_objectives()
-    _adapter.cache_clear()  # term registrations after the first call change the schema
     schema = _adapter(Recipe).json_schema(by_alias=True)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "xlipkit recipe"
