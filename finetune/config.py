@@ -705,7 +705,8 @@ def _source_entry(value: Any) -> dict[str, Any]:
     returned as a plain mapping holding the keys given (values converted to their types)."""
     if isinstance(value, str):
         if not value.strip():
-            raise PydanticCustomError("recipe_value", "is an empty dataset name; write a name like `docci` or a mapping")
+            raise PydanticCustomError("recipe_value",
+                                      "is an empty dataset name; write a name like `docci` or a mapping")
         spec = parse_source_shorthand(value)
         _raise_errors(_check_source_name(spec["name"], ()), "dataset entry")
         return spec
@@ -1016,20 +1017,18 @@ def _recipe_error(exc: ValidationError, origins: _Origins, data: Any, root: Any,
         parent = _type_at(root, path[:-1])
         valid = _fields_of(parent) or {}
         across = any(a in _SECTION_TYPES for a in _arms(parent))
-        return origins.error(where, f"is not a recipe key: {_suggest(str(path[-1]), valid, prefix + path[:-1], across)}",
-                             key_error=True)
+        hint = _suggest(str(path[-1]), valid, prefix + path[:-1], across)
+        return origins.error(where, f"is not a recipe key: {hint}", key_error=True)
     if kind.startswith("recipe_"):
         return origins.error(where if found else prefix + tuple(e["loc"]), e["msg"])
-    if kind in _MISSING or (not found and kind in ("too_short", "too_long")):
+    if kind in ("too_short", "too_long") or (kind in _MISSING and any(
+            typing.get_origin(a) is tuple for a in _arms(tp))):
+        items = list(value) if isinstance(value, (list, tuple)) else []
+        return origins.error(where, f"expected {_describe(tp)}, got {len(items)} values: {items!r}")
+    if kind in _MISSING:
         missing = e["loc"][len(path)] if len(e["loc"]) > len(path) else None
-        arms = _arms(tp)
-        if any(typing.get_origin(a) is tuple for a in arms) or kind in ("too_short", "too_long"):
-            n = len(value) if isinstance(value, (list, tuple)) else 0
-            return origins.error(where, f"expected {_describe(tp)}, got {n} values: {list(value)!r}")
         need = _describe(_child(tp, missing))
         return origins.error(where, f"is missing the required key `{missing}` ({need}); add it")
-    if kind in ("too_short", "too_long") and any(typing.get_origin(a) is tuple for a in _arms(tp)):
-        return origins.error(where, f"expected {_describe(tp)}, got {len(value)} values: {list(value)!r}")
     if kind in ("value_error", "assertion_error"):
         return origins.error(where, str(e.get("ctx", {}).get("error", e["msg"])).removeprefix("Value error, "))
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
@@ -1185,10 +1184,14 @@ def _merge_defaults(data: Any, cls: type) -> Any:
 
 
 def _first_comment(text: str) -> str:
+    """The recipe's description: its first comment line, skipping an editor modeline
+    (``# yaml-language-server: $schema=...``)."""
     for line in text.splitlines():
         stripped = line.strip()
         if stripped.startswith("#"):
-            return stripped.lstrip("#").strip()
+            comment = stripped.lstrip("#").strip()
+            if not comment.startswith("yaml-language-server:"):
+                return comment
     return ""
 
 

@@ -338,7 +338,8 @@ def test_recipe_to_dict_is_plain_yaml_data():
 
 
 def test_list_recipes(tmp_path):
-    write(tmp_path, "# Quick start on synthetic scenes\ntrain: {}\n", "quickstart.yaml")
+    write(tmp_path, "# yaml-language-server: $schema=../recipe.schema.json\n# Quick start on synthetic scenes\n"
+                    "train: {}\n", "quickstart.yaml")
     write(tmp_path, "model: {}\n# late comment\n", "b_other.yml")
     write(tmp_path, "not a recipe", "notes.txt")
     assert list_recipes(tmp_path) == [("b_other", "late comment"), ("quickstart", "Quick start on synthetic scenes")]
@@ -402,7 +403,8 @@ def test_a_pydantic_model_registered_as_term_options_is_validated(tmp_path, term
 def test_dataclass_field_checks_of_term_options_are_run(tmp_path, term_registry):
     @dataclasses.dataclass
     class Checked:
-        k: int = dataclasses.field(default=3, metadata={"check": lambda v: None if v >= 1 else f"must be >= 1, got {v}"})
+        k: int = dataclasses.field(default=3,
+                                   metadata={"check": lambda v: None if v >= 1 else f"must be >= 1, got {v}"})
 
     register_term_config("checked", Checked)
     with pytest.raises(RecipeError, match=r"line 3: `objective.terms.checked.k` must be >= 1, got 0"):
@@ -475,7 +477,8 @@ def test_a_path_on_a_source_that_takes_none_is_an_error(tmp_path):
     assert info.value.key == "data.train.path"
     with pytest.raises(RecipeError, match=r"override `eval.sets.0.path=x`: `eval.sets.0.path` is set"):
         load_recipe(write(tmp_path, DEFAULTS), ["eval.sets.0.path=x"])
-    assert load_recipe(write(tmp_path, "data:\n  train: {name: jsonl, path: x.jsonl}\n")).data.train["path"] == "x.jsonl"
+    recipe = load_recipe(write(tmp_path, "data:\n  train: {name: jsonl, path: x.jsonl}\n"))
+    assert recipe.data.train == {"name": "jsonl", "path": "x.jsonl"}
 
 
 # -- objective.import, base, scorer and model family ----------------------------------------------
