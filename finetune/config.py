@@ -619,6 +619,28 @@ def _checks(value: Any, loc: tuple[Any, ...] = ()) -> list[InitErrorDetails]:
     return errors
 
 
+def _yaml_quirks(value: Mapping[str, Any], cls: Any) -> dict[str, Any]:
+    """``value`` with the YAML 1.1 readings fixed for the field types of ``cls`` (an options class
+    that does not state them itself): ``1e-5`` / ``1e3`` strings for numbers, ``no`` / ``yes``
+    booleans for a choice that has those words; nested options classes too."""
+    fields = _fields_of(cls) or {}
+    out = dict(value)
+    for key, sub in value.items():
+        arms = _arms(fields.get(key, Any))
+        nested = next((a for a in arms if _is_options_class(a)), None)
+        words = [w for a in arms if typing.get_origin(a) is Literal for w in typing.get_args(a)]
+        if nested is not None and isinstance(sub, Mapping):
+            out[key] = _yaml_quirks(sub, nested)
+        elif float in arms:
+            out[key] = _yaml_float(sub)
+        elif int in arms:
+            out[key] = _yaml_int(sub)
+        elif isinstance(sub, bool) and bool not in arms:
+            out[key] = next((w for w in (("yes", "on", "true") if sub else ("no", "off", "false")) if w in words),
+                            sub)
+    return out
+
+
 def _build_options(cls: type, options: Any) -> Any:
     """``options`` (a mapping, ``None`` for the defaults, or an instance) built as ``cls``."""
     if isinstance(options, cls):
@@ -628,6 +650,7 @@ def _build_options(cls: type, options: Any) -> Any:
             options = {}
         if isinstance(options, Mapping):
             _raise_errors(_unknown_keys(options, cls), cls.__name__)
+            options = _yaml_quirks(options, cls)
         instance = _adapter(cls).validate_python(options)
     _raise_errors(_checks(instance), cls.__name__)
     return instance

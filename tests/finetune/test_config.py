@@ -411,6 +411,22 @@ def test_dataclass_field_checks_of_term_options_are_run(tmp_path, term_registry)
         load_recipe(write(tmp_path, "objective:\n  terms:\n    checked: {k: 0}\n"))
 
 
+def test_yaml_quirks_in_term_options(tmp_path, term_registry):
+    @dataclasses.dataclass
+    class Quirky:
+        steps: int = 1
+        rate: float | None = None
+        mode: Literal["no", "fp16"] = "fp16"
+        flag: bool = True
+
+    register_term_config("quirky", Quirky)
+    recipe = load_recipe(write(tmp_path, "objective:\n  terms:\n    quirky: {steps: 1e3, rate: 1e-5, mode: no}\n"))
+    assert recipe.objective.terms["quirky"] == Quirky(steps=1000, rate=1e-5, mode="no")
+    assert isinstance(recipe.objective.terms["quirky"].steps, int)
+    with pytest.raises(RecipeError, match=r"`objective.terms.quirky.steps` expected an integer, got 2.5"):
+        load_recipe(write(tmp_path, "objective:\n  terms:\n    quirky: {steps: 2.5}\n"))
+
+
 def test_schema_flag_prints_the_json_schema_with_terms_and_types():
     out = subprocess.run([sys.executable, str(REPO / "finetune" / "run.py"), "--schema"], capture_output=True,
                          text=True, cwd=REPO, timeout=600)
