@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import os
 import re
@@ -29,7 +30,6 @@ import tempfile
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -153,6 +153,7 @@ UnitInterval = _float(ge=0.0, lt=1.0)
 
 
 def _doc(text: str) -> Any:
+    """A key's description in the JSON schema (editors show it on hover)."""
     return Field(description=text)
 
 
@@ -194,8 +195,7 @@ def _close_objects(schema: dict[str, Any], handler: Any) -> None:
         schema["additionalProperties"] = False
         for sub in schema["properties"].values():
             for arm in [sub, *sub.get("anyOf", [])]:
-                if "$ref" in arm:
-                    _close_objects(handler.resolve_ref_schema(arm), handler)
+                _close_objects(handler.resolve_ref_schema(arm) if "$ref" in arm else arm, handler)
 
 
 # -- the sections ---------------------------------------------------------------------------------
@@ -212,6 +212,7 @@ def _section(path: tuple[str, ...]) -> Callable[[type], type]:
         out = pydantic_dataclass(cls, config=_SECTION_CONFIG)
         validated_init = out.__init__
 
+        @functools.wraps(validated_init)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             try:
                 validated_init(self, *args, **kwargs)
@@ -219,7 +220,6 @@ def _section(path: tuple[str, ...]) -> Callable[[type], type]:
                 data = dict(zip([f.name for f in dataclasses.fields(out)], args)) | kwargs
                 raise _recipe_error(exc, _Origins(None, None), data, out, path) from None
 
-        __init__.__doc__ = validated_init.__doc__
         out.__init__ = __init__
         return out
 
@@ -560,7 +560,7 @@ def _import_objectives() -> None:
         pass
 
 
-@lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _adapter(cls: Any) -> TypeAdapter:
     return TypeAdapter(cls)
 
@@ -966,7 +966,7 @@ def _plural(tp: Any) -> str:
     return f"values ({_describe(tp)})"
 
 
-@lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def _schema_paths() -> tuple[str, ...]:
     """Every key of the fixed schema (``train.lr``, ``model.kps.keep``), for suggestions across sections."""
     def walk(tp: Any, prefix: str) -> list[str]:
