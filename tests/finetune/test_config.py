@@ -530,7 +530,7 @@ def test_scorer_and_model_family_are_checked_against_their_registries(tmp_path, 
     monkeypatch.setitem(sys.modules, "finetune.scorers", types.SimpleNamespace(
         available_scorers=lambda: {"cosine": "", "token_max": ""}))
     monkeypatch.setitem(sys.modules, "finetune.models.families", types.SimpleNamespace(
-        available_model_families=lambda: ["hf", "open_clip"]))
+        model_family_names=lambda: ["hf", "open_clip"]))
     recipe = load_recipe(write(tmp_path, "eval:\n  scorer: token_max\nmodel:\n  family: open_clip\n"))
     assert (recipe.eval.scorer, recipe.model.family) == ("token_max", "open_clip")
     with pytest.raises(RecipeError, match=r"line 2: `eval.scorer` is 'token_mx', not a registered scorer: "
@@ -539,6 +539,16 @@ def test_scorer_and_model_family_are_checked_against_their_registries(tmp_path, 
     with pytest.raises(RecipeError, match=r"override `model.family=openclip`: `model.family` is 'openclip', not a "
                                           r"registered model family: did you mean `open_clip`\?"):
         load_recipe(write(tmp_path, DEFAULTS), ["model.family=openclip"])
+
+
+def test_model_family_is_checked_against_the_registered_families(tmp_path):
+    families = pytest.importorskip("finetune.models.families")
+    assert "hf" in families.model_family_names()
+    with pytest.raises(RecipeError, match=r"line 2: `model.family` is 'hff', not a registered model family: "
+                                          r"did you mean `hf`\? choose one of `auto`, `hf`"):
+        load_recipe(write(tmp_path, "model:\n  family: hff\n"))
+    with pytest.raises(RecipeError, match=r"`model.backend` is 'jax', not a registered model family"):
+        load_recipe(write(tmp_path, "model:\n  backend: jax\n"))
 
 
 def test_model_backend_is_a_deprecated_alias_of_family(tmp_path):
