@@ -347,7 +347,7 @@ class DataConfig:
 
 
 def _check_scorer(value: str) -> str:
-    known = _registry_names("finetune.scorers", ("available_scorers",))
+    known = _registry_names("finetune.scorers", ("available_scorers", "scorer_names"))
     _check_registered(value, known, "a registered scorer")
     return value
 
