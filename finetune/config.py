@@ -334,6 +334,21 @@ def _validate_source_list(value: Any) -> Any:
 SourceEntry = Annotated[dict[str, Any], BeforeValidator(_validate_source_entry), _SOURCE_MARK]
 
 
+def _no_streams(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Evaluation sets are map-style datasets: a stream entry (``webdataset``, ...) is an error."""
+    parse = getattr(_source_spec_class(), "parse", None)
+    if parse is None:
+        return entries
+    errors = []
+    for i, entry in enumerate(entries):
+        if getattr(parse(dict(entry)), "is_stream", False):
+            errors.append(InitErrorDetails(type=PydanticCustomError(
+                "recipe_value", "is a stream; only `data.train` can be read as a stream: evaluate on a "
+                "map-style source (a path, a benchmark name)"), loc=(i,), input=entry))
+    _raise_errors(errors, "eval.sets")
+    return entries
+
+
 @_section(("data",))
 class DataConfig:
     """The training data: a dataset entry (a ``SourceSpec`` mapping) and how to treat bad rows."""
@@ -356,7 +371,7 @@ def _check_scorer(value: str) -> str:
 class EvalConfig:
     """Retrieval evaluation before and after training (``finetune.evaluate``)."""
 
-    sets: Annotated[list[SourceEntry], BeforeValidator(_validate_source_list),
+    sets: Annotated[list[SourceEntry], BeforeValidator(_validate_source_list), AfterValidator(_no_streams),
                     _doc("the evaluation sets (dataset entries)")] = dataclasses.field(
         default_factory=_default_eval_sets)
     batch_size: _int(ge=1) = 64
@@ -738,16 +753,40 @@ def _source_entry(value: Any) -> dict[str, Any]:
             "recipe_value", "expected a dataset name (e.g. `docci`, `docci:goal`) or a mapping with {keys}; "
             "got {got} ({kind})", {"keys": ", ".join(_source_keys()), "got": repr(value), "kind": _type_name(value)})
     cls = _source_spec_class()
-    spec = _build_options(cls, value)
+    probe = dict(value)
+    if "name" not in probe:
+        # an alias of `name` that the source module knows (a stream's `format`) counts as a name
+        name = _spec_name(cls, value)
+        if name is not None:
+            probe["name"] = name
+    spec = _build_options(cls, probe)
     out = {k: getattr(spec, k) for k in value}
-    errors = _check_source_name(out["name"], ("name",))
-    if not errors and out.get("path") is not None and not _source_takes_path(out["name"]):
-        message = (f"is set, but the source {out['name']!r} takes no path (it makes its own data); "
+    errors = _check_source_name(spec.name, ("name",) if "name" in value else ())
+    if not errors and spec.path is not None and not _source_takes_path(spec.name):
+        message = (f"is set, but the source {spec.name!r} takes no path (it makes its own data); "
                    f"remove the key")
         errors.append(InitErrorDetails(type=PydanticCustomError("recipe_key", message), loc=("path",),
-                                       input=out["path"]))
+                                       input=spec.path))
     _raise_errors(errors, "dataset entry")
+    parse = getattr(cls, "parse", None)
+    if callable(parse):  # the source module's own checks across keys (streams, ranges, ...)
+        try:
+            parse(dict(out))
+        except ValueError as exc:
+            raise PydanticCustomError("recipe_value", "is not a valid dataset entry: {problem}",
+                                      {"problem": str(exc)}) from None
     return out
+
+
+def _spec_name(cls: Any, value: Mapping[str, Any]) -> str | None:
+    """The source name that ``cls.parse`` reads from an entry without ``name``, else ``None``."""
+    parse = getattr(cls, "parse", None)
+    if not callable(parse):
+        return None
+    try:
+        return parse(dict(value)).name
+    except (ValueError, TypeError):
+        return None
 
 
 def parse_sources(value: Any, key: str = "eval.sets") -> list[dict[str, Any]]:

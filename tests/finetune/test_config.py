@@ -497,6 +497,21 @@ def test_a_path_on_a_source_that_takes_none_is_an_error(tmp_path):
     assert recipe.data.train == {"name": "jsonl", "path": "x.jsonl"}
 
 
+def test_dataset_entries_get_the_source_modules_own_checks(tmp_path):
+    recipe = load_recipe(write(tmp_path, "data:\n  train: {format: webdataset, urls: 'shards/{0..3}.tar'}\n"
+                                         "train:\n  max_steps: 10\n"))
+    assert recipe.data.train == {"format": "webdataset", "urls": "shards/{0..3}.tar"}  # `format` names the source
+    path = write(tmp_path, "data:\n  train: {name: docci, streaming: true}\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line 2: `data.train` is not a valid dataset entry: "
+                                          r"data source 'docci' cannot be streamed"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"`data.train` is not a valid dataset entry: .*'size' must be positive"):
+        load_recipe(write(tmp_path, "data:\n  train: {name: synthetic, size: 0}\n"))
+    path = write(tmp_path, "eval:\n  sets:\n    - docci\n    - {name: webdataset, urls: x.tar}\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line 4: `eval.sets.1` is a stream; only `data.train`"):
+        load_recipe(path)
+
+
 # -- objective.import, base, scorer and model family ----------------------------------------------
 def test_objective_import_registers_a_term_from_a_module(tmp_path, monkeypatch, term_registry):
     (tmp_path / "my_terms_xyz.py").write_text(
