@@ -362,8 +362,9 @@ class DataConfig:
 
 
 def _check_scorer(value: str) -> str:
-    known = _registry_names("finetune.scorers", ("available_scorers", "scorer_names"))
-    _check_registered(value, known, "a registered scorer")
+    if value != "cosine":  # the built-in default: no need to import the scorers (and torch) for it
+        known = _registry_names("finetune.scorers", ("available_scorers", "scorer_names"))
+        _check_registered(value, known, "a registered scorer")
     return value
 
 

@@ -566,6 +566,13 @@ def test_model_family_is_checked_against_the_registered_families(tmp_path):
         load_recipe(write(tmp_path, "model:\n  backend: jax\n"))
 
 
+def test_eval_scorer_is_checked_against_the_registered_scorers(tmp_path):
+    scorers = pytest.importorskip("finetune.scorers")
+    assert "cosine" in scorers.available_scorers()
+    with pytest.raises(RecipeError, match=r"`eval.scorer` is 'cosin', not a registered scorer: did you mean `cosine`\?"):
+        load_recipe(write(tmp_path, DEFAULTS), ["eval.scorer=cosin"])
+
+
 def test_model_backend_is_a_deprecated_alias_of_family(tmp_path):
     recipe = load_recipe(write(tmp_path, "model:\n  backend: open_clip\n"))
     assert recipe.model.family == "open_clip"
