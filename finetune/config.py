@@ -1,33 +1,44 @@
-"""Recipes: the typed schema, YAML loading, ``key.sub=value`` overrides and validation errors.
+"""Recipes: the typed schema (pydantic v2), YAML loading, ``key.sub=value`` overrides and errors.
 
 A recipe is one YAML file (``recipes/*.yaml``) whose first comment line describes it, with the
 sections ``model``, ``adapter``, ``data``, ``objective``, ``train``, ``eval``, ``output`` and
-``hub`` (DESIGN 2-3). :func:`load_recipe` reads it with ``yaml.safe_load`` semantics, applies
-command-line overrides and returns a :class:`Recipe` of nested dataclasses; every problem is a
-:class:`RecipeError` whose message names the file and line (or the override), the key path and
-how to fix it. :func:`dump_recipe` writes the resolved recipe into a run folder.
+``hub`` (DESIGN 2-3). Each section is a pydantic dataclass (attribute access, ``vars()``,
+``dataclasses.asdict`` / ``replace`` keep working); pydantic converts and checks the values, and
+this module turns its errors into a :class:`RecipeError` whose message names the file and line (or
+the command-line override), the key path, what was expected and, for an unknown key, the closest
+valid one (``did you mean `train.lr`?``, also across sections). :func:`load_recipe` reads a file
+with ``yaml.safe_load`` semantics and applies overrides; :func:`dump_recipe` writes the resolved
+recipe into a run folder; :func:`recipe_json_schema` (``python finetune/run.py --schema``) is the
+JSON schema that editors use to complete and check recipes.
 
-Dataset entries (``data.train`` and each of ``eval.sets``) stay plain mappings with the keys of
-``finetune.data.sources.SourceSpec``; the string shorthand ``docci`` / ``docci:goal`` (name and
-protocol) is expanded to a mapping. The options of each objective term are validated by the
-dataclass that the term registered with :func:`register_term_config`.
+Dataset entries (``data.train`` and each of ``eval.sets``) stay plain mappings, validated against
+``finetune.data.sources.SourceSpec`` (the keys come from that dataclass); the string shorthand
+``docci`` / ``docci:goal`` (name and protocol) is expanded to a mapping. The options of each
+objective term are validated by the class (a dataclass or a pydantic model) that the term
+registered with :func:`register_term_config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import importlib
 import os
 import re
 import tempfile
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import Strict, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 __all__ = [
     "AdapterConfig",
@@ -47,16 +58,11 @@ __all__ = [
     "load_recipe",
     "parse_source_shorthand",
     "parse_sources",
+    "recipe_json_schema",
     "recipe_to_dict",
     "register_term_config",
     "registered_term_configs",
 ]
-
-#: The keys of a dataset entry (``finetune.data.sources.SourceSpec``).
-SOURCE_SPEC_KEYS: tuple[str, ...] = (
-    "name", "path", "split", "protocol", "size", "seed", "limit",
-    "image_column", "caption_column", "id_column", "options",
-)
 
 
 class RecipeError(ValueError):
@@ -77,50 +83,150 @@ class RecipeError(ValueError):
         self.key = key
 
 
-# -- field checks ---------------------------------------------------------------------------------
-def _at_least(low: float) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if value is not None and value < low:
-            return f"must be >= {low:g}, got {value!r}"
-        return None
-    return check
+# -- value types: YAML 1.1 quirks and range checks ------------------------------------------------
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
-def _in_unit_interval(value: Any) -> str | None:
-    if value is not None and not 0.0 <= value < 1.0:
-        return f"must be in [0, 1), got {value!r}"
-    return None
+def _yaml_float(value: Any) -> Any:
+    # YAML 1.1 reads `1e-5` (no dot) as a string; it is a number here
+    if isinstance(value, str) and _NUMBER.match(value.strip()):
+        return float(value)
+    return value
 
 
-def _positive(value: Any) -> str | None:
-    if value is not None and value <= 0:
-        return f"must be > 0, got {value!r}"
-    return None
+def _yaml_int(value: Any) -> Any:
+    value = _yaml_float(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
-def _betas(value: Any) -> str | None:
+def _yaml_word(value: Any) -> Any:
+    # YAML 1.1 reads unquoted no/yes/off/on as booleans: `mixed_precision: no`
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return value
+
+
+def _float(**bounds: float) -> Any:
+    """A number within ``bounds`` (``gt``, ``ge``, ``lt``, ``le``); ``1e-5`` written without a dot (a
+    string in YAML 1.1) is read as one. (The bounds sit inside the YAML conversion, so that the
+    JSON schema states them as ``minimum`` / ``exclusiveMinimum`` / ...)"""
+    return Annotated[float, Strict(), Field(**bounds), BeforeValidator(_yaml_float)]
+
+
+def _int(**bounds: int) -> Any:
+    """An integer within ``bounds``; ``1e3`` and ``8.0`` are read as 1000 and 8, ``8.5`` and
+    ``true`` are errors."""
+    return Annotated[int, Strict(), Field(**bounds), BeforeValidator(_yaml_int)]
+
+
+Float = _float()
+Int = _int()
+Bool = StrictBool
+Str = StrictStr
+
+
+def _non_empty(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be empty")
+    return value
+
+
+def _betas(value: tuple[float, float]) -> tuple[float, float]:
     if any(not 0.0 <= b < 1.0 for b in value):
-        return f"both betas must be in [0, 1), got {list(value)!r}"
-    return None
+        raise ValueError(f"both betas must be in [0, 1), got {list(value)!r}")
+    return value
 
 
-def _positive_ints(value: Any) -> str | None:
+def _positive_ints(value: list[int]) -> list[int]:
     if not value:
-        return "must list at least one K, e.g. [1, 5, 10]"
+        raise ValueError("must list at least one K, e.g. [1, 5, 10]")
     bad = [k for k in value if k < 1]
-    return f"every K must be >= 1, got {bad!r}" if bad else None
+    if bad:
+        raise ValueError(f"every K must be >= 1, got {bad!r}")
+    return value
 
 
-def _non_empty(value: Any) -> str | None:
-    return "must not be empty" if isinstance(value, str) and not value.strip() else None
+NonEmptyStr = Annotated[str, Strict(), AfterValidator(_non_empty)]
+UnitInterval = _float(ge=0.0, lt=1.0)
 
 
-def _check(fn: Callable[[Any], str | None]) -> dict[str, Any]:
-    return {"check": fn}
+def _doc(text: str) -> Any:
+    """A key's description in the JSON schema (editors show it on hover)."""
+    return Field(description=text)
 
 
-# -- the schema -----------------------------------------------------------------------------------
-@dataclass
+# -- schema markers: dataset entries and objective terms ------------------------------------------
+class _SourceEntry:
+    """Marks a dataset entry (``SourceSpec`` mapping or shorthand); gives its JSON schema."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        spec = _json_schema_of(_source_spec_class(), handler)
+        return {"anyOf": [{"type": "string", "description": "a registered source name, or `name:protocol`"},
+                          spec]}
+
+
+class _TermOptions:
+    """Marks ``objective.terms``; its JSON schema lists the registered terms and their options."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        props = {name: {"anyOf": [_json_schema_of(cls, handler), {"type": "null"}]}
+                 for name, cls in sorted(registered_term_configs().items())}
+        return {"type": "object", "properties": props, "additionalProperties": False,
+                "description": "registered objective term -> its options (null: the defaults)"}
+
+
+_SOURCE_MARK = _SourceEntry()
+_TERMS_MARK = _TermOptions()
+
+
+def _json_schema_of(cls: type, handler: Any) -> dict[str, Any]:
+    schema = handler(_adapter(cls).core_schema)
+    target = handler.resolve_ref_schema(schema) if "$ref" in schema else schema
+    _close_objects(target, handler)
+    return schema
+
+
+def _close_objects(schema: dict[str, Any], handler: Any) -> None:
+    """``additionalProperties: false`` on an options object and the objects nested in it (stdlib
+    dataclasses do not say it themselves; the recipe rejects unknown keys)."""
+    if schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+        for sub in schema["properties"].values():
+            for arm in [sub, *sub.get("anyOf", [])]:
+                _close_objects(handler.resolve_ref_schema(arm) if "$ref" in arm else arm, handler)
+
+
+# -- the sections ---------------------------------------------------------------------------------
+_SECTION_CONFIG = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+def _section(path: tuple[str, ...]) -> Callable[[type], type]:
+    """Make ``cls`` a pydantic dataclass of the recipe schema at ``path`` (``("model", "kps")``).
+
+    Built in code (``TrainConfig(lr=0)``, ``dataclasses.replace``), a bad value raises a
+    :class:`RecipeError` that names the recipe key, as in a file."""
+
+    def wrap(cls: type) -> type:
+        out = pydantic_dataclass(cls, config=_SECTION_CONFIG)
+        validated_init = out.__init__
+
+        @functools.wraps(validated_init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                validated_init(self, *args, **kwargs)
+            except ValidationError as exc:
+                data = dict(zip([f.name for f in dataclasses.fields(out)], args)) | kwargs
+                raise _recipe_error(exc, _Origins(None, None), data, out, path) from None
+
+        out.__init__ = __init__
+        return out
+
+    return wrap
+
+
+@_section(("model", "kps"))
 class KPSConfig:
     """Long-CLIP knowledge-preserving stretching of the text positions (Long-CLIP 3.1; DESIGN 4).
 
@@ -128,39 +234,79 @@ class KPSConfig:
     reaches ``model.max_text_len``); ``freeze_kept`` keeps the copied rows frozen in training.
     """
 
-    keep: int = field(default=20, metadata=_check(_at_least(0)))
-    ratio: int | None = field(default=None, metadata=_check(_at_least(1)))
-    freeze_kept: bool = True
+    keep: Annotated[_int(ge=0), _doc("position rows copied as they are (Long-CLIP: 20)")] = 20
+    ratio: Annotated[_int(ge=1) | None, _doc("interpolation ratio; null: the smallest that "
+                                                   "reaches model.max_text_len")] = None
+    freeze_kept: Annotated[Bool, _doc("keep the copied rows frozen in training")] = True
 
 
-@dataclass
+def _check_family(value: str) -> str:
+    if value != "auto":
+        known = _registry_names("finetune.models.families",
+                                ("model_family_names", "available_model_families"))
+        _check_registered(value, known, "a registered model family", extra=("auto",))
+    return value
+
+
+@_section(("model",))
 class ModelConfig:
     """Which model to load and how (``finetune.load_model``)."""
 
-    name_or_path: str = field(default="small-clip", metadata=_check(_non_empty))
-    #: the registered model family that loads it (``finetune.models.families``: ``hf``, ``open_clip``,
-    #: ...); ``auto`` detects it from a saved folder's own files or the registry name
-    family: str = field(default="auto", metadata=_check(_non_empty))
-    #: deprecated alias of ``family`` (``auto`` defers to ``family``)
-    backend: str = "auto"
-    max_text_len: int | None = field(default=248, metadata=_check(_at_least(1)))
-    kps: KPSConfig = field(default_factory=KPSConfig)
+    name_or_path: Annotated[NonEmptyStr, _doc("a hub id, a local folder or a registry name "
+                                              "(small-clip, tiny-clip, ...)")] = "small-clip"
+    family: Annotated[NonEmptyStr, AfterValidator(_check_family),
+                      _doc("the registered model family that loads it (hf, open_clip, ...); auto "
+                           "detects it from a saved folder's files or the registry name")] = "auto"
+    backend: Annotated[NonEmptyStr, AfterValidator(_check_family),
+                       _doc("deprecated alias of `family` (auto defers to `family`)")] = "auto"
+    max_text_len: Annotated[_int(ge=1) | None, _doc("text length after KPS (Long-CLIP: 248); "
+                                                          "null keeps the model's own")] = 248
+    kps: Annotated[KPSConfig, _doc("Long-CLIP KPS settings")] = dataclasses.field(default_factory=KPSConfig)
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
+    gradient_checkpointing: Bool = False
+    trust_remote_code: Annotated[Bool, _doc("let transformers run the model repository's code")] = False
+
+    def __post_init__(self) -> None:
+        if self.backend != "auto" and self.family == "auto":
+            self.family = self.backend
 
 
-@dataclass
+#: parameters trained next to an adapter by default (``finetune.models.adapters.EXTRA_SYMBOLS``)
+_DEFAULT_TRAIN_EXTRA = ("positions", "logit_scale", "logit_bias")
+
+
+@_section(("adapter",))
 class AdapterConfig:
-    """Full fine-tuning or a peft LoRA / DoRA adapter (DESIGN 4, "Adapters")."""
+    """How to fine-tune: ``full`` (every parameter), ``lora`` or ``dora`` (peft; DESIGN 4,
+    "Adapters"). The one adapter settings class: the recipe's ``adapter`` section and
+    ``finetune.models.adapters.apply_adapter`` both take it.
 
-    type: Literal["full", "lora", "dora"] = "full"
-    r: int = field(default=16, metadata=_check(_at_least(1)))
-    alpha: int = field(default=32, metadata=_check(_at_least(1)))
-    dropout: float = field(default=0.05, metadata=_check(_in_unit_interval))
-    targets: Literal["preset"] | list[str] = "preset"
-    include_mlp: bool = True
-    extra_targets: list[str] = field(default_factory=list)
+    Attributes:
+        type: ``"full"``, ``"lora"`` or ``"dora"``.
+        r: LoRA rank.
+        alpha: LoRA ``alpha`` (the update is scaled by ``alpha / r``).
+        dropout: dropout on the LoRA branch input.
+        targets: ``"preset"`` (the backend's attention + MLP linears) or a list of module names
+            (peft's suffix matching).
+        include_mlp: with the preset, also adapt the MLP linears.
+        extra_targets: more module names to adapt (e.g. ``"text_projection"``).
+        train_extra: parameters trained as they are next to the adapter: ``"positions"`` (the
+            text positional table, when KPS stretched it), ``"logit_scale"``, ``"logit_bias"``, or
+            names / shell patterns of the backend model's parameters (``"text_model.final_layer_norm.*"``).
+    """
+
+    type: Annotated[Literal["full", "lora", "dora"], _doc("full fine-tuning or a peft adapter")] = "full"
+    r: Annotated[_int(ge=1), _doc("LoRA rank")] = 16
+    alpha: Annotated[_int(ge=1), _doc("LoRA alpha (the update is scaled by alpha / r)")] = 32
+    dropout: Annotated[UnitInterval, _doc("dropout on the LoRA branch input")] = 0.05
+    targets: Annotated[Literal["preset"] | list[Str],
+                       _doc("preset (the backend's attention + MLP linears) or module names")] = "preset"
+    include_mlp: Annotated[Bool, _doc("with the preset, also adapt the MLP linears")] = True
+    extra_targets: Annotated[list[Str], _doc("more module names to adapt")] = dataclasses.field(
+        default_factory=list)
+    train_extra: Annotated[list[Str], _doc("trained as they are next to the adapter: positions, "
+                                           "logit_scale, logit_bias or parameter name patterns")] = (
+        dataclasses.field(default_factory=lambda: list(_DEFAULT_TRAIN_EXTRA)))
 
 
 def _default_train_source() -> dict[str, Any]:
@@ -171,106 +317,166 @@ def _default_eval_sets() -> list[dict[str, Any]]:
     return [{"name": "synthetic", "split": "test", "size": 256, "seed": 1}]
 
 
-@dataclass
+def _validate_source_entry(value: Any) -> dict[str, Any]:
+    return _source_entry(value)
+
+
+def _validate_source_list(value: Any) -> Any:
+    if isinstance(value, (str, Mapping)):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise PydanticCustomError(
+            "recipe_value", "expected a list of datasets (names like `docci` or mappings with {keys}), got {got}",
+            {"keys": ", ".join(_source_keys()), "got": repr(value)})
+    return value
+
+
+SourceEntry = Annotated[dict[str, Any], BeforeValidator(_validate_source_entry), _SOURCE_MARK]
+
+
+def _no_streams(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Evaluation sets are map-style datasets: a stream entry (``webdataset``, ...) is an error."""
+    parse = getattr(_source_spec_class(), "parse", None)
+    if parse is None:
+        return entries
+    errors = []
+    for i, entry in enumerate(entries):
+        if getattr(parse(dict(entry)), "is_stream", False):
+            errors.append(InitErrorDetails(type=PydanticCustomError(
+                "recipe_value", "is a stream; only `data.train` can be read as a stream: evaluate on a "
+                "map-style source (a path, a benchmark name)"), loc=(i,), input=entry))
+    _raise_errors(errors, "eval.sets")
+    return entries
+
+
+@_section(("data",))
 class DataConfig:
     """The training data: a dataset entry (a ``SourceSpec`` mapping) and how to treat bad rows."""
 
-    train: dict[str, Any] = field(default_factory=_default_train_source,
-                                  metadata={"source": "one"})
-    on_error: Literal["skip", "raise"] = "skip"
-    num_workers: int = field(default=0, metadata=_check(_at_least(0)))
-    cache_dir: str | None = None
+    train: Annotated[SourceEntry, _doc("the training set: a source name, `name:protocol` or a "
+                                       "mapping of SourceSpec keys")] = dataclasses.field(
+        default_factory=_default_train_source)
+    on_error: Annotated[Literal["skip", "raise"], _doc("bad rows: count and skip them, or stop")] = "skip"
+    num_workers: Annotated[_int(ge=0), _doc("data-loader worker processes")] = 0
+    cache_dir: Annotated[Str | None, _doc("where downloaded / preprocessed data is cached")] = None
 
 
-@dataclass
+def _check_scorer(value: str) -> str:
+    if value != "cosine":  # the built-in default: no need to import the scorers (and torch) for it
+        known = _registry_names("finetune.scorers", ("available_scorers", "scorer_names"))
+        _check_registered(value, known, "a registered scorer")
+    return value
+
+
+@_section(("eval",))
 class EvalConfig:
     """Retrieval evaluation before and after training (``finetune.evaluate``)."""
 
-    sets: list[dict[str, Any]] = field(default_factory=_default_eval_sets,
-                                       metadata={"source": "list"})
-    batch_size: int = field(default=64, metadata=_check(_at_least(1)))
-    ks: list[int] = field(default_factory=lambda: [1, 5, 10, 25, 50],
-                          metadata=_check(_positive_ints))
-    before: bool = True
-    after: bool = True
-    #: also evaluate the trained model with captions cut at its original length (77 for CLIP), to show
-    #: what reading past it buys (only when KPS stretched the model)
-    compare_base_length: bool = False
-    #: a registered scorer (``finetune.scorers``): ``cosine`` (default) or one a method registers
-    scorer: str = field(default="cosine", metadata=_check(_non_empty))
-    #: re-score only the global-cosine top-k candidates with the scorer (FLAIR's inference); null: all
-    rerank_top_k: int | None = field(default=None, metadata=_check(_at_least(1)))
-    #: texts x images scored per block (bounds evaluation memory)
-    block_size: int = field(default=1024, metadata=_check(_at_least(1)))
+    sets: Annotated[list[SourceEntry], BeforeValidator(_validate_source_list), AfterValidator(_no_streams),
+                    _doc("the evaluation sets (dataset entries)")] = dataclasses.field(
+        default_factory=_default_eval_sets)
+    batch_size: _int(ge=1) = 64
+    ks: Annotated[list[Int], AfterValidator(_positive_ints), _doc("the K of Recall@K")] = dataclasses.field(
+        default_factory=lambda: [1, 5, 10, 25, 50])
+    before: Annotated[Bool, _doc("evaluate the model before training")] = True
+    after: Annotated[Bool, _doc("evaluate the model after training")] = True
+    compare_base_length: Annotated[Bool, _doc(
+        "also evaluate the trained model with captions cut at its original length (77 for CLIP), to "
+        "show what reading past it buys (only when KPS stretched the model)")] = False
+    scorer: Annotated[NonEmptyStr, AfterValidator(_check_scorer), _doc(
+        "a registered scorer (finetune.scorers): cosine or one a method registers")] = "cosine"
+    rerank_top_k: Annotated[_int(ge=1) | None, _doc(
+        "re-score only the global-cosine top-k candidates with the scorer; null: all")] = None
+    block_size: Annotated[_int(ge=1), _doc("texts x images scored per block (bounds memory)")] = 1024
 
 
-@dataclass
+def _validate_terms(value: Any) -> dict[str, Any]:
+    return _term_options(value)
+
+
+def _check_base(value: str) -> str:
+    known = {"none", "clip", "siglip", "longclip", *_TERM_CONFIGS}
+    if value not in known:
+        known |= set(registered_term_configs())
+    if value not in known:
+        close = difflib.get_close_matches(value, sorted(known), n=1)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        raise PydanticCustomError("recipe_value", "is not a registered objective term: {hint}choose one of {known}",
+                                  {"hint": hint, "known": ", ".join(f"`{b}`" for b in sorted(known))})
+    return value
+
+
+@_section(("objective",))
 class ObjectiveConfig:
     """One base loss plus any number of weighted terms (DESIGN 3); ``terms`` maps a registered
-    term name to its options dataclass (see :func:`register_term_config`).
+    term name to its options (the class given to :func:`register_term_config`).
 
     ``label_smoothing: null`` (the default) keeps the base term's own value: 0 for ``clip``, 0.1
     for ``longclip`` (Long-CLIP's training code); a number overrides it.
     """
 
-    #: a registered term used as the base loss (``clip``, ``siglip``, ``longclip``, ...) or ``none``
-    base: str = field(default="clip", metadata=_check(_non_empty))
-    #: modules imported before the terms are validated, so that a user's own terms and scorers
-    #: register (YAML key ``objective.import``)
-    imports: list[str] = field(default_factory=list)
-    label_smoothing: float | None = field(default=None, metadata=_check(_in_unit_interval))
-    terms: dict[str, Any] = field(default_factory=dict, metadata={"terms": True})
+    base: Annotated[NonEmptyStr, AfterValidator(_check_base), _doc(
+        "a registered term used as the base loss (clip, siglip, longclip, ...) or none")] = "clip"
+    #: YAML key ``objective.import``
+    imports: Annotated[list[NonEmptyStr], Field(alias="import"), _doc(
+        "modules imported before the terms are validated, so that your own terms, scorers and "
+        "model families register")] = dataclasses.field(default_factory=list)
+    label_smoothing: Annotated[UnitInterval | None, _doc(
+        "null keeps the base term's own (0 clip, 0.1 longclip)")] = None
+    terms: Annotated[dict[str, Any], BeforeValidator(_validate_terms), _TERMS_MARK] = dataclasses.field(
+        default_factory=dict)
 
 
-@dataclass
+@_section(("train",))
 class TrainConfig:
     """The Accelerate loop (DESIGN 6). Defaults are StructXLIP's (D.2): AdamW lr 5e-6, weight
     decay 0.05, cosine to 0, batch 16, 10 epochs."""
 
-    lr: float = field(default=5.0e-6, metadata=_check(_positive))
-    weight_decay: float = field(default=0.05, metadata=_check(_at_least(0)))
-    betas: tuple[float, float] = field(default=(0.9, 0.98), metadata=_check(_betas))
-    eps: float = field(default=1.0e-6, metadata=_check(_positive))
-    batch_size: int = field(default=16, metadata=_check(_at_least(1)))
-    epochs: int | None = field(default=10, metadata=_check(_at_least(1)))
-    max_steps: int | None = field(default=None, metadata=_check(_at_least(1)))
-    warmup_steps: int = field(default=0, metadata=_check(_at_least(0)))
+    lr: Annotated[_float(gt=0.0), _doc("peak learning rate (AdamW)")] = 5.0e-6
+    weight_decay: _float(ge=0.0) = 0.05
+    betas: Annotated[tuple[Float, Float], AfterValidator(_betas), _doc("AdamW betas")] = (0.9, 0.98)
+    eps: _float(gt=0.0) = 1.0e-6
+    batch_size: Annotated[_int(ge=1), _doc("global batch size (all processes)")] = 16
+    epochs: _int(ge=1) | None = 10
+    max_steps: Annotated[_int(ge=1) | None, _doc("stop after this many optimizer steps")] = None
+    warmup_steps: _int(ge=0) = 0
     schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr: float = field(default=0.0, metadata=_check(_at_least(0)))
-    logit_scale_max: float | None = None
-    grad_clip: float | None = field(default=None, metadata=_check(_positive))
-    accumulation_steps: int = field(default=1, metadata=_check(_at_least(1)))
-    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
-    checkpoint_every: int = field(default=0, metadata=_check(_at_least(0)))
-    keep_checkpoints: int = field(default=2, metadata=_check(_at_least(1)))
-    resume: str | None = None
-    seed: int = 42
-    log_every: int = field(default=10, metadata=_check(_at_least(1)))
-    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    min_lr: _float(ge=0.0) = 0.0
+    logit_scale_max: Annotated[Float | None, _doc("clamp of the log logit scale after each step")] = None
+    grad_clip: _float(gt=0.0) | None = None
+    accumulation_steps: _int(ge=1) = 1
+    mixed_precision: Annotated[Literal["no", "fp16", "bf16"], BeforeValidator(_yaml_word)] = "no"
+    checkpoint_every: Annotated[_int(ge=0), _doc("steps between checkpoints; 0: none")] = 0
+    keep_checkpoints: _int(ge=1) = 2
+    resume: Annotated[Str | None, _doc("a checkpoint folder, or `latest`")] = None
+    seed: Int = 42
+    log_every: _int(ge=1) = 10
+    trackers: list[Str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
     on_nonfinite: Literal["raise", "skip"] = "raise"
-    fused_optimizer: Literal["auto"] | bool = "auto"
+    fused_optimizer: Literal["auto"] | Bool = "auto"
 
 
-@dataclass
+@_section(("output",))
 class OutputConfig:
     """Where the run folder goes (recipe.yaml, metrics.json, report.md, plots/, final/, ...)."""
 
-    dir: str = field(default="runs/quickstart", metadata=_check(_non_empty))
+    dir: Annotated[NonEmptyStr, _doc("the run folder")] = "runs/quickstart"
 
 
-@dataclass
+@_section(("hub",))
 class HubConfig:
     """Optional push of the result to the Hugging Face hub. ``token`` is accepted but never
     written out (:func:`recipe_to_dict` drops it); prefer ``HF_TOKEN`` in the environment."""
 
-    push: bool = False
-    repo_id: str | None = None
-    private: bool = True
-    revision: str | None = None
-    token: str | None = field(default=None, repr=False)
+    push: Bool = False
+    repo_id: Annotated[Str | None, _doc("user/name")] = None
+    private: Bool = True
+    revision: Str | None = None
+    token: Annotated[Str | None, _doc("prefer HF_TOKEN in the environment; never written out")] = (
+        dataclasses.field(default=None, repr=False))
 
 
-@dataclass
+@_section(())
 class Recipe:
     """A validated recipe: the eight sections, plus where it came from.
 
@@ -278,36 +484,73 @@ class Recipe:
     command-line ``key=value`` strings applied on top. These three are not recipe keys.
     """
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    adapter: AdapterConfig = field(default_factory=AdapterConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    hub: HubConfig = field(default_factory=HubConfig)
-    description: str = field(default="", metadata={"meta": True})
-    source: str | None = field(default=None, metadata={"meta": True}, compare=False)
-    overrides: tuple[str, ...] = field(default=(), metadata={"meta": True}, compare=False)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    adapter: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    hub: HubConfig = dataclasses.field(default_factory=HubConfig)
+    description: SkipJsonSchema[Str] = dataclasses.field(default="", metadata={"meta": True})
+    source: SkipJsonSchema[Str | None] = dataclasses.field(default=None, metadata={"meta": True}, compare=False)
+    overrides: SkipJsonSchema[tuple[Str, ...]] = dataclasses.field(default=(), metadata={"meta": True},
+                                                                   compare=False)
 
 
 _SECRET_KEYS = {("hub", "token")}
-_SECTION_TYPES = (ModelConfig, KPSConfig, AdapterConfig, DataConfig, EvalConfig, ObjectiveConfig,
+_SECTION_TYPES = (Recipe, ModelConfig, KPSConfig, AdapterConfig, DataConfig, EvalConfig, ObjectiveConfig,
                   TrainConfig, OutputConfig, HubConfig)
+
+
+# -- registries of other modules ------------------------------------------------------------------
+def _registry_names(module: str, functions: Sequence[str]) -> list[str] | None:
+    """The names a registry module lists (its first function of ``functions`` that exists), or
+    ``None`` when the module or function is not there (then any name is accepted)."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module.startswith(exc.name):
+            return None
+        raise
+    for name in functions:
+        fn = getattr(mod, name, None)
+        if callable(fn):
+            return sorted(fn())
+    return None
+
+
+def _check_registered(value: str, known: Iterable[str] | None, what: str, extra: Sequence[str] = ()) -> None:
+    if known is None:
+        return
+    known = [*extra, *known]
+    if value not in known:
+        close = difflib.get_close_matches(value, known, n=1)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        raise PydanticCustomError("recipe_value", "is {value}, not {what}: {hint}choose one of {known}",
+                                  {"value": repr(value), "what": what, "hint": hint,
+                                   "known": ", ".join(f"`{k}`" for k in known)})
 
 
 # -- objective term registry ----------------------------------------------------------------------
 _TERM_CONFIGS: dict[str, type] = {}
 
 
+def _is_options_class(cls: Any) -> bool:
+    return isinstance(cls, type) and (dataclasses.is_dataclass(cls) or issubclass(cls, BaseModel))
+
+
 def register_term_config(name: str, cls: type) -> None:
-    """Register the options dataclass of an objective term, so that ``objective.terms.<name>`` in
-    a recipe is validated against (and built as) ``cls``.
+    """Register the options class of an objective term (a dataclass, stdlib or pydantic, or a
+    pydantic model), so that ``objective.terms.<name>`` in a recipe is validated against and built
+    as ``cls``. Unknown keys are rejected with the closest valid one; a dataclass field's
+    ``metadata={"check": fn}`` (``fn(value) -> message or None``) is a range check.
 
     Registering the same class twice is a no-op; a different class under a taken name is an error.
     """
-    if not dataclasses.is_dataclass(cls) or not isinstance(cls, type):
-        raise TypeError(f"register_term_config({name!r}, ...): expected a dataclass type, got {cls!r}")
+    if not _is_options_class(cls):
+        raise TypeError(f"register_term_config({name!r}, ...): expected a dataclass or a pydantic model "
+                        f"type, got {cls!r}")
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_term_config: the term name must be a non-empty string, got {name!r}")
     known = _TERM_CONFIGS.get(name)
@@ -320,7 +563,7 @@ def register_term_config(name: str, cls: type) -> None:
 
 
 def registered_term_configs() -> dict[str, type]:
-    """The registered term names and their options dataclasses (importing ``finetune.objectives``
+    """The registered term names and their options classes (importing ``finetune.objectives``
     first, so that the built-in terms are there)."""
     _import_objectives()
     return dict(_TERM_CONFIGS)
@@ -331,6 +574,245 @@ def _import_objectives() -> None:
         import finetune.objectives  # noqa: F401  (registers the built-in terms)
     except ImportError:
         pass
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(cls: Any) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
+def _raise_errors(errors: list[InitErrorDetails], title: str) -> None:
+    if errors:
+        raise ValidationError.from_exception_data(title, errors)
+
+
+def _prefixed(exc: ValidationError, prefix: tuple[Any, ...]) -> list[InitErrorDetails]:
+    out = []
+    for e in exc.errors():
+        ctx = e.get("ctx")
+        if e["type"].startswith("recipe_"):
+            kind: Any = PydanticCustomError(e["type"], e["msg"].replace("{", "{{").replace("}", "}}"))
+        else:
+            kind = e["type"]
+        detail = InitErrorDetails(type=kind, loc=prefix + tuple(e["loc"]), input=e.get("input"))
+        if ctx is not None and not e["type"].startswith("recipe_"):
+            detail["ctx"] = ctx
+        out.append(detail)
+    return out
+
+
+def _unknown_keys(value: Any, cls: Any, loc: tuple[Any, ...] = ()) -> list[InitErrorDetails]:
+    """``extra_forbidden`` errors for the keys of ``value`` that ``cls`` (and the options classes
+    nested in it) does not have: stdlib dataclasses ignore unknown keys otherwise."""
+    fields = _fields_of(cls)
+    if fields is None or not isinstance(value, Mapping):
+        return []
+    errors = []
+    for key, sub in value.items():
+        if key not in fields:
+            errors.append(InitErrorDetails(type="extra_forbidden", loc=loc + (key,), input=sub))
+        else:
+            nested = [a for a in _arms(fields[key]) if _is_options_class(a)]
+            if nested:
+                errors.extend(_unknown_keys(sub, nested[0], loc + (key,)))
+    return errors
+
+
+def _checks(value: Any, loc: tuple[Any, ...] = ()) -> list[InitErrorDetails]:
+    """The ``metadata={"check": fn}`` range checks of a dataclass and those nested in it."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return []
+    errors = []
+    for f in dataclasses.fields(value):
+        sub = getattr(value, f.name)
+        check = f.metadata.get("check")
+        problem = check(sub) if check is not None else None
+        if problem:
+            errors.append(InitErrorDetails(type=PydanticCustomError("recipe_value", problem.replace("{", "{{")
+                                                                    .replace("}", "}}")),
+                                           loc=loc + (f.name,), input=sub))
+        errors.extend(_checks(sub, loc + (f.name,)))
+    return errors
+
+
+def _yaml_quirks(value: Mapping[str, Any], cls: Any) -> dict[str, Any]:
+    """``value`` with the YAML 1.1 readings fixed for the field types of ``cls`` (an options class
+    that does not state them itself): ``1e-5`` / ``1e3`` strings for numbers, ``no`` / ``yes``
+    booleans for a choice that has those words; nested options classes too."""
+    fields = _fields_of(cls) or {}
+    out = dict(value)
+    for key, sub in value.items():
+        arms = _arms(fields.get(key, Any))
+        nested = next((a for a in arms if _is_options_class(a)), None)
+        words = [w for a in arms if typing.get_origin(a) is Literal for w in typing.get_args(a)]
+        if nested is not None and isinstance(sub, Mapping):
+            out[key] = _yaml_quirks(sub, nested)
+        elif float in arms:
+            out[key] = _yaml_float(sub)
+        elif int in arms:
+            out[key] = _yaml_int(sub)
+        elif isinstance(sub, bool) and bool not in arms:
+            out[key] = next((w for w in (("yes", "on", "true") if sub else ("no", "off", "false")) if w in words),
+                            sub)
+    return out
+
+
+def _build_options(cls: type, options: Any) -> Any:
+    """``options`` (a mapping, ``None`` for the defaults, or an instance) built as ``cls``."""
+    if isinstance(options, cls):
+        instance = options
+    else:
+        if options is None:
+            options = {}
+        if isinstance(options, Mapping):
+            _raise_errors(_unknown_keys(options, cls), cls.__name__)
+            options = _yaml_quirks(options, cls)
+        instance = _adapter(cls).validate_python(options)
+    _raise_errors(_checks(instance), cls.__name__)
+    return instance
+
+
+def _term_options(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise PydanticCustomError("recipe_value", "expected a mapping of term name -> options, got {got} ({kind})",
+                                  {"got": repr(value), "kind": _type_name(value)})
+    registry = registered_term_configs()
+    out, errors = {}, []
+    for name, options in value.items():
+        if name not in registry:
+            known = ", ".join(f"`{n}`" for n in sorted(registry)) or "none (finetune.objectives registered no terms)"
+            close = difflib.get_close_matches(str(name), list(registry), n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            message = f"is not a registered objective term: {hint}registered terms: {known}"
+            errors.append(InitErrorDetails(type=PydanticCustomError("recipe_key", message.replace("{", "{{")),
+                                           loc=(name,), input=options))
+            continue
+        try:
+            out[name] = _build_options(registry[name], options)
+        except ValidationError as exc:
+            errors.extend(_prefixed(exc, (name,)))
+    _raise_errors(errors, "objective.terms")
+    return out
+
+
+# -- dataset entries ------------------------------------------------------------------------------
+def _source_spec_class() -> type:
+    from finetune.data.sources import SourceSpec
+
+    return SourceSpec
+
+
+def _source_keys() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(_source_spec_class()))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SOURCE_SPEC_KEYS":
+        #: the keys of a dataset entry, from ``finetune.data.sources.SourceSpec``
+        return _source_keys()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _available_sources() -> dict[str, str]:
+    from finetune.data.sources import available_sources
+
+    return available_sources()
+
+
+def _source_takes_path(name: str) -> bool:
+    from finetune.data import sources
+
+    takes_path = getattr(sources, "source_takes_path", None)
+    return True if takes_path is None else takes_path(name)
+
+
+def _check_source_name(name: str, loc: tuple[Any, ...]) -> list[InitErrorDetails]:
+    known = _available_sources()
+    if name in known:
+        return []
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"did you mean `{close[0]}`? " if close else ""
+    message = f"is {name!r}, not a registered data source: {hint}registered sources: {', '.join(sorted(known))}"
+    return [InitErrorDetails(type=PydanticCustomError("recipe_value", message.replace("{", "{{").replace("}", "}}")),
+                             loc=loc, input=name)]
+
+
+def _source_entry(value: Any) -> dict[str, Any]:
+    """A dataset entry: a name string (``docci`` or ``docci:goal``) or a ``SourceSpec`` mapping,
+    returned as a plain mapping holding the keys given (values converted to their types)."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise PydanticCustomError("recipe_value",
+                                      "is an empty dataset name; write a name like `docci` or a mapping")
+        spec = parse_source_shorthand(value)
+        _raise_errors(_check_source_name(spec["name"], ()), "dataset entry")
+        return spec
+    if not isinstance(value, Mapping):
+        raise PydanticCustomError(
+            "recipe_value", "expected a dataset name (e.g. `docci`, `docci:goal`) or a mapping with {keys}; "
+            "got {got} ({kind})", {"keys": ", ".join(_source_keys()), "got": repr(value), "kind": _type_name(value)})
+    cls = _source_spec_class()
+    probe = dict(value)
+    if "name" not in probe:
+        # an alias of `name` that the source module knows (a stream's `format`) counts as a name
+        name = _spec_name(cls, value)
+        if name is not None:
+            probe["name"] = name
+    spec = _build_options(cls, probe)
+    out = {k: getattr(spec, k) for k in value}
+    errors = _check_source_name(spec.name, ("name",) if "name" in value else ())
+    if not errors and spec.path is not None and not _source_takes_path(spec.name):
+        message = (f"is set, but the source {spec.name!r} takes no path (it makes its own data); "
+                   f"remove the key")
+        errors.append(InitErrorDetails(type=PydanticCustomError("recipe_key", message), loc=("path",),
+                                       input=spec.path))
+    _raise_errors(errors, "dataset entry")
+    parse = getattr(cls, "parse", None)
+    if callable(parse):  # the source module's own checks across keys (streams, ranges, ...)
+        try:
+            parse(dict(out))
+        except ValueError as exc:
+            raise PydanticCustomError("recipe_value", "is not a valid dataset entry: {problem}",
+                                      {"problem": str(exc)}) from None
+    return out
+
+
+def _spec_name(cls: Any, value: Mapping[str, Any]) -> str | None:
+    """The source name that ``cls.parse`` reads from an entry without ``name``, else ``None``."""
+    parse = getattr(cls, "parse", None)
+    if not callable(parse):
+        return None
+    try:
+        return parse(dict(value)).name
+    except (ValueError, TypeError):
+        return None
+
+
+def parse_sources(value: Any, key: str = "eval.sets") -> list[dict[str, Any]]:
+    """Validate a list of dataset entries as the recipe validates ``eval.sets`` (names,
+    ``name:protocol`` shorthands or ``SourceSpec`` mappings; a single entry is a list of one) and
+    return them as plain mappings. Errors name ``key``.
+
+    Raises:
+        RecipeError: on unknown keys, wrong types, a missing ``name`` or an unregistered source.
+    """
+    path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
+    tp = Annotated[list[SourceEntry], BeforeValidator(_validate_source_list)]
+    try:
+        return _adapter(tp).validate_python(value)
+    except ValidationError as exc:
+        raise _recipe_error(exc, _Origins(None, None), value, tp, path) from None
+
+
+def parse_source_shorthand(text: str) -> dict[str, Any]:
+    """``"docci"`` -> ``{"name": "docci"}``; ``"docci:goal"`` -> ``{"name": "docci", "protocol": "goal"}``."""
+    name, sep, protocol = text.strip().partition(":")
+    spec: dict[str, Any] = {"name": name.strip()}
+    if sep and protocol.strip():
+        spec["protocol"] = protocol.strip()
+    return spec
 
 
 # -- where a key came from ------------------------------------------------------------------------
@@ -396,11 +878,19 @@ class _Origins:
         where = f"{self.file}, line {line}" if line is not None else self.file
         return RecipeError(f"{where}: {message}", file=self.file, line=line, key=dotted)
 
+    def error_any(self, paths: Sequence[KeyPath], message: str) -> RecipeError:
+        """An error about several keys (the message names them), located at the first one an
+        override set, else the first one the file sets, else the first."""
+        for path in paths:
+            if self.overridden(path):
+                return self.error(path, message, name_key=False)
+        for path in paths:
+            if self.in_file(path):
+                return self.error(path, message, name_key=False)
+        return self.error(paths[0], message, name_key=False)
 
-# -- type conversion and validation -------------------------------------------------------------
-_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
-
+# -- pydantic errors -> RecipeError ---------------------------------------------------------------
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
@@ -408,406 +898,242 @@ def _type_name(value: Any) -> str:
             list: "a list", dict: "a mapping"}.get(type(value), type(value).__name__)
 
 
+def _strip(tp: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``(type, metadata)`` of a possibly ``Annotated`` type."""
+    meta: tuple[Any, ...] = ()
+    while typing.get_origin(tp) is Annotated:
+        args = typing.get_args(tp)
+        tp, meta = args[0], meta + tuple(args[1:])
+    return tp, meta
+
+
+def _arms(tp: Any) -> list[Any]:
+    """The non-null members of a (possibly optional or annotated) type, each stripped."""
+    tp, _ = _strip(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return [_strip(a)[0] for a in typing.get_args(tp) if a is not type(None)]
+    return [tp]
+
+
+def _fields_of(tp: Any) -> dict[Any, Any] | None:
+    """The recipe keys below a type and their types: a schema section, an options class, a
+    dataset entry (``SourceSpec``) or ``objective.terms`` (the registered terms); else ``None``."""
+    _, meta = _strip(tp)
+    if any(m is _SOURCE_MARK for m in meta):
+        return _fields_of(_source_spec_class())
+    if any(m is _TERMS_MARK for m in meta):
+        return dict(_TERM_CONFIGS)
+    for arm in _arms(tp):
+        if isinstance(arm, type) and issubclass(arm, BaseModel):
+            return {(f.alias or name): f.annotation for name, f in arm.model_fields.items()}
+        if dataclasses.is_dataclass(arm) and isinstance(arm, type):
+            hints = typing.get_type_hints(arm, include_extras=True)
+            out = {}
+            for f in dataclasses.fields(arm):
+                if f.metadata.get("meta"):
+                    continue
+                alias = _alias(hints[f.name])
+                out[alias or f.name] = hints[f.name]
+            return out
+    return None
+
+
+def _alias(tp: Any) -> str | None:
+    for m in _strip(tp)[1]:
+        alias = getattr(m, "alias", None)
+        if isinstance(alias, str):
+            return alias
+    return None
+
+
+def _child(tp: Any, part: Any) -> Any:
+    fields = _fields_of(tp)
+    if fields is not None:
+        return fields.get(part, Any)
+    for arm in _arms(tp):
+        origin, args = typing.get_origin(arm), typing.get_args(arm)
+        if origin is list and isinstance(part, int):
+            return args[0] if args else Any
+        if origin is tuple and isinstance(part, int):
+            if args and args[-1] is Ellipsis:
+                return args[0]
+            return args[part] if part < len(args) else Any
+        if origin is dict:
+            return args[1] if args else Any
+    return Any
+
+
 def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is type(None):
+    base, meta = _strip(tp)
+    if any(m is _SOURCE_MARK for m in meta):
+        return "a dataset name or a mapping"
+    origin = typing.get_origin(base)
+    args = typing.get_args(base)
+    if base is type(None):
         return "null"
-    if tp is Any:
+    if base is Any:
         return "any value"
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
-    if tp is bool:
+    if base is bool:
         return "true or false"
-    if tp is int:
+    if base is int:
         return "an integer"
-    if tp is float:
+    if base is float:
         return "a number (e.g. 1.0e-5)"
-    if tp is str:
+    if base is str:
         return "a string"
-    if origin in (list, tuple) or tp in (list, tuple):
+    if origin in (list, tuple) or base in (list, tuple):
         if origin is tuple and args and args[-1] is not Ellipsis:
             return f"a list of {len(args)} values ({', '.join(_describe(a) for a in args)})"
         return f"a list of {_plural(args[0])}" if args else "a list"
-    if origin is dict or tp is dict:
+    if origin is dict or base is dict or _fields_of(base) is not None:
         return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return getattr(tp, "__name__", str(tp))
+    return getattr(base, "__name__", str(base))
 
 
 def _plural(tp: Any) -> str:
+    base, meta = _strip(tp)
     names = {str: "strings", int: "integers", float: "numbers", bool: "booleans"}
-    if tp in names:
-        return names[tp]
-    if typing.get_origin(tp) is dict or dataclasses.is_dataclass(tp):
+    if base in names:
+        return names[base]
+    if any(m is _SOURCE_MARK for m in meta):
+        return "datasets"
+    if typing.get_origin(base) is dict or _fields_of(base) is not None:
         return "mappings"
     return f"values ({_describe(tp)})"
 
 
-def _suggest(key: str, valid: Iterable[str], prefix: KeyPath, schema_paths: Iterable[str] = ()) -> str:
-    valid = list(valid)
+@functools.lru_cache(maxsize=1)
+def _schema_paths() -> tuple[str, ...]:
+    """Every key of the fixed schema (``train.lr``, ``model.kps.keep``), for suggestions across sections."""
+    def walk(tp: Any, prefix: str) -> list[str]:
+        out = []
+        for key, sub in (_fields_of(tp) or {}).items():
+            out.append(prefix + key)
+            if any(a in _SECTION_TYPES for a in _arms(sub)):
+                out.extend(walk(sub, f"{prefix}{key}."))
+        return out
+    return tuple(walk(Recipe, ""))
+
+
+def _suggest(key: str, valid: Iterable[str], prefix: KeyPath, across_sections: bool) -> str:
+    valid = [str(v) for v in valid]
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:
         return f"did you mean `{_dotted(prefix + (close[0],))}`?"
-    elsewhere = [p for p in schema_paths if p.rsplit(".", 1)[-1] == key]
-    if elsewhere:
-        return f"did you mean `{elsewhere[0]}`? (`{key}` lives in another section)"
+    if across_sections:
+        elsewhere = [p for p in _schema_paths() if p.rsplit(".", 1)[-1] == key]
+        if elsewhere:
+            return f"did you mean `{elsewhere[0]}`? (`{key}` lives in another section)"
     return "valid keys here: " + ", ".join(f"`{k}`" for k in valid)
 
 
-def _schema_paths(cls: type, prefix: str = "") -> list[str]:
-    paths = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("meta"):
-            continue
-        dotted = f"{prefix}{f.name}"
-        paths.append(dotted)
-        if dataclasses.is_dataclass(hints[f.name]):
-            paths.extend(_schema_paths(hints[f.name], dotted + "."))
-    return paths
+_KEY_ERRORS = ("extra_forbidden", "unexpected_keyword_argument", "recipe_key")
+_MISSING = ("missing", "missing_argument", "missing_keyword_only_argument", "missing_positional_only_argument")
 
 
-class _Validator:
-    """Converts a plain (YAML) value to the annotated type, raising :class:`RecipeError`s."""
-
-    def __init__(self, origins: _Origins) -> None:
-        self.origins = origins
-        self.schema_paths = _schema_paths(Recipe)
-
-    def fail(self, path: KeyPath, message: str, *, key_error: bool = False) -> RecipeError:
-        return self.origins.error(path, message, key_error=key_error)
-
-    def fail_any(self, paths: Sequence[KeyPath], message: str) -> RecipeError:
-        """An error about several keys (the message names them), located at the first one an
-        override set, else the first one the file sets, else the first."""
-        for path in paths:
-            if self.origins.overridden(path):
-                return self.origins.error(path, message, name_key=False)
-        for path in paths:
-            if self.origins.in_file(path):
-                return self.origins.error(path, message, name_key=False)
-        return self.origins.error(paths[0], message, name_key=False)
-
-    def wrong_type(self, path: KeyPath, tp: Any, value: Any) -> RecipeError:
-        return self.fail(path, f"expected {_describe(tp)}, got {value!r} ({_type_name(value)}); "
-                               f"write {_describe(tp)} there")
-
-    def convert(self, value: Any, tp: Any, path: KeyPath) -> Any:
-        origin = typing.get_origin(tp)
-        args = typing.get_args(tp)
-        if tp is Any:
-            return value
-        if tp is type(None):
-            if value is not None:
-                raise self.wrong_type(path, tp, value)
-            return None
-        if origin in (typing.Union, types.UnionType):
-            if value is None:
-                if type(None) in args:
-                    return None
-                raise self.wrong_type(path, tp, value)
-            arms = [a for a in args if a is not type(None)]
-            for arm in arms:
-                try:
-                    return self.convert(value, arm, path)
-                except RecipeError:
-                    continue
-            # one arm that is a container/dataclass of the right shape gives the most precise error
-            for arm in arms:
-                if _shape_matches(value, arm):
-                    return self.convert(value, arm, path)
-            raise self.wrong_type(path, tp, value)
-        if origin is Literal:
-            if isinstance(value, bool):
-                # YAML 1.1 reads unquoted no/yes/off/on as booleans: `mixed_precision: no`
-                for word in (("no", "off", "false") if not value else ("yes", "on", "true")):
-                    if word in args:
-                        return word
-            elif value in args:
-                return value
-            if isinstance(value, str):
-                close = difflib.get_close_matches(value, [str(a) for a in args], n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise self.fail(path, f"must be one of {', '.join(repr(a) for a in args)}, got {value!r}{hint}")
-            raise self.wrong_type(path, tp, value)
-        if tp is bool:
-            if not isinstance(value, bool):
-                raise self.wrong_type(path, tp, value)
-            return value
-        if tp is int:
-            if isinstance(value, bool):
-                raise self.wrong_type(path, tp, value)
-            if isinstance(value, int):
-                return value
-            if isinstance(value, str) and _NUMBER.match(value.strip()):
-                value = float(value)
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise self.wrong_type(path, tp, value)
-        if tp is float:
-            if isinstance(value, bool):
-                raise self.wrong_type(path, tp, value)
-            if isinstance(value, (int, float)):
-                return float(value)
-            # YAML 1.1 reads `1e-5` (no dot) as a string; it is a number here
-            if isinstance(value, str) and _NUMBER.match(value.strip()):
-                return float(value)
-            raise self.wrong_type(path, tp, value)
-        if tp is str:
-            if not isinstance(value, str):
-                raise self.wrong_type(path, tp, value)
-            return value
-        if origin is list or tp is list:
-            if not isinstance(value, (list, tuple)):
-                raise self.wrong_type(path, tp, value)
-            item = args[0] if args else Any
-            return [self.convert(v, item, path + (i,)) for i, v in enumerate(value)]
-        if origin is tuple:
-            if not isinstance(value, (list, tuple)):
-                raise self.wrong_type(path, tp, value)
-            if args and args[-1] is Ellipsis:
-                return tuple(self.convert(v, args[0], path + (i,)) for i, v in enumerate(value))
-            if len(value) != len(args):
-                raise self.fail(path, f"expected {_describe(tp)}, got {len(value)} values: {list(value)!r}")
-            return tuple(self.convert(v, a, path + (i,)) for i, (v, a) in enumerate(zip(value, args)))
-        if origin is dict or tp is dict:
-            if not isinstance(value, Mapping):
-                raise self.wrong_type(path, tp, value)
-            kt, vt = args if args else (Any, Any)
-            out = {}
-            for k, v in value.items():
-                if kt is str and not isinstance(k, str):
-                    raise self.fail(path + (k,), f"has a key {k!r} that is not a string; quote it", key_error=True)
-                out[k] = self.convert(v, vt, path + (k,))
-            return out
-        if dataclasses.is_dataclass(tp):
-            return self.dataclass(value, tp, path)
-        if isinstance(tp, type):
-            if not isinstance(value, tp):
-                raise self.wrong_type(path, tp, value)
-            return value
-        return value
-
-    def dataclass(self, value: Any, cls: type, path: KeyPath) -> Any:
-        if value is None:
-            value = {}
-        if not isinstance(value, Mapping):
-            raise self.fail(path, f"expected a mapping of {', '.join(f.name for f in _schema_fields(cls))}, "
-                                  f"got {value!r} ({_type_name(value)})")
-        hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in _schema_fields(cls)}
-        for key in value:
-            if key not in fields:
-                where = path + (key,)
-                raise self.fail(where, f"is not a recipe key: "
-                                       f"{_suggest(str(key), fields, path, self.schema_paths if cls in _SECTION_TYPES else ())}",
-                                key_error=True)
-        kwargs = {}
-        for name, f in fields.items():
-            if name not in value:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise self.fail(path, f"is missing the required key `{name}` ({_describe(hints[name])}); add it")
-                continue
-            sub = path + (name,)
-            raw = value[name]
-            if f.metadata.get("source") == "one":
-                converted = self.source(raw, sub)
-            elif f.metadata.get("source") == "list":
-                if not isinstance(raw, (list, tuple)):
-                    raw = [raw] if isinstance(raw, (str, Mapping)) else raw
-                if not isinstance(raw, (list, tuple)):
-                    raise self.fail(sub, f"expected a list of datasets (names like `docci` or mappings "
-                                         f"with {', '.join(SOURCE_SPEC_KEYS)}), got {raw!r}")
-                converted = [self.source(v, sub + (i,)) for i, v in enumerate(raw)]
-            elif f.metadata.get("terms"):
-                converted = self.terms(raw, sub)
-            else:
-                converted = self.convert(raw, hints[name], sub)
-            check = f.metadata.get("check")
-            if check is not None:
-                problem = check(converted)
-                if problem:
-                    raise self.fail(sub, problem)
-            kwargs[name] = converted
-        return cls(**kwargs)
-
-    def source(self, value: Any, path: KeyPath) -> dict[str, Any]:
-        """A dataset entry: a name string (``docci`` or ``docci:goal``) or a ``SourceSpec`` mapping,
-        returned as a plain mapping holding the keys given."""
-        if isinstance(value, str):
-            if not value.strip():
-                raise self.fail(path, "is an empty dataset name; write a name like `docci` or a mapping")
-            spec = parse_source_shorthand(value)
-            self.check_source_name(spec["name"], path)
-            return spec
-        if not isinstance(value, Mapping):
-            raise self.fail(path, f"expected a dataset name (e.g. `docci`, `docci:goal`) or a mapping with "
-                                  f"{', '.join(SOURCE_SPEC_KEYS)}; got {value!r} ({_type_name(value)})")
-        spec_cls = _source_spec_class()
-        try:
-            self.dataclass(value, spec_cls, path)  # checks names, types and required keys
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, RecipeError):
-                raise
-            raise self.fail(path, f"is not a valid dataset entry: {exc}") from None
-        hints = typing.get_type_hints(spec_cls)
-        spec = {k: self.convert(v, hints[k], path + (k,)) for k, v in value.items()}
-        self.check_source_name(spec["name"], path + ("name",))
-        return spec
-
-    def check_source_name(self, name: str, path: KeyPath) -> None:
-        known = _available_sources()
-        if known is not None and name not in known:
-            close = difflib.get_close_matches(name, list(known), n=1)
-            hint = f"did you mean `{close[0]}`? " if close else ""
-            raise self.fail(path, f"is {name!r}, not a registered data source: {hint}"
-                                  f"registered sources: {', '.join(sorted(known))}")
-
-    def terms(self, value: Any, path: KeyPath) -> dict[str, Any]:
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping):
-            raise self.fail(path, f"expected a mapping of term name -> options, got {value!r} ({_type_name(value)})")
-        registry = registered_term_configs()
-        out = {}
-        for name, options in value.items():
-            if name not in registry:
-                known = ", ".join(f"`{n}`" for n in sorted(registry)) or "none (finetune.objectives registered no terms)"
-                close = difflib.get_close_matches(str(name), list(registry), n=1)
-                hint = f"did you mean `{close[0]}`? " if close else ""
-                raise self.fail(path + (name,), f"is not a registered objective term: {hint}registered terms: {known}",
-                                key_error=True)
-            out[name] = self.dataclass(options, registry[name], path + (name,))
-        return out
+def _data_path(loc: Sequence[Any], data: Any) -> tuple[KeyPath, Any, bool]:
+    """The part of a pydantic ``loc`` that indexes into the input ``data`` (dropping union-member
+    tags), the value there, and whether the whole ``loc`` was found."""
+    path: list[Any] = []
+    node = data
+    for part in loc:
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type) and isinstance(part, str) \
+                and hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            return tuple(path), node, False
+        path.append(part)
+    return tuple(path), node, True
 
 
-def _shape_matches(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin in (list, tuple) or tp in (list, tuple):
-        return isinstance(value, (list, tuple))
-    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
-        return isinstance(value, Mapping)
-    return False
+def _type_at(root: Any, path: KeyPath) -> Any:
+    tp = root
+    for part in path:
+        tp = _child(tp, part)
+    return tp
 
 
-def _schema_fields(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if not f.metadata.get("meta")]
-
-
-@dataclass
-class _SourceSpecKeys:
-    """The keys of a dataset entry, used when ``finetune.data.sources`` is not importable."""
-
-    name: str
-    path: str | None = None
-    split: str | None = None
-    protocol: str | None = None
-    size: int | None = None
-    seed: int | None = None
-    limit: int | None = None
-    image_column: str | None = None
-    caption_column: str | None = None
-    id_column: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-def _source_spec_class() -> type:
-    try:
-        from finetune.data.sources import SourceSpec
-    except ImportError:
-        return _SourceSpecKeys
-    return SourceSpec if dataclasses.is_dataclass(SourceSpec) else _SourceSpecKeys
-
-
-def _available_sources() -> dict[str, str] | None:
-    """The registered data sources, or None when ``finetune.data.sources`` is not importable."""
-    try:
-        from finetune.data.sources import available_sources
-    except ImportError:
-        return None
-    return available_sources()
-
-
-def parse_sources(value: Any, key: str = "eval.sets") -> list[dict[str, Any]]:
-    """Validate a list of dataset entries as the recipe validates ``eval.sets`` (names,
-    ``name:protocol`` shorthands or ``SourceSpec`` mappings; a single entry is a list of one) and
-    return them as plain mappings. Errors name ``key``.
-
-    Raises:
-        RecipeError: on unknown keys, wrong types or a missing ``name``.
-    """
-    if isinstance(value, (str, Mapping)):
-        value = [value]
-    validator = _Validator(_Origins(None, None))
-    path = tuple(key.split("."))
-    if not isinstance(value, (list, tuple)):
-        raise validator.fail(path, f"expected a list of datasets, got {value!r} ({_type_name(value)})")
-    return [validator.source(v, path + (i,)) for i, v in enumerate(value)]
-
-
-def parse_source_shorthand(text: str) -> dict[str, Any]:
-    """``"docci"`` -> ``{"name": "docci"}``; ``"docci:goal"`` -> ``{"name": "docci", "protocol": "goal"}``."""
-    name, sep, protocol = text.strip().partition(":")
-    spec: dict[str, Any] = {"name": name.strip()}
-    if sep and protocol.strip():
-        spec["protocol"] = protocol.strip()
-    return spec
-
-
-def _cross_checks(recipe: Recipe, v: _Validator) -> None:
-    t = recipe.train
-    if t.batch_size % t.accumulation_steps:
-        raise v.fail_any([("train", "batch_size"), ("train", "accumulation_steps")],
-                         f"`train.batch_size` ({t.batch_size}) must be divisible by "
-                         f"`train.accumulation_steps` ({t.accumulation_steps}), since each micro-batch "
-                         f"holds batch_size / accumulation_steps samples")
-    if t.epochs is None and t.max_steps is None:
-        raise v.fail_any([("train", "epochs"), ("train", "max_steps")],
-                         "`train.epochs` and `train.max_steps` are both null; set at least one of them")
-    if t.min_lr > t.lr:
-        raise v.fail_any([("train", "min_lr"), ("train", "lr")],
-                         f"`train.min_lr` ({t.min_lr:g}) is above `train.lr` ({t.lr:g}); lower it")
-    known_bases = {"none", "clip", "siglip", "longclip", *_TERM_CONFIGS}
-    if recipe.objective.base not in known_bases:
-        close = difflib.get_close_matches(recipe.objective.base, sorted(known_bases), n=1)
-        hint = f"did you mean `{close[0]}`? " if close else ""
-        raise v.fail(("objective", "base"), f"is not a registered objective term: {hint}choose one of "
-                                            f"{', '.join(f'`{b}`' for b in sorted(known_bases))}")
-    if recipe.hub.push and not recipe.hub.repo_id:
-        raise v.fail_any([("hub", "repo_id"), ("hub", "push")],
-                         "`hub.push: true` needs `hub.repo_id` (`user/name`); set it "
-                         "or set `hub.push: false`")
+def _recipe_error(exc: ValidationError, origins: _Origins, data: Any, root: Any, prefix: KeyPath = ()) -> RecipeError:
+    """The first problem of a pydantic ``ValidationError`` as a :class:`RecipeError`: unknown keys
+    first (as a reader fixes a recipe top down), then the rest in schema order."""
+    errors = exc.errors()
+    errors.sort(key=lambda e: 0 if e["type"] in _KEY_ERRORS else 1)
+    e = errors[0]
+    path, value, found = _data_path(e["loc"], data)
+    where = prefix + path
+    kind = e["type"]
+    tp = _type_at(root, path)
+    if kind in _KEY_ERRORS:
+        if not found:  # a key the walk could not enter (a shorthand string expanded by a validator)
+            path = tuple(e["loc"])
+            where = prefix + path
+        if kind == "recipe_key":
+            return origins.error(where, e["msg"], key_error=True)
+        parent = _type_at(root, path[:-1])
+        valid = _fields_of(parent) or {}
+        across = any(a in _SECTION_TYPES for a in _arms(parent))
+        hint = _suggest(str(path[-1]), valid, prefix + path[:-1], across)
+        return origins.error(where, f"is not a recipe key: {hint}", key_error=True)
+    if kind.startswith("recipe_"):
+        return origins.error(where if found else prefix + tuple(e["loc"]), e["msg"])
+    if kind in ("too_short", "too_long") or (kind in _MISSING and any(
+            typing.get_origin(a) is tuple for a in _arms(tp))):
+        items = list(value) if isinstance(value, (list, tuple)) else []
+        return origins.error(where, f"expected {_describe(tp)}, got {len(items)} values: {items!r}")
+    if kind in _MISSING:
+        missing = e["loc"][len(path)] if len(e["loc"]) > len(path) else None
+        need = _describe(_child(tp, missing))
+        return origins.error(where, f"is missing the required key `{missing}` ({need}); add it")
+    if kind in ("value_error", "assertion_error"):
+        return origins.error(where, str(e.get("ctx", {}).get("error", e["msg"])).removeprefix("Value error, "))
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        bound = next(iter(e.get("ctx", {}).values()))
+        shown = float(value) if float in _arms(tp) and isinstance(value, int) else value
+        return origins.error(where, f"must be {bounds[kind]} {bound:g}, got {shown!r}")
+    choices = [a for a in _arms(tp) if typing.get_origin(a) is Literal]
+    if kind == "literal_error" and len(_arms(tp)) == 1 and choices and isinstance(value, str):
+        args = typing.get_args(choices[0])
+        close = difflib.get_close_matches(value, [str(a) for a in args], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return origins.error(where, f"must be one of {', '.join(repr(a) for a in args)}, got {value!r}{hint}")
+    if _fields_of(tp) is not None and not isinstance(value, Mapping) and value is not None:
+        keys = ", ".join(str(k) for k in _fields_of(tp) or {})
+        return origins.error(where, f"expected a mapping of {keys}, got {value!r} ({_type_name(value)})")
+    return origins.error(where, f"expected {_describe(tp)}, got {value!r} ({_type_name(value)}); "
+                                f"write {_describe(tp)} there")
 
 
 # -- loading --------------------------------------------------------------------------------------
-def _import_user_modules(tree: dict[str, Any], v: _Validator) -> None:
+def _import_user_modules(tree: dict[str, Any], origins: _Origins) -> None:
     """``objective.import: [my_pkg.my_term]``: import the modules (they register terms, scorers or
-    model families) before the rest is validated; the YAML key ``import`` is the field ``imports``."""
-    import importlib
-
+    model families) before the rest is validated."""
     objective = tree.get("objective")
     if not isinstance(objective, dict) or "import" not in objective:
         return
-    modules = objective.pop("import")
-    objective["imports"] = modules
+    modules = objective["import"]
     if modules is None:
-        objective["imports"] = modules = []
+        objective["import"] = modules = []
     if isinstance(modules, str):
-        objective["imports"] = modules = [modules]
+        objective["import"] = modules = [modules]
     if not isinstance(modules, list) or not all(isinstance(m, str) and m.strip() for m in modules):
-        raise v.fail(("objective", "import"), f"expected a list of module names (e.g. `[my_pkg.my_term]`), "
-                                              f"got {modules!r}")
+        raise origins.error(("objective", "import"), f"expected a list of module names (e.g. `[my_pkg.my_term]`), "
+                                                     f"got {modules!r}")
     for i, name in enumerate(modules):
         try:
             importlib.import_module(name.strip())
         except ImportError as exc:
-            raise v.fail(("objective", "import", i),
-                         f"cannot import module {name!r} ({exc}); install it or put its folder on "
-                         f"PYTHONPATH") from None
+            raise origins.error(("objective", "import", i),
+                                f"cannot import module {name!r} ({exc}); install it or put its folder on "
+                                f"PYTHONPATH") from None
 
 
 def _compose(text: str, file: str) -> tuple[Any, yaml.Node | None]:
@@ -816,7 +1142,7 @@ def _compose(text: str, file: str) -> tuple[Any, yaml.Node | None]:
     try:
         node = loader.get_single_node()
         if node is None:
-            return {}, None
+            return None, None
         _reject_duplicates(node, file)
         data = loader.construct_document(node)
     except yaml.YAMLError as exc:
@@ -899,33 +1225,61 @@ def _set_path(tree: dict[str, Any], path: KeyPath, value: Any, text: str) -> Non
 
 
 def _merge_defaults(data: Any, cls: type) -> Any:
-    """``data`` with the defaults of ``cls`` filled in, recursing only into nested schema
-    dataclasses: dataset entries, term options and lists given in the file replace the default
-    whole. Keys that are not in the schema are kept, so that validation reports them."""
+    """``data`` with the defaults of ``cls`` filled in (under their YAML keys), recursing only
+    into nested sections: dataset entries, term options and lists given in the file replace the
+    default whole. Keys that are not in the schema are kept, so that validation reports them."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
         return data
-    hints = typing.get_type_hints(cls)
     defaults = cls()
     out = dict(data)
-    for f in _schema_fields(cls):
-        tp = hints[f.name]
-        if f.name in data:
-            if dataclasses.is_dataclass(tp):
-                out[f.name] = _merge_defaults(data[f.name], tp)
+    for key, tp in (_fields_of(cls) or {}).items():
+        section = next((a for a in _arms(tp) if a in _SECTION_TYPES), None)
+        if key in data:
+            if section is not None:
+                out[key] = _merge_defaults(data[key], section)
         else:
-            default = getattr(defaults, f.name)
-            out[f.name] = _plain(dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default)
+            name = next(f.name for f in dataclasses.fields(cls) if f.name == key or _alias(
+                typing.get_type_hints(cls, include_extras=True)[f.name]) == key)
+            out[key] = _plain(getattr(defaults, name))
     return out
 
 
 def _first_comment(text: str) -> str:
+    """The recipe's description: its first comment line, skipping an editor modeline
+    (``# yaml-language-server: $schema=...``)."""
     for line in text.splitlines():
         stripped = line.strip()
         if stripped.startswith("#"):
-            return stripped.lstrip("#").strip()
+            comment = stripped.lstrip("#").strip()
+            if not comment.startswith("yaml-language-server:"):
+                return comment
     return ""
+
+
+def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
+    t = recipe.train
+    if t.batch_size % t.accumulation_steps:
+        raise origins.error_any([("train", "batch_size"), ("train", "accumulation_steps")],
+                                f"`train.batch_size` ({t.batch_size}) must be divisible by "
+                                f"`train.accumulation_steps` ({t.accumulation_steps}), since each micro-batch "
+                                f"holds batch_size / accumulation_steps samples")
+    if t.epochs is None and t.max_steps is None:
+        raise origins.error_any([("train", "epochs"), ("train", "max_steps")],
+                                "`train.epochs` and `train.max_steps` are both null; set at least one of them")
+    if t.min_lr > t.lr:
+        raise origins.error_any([("train", "min_lr"), ("train", "lr")],
+                                f"`train.min_lr` ({t.min_lr:g}) is above `train.lr` ({t.lr:g}); lower it")
+    m = recipe.model
+    if m.backend not in ("auto", m.family):
+        raise origins.error_any([("model", "backend"), ("model", "family")],
+                                f"`model.backend` ({m.backend}) and `model.family` ({m.family}) disagree; "
+                                f"`backend` is the deprecated name of `family`: keep only `family`")
+    if recipe.hub.push and not recipe.hub.repo_id:
+        raise origins.error_any([("hub", "repo_id"), ("hub", "push")],
+                                "`hub.push: true` needs `hub.repo_id` (`user/name`); set it "
+                                "or set `hub.push: false`")
 
 
 def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Recipe:
@@ -941,9 +1295,10 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         the :class:`Recipe`, every section filled with its defaults where the file is silent.
 
     Raises:
-        RecipeError: the file is missing or not valid YAML, a key is unknown (the message suggests
-            the closest valid key), a value has the wrong type or range (the message names the
-            expected type), an objective term is not registered, or the sections disagree
+        RecipeError: the file is missing, empty or not valid YAML, a key is unknown (the message
+            suggests the closest valid key), a value has the wrong type or range (the message names
+            the expected type), an objective term is not registered, a module of
+            ``objective.import`` does not import, or the sections disagree
             (``train.batch_size`` not divisible by ``train.accumulation_steps``, ...).
     """
     file = os.fspath(path)
@@ -957,8 +1312,12 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"cannot read the recipe {file}: {exc}", file=file) from None
     data, node = _compose(text, file)
+    sections = [f.name for f in dataclasses.fields(Recipe) if not f.metadata.get("meta")]
+    if data is None:
+        raise RecipeError(f"{file}: the recipe is empty; write at least one section ({', '.join(sections)}), "
+                          f"e.g. start from recipes/quickstart.yaml", file=file)
     if not isinstance(data, Mapping):
-        raise RecipeError(f"{file}: a recipe is a mapping of sections ({', '.join(f.name for f in _schema_fields(Recipe))}), "
+        raise RecipeError(f"{file}: a recipe is a mapping of sections ({', '.join(sections)}), "
                           f"got {_type_name(data)}", file=file)
     # overrides go on top of the file merged with the defaults, so that `data.train.size=64` edits
     # the default dataset entry and an override can repair a bad file value before validation
@@ -966,18 +1325,47 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     parsed = [(_parse_override(o), o) for o in overrides]
     for (opath, value), text_ in parsed:
         _set_path(tree, opath, value, text_)
-    validator = _Validator(_Origins(file, node, [(opath, text_) for (opath, _), text_ in parsed]))
-    _import_user_modules(tree, validator)
-    recipe = validator.dataclass(tree, Recipe, ())
-    _cross_checks(recipe, validator)
-    recipe.description = _first_comment(text)
-    recipe.source = file
-    recipe.overrides = tuple(overrides)
-    return recipe
+    origins = _Origins(file, node, [(opath, text_) for (opath, _), text_ in parsed])
+    for key in tree:
+        if key not in sections:
+            raise origins.error((key,), f"is not a recipe key: {_suggest(str(key), sections, (), True)}",
+                                key_error=True)
+    _import_user_modules(tree, origins)
+    try:
+        recipe = _adapter(Recipe).validate_python(tree)
+    except ValidationError as exc:
+        raise _recipe_error(exc, origins, tree, Recipe) from None
+    _cross_checks(recipe, origins)
+    return dataclasses.replace(recipe, description=_first_comment(text), source=file,
+                               overrides=tuple(overrides))
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """The JSON schema of a recipe (draft 2020-12), for editors: the sections and their keys with
+    types, defaults, ranges and descriptions, the dataset-entry keys (``SourceSpec``) and the
+    options of every registered objective term under ``objective.terms``.
+
+    Point the YAML language server at it with a first line
+    ``# yaml-language-server: $schema=recipe.schema.json`` (after
+    ``python finetune/run.py --schema > recipe.schema.json``).
+    """
+    _import_objectives()
+    schema = _adapter(Recipe).json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "xlipkit recipe"
+    return schema
 
 
 # -- writing --------------------------------------------------------------------------------------
 def _plain(value: Any) -> Any:
+    """Plain YAML-able data: sections and options classes become mappings (under their YAML
+    keys), tuples lists."""
+    if isinstance(value, BaseModel):
+        return _plain(value.model_dump(by_alias=True))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        hints = typing.get_type_hints(type(value), include_extras=True)
+        return {(_alias(hints.get(f.name)) or f.name): _plain(getattr(value, f.name))
+                for f in dataclasses.fields(value) if not f.metadata.get("meta")}
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -986,20 +1374,15 @@ def _plain(value: Any) -> Any:
 
 
 def recipe_to_dict(recipe: Recipe, *, keep_secrets: bool = False) -> dict[str, Any]:
-    """The recipe as plain YAML-able data (sections only; tuples become lists).
+    """The recipe as plain YAML-able data (sections only, under their YAML keys; tuples become
+    lists).
 
     ``hub.token`` is dropped unless ``keep_secrets`` is true.
     """
-    out = {}
-    for f in _schema_fields(Recipe):
-        section = dataclasses.asdict(getattr(recipe, f.name))
-        if not keep_secrets:
-            for sec, key in _SECRET_KEYS:
-                if sec == f.name:
-                    section.pop(key, None)
-        if f.name == "objective":
-            section = {("import" if k == "imports" else k): v for k, v in section.items()}
-        out[f.name] = _plain(section)
+    out = _plain(recipe)
+    if not keep_secrets:
+        for sec, key in _SECRET_KEYS:
+            out[sec].pop(key, None)
     return out
 
 

@@ -3,6 +3,7 @@
     accelerate launch finetune/run.py RECIPE.yaml [key.sub=value ...]
     accelerate launch --num_processes 8 finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5
     python finetune/run.py --list
+    python finetune/run.py --schema > recipe.schema.json
 
 recipe -> model (backend, Long-CLIP KPS, adapter) -> data (+ the preprocessing the objective needs, cached)
 -> Recall@K before -> training -> Recall@K after -> run folder (recipe.yaml, metrics.json, report.md,
@@ -42,13 +43,16 @@ def _parser() -> argparse.ArgumentParser:
             "  accelerate launch finetune/run.py recipes/quickstart.yaml\n"
             "  accelerate launch finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5 adapter.type=lora\n"
             "  accelerate launch --num_processes 2 --cpu finetune/run.py recipes/quickstart.yaml train.max_steps=20\n"
-            "  python finetune/run.py --list"
+            "  python finetune/run.py --list\n"
+            "  python finetune/run.py --schema > recipe.schema.json"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("recipe", nargs="?", help="path to a recipe YAML (see --list)")
     p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value (typed, validated)")
     p.add_argument("--list", action="store_true", help="list the recipes shipped in recipes/ and exit")
+    p.add_argument("--schema", action="store_true",
+                   help="print the recipe JSON schema (for editors: `# yaml-language-server: $schema=FILE`) and exit")
     return p
 
 
@@ -56,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from finetune.config import RecipeError, list_recipes, load_recipe
 
+    if args.schema:
+        import json
+
+        from finetune.config import recipe_json_schema
+
+        print(json.dumps(recipe_json_schema(), indent=2))
+        return 0
     if args.list:
         for name, desc in list_recipes(RECIPES_DIR):
             print(f"{name:34s} {desc}")
@@ -130,7 +141,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     from finetune.data.collate import Collator
     from finetune.data.sources import load_source
     from finetune.evaluate import evaluate_sets, format_table
-    from finetune.models.adapters import AdapterConfig, apply_adapter, save_finetuned
+    from finetune.models.adapters import apply_adapter, save_finetuned
     from finetune.models.families import recipe_family
     from finetune.objectives import build_objective
     from finetune.report import plot_losses, plot_recall, write_json_atomic, write_report
@@ -148,7 +159,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
         m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
         trust_remote_code=m.trust_remote_code, kps=dict(vars(m.kps)) if m.kps is not None else None,
     )
-    model = apply_adapter(model, AdapterConfig(**vars(recipe.adapter)))
+    model = apply_adapter(model, recipe.adapter)
     if m.gradient_checkpointing:
         from finetune.models.adapters import enable_gradient_checkpointing
 

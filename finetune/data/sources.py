@@ -42,6 +42,7 @@ __all__ = [
     "LoadedSource",
     "register_source",
     "available_sources",
+    "source_takes_path",
     "load_source",
     "source_cache_dir",
 ]
@@ -240,13 +241,15 @@ class _Entry:
     description: str
     protocols: tuple[str, ...]
     splits: tuple[str, ...]
+    takes_path: bool = True
 
 
 _REGISTRY: dict[str, _Entry] = {}
 
 
 def register_source(
-    name: str, *, description: str = "", protocols: tuple[str, ...] = (), splits: tuple[str, ...] = ()
+    name: str, *, description: str = "", protocols: tuple[str, ...] = (), splits: tuple[str, ...] = (),
+    takes_path: bool = True,
 ) -> Callable[[SourceBuilder], SourceBuilder]:
     """Register a source builder under ``name`` (a decorator).
 
@@ -256,6 +259,8 @@ def register_source(
         protocols: the evaluation protocols the builder knows, default first; a spec without a
             protocol gets the first, an unknown one is an error listing them.
         splits: the splits the builder knows (empty: any); an unknown one is an error.
+        takes_path: whether the source reads ``path`` (``False`` for one that makes its own data,
+            as ``synthetic``: a recipe that gives it a path is an error).
     Returns:
         the decorator, which returns the builder unchanged.
     """
@@ -264,7 +269,7 @@ def register_source(
         existing = _REGISTRY.get(name)
         if existing is not None and existing.builder.__qualname__ != builder.__qualname__:
             raise ValueError(f"data source {name!r} is already registered by {existing.builder.__module__}")
-        _REGISTRY[name] = _Entry(builder, description, tuple(protocols), tuple(splits))
+        _REGISTRY[name] = _Entry(builder, description, tuple(protocols), tuple(splits), takes_path)
         return builder
 
     return decorator
@@ -283,6 +288,14 @@ def available_sources() -> dict[str, str]:
     """The registered sources: name -> description (built-ins imported first)."""
     _import_builtins()
     return {name: entry.description for name, entry in sorted(_REGISTRY.items())}
+
+
+def source_takes_path(name: str) -> bool:
+    """Whether the registered source ``name`` reads a ``path`` (built-ins imported first);
+    ``True`` for a name that is not registered (its own error comes from the name check)."""
+    _import_builtins()
+    entry = _REGISTRY.get(name)
+    return True if entry is None else entry.takes_path
 
 
 def source_cache_dir() -> str | None:

@@ -324,6 +324,7 @@ _OPTIONS = ("image_size", "min_objects", "max_objects", "family_size")
     "synthetic",
     description="embedded synthetic scenes of coloured shapes with long captions (offline; splits train/test)",
     splits=SPLITS,
+    takes_path=False,
 )
 def build_synthetic(spec: SourceSpec) -> datasets.Dataset:
     """Source builder: ``{name: synthetic, size: 2000, seed: 0, split: train|test, options: {...}}``.

@@ -31,13 +31,16 @@ import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+# the one adapter settings class: the recipe's `adapter` section (validated by the recipe schema;
+# built in code, a bad value raises a RecipeError naming `adapter.<key>`)
+from finetune.config import AdapterConfig
 from finetune.models.atomic import atomic_dir
 from finetune.models.encoder import DualEncoder
 
@@ -56,50 +59,6 @@ _OC_ATTN = r"(?:.*\.)?resblocks\.\d+\.attn"
 _OC_MLP = r"(?:.*\.)?resblocks\.\d+\.mlp\.(?:c_fc|c_proj)"
 _TIMM_ATTN = r".*\.blocks\.\d+\.attn\.(?:qkv|proj)"
 _TIMM_MLP = r".*\.trunk\.(?:blocks\.\d+|attn_pool)\.mlp\.(?:fc1|fc2)"
-
-
-@dataclass
-class AdapterConfig:
-    """How to fine-tune: ``full`` (every parameter), ``lora`` or ``dora`` (peft).
-
-    Attributes:
-        type: ``"full"``, ``"lora"`` or ``"dora"``.
-        r: LoRA rank.
-        alpha: LoRA ``alpha`` (the update is scaled by ``alpha / r``).
-        dropout: dropout on the LoRA branch input.
-        targets: ``"preset"`` (the backend's attention + MLP linears) or a list of module names
-            (peft's suffix matching).
-        include_mlp: with the preset, also adapt the MLP linears.
-        extra_targets: more module names to adapt (e.g. ``"text_projection"``).
-        train_extra: parameters trained as they are next to the adapter: ``"positions"`` (the
-            text positional table, when KPS stretched it), ``"logit_scale"``, ``"logit_bias"``, or
-            names / shell patterns of the backend model's parameters (``"text_model.final_layer_norm.*"``).
-    """
-
-    type: str = "full"
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    targets: str | list[str] = "preset"
-    include_mlp: bool = True
-    extra_targets: list[str] = field(default_factory=list)
-    train_extra: list[str] = field(default_factory=lambda: list(EXTRA_SYMBOLS))
-
-    def __post_init__(self) -> None:
-        if self.type not in ADAPTER_TYPES:
-            raise ValueError(f"adapter.type {self.type!r} does not exist; use one of {ADAPTER_TYPES}")
-        if int(self.r) < 1:
-            raise ValueError(f"adapter.r must be >= 1, got {self.r}")
-        if float(self.alpha) <= 0:
-            raise ValueError(f"adapter.alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"adapter.dropout must be in [0, 1), got {self.dropout}")
-        names_ok = not isinstance(self.targets, str) and all(isinstance(t, str) for t in self.targets)
-        if self.targets != "preset" and not names_ok:
-            raise ValueError(f"adapter.targets must be 'preset' or a list of module names, got {self.targets!r}")
-        self.targets = self.targets if self.targets == "preset" else list(self.targets)
-        self.extra_targets = list(self.extra_targets)
-        self.train_extra = list(self.train_extra)
 
 
 # -- presets and parameter selection -------------------------------------------------------------------

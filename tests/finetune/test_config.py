@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
+import types
 from pathlib import Path
+from typing import Literal
 
+import pydantic
 import pytest
 import yaml
 
@@ -20,6 +26,8 @@ from finetune.config import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+#: a recipe of all defaults (an empty file is an error)
+DEFAULTS = "# defaults\nmodel: {}\n"
 
 
 def write(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
@@ -73,8 +81,17 @@ def test_minimal_recipe_gets_schema_defaults_and_description(tmp_path):
     assert recipe.objective.terms == {}
 
 
-def test_empty_file_is_all_defaults(tmp_path):
-    assert load_recipe(write(tmp_path, "")) == Recipe()
+def test_empty_sections_are_all_defaults(tmp_path):
+    assert load_recipe(write(tmp_path, "model: {}\n")) == Recipe()
+    assert load_recipe(write(tmp_path, "model:\ntrain:\n")) == Recipe()
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "\n\n"])
+def test_empty_file_is_an_error_naming_the_file(tmp_path, text):
+    path = write(tmp_path, text)
+    with pytest.raises(RecipeError, match=rf"{path}: the recipe is empty; write at least one section") as info:
+        load_recipe(path, ["train.lr=1e-5"])
+    assert info.value.file == str(path)
 
 
 def test_yaml_numbers_without_dot_and_unquoted_no(tmp_path):
@@ -133,7 +150,7 @@ def test_overrides_are_typed_and_applied_after_the_file(tmp_path):
 
 
 def test_override_into_a_list_entry_by_index(tmp_path):
-    recipe = load_recipe(write(tmp_path, ""), ["eval.sets.0.size=32"])
+    recipe = load_recipe(write(tmp_path, DEFAULTS), ["eval.sets.0.size=32"])
     assert recipe.eval.sets == [{"name": "synthetic", "split": "test", "size": 32, "seed": 1}]
 
 
@@ -179,7 +196,7 @@ def test_unknown_section_and_key_of_another_section(tmp_path):
 
 def test_unknown_override_key_names_the_override_and_closest_key(tmp_path):
     with pytest.raises(RecipeError) as info:
-        load_recipe(write(tmp_path, ""), ["train.batchsize=4"])
+        load_recipe(write(tmp_path, DEFAULTS), ["train.batchsize=4"])
     msg = str(info.value)
     assert "override `train.batchsize=4`" in msg and "did you mean `train.batch_size`?" in msg
 
@@ -202,14 +219,14 @@ def test_wrong_type_names_the_expected_type_and_line(tmp_path):
 
 def test_wrong_type_in_override(tmp_path):
     with pytest.raises(RecipeError, match=r"override `train.epochs=many`: `train.epochs` expected an integer or null"):
-        load_recipe(write(tmp_path, ""), ["train.epochs=many"])
+        load_recipe(write(tmp_path, DEFAULTS), ["train.epochs=many"])
 
 
 def test_choice_fields_list_the_allowed_values(tmp_path):
     with pytest.raises(RecipeError, match=r"one of 'full', 'lora', 'dora', got 'lroa' \(did you mean 'lora'\?\)"):
         load_recipe(write(tmp_path, "adapter:\n  type: lroa\n"))
     with pytest.raises(RecipeError, match=r"override `objective.base=infonce`.*not a registered objective term.*`clip`, `longclip`, `none`, `siglip`"):
-        load_recipe(write(tmp_path, ""), ["objective.base=infonce"])
+        load_recipe(write(tmp_path, DEFAULTS), ["objective.base=infonce"])
 
 
 def test_invalid_yaml_and_duplicate_keys_name_the_line(tmp_path):
@@ -227,7 +244,7 @@ def test_top_level_must_be_a_mapping(tmp_path):
 
 
 def test_malformed_overrides(tmp_path):
-    path = write(tmp_path, "")
+    path = write(tmp_path, DEFAULTS)
     with pytest.raises(RecipeError, match=r"`train.lr` is not `key.sub=value`"):
         load_recipe(path, ["train.lr"])
     with pytest.raises(RecipeError, match="not valid YAML"):
@@ -241,7 +258,7 @@ def test_range_and_cross_field_checks(tmp_path):
     with pytest.raises(RecipeError, match=r"line 2: .*must be divisible by `train.accumulation_steps` \(4\)"):
         load_recipe(path)
     with pytest.raises(RecipeError, match=r"override `train.accumulation_steps=3`"):
-        load_recipe(write(tmp_path, ""), ["train.accumulation_steps=3"])
+        load_recipe(write(tmp_path, DEFAULTS), ["train.accumulation_steps=3"])
     with pytest.raises(RecipeError, match=r"`hub.push: true` needs `hub.repo_id`"):
         load_recipe(write(tmp_path, "hub:\n  push: true\n"))
     with pytest.raises(RecipeError, match=r"`train.lr` must be > 0, got 0.0"):
@@ -321,7 +338,8 @@ def test_recipe_to_dict_is_plain_yaml_data():
 
 
 def test_list_recipes(tmp_path):
-    write(tmp_path, "# Quick start on synthetic scenes\ntrain: {}\n", "quickstart.yaml")
+    write(tmp_path, "# yaml-language-server: $schema=../recipe.schema.json\n# Quick start on synthetic scenes\n"
+                    "train: {}\n", "quickstart.yaml")
     write(tmp_path, "model: {}\n# late comment\n", "b_other.yml")
     write(tmp_path, "not a recipe", "notes.txt")
     assert list_recipes(tmp_path) == [("b_other", "late comment"), ("quickstart", "Quick start on synthetic scenes")]
@@ -333,3 +351,231 @@ def test_list_recipes(tmp_path):
 def test_every_shipped_recipe_validates(path):
     recipe = load_recipe(path)
     assert recipe.description, f"{path.name}: the first line should be a one-line description comment"
+
+
+# -- pydantic schema: sections built in code, registered options, JSON schema --------------------
+def test_sections_built_in_code_raise_recipe_errors_naming_the_key():
+    with pytest.raises(RecipeError, match=r"`train.lr` must be > 0, got 0.0"):
+        config.TrainConfig(lr=0)
+    with pytest.raises(RecipeError, match=r"`model.kps.keep` must be >= 0, got -1"):
+        config.KPSConfig(keep=-1)
+    with pytest.raises(RecipeError, match=r"`adapter.lora_rank` is not a recipe key"):
+        config.AdapterConfig(lora_rank=4)
+    recipe = Recipe()
+    assert dataclasses.replace(recipe, train=config.TrainConfig(lr=1e-4)).train.lr == 1e-4
+    assert vars(recipe.model.kps) == {"keep": 20, "ratio": None, "freeze_kept": True}
+
+
+def test_one_adapter_config_class_for_recipes_and_adapters():
+    adapters = pytest.importorskip("finetune.models.adapters")
+    assert adapters.AdapterConfig is config.AdapterConfig
+    assert config.AdapterConfig().train_extra == list(adapters.EXTRA_SYMBOLS)
+    assert isinstance(Recipe().adapter, adapters.AdapterConfig)
+
+
+def test_adapter_train_extra_is_a_recipe_key(tmp_path):
+    recipe = load_recipe(write(tmp_path, "adapter:\n  type: lora\n  train_extra: [logit_scale]\n"))
+    assert recipe.adapter.train_extra == ["logit_scale"]
+
+
+class PydanticTerm(pydantic.BaseModel):
+    weight: float = 1.0
+    k: int = pydantic.Field(default=3, ge=1)
+    mode: Literal["a", "b"] = "a"
+
+
+def test_a_pydantic_model_registered_as_term_options_is_validated(tmp_path, term_registry):
+    register_term_config("pyd", PydanticTerm)
+    recipe = load_recipe(write(tmp_path, "objective:\n  terms:\n    pyd: {weight: 1e-2, k: 5}\n"))
+    assert recipe.objective.terms["pyd"] == PydanticTerm(weight=0.01, k=5)
+    path = write(tmp_path, "objective:\n  terms:\n    pyd:\n      k: 0\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line 4: `objective.terms.pyd.k` must be >= 1, got 0"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"`objective.terms.pyd.mdoe` is not a recipe key: "
+                                          r"did you mean `objective.terms.pyd.mode`\?"):
+        load_recipe(write(tmp_path, "objective:\n  terms:\n    pyd: {mdoe: b}\n"))
+    with pytest.raises(RecipeError, match=r"override `objective.terms.pyd.mode=c`: `objective.terms.pyd.mode` "
+                                          r"must be one of 'a', 'b', got 'c'"):
+        load_recipe(write(tmp_path, "objective:\n  terms: {pyd: {}}\n"), ["objective.terms.pyd.mode=c"])
+    assert recipe_to_dict(recipe)["objective"]["terms"]["pyd"] == {"weight": 0.01, "k": 5, "mode": "a"}
+
+
+def test_dataclass_field_checks_of_term_options_are_run(tmp_path, term_registry):
+    @dataclasses.dataclass
+    class Checked:
+        k: int = dataclasses.field(default=3,
+                                   metadata={"check": lambda v: None if v >= 1 else f"must be >= 1, got {v}"})
+
+    register_term_config("checked", Checked)
+    with pytest.raises(RecipeError, match=r"line 3: `objective.terms.checked.k` must be >= 1, got 0"):
+        load_recipe(write(tmp_path, "objective:\n  terms:\n    checked: {k: 0}\n"))
+
+
+def test_yaml_quirks_in_term_options(tmp_path, term_registry):
+    @dataclasses.dataclass
+    class Quirky:
+        steps: int = 1
+        rate: float | None = None
+        mode: Literal["no", "fp16"] = "fp16"
+        flag: bool = True
+
+    register_term_config("quirky", Quirky)
+    recipe = load_recipe(write(tmp_path, "objective:\n  terms:\n    quirky: {steps: 1e3, rate: 1e-5, mode: no}\n"))
+    assert recipe.objective.terms["quirky"] == Quirky(steps=1000, rate=1e-5, mode="no")
+    assert isinstance(recipe.objective.terms["quirky"].steps, int)
+    with pytest.raises(RecipeError, match=r"`objective.terms.quirky.steps` expected an integer, got 2.5"):
+        load_recipe(write(tmp_path, "objective:\n  terms:\n    quirky: {steps: 2.5}\n"))
+
+
+def test_schema_flag_prints_the_json_schema_with_terms_and_types():
+    out = subprocess.run([sys.executable, str(REPO / "finetune" / "run.py"), "--schema"], capture_output=True,
+                         text=True, cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr
+    schema = json.loads(out.stdout)
+    defs = schema["$defs"]
+
+    def resolve(node):
+        return defs[node["$ref"].rsplit("/", 1)[-1]] if "$ref" in node else node
+
+    sections = schema["properties"]
+    assert list(sections) == ["model", "adapter", "data", "objective", "train", "eval", "output", "hub"]
+    train = resolve(sections["train"])
+    assert train["properties"]["lr"]["type"] == "number"
+    assert train["properties"]["lr"]["exclusiveMinimum"] == 0
+    assert train["additionalProperties"] is False
+    objective = resolve(sections["objective"])
+    assert "import" in objective["properties"] and "imports" not in objective["properties"]
+    structxlip = objective["properties"]["terms"]["properties"]["structxlip"]["anyOf"][0]
+    structxlip = resolve(structxlip)
+    assert {"compat", "weights", "edges", "lexicon", "regions"} <= set(structxlip["properties"])
+    assert structxlip["additionalProperties"] is False
+    regions = resolve(structxlip["properties"]["regions"])
+    assert regions["properties"]["encode"]["enum"] == ["crop", "pool"]
+    entry = resolve(sections["data"])["properties"]["train"]["anyOf"]
+    mapping = resolve(next(a for a in entry if a.get("type") != "string"))
+    assert set(mapping["properties"]) == set(config.SOURCE_SPEC_KEYS)
+    assert mapping["required"] == ["name"]
+    assert "description" not in sections and "source" not in sections
+
+
+def test_schema_lists_a_term_registered_in_code(term_registry):
+    schema = config.recipe_json_schema()
+    terms = schema["$defs"]["ObjectiveConfig"]["properties"]["terms"]["properties"]
+    assert list(terms) == ["toy"]
+    toy = terms["toy"]["anyOf"][0]
+    toy = schema["$defs"][toy["$ref"].rsplit("/", 1)[-1]] if "$ref" in toy else toy
+    assert toy["properties"]["temperature"] == {"default": 0.07, "title": "Temperature", "type": "number"}
+
+
+def test_run_exits_2_on_a_recipe_error(tmp_path, capsys):
+    from finetune.run import main
+
+    path = write(tmp_path, "# r\ntrain:\n  lrr: 1.0e-5\n")
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"recipe error: {path}, line 3: `train.lrr` is not a recipe key: did you mean `train.lr`?" in err
+    assert main([str(write(tmp_path, "", "empty.yaml"))]) == 2
+    assert "the recipe is empty" in capsys.readouterr().err
+
+
+# -- dataset entries ------------------------------------------------------------------------------
+def test_source_spec_keys_come_from_the_dataclass():
+    from finetune.data.sources import SourceSpec
+
+    assert config.SOURCE_SPEC_KEYS == tuple(f.name for f in dataclasses.fields(SourceSpec))
+
+
+def test_a_path_on_a_source_that_takes_none_is_an_error(tmp_path):
+    path = write(tmp_path, "data:\n  train:\n    name: synthetic\n    path: data/scenes\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line 4: `data.train.path` is set, but the source 'synthetic' "
+                                          r"takes no path") as info:
+        load_recipe(path)
+    assert info.value.key == "data.train.path"
+    with pytest.raises(RecipeError, match=r"override `eval.sets.0.path=x`: `eval.sets.0.path` is set"):
+        load_recipe(write(tmp_path, DEFAULTS), ["eval.sets.0.path=x"])
+    recipe = load_recipe(write(tmp_path, "data:\n  train: {name: jsonl, path: x.jsonl}\n"))
+    assert recipe.data.train == {"name": "jsonl", "path": "x.jsonl"}
+
+
+def test_dataset_entries_get_the_source_modules_own_checks(tmp_path):
+    recipe = load_recipe(write(tmp_path, "data:\n  train: {format: webdataset, urls: 'shards/{0..3}.tar'}\n"
+                                         "train:\n  max_steps: 10\n"))
+    assert recipe.data.train == {"format": "webdataset", "urls": "shards/{0..3}.tar"}  # `format` names the source
+    path = write(tmp_path, "data:\n  train: {name: docci, streaming: true}\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line 2: `data.train` is not a valid dataset entry: "
+                                          r"data source 'docci' cannot be streamed"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"`data.train` is not a valid dataset entry: .*'size' must be positive"):
+        load_recipe(write(tmp_path, "data:\n  train: {name: synthetic, size: 0}\n"))
+    path = write(tmp_path, "eval:\n  sets:\n    - docci\n    - {name: webdataset, urls: x.tar}\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line 4: `eval.sets.1` is a stream; only `data.train`"):
+        load_recipe(path)
+
+
+# -- objective.import, base, scorer and model family ----------------------------------------------
+def test_objective_import_registers_a_term_from_a_module(tmp_path, monkeypatch, term_registry):
+    (tmp_path / "my_terms_xyz.py").write_text(
+        "import dataclasses\n"
+        "from finetune.config import register_term_config\n\n"
+        "@dataclasses.dataclass\n"
+        "class MineOptions:\n"
+        "    weight: float = 0.5\n\n"
+        "register_term_config('mine', MineOptions)\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_terms_xyz", raising=False)
+    text = "# mine\nobjective:\n  import: [my_terms_xyz]\n  base: mine\n  terms:\n    mine: {weight: 2}\n"
+    recipe = load_recipe(write(tmp_path, text))
+    assert recipe.objective.imports == ["my_terms_xyz"]
+    assert recipe.objective.base == "mine"
+    assert dataclasses.asdict(recipe.objective.terms["mine"]) == {"weight": 2.0}
+    assert recipe_to_dict(recipe)["objective"]["import"] == ["my_terms_xyz"]
+    assert load_recipe(dump_recipe(recipe, tmp_path / "out" / "recipe.yaml")) == recipe
+    path = write(tmp_path, "objective:\n  import:\n    - my_terms_xyz\n    - no_such_module_xyz\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line 4: `objective.import.1` cannot import module "
+                                          r"'no_such_module_xyz'"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"`objective.import` expected a list of module names"):
+        load_recipe(write(tmp_path, "objective:\n  import: {a: 1}\n"))
+    with pytest.raises(RecipeError, match=r"`objective.base` is not a registered objective term: "
+                                          r"did you mean `mine`\?"):
+        load_recipe(write(tmp_path, "objective:\n  import: [my_terms_xyz]\n  base: mien\n"))
+
+
+def test_scorer_and_model_family_are_checked_against_their_registries(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "finetune.scorers", types.SimpleNamespace(
+        available_scorers=lambda: {"cosine": "", "token_max": ""}))
+    monkeypatch.setitem(sys.modules, "finetune.models.families", types.SimpleNamespace(
+        model_family_names=lambda: ["hf", "open_clip"]))
+    recipe = load_recipe(write(tmp_path, "eval:\n  scorer: token_max\nmodel:\n  family: open_clip\n"))
+    assert (recipe.eval.scorer, recipe.model.family) == ("token_max", "open_clip")
+    with pytest.raises(RecipeError, match=r"line 2: `eval.scorer` is 'token_mx', not a registered scorer: "
+                                          r"did you mean `token_max`\? choose one of `cosine`, `token_max`"):
+        load_recipe(write(tmp_path, "eval:\n  scorer: token_mx\n"))
+    with pytest.raises(RecipeError, match=r"override `model.family=openclip`: `model.family` is 'openclip', not a "
+                                          r"registered model family: did you mean `open_clip`\?"):
+        load_recipe(write(tmp_path, DEFAULTS), ["model.family=openclip"])
+
+
+def test_model_family_is_checked_against_the_registered_families(tmp_path):
+    families = pytest.importorskip("finetune.models.families")
+    assert "hf" in families.model_family_names()
+    with pytest.raises(RecipeError, match=r"line 2: `model.family` is 'hff', not a registered model family: "
+                                          r"did you mean `hf`\? choose one of `auto`, `hf`"):
+        load_recipe(write(tmp_path, "model:\n  family: hff\n"))
+    with pytest.raises(RecipeError, match=r"`model.backend` is 'jax', not a registered model family"):
+        load_recipe(write(tmp_path, "model:\n  backend: jax\n"))
+
+
+def test_eval_scorer_is_checked_against_the_registered_scorers(tmp_path):
+    scorers = pytest.importorskip("finetune.scorers")
+    assert "cosine" in scorers.available_scorers()
+    with pytest.raises(RecipeError, match=r"`eval.scorer` is 'cosin', not a registered scorer: did you mean `cosine`\?"):
+        load_recipe(write(tmp_path, DEFAULTS), ["eval.scorer=cosin"])
+
+
+def test_model_backend_is_a_deprecated_alias_of_family(tmp_path):
+    recipe = load_recipe(write(tmp_path, "model:\n  backend: open_clip\n"))
+    assert recipe.model.family == "open_clip"
+    assert load_recipe(write(tmp_path, "model:\n  family: hf\n")).model.family == "hf"
+    with pytest.raises(RecipeError, match=r"`model.backend` \(hf\) and `model.family` \(open_clip\) disagree"):
+        load_recipe(write(tmp_path, "model:\n  backend: hf\n  family: open_clip\n"))

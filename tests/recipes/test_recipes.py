@@ -12,7 +12,7 @@ import pytest
 import yaml
 from accelerate.state import AcceleratorState, GradientState
 
-from finetune.config import RecipeError, list_recipes, load_recipe
+from finetune.config import RecipeError, list_recipes, load_recipe, recipe_json_schema, recipe_to_dict
 from finetune.models.registry import save_tiny
 from tests.finetune.data.fixtures import (
     write_dci_fixture,
@@ -35,6 +35,22 @@ def test_recipe_validates(path):
     recipe = load_recipe(path)
     assert recipe.train.lr > 0
     assert recipe.output.dir
+
+
+@pytest.fixture(scope="module")
+def recipe_schema():
+    return recipe_json_schema()
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_as_resolved_satisfies_the_json_schema(path, recipe_schema):
+    """What editors check a recipe against (`run.py --schema`) accepts every shipped recipe."""
+    jsonschema = pytest.importorskip("jsonschema")
+    resolved = recipe_to_dict(load_recipe(path))
+    jsonschema.Draft202012Validator(recipe_schema).validate(resolved)
+    resolved["train"]["lrr"] = 1.0
+    with pytest.raises(jsonschema.ValidationError, match="lrr"):
+        jsonschema.Draft202012Validator(recipe_schema).validate(resolved)
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,8 @@ def _train(model, tok, pixels, steps: int = 2) -> None:
 
 
 def test_adapter_config_validates_fields() -> None:
-    with pytest.raises(ValueError, match=r"adapter.type 'qlora' does not exist; use one of \('full', 'lora', 'dora'\)"):
+    with pytest.raises(ValueError, match=r"`adapter.type` must be one of 'full', 'lora', 'dora', got 'qlora' "
+                                         r"\(did you mean 'lora'\?\)"):
         AdapterConfig(type="qlora")
     with pytest.raises(ValueError, match="adapter.r"):
         AdapterConfig(type="lora", r=0)
