@@ -359,6 +359,12 @@ class DataConfig:
     on_error: Annotated[Literal["skip", "raise"], _doc("bad rows: count and skip them, or stop")] = "skip"
     num_workers: Annotated[_int(ge=0), _doc("data-loader worker processes")] = 0
     cache_dir: Annotated[Str | None, _doc("where downloaded / preprocessed data is cached")] = None
+    max_image_pixels: Annotated[_int(ge=1), _doc(
+        "the largest image accepted, in pixels (width x height); larger ones follow `data.on_error` "
+        "(PIL's decompression-bomb limit by default)")] = 89_478_485
+    validate: Annotated[Literal["header", "full"], _doc(
+        "how images are checked before training: `header` (fast: format, size, JPEG end marker) or "
+        "`full` (decode every image once)")] = "header"
 
 
 def _check_scorer(value: str) -> str:
@@ -449,6 +455,9 @@ class TrainConfig:
     checkpoint_every: Annotated[_int(ge=0), _doc("steps between checkpoints; 0: none")] = 0
     keep_checkpoints: _int(ge=1) = 2
     resume: Annotated[Str | None, _doc("a checkpoint folder, or `latest`")] = None
+    resume_ignore_changes: Annotated[Bool, _doc(
+        "resume even where the recipe differs from the checkpoint's in what matters for continuation "
+        "(the differences are logged)")] = False
     seed: Int = 42
     log_every: _int(ge=1) = 10
     trackers: list[Str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
@@ -461,6 +470,8 @@ class OutputConfig:
     """Where the run folder goes (recipe.yaml, metrics.json, report.md, plots/, final/, ...)."""
 
     dir: Annotated[NonEmptyStr, _doc("the run folder")] = "runs/quickstart"
+    overwrite: Annotated[Bool, _doc(
+        "replace a folder that holds a finished or different run (default: refuse it)")] = False
 
 
 @_section(("hub",))
