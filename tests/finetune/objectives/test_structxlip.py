@@ -33,12 +33,12 @@ from finetune.objectives.structxlip import (
     StructXLIPOptions,
     StructXLIPTerm,
     StructXLIPWeights,
-    box_patch_mask,
     length_buckets,
     official_chunks,
     select_regions,
 )
 from finetune.preprocess.edges import edge_array
+from finetune.preprocess.geometry import box_patch_mask
 from finetune.preprocess.regions import split_chunks
 from finetune.train import _split
 from losses import clip_loss, local_structure_loss
@@ -183,24 +183,6 @@ def test_select_regions_ranks_by_votes_then_score():
     assert select_regions(topk, scores, 3) == [2, 0, 1]
     assert select_regions(topk, scores, None) == [2, 0, 1, 4, 3]
     assert select_regions([], [], 3) == []
-
-
-def test_box_patch_mask_follows_resize_and_centre_crop():
-    params = {"mode": "shortest_center_crop", "size": 32, "crop": (32, 32), "patch_size": 8}
-    # 128 x 64 -> resized to 64 x 32, centre crop cuts 16 px on the left and right
-    everything = box_patch_mask((32, 0, 96, 64), (128, 64), params)
-    assert everything.shape == (16,) and bool(everything.all())
-    assert box_patch_mask((0, 0, 32, 64), (128, 64), params) is None  # cut away by the crop
-    one = box_patch_mask((64, 16, 80, 32), (128, 64), params)  # -> (16, 8, 24, 16): the patch at row 1, col 2
-    assert one.nonzero().flatten().tolist() == [6]
-    tiny = box_patch_mask((64, 16, 65, 17), (128, 64), params)  # smaller than a patch: the patch under its centre
-    assert tiny.nonzero().flatten().tolist() == [6]
-    squash = {"mode": "squash", "size": (32, 32), "crop": None, "patch_size": 8}
-    left = box_patch_mask((0, 0, 32, 32), (64, 32), squash)  # left half of the image = columns 0-1
-    assert left.view(4, 4)[:, :2].all() and not left.view(4, 4)[:, 2:].any()
-    naflex = {"mode": "naflex", "size": None, "crop": None, "patch_size": 8}
-    mask = box_patch_mask((0, 0, 32, 32), (64, 32), naflex, n_patches=16, spatial_shape=(2, 4))
-    assert mask.nonzero().flatten().tolist() == [0, 1, 4, 5]
 
 
 # -- preprocessing --------------------------------------------------------------------------------
