@@ -48,6 +48,12 @@ log = logging.getLogger("xlipkit")
 CHECKPOINT_PREFIX = "step-"
 
 
+def term_values(values: dict[str, float]) -> list[tuple[str, float]]:
+    """The per-term loss values of a step's logged values (``clip``, ``structxlip/local``, ...): everything but
+    the total, the learning rate and the logit scale."""
+    return [(k, v) for k, v in values.items() if k not in ("loss", "lr", "logit_scale")]
+
+
 class NonFiniteLossError(RuntimeError):
     """Raised when a loss term is NaN or infinite and ``train.on_nonfinite`` is ``raise``."""
 
@@ -457,7 +463,10 @@ class Trainer:
                     acc.log({f"train/{k}": v for k, v in values.items()}, step=step)
                 elapsed = time.perf_counter() - start
                 rate = (self.state.samples_seen - start_samples) / max(elapsed, 1e-9)
-                bar.set_postfix(loss=f"{values['loss']:.4f}", samples_s=f"{rate:.1f}")
+                # the total, then every term's value under its logged name (``clip``, ``structxlip/local``)
+                bar.set_postfix({"loss": f"{values['loss']:.4f}",
+                                 **{k: f"{v:.4f}" for k, v in term_values(values)},
+                                 "samples_s": f"{rate:.1f}"})
                 bar.update(1)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     stream_state = self.stream.state_dict() if self.stream is not None else None

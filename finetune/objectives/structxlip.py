@@ -66,8 +66,9 @@ from losses.structxlip import (
     official_weight_decay,
 )
 
-from . import register_term
+from .registry import register_term
 from .base import Batch, Features, ImageRequest, Term, TextRequest, length_buckets, scale_of
+from .contrastive import image_request
 
 __all__ = [
     "EdgeOptions",
@@ -350,7 +351,12 @@ class StructXLIPTerm(Term):
     """
 
     name = TERM_NAME
+    #: dataset columns its own ``preprocess`` adds (not needed from the source)
     needs = frozenset({"edges", "filtered_caption", "regions"})
+    produces = frozenset({"sx_edges", "sx_filtered", "sx_chunks", "sx_topk", "sx_slots", "sx_boxes", "sx_size",
+                          "sx_crops", "structxlip"})
+    requests = frozenset({"image", "edge", "region", "filtered_text", "chunk"})
+    features = frozenset({"chunk_owner", "chunk_topk", "region_owner", "region_slot", "chunk", "region"})
 
     def __init__(self, options: StructXLIPOptions | None = None) -> None:
         super().__init__()
@@ -684,11 +690,12 @@ class StructXLIPTerm(Term):
 
     # -- model side ------------------------------------------------------------------------------
     def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
-        """``edge`` (the B edge maps, with patch states in pool mode) and, in crop mode, ``region`` (only the
-        kept crops of the batch; absent when there are none)."""
+        """``image`` (the B colour images, shared with the base term: encoded once), ``edge`` (the B edge maps,
+        with patch states in pool mode) and, in crop mode, ``region`` (only the kept crops of the batch; absent
+        when there are none)."""
         sx = batch["structxlip"]
         pool = self.use_local and self.options.regions.encode == "pool"
-        reqs = {"edge": ImageRequest(sx["edge_inputs"], states=pool)}
+        reqs = {"image": image_request(batch), "edge": ImageRequest(sx["edge_inputs"], states=pool)}
         if self.use_local and not pool and sx["region_inputs"]:
             inputs = {name: torch.cat([t for t in parts if t is not None])
                       for name, parts in sx["region_inputs"].items()}

@@ -348,7 +348,7 @@ def test_no_placeholder_encodes_for_samples_without_chunks(crop_setup, model):
     feats = _objective(term).encode(counting, empty)
     assert calls["image"] == [4]
     assert feats["chunk"].shape == (0, 32) and feats["region"].shape == (0, 32)
-    assert float(_objective(term).loss(counting, feats)["local"]) == 0.0
+    assert float(_objective(term).loss(counting, feats)["structxlip/local"]) == 0.0
 
 
 def _direct_local(chunks, chunk_owner, chunk_topk, regions, region_owner, region_slot, temperature):
@@ -375,13 +375,14 @@ def test_losses_match_the_papers_equations(crop_setup, model):
         values = objective.loss(model, feats)
     scale = term.structure_logit_scale.detach().exp()
     expected = float(clip_loss(feats["edge"], feats["filtered_text"], scale))
-    assert values["structure"] == pytest.approx(expected, rel=1e-5)
+    assert values["structxlip/structure"] == pytest.approx(expected, rel=1e-5)
     cos = F.cosine_similarity(feats["image"], feats["edge"], dim=-1)
-    assert values["consistency"] == pytest.approx(float((1 - cos).mean()), rel=1e-5)
+    assert values["structxlip/consistency"] == pytest.approx(float((1 - cos).mean()), rel=1e-5)
     local = _direct_local(feats["chunk"], feats["chunk_owner"], feats["chunk_topk"], feats["region"],
                           feats["region_owner"], feats["region_slot"], 0.07)
-    assert values["local"] == pytest.approx(float(local), rel=1e-4)
-    expected_total = values["clip"] + 0.25 * values["structure"] + 0.1 * values["consistency"] + 0.1 * values["local"]
+    assert values["structxlip/local"] == pytest.approx(float(local), rel=1e-4)
+    expected_total = (values["clip"] + 0.25 * values["structxlip/structure"]
+                      + 0.1 * values["structxlip/consistency"] + 0.1 * values["structxlip/local"])
     assert values["loss"] == pytest.approx(float(expected_total), rel=1e-6)
 
 
@@ -394,7 +395,7 @@ def test_crop_and_pool_give_finite_losses_and_gradients_with_checkpointing(model
     trained.set_gradient_checkpointing(True)
     objective = _objective(term)
     values = objective.loss(trained, objective.encode(trained, batch))
-    assert set(values) == {"clip", "structure", "consistency", "local", "loss"}
+    assert set(values) == {"clip", "structxlip/structure", "structxlip/consistency", "structxlip/local", "loss"}
     assert all(math.isfinite(float(v.detach())) for v in values.values())
     values["loss"].backward()
     vision = trained.model.vision_model.encoder.layers[0].self_attn.q_proj.weight.grad
@@ -437,10 +438,10 @@ def test_compat_official_reproduces_the_public_code(model, scenes, tmp_path):
         structure = clip_loss(feats["edge"], feats["filtered_text"], s)
         every_region = local_structure_loss(feats["chunk"], feats["chunk_owner"], feats["region"],
                                             feats["region_owner"], temperature=1 / min(float(s) / 0.07, 100.0))
-    assert values["structure"].item() == pytest.approx(structure.item(), rel=1e-5)
-    assert values["local"].item() == pytest.approx(every_region.item(), rel=1e-5)
+    assert values["structxlip/structure"].item() == pytest.approx(structure.item(), rel=1e-5)
+    assert values["structxlip/local"].item() == pytest.approx(every_region.item(), rel=1e-5)
     # the structure loss reads the main scale detached: no gradient reaches it from there
-    values["structure"].backward()
+    values["structxlip/structure"].backward()
     assert trained.logit_scale.grad is None or float(trained.logit_scale.grad) == 0.0
 
 
@@ -514,7 +515,7 @@ def test_structxlip_docci_recipe_runs_offline_and_reuses_its_preprocessing(tmp_p
     first = run(tmp_path / "run1")
     assert "computing regions" in first.stderr
     metrics = json.loads((tmp_path / "run1" / "metrics.json").read_text())
-    for key in ("clip", "structure", "consistency", "local", "loss"):
+    for key in ("clip", "structxlip/structure", "structxlip/consistency", "structxlip/local", "loss"):
         assert math.isfinite(metrics["final_losses"][key]), key
     assert metrics["steps"] == 2 and len(metrics["after"]) == 3, sorted(metrics["after"])
     assert (tmp_path / "run1" / "report.md").is_file()
@@ -605,7 +606,7 @@ def test_every_structxlip_recipe_runs_on_tiny_models(path, run_fixtures, tmp_pat
     assert run(recipe) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 2
-    for key in ("structure", "consistency", "local", "loss"):
+    for key in ("structxlip/structure", "structxlip/consistency", "structxlip/local", "loss"):
         assert math.isfinite(metrics["final_losses"][key]), key
     assert metrics["terms"]["structxlip"]["lexicon"]["captions"] == metrics["train_examples"]
     report = (out / "report.md").read_text()
