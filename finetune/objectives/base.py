@@ -101,7 +101,8 @@ class Term(nn.Module):
 
     #: the registered name; prefixes the logged loss names (set by ``build_term``)
     name: str = ""
-    #: example fields (dataset columns) the term reads beyond ``image`` and ``caption``
+    #: fields the term adds to the data beyond ``image`` and ``caption`` (its ``preprocess`` columns, its
+    #: prepared fields): what the data pipeline computes for it
     needs: frozenset[str] = frozenset()
     #: fields ``prepare`` returns and batch fields ``collate`` returns; no two terms may share one
     produces: frozenset[str] = frozenset()

@@ -106,6 +106,7 @@ class LongClipTerm(Term):
     first sentence against the PCA-32 reconstruction of the image batch, both with label smoothing 0.1."""
 
     name = "longclip"
+    needs = frozenset({"short_caption"})
     produces = frozenset({"short_caption", "short_input_ids", "short_attention_mask"})
     requests = frozenset({"image", "text", "short_text"})
 

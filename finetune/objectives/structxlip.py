@@ -351,7 +351,6 @@ class StructXLIPTerm(Term):
     """
 
     name = TERM_NAME
-    #: dataset columns its own ``preprocess`` adds (not needed from the source)
     needs = frozenset({"edges", "filtered_caption", "regions"})
     produces = frozenset({"sx_edges", "sx_filtered", "sx_chunks", "sx_topk", "sx_slots", "sx_boxes", "sx_size",
                           "sx_crops", "structxlip"})
