@@ -366,3 +366,11 @@ def test_undeclared_collisions_fail_while_running(model, batch):
         objective.encode(model, batch)
     # a term may write its own keys, and distinct keys pass
     Objective(_Fields("a", extra=["h"]), [(_Fields("b", extra=["i"]), 1.0)]).encode(model, batch)
+
+
+def test_a_run_without_base_names_only_its_terms_on_the_model_card():
+    from finetune.model_card import method_keys
+
+    recipe = {"objective": {"base": "none", "terms": {"structxlip": {}}}}
+    assert method_keys({}, recipe) == ["structxlip"]
+    assert method_keys({}, {"objective": {"base": "clip", "terms": {}}}) == ["clip"]
