@@ -615,3 +615,17 @@ def test_every_structxlip_recipe_runs_on_tiny_models(path, run_fixtures, tmp_pat
     if recipe.eval.compare_base_length:
         assert set(metrics["after_at_base_length"]) == set(metrics["after"])
         assert "What reading past 77 tokens buys" in report
+
+
+def test_structxlip_alone_with_base_none_encodes_the_colour_images_itself(model, crop_setup):
+    term, data = crop_setup
+    batch = Collator(model, Objective(None, [(term, term.weights)]))([data[i] for i in (0, 1, 2, 3)])
+    objective = Objective(None, [(term, term.weights)])
+    with torch.no_grad():
+        feats = objective.encode(model, batch)
+        values = objective.loss(model, feats)
+    assert feats["image"].shape[0] == 4  # the consistency loss's colour images, asked by the term itself
+    assert set(values) == {"structxlip/structure", "structxlip/consistency", "structxlip/local", "loss"}
+    expected = (0.25 * values["structxlip/structure"] + 0.1 * values["structxlip/consistency"]
+                + 0.1 * values["structxlip/local"])
+    assert float(values["loss"]) == pytest.approx(float(expected), rel=1e-6)
