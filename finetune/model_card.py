@@ -91,7 +91,7 @@ def method_keys(info: dict[str, Any], recipe: dict[str, Any] | None) -> list[str
     stretched the text positions, and the adapter type (``lora`` / ``dora``)."""
     objective = (recipe or {}).get("objective") or {}
     keys: list[str] = []
-    if objective.get("base"):
+    if objective.get("base") and objective["base"] != "none":  # `none`: the terms alone
         keys.append(_term_key(str(objective["base"])))
     keys += [_term_key(str(t)) for t in (objective.get("terms") or {})]
     if info.get("kps"):

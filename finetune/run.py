@@ -193,10 +193,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
         print("Recall@K before training:\n" + format_table(None, before), flush=True)
 
     module = TrainModule(model, objective)
-    from finetune.models import no_weight_decay_names
-
     trainer = Trainer(accelerator, module, train_ds, Collator(model, objective), recipe.train, out_dir,
-                      extra_no_decay={f"model.{n}" for n in no_weight_decay_names(model)},
                       num_workers=recipe.data.num_workers)
     trainer.maybe_resume(recipe.train.resume)
     result = trainer.train()
@@ -228,7 +225,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
             "backend": model.backend,
             "family": model.family,
             "max_text_len": model.max_text_len,
-            "objective": ", ".join([recipe.objective.base, *recipe.objective.terms]),
+            "objective": ", ".join([b for b in [recipe.objective.base] if b != "none"] + list(recipe.objective.terms)),
             "train_set": train_ds.spec.name if streaming else train_src.name,
             "train_examples": stream_report["used"] if streaming else len(train_src.dataset),
             "skipped": ({"train": stream_report["skipped"], "train_examples": stream_report["skipped_examples"]}

@@ -40,11 +40,18 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 
+from .models.weight_decay import param_groups
 from .objectives.base import Features, Objective, all_finite, merge_features
 
 log = logging.getLogger("xlipkit")
 
 CHECKPOINT_PREFIX = "step-"
+
+
+def term_values(values: dict[str, float]) -> list[tuple[str, float]]:
+    """The per-term loss values of a step's logged values (``clip``, ``structxlip/local``, ...): everything but
+    the total, the learning rate and the logit scale."""
+    return [(k, v) for k, v in values.items() if k not in ("loss", "lr", "logit_scale")]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -107,33 +114,6 @@ class EpochShuffleSampler(Sampler[int]):
         return self.n
 
 
-def no_decay(name: str, param: Tensor, extra: set[str] = frozenset()) -> bool:
-    """Whether a parameter is excluded from weight decay: biases, norms and other 1-D parameters,
-    positional tables, the logit scale and bias, and the names the model layer lists."""
-    lname = name.lower()
-    return (
-        param.ndim < 2
-        or name in extra
-        or "position" in lname
-        or "logit_scale" in lname
-        or "logit_bias" in lname
-        or "norm" in lname
-        or lname.endswith(".bias")
-    )
-
-
-def parameter_groups(module: nn.Module, weight_decay: float, extra_no_decay: set[str] = frozenset()) -> list[dict]:
-    """AdamW parameter groups: ``[{"params": decayed, "weight_decay": wd}, {"params": rest, 0.0}]``."""
-    decay, rest = [], []
-    for name, p in module.named_parameters():
-        if not p.requires_grad:
-            continue
-        short = name.split("model.", 1)[-1] if name.startswith("model.") else name
-        (rest if no_decay(name, p, extra_no_decay) or no_decay(short, p, extra_no_decay) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
 def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """Multiplier of the base lr at step ``s``: linear warmup, then cosine to ``min_ratio`` or constant."""
 
@@ -149,8 +129,9 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float) -> Calla
 
 
 def build_optimizer(module: nn.Module, cfg: Any, extra_no_decay: set[str] = frozenset()) -> torch.optim.Optimizer:
-    """AdamW over :func:`parameter_groups`; fused when ``cfg.fused_optimizer`` allows and the device has it."""
-    groups = parameter_groups(module, cfg.weight_decay, extra_no_decay)
+    """AdamW over :func:`finetune.models.weight_decay.param_groups`; fused when ``cfg.fused_optimizer`` allows and
+    the device has it."""
+    groups = param_groups(module, cfg.weight_decay, extra_no_decay)
     fused = cfg.fused_optimizer
     if fused == "auto":
         params = [p for g in groups for p in g["params"]]
@@ -482,7 +463,10 @@ class Trainer:
                     acc.log({f"train/{k}": v for k, v in values.items()}, step=step)
                 elapsed = time.perf_counter() - start
                 rate = (self.state.samples_seen - start_samples) / max(elapsed, 1e-9)
-                bar.set_postfix(loss=f"{values['loss']:.4f}", samples_s=f"{rate:.1f}")
+                # the total, then every term's value under its logged name (``clip``, ``structxlip/local``)
+                bar.set_postfix({"loss": f"{values['loss']:.4f}",
+                                 **{k: f"{v:.4f}" for k, v in term_values(values)},
+                                 "samples_s": f"{rate:.1f}"})
                 bar.update(1)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     stream_state = self.stream.state_dict() if self.stream is not None else None

@@ -1,78 +1,82 @@
-"""Objectives: a recipe's ``objective`` section -> one base term plus weighted added terms (DESIGN 3).
+"""Objectives: a recipe's ``objective`` section -> an optional base term plus weighted added terms (DESIGN 3,
+DESIGN 4 Seams).
 
-Added terms register themselves with :func:`register_term`, which also registers their options dataclass
-with the recipe schema, so ``objective.terms.<name>`` is validated like every other recipe key.
+Bases and added terms share one registry (:func:`register_term`, which also registers the term's options
+dataclass with the recipe schema, so ``objective.terms.<name>`` is validated like every other recipe key).
+``objective.base`` names any registered term or ``none``; every module of this package is imported so that
+its terms register (:func:`discover_terms`), and a recipe's ``objective.import`` imports a user's own.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from .base import Features, ImageRequest, Objective, Term, TextRequest, merge_features
-from .contrastive import BASE_TERMS, ClipTerm, LongClipTerm, SiglipTerm
-
-TermBuilder = Callable[[Any], tuple[Term, "dict[str, float] | float"]]
-TERM_BUILDERS: dict[str, TermBuilder] = {}
-
-
-def register_term(name: str, config_cls: type) -> Callable[[TermBuilder], TermBuilder]:
-    """Register ``builder(options) -> (term, weights)`` for ``objective.terms.<name>``, with the options
-    dataclass ``config_cls`` that the recipe schema validates against."""
-
-    def deco(builder: TermBuilder) -> TermBuilder:
-        TERM_BUILDERS[name] = builder
-        from finetune.config import register_term_config
-
-        register_term_config(name, config_cls)
-        return builder
-
-    return deco
+from .base import (
+    Features,
+    ImageRequest,
+    Objective,
+    Term,
+    TermCollisionError,
+    TextRequest,
+    loss_name,
+    merge_features,
+)
+from .contrastive import BASE_TERMS, ClipOptions, ClipTerm, LongClipOptions, LongClipTerm, SiglipOptions, SiglipTerm
+from .registry import (
+    TERM_BUILDERS,
+    TERM_OPTIONS,
+    TermBuilder,
+    base_options,
+    build_term,
+    discover_terms,
+    import_term_modules,
+    register_term,
+)
 
 
 def build_base_term(base: str, label_smoothing: float | None = None) -> Term:
-    """The base term named by ``objective.base``.
+    """The base term named by ``objective.base`` (any registered term), built with its default options.
 
     ``label_smoothing=None`` keeps the term's own default (0 for clip, 0.1 for longclip as in Long-CLIP's
-    training code).
+    training code); a number overrides it (an error for a base without the option, e.g. siglip).
     """
-    if base not in BASE_TERMS:
-        raise ValueError(f"objective.base: unknown base loss {base!r}; choose one of {sorted(BASE_TERMS)}")
-    if base == "siglip":
-        return SiglipTerm()
-    if label_smoothing is None:
-        return BASE_TERMS[base]()
-    return BASE_TERMS[base](label_smoothing=label_smoothing)
+    term, _ = build_term(base, base_options(base, label_smoothing), key="objective.base")
+    return term
 
 
 def build_objective(cfg: Any) -> Objective:
-    """Build the :class:`Objective` of a recipe's ``objective`` section (``base``, ``label_smoothing``,
-    ``terms``)."""
-    base = build_base_term(cfg.base, getattr(cfg, "label_smoothing", None))
-    terms = []
-    for name, options in (cfg.terms or {}).items():
-        if name not in TERM_BUILDERS:
-            raise ValueError(
-                f"objective.terms.{name}: unknown term; registered terms: {sorted(TERM_BUILDERS) or 'none'}"
-            )
-        terms.append(TERM_BUILDERS[name](options))
-    return Objective(base, terms)
+    """Build the :class:`Objective` of a recipe's ``objective`` section.
+
+    Reads ``imports`` (imported first, so that a config object built in code finds a user's terms too),
+    ``base`` (a registered term, built with its default options and ``label_smoothing``, or ``none``) and
+    ``terms`` (name -> options). With ``base: none`` the objective is the weighted sum of the terms.
+
+    Raises:
+        ValueError: an unknown term, a term given twice, colliding batch fields or feature keys, or nothing
+            to optimise (``base: none`` and no terms).
+    """
+    import_term_modules(getattr(cfg, "imports", None) or [])
+    base_name = getattr(cfg, "base", "clip") or "none"
+    terms = dict(getattr(cfg, "terms", None) or {})
+    if base_name == "none" and not terms:
+        raise ValueError("objective: nothing to optimise: objective.base is `none` and objective.terms is empty; "
+                         "set objective.base (e.g. clip) or add a term under objective.terms")
+    if base_name in terms:
+        raise ValueError(f"objective.terms.{base_name}: {base_name!r} is already objective.base; drop one of them "
+                         f"(set objective.base: none to use the term with these options as the only base)")
+    base, base_weights = None, 1.0
+    if base_name != "none":
+        base, base_weights = build_term(
+            base_name, base_options(base_name, getattr(cfg, "label_smoothing", None)), key="objective.base")
+    built = [build_term(name, options) for name, options in terms.items()]
+    return Objective(base, built, base_weights=base_weights)
 
 
-def _register_builtin_terms() -> None:
-    """Import the modules of the added terms so that they register (kept lazy-safe)."""
-    import importlib
-
-    for mod in ("structxlip",):
-        try:
-            importlib.import_module(f"{__name__}.{mod}")
-        except ModuleNotFoundError as exc:  # a term module that is not part of this checkout yet
-            if exc.name != f"{__name__}.{mod}":
-                raise
-
-
-_register_builtin_terms()
+discover_terms()
 
 __all__ = [
-    "BASE_TERMS", "ClipTerm", "Features", "ImageRequest", "LongClipTerm", "Objective", "SiglipTerm", "Term",
-    "TextRequest", "TERM_BUILDERS", "build_objective", "merge_features", "register_term",
+    "BASE_TERMS", "ClipOptions", "ClipTerm", "Features", "ImageRequest", "LongClipOptions", "LongClipTerm",
+    "Objective", "SiglipOptions", "SiglipTerm", "TERM_BUILDERS", "TERM_OPTIONS", "Term", "TermBuilder",
+    "TermCollisionError", "TextRequest", "build_base_term", "build_objective", "build_term", "discover_terms",
+    "import_term_modules", "loss_name", "merge_features", "register_term",
 ]

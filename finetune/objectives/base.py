@@ -1,15 +1,18 @@
-"""Objectives: one base loss plus any number of added terms (DESIGN 3).
+"""Objectives: an optional base term plus any number of weighted added terms (DESIGN 3, DESIGN 4 Seams).
 
 A :class:`Term` is a small ``nn.Module`` that
 
-1. declares the batch fields it needs (``needs``) and produces them: ``preprocess`` (once per dataset,
-   cached; for streamed data its per-example form ``stream_map``), ``prepare`` (per example, in the data
-   workers) and ``collate`` (per batch);
-2. asks the :class:`Objective` for the images and texts it wants encoded (``image_inputs`` /
+1. declares what it needs and produces (``needs``, ``produces``, ``requests``, ``features``), so that the
+   :class:`Objective` checks when it is built that no two terms write the same batch field or feature key;
+2. produces its batch fields: ``preprocess`` (once per dataset, cached; for streamed data its per-example
+   form ``stream_map``), ``prepare`` (per example, in the data workers) and ``collate`` (per batch);
+3. asks the :class:`Objective` for the images and texts it wants encoded (``image_inputs`` /
    ``text_inputs``): the objective runs ONE image-tower pass over every image request of the batch
    (StructXLIP's colour images and edge maps together) and, for causal (CLIP) text towers, a few passes of
-   similar-length rows over every text request (one pass per padded length for other towers);
-3. turns the encoded features into unweighted loss values (``loss``).
+   similar-length rows over every text request (one pass per padded length for other towers). Requests of
+   several terms under one feature key (``image``, ``text``) are encoded once, with states if any asks;
+4. turns the encoded features into unweighted loss values (``loss``), logged as ``term/value`` (``term``
+   alone when the value has the term's name, :func:`loss_name`).
 
 Features are a flat ``dict[str, Tensor]`` so that the gradient-accumulation scheme of DESIGN 6 can cache
 them per micro-batch and concatenate them: every tensor is concatenated along dim 0, and keys ending in
@@ -32,6 +35,23 @@ Batch = dict[str, Any]
 N_SAMPLES = "n_samples"
 #: most text-tower passes the embedding-only rows of a causal (CLIP) batch are split into by length
 TEXT_BUCKETS = 6
+#: names no term may take: the total, and what the trainer logs beside the losses
+RESERVED_NAMES = frozenset({"loss", "lr", "logit_scale", "step", "none"})
+#: batch fields the collator fills before the terms' ``collate`` (``finetune.data.collate.Collator``)
+CORE_BATCH_FIELDS = frozenset({"ids", "image_inputs", "input_ids", "attention_mask", "truncated"})
+#: feature keys the encoders write besides the requested ones (``image_grid``) and the sample count
+CORE_FEATURES = frozenset({N_SAMPLES, "image_grid"})
+
+
+class TermCollisionError(ValueError):
+    """Two terms of one objective write the same batch field or feature key, or ask for one feature key with
+    different inputs."""
+
+
+def loss_name(term: str, value: str) -> str:
+    """The logged name of a term's loss value: ``term/value`` (``structxlip/local``), or ``term`` alone when
+    the value has the term's own name (``clip``)."""
+    return term if value == term else f"{term}/{value}"
 
 
 @dataclass
@@ -68,16 +88,29 @@ class TextRequest:
 
 
 class Term(nn.Module):
-    """One loss term of an objective. Subclasses set ``name`` and ``needs`` and override what they use.
+    """One loss term of an objective (a base or an added term). Subclasses set ``name`` and the declarations
+    below and override what they use.
 
     ``loss`` returns unweighted scalar values; the objective applies the recipe's weights. A term with
     learnable parameters of its own (a temperature, a head) holds them as submodules/parameters: they are
     trained, checkpointed and synchronised with the model.
+
+    The declarations let the :class:`Objective` find collisions between terms when it is built; what a term
+    actually writes is checked again while it runs (:class:`TermCollisionError` names both terms).
     """
 
+    #: the registered name; prefixes the logged loss names (set by ``build_term``)
     name: str = ""
-    #: batch fields this term adds (beyond ``pixel_values``, ``input_ids``, ``attention_mask``)
+    #: fields the term adds to the data beyond ``image`` and ``caption`` (its ``preprocess`` columns, its
+    #: prepared fields): what the data pipeline computes for it
     needs: frozenset[str] = frozenset()
+    #: fields ``prepare`` returns and batch fields ``collate`` returns; no two terms may share one
+    produces: frozenset[str] = frozenset()
+    #: feature keys the term asks the encoders for (``image_inputs`` / ``text_inputs``); several terms may ask
+    #: for one key (``image``, ``text``) when they give the same inputs
+    requests: frozenset[str] = frozenset()
+    #: feature keys ``extra_features`` adds; no other term may write or request them
+    features: frozenset[str] = frozenset()
     #: model parameters this term's loss reads directly (e.g. "logit_scale"); see ``detach_params``
     uses_logit_bias: bool = False
 
@@ -158,22 +191,68 @@ class WeightedTerm:
     weight: float = 1.0
 
 
+def _same_tensor(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+        return a == b
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+
+
+def _same_image_inputs(a: ImageRequest, b: ImageRequest) -> bool:
+    return a.inputs.keys() == b.inputs.keys() and all(_same_tensor(a.inputs[k], b.inputs[k]) for k in a.inputs)
+
+
+def _same_text_inputs(a: TextRequest, b: TextRequest) -> bool:
+    return _same_tensor(a.input_ids, b.input_ids) and _same_tensor(a.attention_mask, b.attention_mask)
+
+
 class Objective(nn.Module):
-    """A base term plus weighted added terms: ``loss = base + sum_k w_k * term_k``.
+    """An optional base term plus weighted added terms: ``loss = w_base * base + sum_k w_k * term_k``.
 
     ``forward`` is not used; the :class:`~finetune.train.TrainModule` calls ``encode`` and ``loss`` so
     that everything runs inside the prepared (DDP/FSDP) module's forward.
+
+    Args:
+        base: the base term, or ``None`` (``objective.base: none``): the objective is then the weighted sum
+            of ``terms``.
+        terms: ``(term, weights)`` pairs; ``weights`` is a float for every value of the term or
+            ``{value name: weight}`` (missing names weigh 1, weight 0 logs the value without training on it).
+        base_weights: the base's weights (1 for clip, siglip and longclip).
+
+    Raises:
+        ValueError: no term at all, a term without a name or with a reserved one, two terms with one name.
+        TermCollisionError: two terms declaring the same produced batch field, or one term's extra feature
+            key among another's requests or features.
     """
 
-    def __init__(self, base: Term, terms: list[tuple[Term, dict[str, float] | float]] | None = None) -> None:
+    def __init__(
+        self,
+        base: Term | None,
+        terms: list[tuple[Term, dict[str, float] | float]] | None = None,
+        *,
+        base_weights: dict[str, float] | float = 1.0,
+    ) -> None:
         super().__init__()
         self.base = base
+        self.base_weights = base_weights
         self.terms = nn.ModuleList([t for t, _ in terms or []])
         self.term_weights: list[dict[str, float] | float] = [w for _, w in terms or []]
+        if base is None and not self.terms:
+            raise ValueError("objective: nothing to optimise: no base term (objective.base: none) and no added "
+                             "terms; set objective.base (e.g. clip) or add a term under objective.terms")
+        check_declarations(self.all_terms)
 
     @property
     def all_terms(self) -> list[Term]:
-        return [self.base, *self.terms]
+        """The base (when there is one) and the added terms, in order."""
+        return ([self.base] if self.base is not None else []) + list(self.terms)
+
+    @property
+    def weighted_terms(self) -> list[tuple[Term, dict[str, float] | float]]:
+        """``(term, weights)`` of every term, the base first."""
+        out = [(self.base, self.base_weights)] if self.base is not None else []
+        return out + list(zip(self.terms, self.term_weights))
 
     @property
     def needs(self) -> frozenset[str]:
@@ -202,52 +281,171 @@ class Objective(nn.Module):
             t.check_stream()
 
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
+        """Every term's ``prepare`` fields in one dict; two terms returning one field is an error."""
         out: dict[str, Any] = {}
+        owner: dict[str, str] = {}
         for t in self.all_terms:
-            out.update(t.prepare(example))
+            for key, value in t.prepare(example).items():
+                if key in owner:
+                    raise _collision(owner[key], t.name, "example field", key, "prepare")
+                owner[key] = t.name
+                out[key] = value
         return out
 
     def collate(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Any]:
+        """Every term's ``collate`` fields in one dict; a field of two terms, or one of the collator's own
+        (:data:`CORE_BATCH_FIELDS`), is an error."""
         out: dict[str, Any] = {}
+        owner: dict[str, str] = {key: "the collator" for key in CORE_BATCH_FIELDS}
         for t in self.all_terms:
-            out.update(t.collate(examples, model))
+            for key, value in t.collate(examples, model).items():
+                if key in owner:
+                    raise _collision(owner[key], t.name, "batch field", key, "collate")
+                owner[key] = t.name
+                out[key] = value
         return out
 
     # -- model side -------------------------------------------------------------------------------
+    def requests(self, batch: Batch) -> tuple[dict[str, ImageRequest], dict[str, TextRequest], dict[str, set[str]]]:
+        """Every term's image and text requests, one per feature key: requests of several terms under one
+        key are merged (states if any asks) when their inputs are the same tensors (or equal ones).
+
+        Returns:
+            ``(image requests, text requests, owners)``; ``owners[key]`` are the names of the terms that
+            asked for ``key``.
+
+        Raises:
+            TermCollisionError: two terms ask for one key with different inputs, or one asks for it as an
+                image and another as a text.
+        """
+        image_reqs: dict[str, ImageRequest] = {}
+        text_reqs: dict[str, TextRequest] = {}
+        owners: dict[str, set[str]] = {}
+        for t in self.all_terms:
+            for key, req in t.image_inputs(batch).items():
+                if key in text_reqs:
+                    raise _collision(_first(owners[key]), t.name, "feature key", key, "image_inputs",
+                                     detail="one asks for it as a text, the other as an image")
+                first = image_reqs.get(key)
+                if first is None:
+                    image_reqs[key] = req
+                elif not _same_image_inputs(first, req):
+                    raise _collision(_first(owners[key]), t.name, "feature key", key, "image_inputs",
+                                     detail="with different images")
+                elif req.states and not first.states:
+                    image_reqs[key] = ImageRequest(first.inputs, states=True)
+                owners.setdefault(key, set()).add(t.name)
+            for key, req in t.text_inputs(batch).items():
+                if key in image_reqs:
+                    raise _collision(_first(owners[key]), t.name, "feature key", key, "text_inputs",
+                                     detail="one asks for it as an image, the other as a text")
+                first = text_reqs.get(key)
+                if first is None:
+                    text_reqs[key] = req
+                elif not _same_text_inputs(first, req):
+                    raise _collision(_first(owners[key]), t.name, "feature key", key, "text_inputs",
+                                     detail="with different token ids")
+                elif req.states and not first.states:
+                    text_reqs[key] = TextRequest(first.input_ids, first.attention_mask, states=True)
+                owners.setdefault(key, set()).add(t.name)
+        return image_reqs, text_reqs, owners
+
     def encode(self, model: Any, batch: Batch) -> Features:
         """Run the encoders once for every term's requests and return the merged feature dict.
 
         All image requests go through ONE ``encode_image`` call (concatenated along the batch); text
-        requests are grouped by padded length, one ``encode_text`` call per group.
+        requests are grouped by padded length, one ``encode_text`` call per group. A key asked for by several
+        terms is encoded once (:meth:`requests`).
         """
-        image_reqs: dict[str, ImageRequest] = {}
-        text_reqs: dict[str, TextRequest] = {}
-        for t in self.all_terms:
-            for key, req in t.image_inputs(batch).items():
-                image_reqs.setdefault(key, req)
-            for key, req in t.text_inputs(batch).items():
-                text_reqs.setdefault(key, req)
+        image_reqs, text_reqs, owners = self.requests(batch)
         feats: Features = {N_SAMPLES: torch.tensor(len(batch["input_ids"]))}
         feats.update(_encode_images(model, image_reqs))
         feats.update(_encode_texts(model, text_reqs))
+        # states and masks of a request belong to the terms that asked for it
+        for key in list(owners):
+            for suffix in ("_states", "_mask"):
+                if key + suffix in feats:
+                    owners.setdefault(key + suffix, set()).update(owners[key])
+        for key in CORE_FEATURES:
+            owners.setdefault(key, {"the encoders"})
         for t in self.all_terms:
+            before = {k: id(v) for k, v in feats.items()}
             t.extra_features(model, batch, feats)
+            for key, value in feats.items():
+                if before.get(key) == id(value):
+                    continue
+                prev = owners.setdefault(key, set())
+                if prev and t.name not in prev:
+                    raise _collision(_first(prev), t.name, "feature key", key, "extra_features")
+                prev.add(t.name)
         return feats
 
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
-        """Weighted total and every unweighted value: ``{"loss": total, "<term>": value, ...}``."""
-        values = self.base.loss(model, feats, detach_params=detach_params)
-        total = sum(values.values())
-        out: dict[str, Tensor] = dict(values)
-        for term, weight in zip(self.terms, self.term_weights):
-            term_values = term.loss(model, feats, detach_params=detach_params)
-            for key, value in term_values.items():
+        """Weighted total and every unweighted value: ``{"<term>" or "<term>/<value>": value, ..., "loss": total}``
+        (:func:`loss_name`), the base first."""
+        total: Tensor | int = 0
+        out: dict[str, Tensor] = {}
+        for term, weight in self.weighted_terms:
+            for key, value in term.loss(model, feats, detach_params=detach_params).items():
+                name = loss_name(term.name, key)
+                if name in out:
+                    raise TermCollisionError(f"objective: the loss name {name!r} is logged twice; term "
+                                             f"{term.name!r} must not return a value named like another term")
                 w = weight.get(key, 1.0) if isinstance(weight, dict) else weight
                 if w:
-                    total = total + w * value
-                out[key] = value
+                    total = total + (value if w == 1 else w * value)
+                out[name] = value
+        if not isinstance(total, Tensor):
+            raise ValueError("objective: every loss value has weight 0 (or no term returned one); give at "
+                             "least one value a non-zero weight")
         out["loss"] = total
         return out
+
+
+def _first(names: set[str]) -> str:
+    return sorted(names)[0]
+
+
+def _collision(first: str, second: str, what: str, key: str, where: str, detail: str = "") -> TermCollisionError:
+    detail = f" {detail}" if detail else ""
+    if first == "the collator" or first == "the encoders":
+        return TermCollisionError(f"objective: term {second!r} writes the {what} {key!r} in {where}, which "
+                                  f"{first} fills; rename it in {second!r}")
+    return TermCollisionError(f"objective: terms {first!r} and {second!r} both write the {what} {key!r} "
+                              f"(in {where}){detail}; rename it in one of them")
+
+
+def check_declarations(terms: list[Term]) -> None:
+    """Check the terms of one objective against each other from their declarations (cheap, before any
+    batch): names set, not reserved and distinct; no batch field ``produces``d by two terms or by the
+    collator; no extra feature key of one term among another's ``requests`` or ``features``.
+
+    Raises:
+        ValueError: a missing, reserved or repeated name.
+        TermCollisionError: naming the two terms and the field.
+    """
+    seen: dict[str, Term] = {}
+    for t in terms:
+        if not t.name or "/" in t.name or t.name in RESERVED_NAMES:
+            raise ValueError(f"objective: term {type(t).__name__} has the name {t.name!r}; a term needs a name "
+                             f"without '/', other than {', '.join(sorted(RESERVED_NAMES))} (set by register_term)")
+        if t.name in seen:
+            raise ValueError(f"objective: the term {t.name!r} appears twice (objective.base and objective.terms?); "
+                             f"its losses would be logged under one name; keep one")
+        seen[t.name] = t
+    produced: dict[str, str] = {key: "the collator" for key in CORE_BATCH_FIELDS}
+    for t in terms:
+        for key in sorted(t.produces):
+            if key in produced:
+                raise _collision(produced[key], t.name, "batch field", key, "prepare/collate")
+            produced[key] = t.name
+    for j, later in enumerate(terms):
+        for key in sorted(later.features & CORE_FEATURES):
+            raise _collision("the encoders", later.name, "feature key", key, "extra_features")
+        for earlier in terms[:j]:
+            shared = (earlier.features & (later.requests | later.features)) | (later.features & earlier.requests)
+            for key in sorted(shared):
+                raise _collision(earlier.name, later.name, "feature key", key, "extra_features")
 
 
 def _encode_images(model: Any, reqs: dict[str, ImageRequest]) -> Features:

@@ -1,7 +1,13 @@
-"""Base terms: ``clip`` (InfoNCE), ``siglip`` (sigmoid) and ``longclip`` (Long-CLIP's long + short loss)."""
+"""Base terms: ``clip`` (InfoNCE), ``siglip`` (sigmoid) and ``longclip`` (Long-CLIP's long + short loss).
+
+They register like every other term (:func:`finetune.objectives.register_term`): ``objective.base: clip``
+builds one with its options' defaults (and ``objective.label_smoothing``), ``objective.terms.clip: {...}``
+with the recipe's options.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -9,6 +15,36 @@ from torch import Tensor
 from losses import clip_loss, longclip_loss, siglip_loss
 
 from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
+from .registry import register_term
+
+
+def _smoothing(value: Any) -> str | None:
+    return None if 0 <= value < 1 else f"must be in [0, 1), got {value!r}"
+
+
+def _at_least_one(value: Any) -> str | None:
+    return None if value >= 1 else f"must be >= 1, got {value!r}"
+
+
+@dataclass
+class ClipOptions:
+    """``clip``: cross-entropy label smoothing (0 in CLIP and StructXLIP)."""
+
+    label_smoothing: float = field(default=0.0, metadata={"check": _smoothing})
+
+
+@dataclass
+class SiglipOptions:
+    """``siglip`` has no options: the scale and bias are the model's ``logit_scale`` / ``logit_bias``."""
+
+
+@dataclass
+class LongClipOptions:
+    """``longclip``: label smoothing of both InfoNCE terms and the PCA rank of the short-caption targets
+    (0.1 and 32 in Long-CLIP's training code)."""
+
+    label_smoothing: float = field(default=0.1, metadata={"check": _smoothing})
+    pca_dim: int = field(default=32, metadata={"check": _at_least_one})
 
 
 def image_request(batch: Batch) -> ImageRequest:
@@ -24,6 +60,7 @@ class ClipTerm(Term):
     """
 
     name = "clip"
+    requests = frozenset({"image", "text"})
 
     def __init__(self, label_smoothing: float = 0.0) -> None:
         super().__init__()
@@ -44,6 +81,7 @@ class SiglipTerm(Term):
     """Pairwise sigmoid loss (SigLIP): ``-sum log sigmoid(y (s cos + b)) / B``."""
 
     name = "siglip"
+    requests = frozenset({"image", "text"})
     uses_logit_bias = True
 
     def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
@@ -69,6 +107,8 @@ class LongClipTerm(Term):
 
     name = "longclip"
     needs = frozenset({"short_caption"})
+    produces = frozenset({"short_caption", "short_input_ids", "short_attention_mask"})
+    requests = frozenset({"image", "text", "short_text"})
 
     def __init__(self, label_smoothing: float = 0.1, pca_dim: int = 32) -> None:
         super().__init__()
@@ -103,3 +143,21 @@ class LongClipTerm(Term):
 
 
 BASE_TERMS: dict[str, type[Term]] = {"clip": ClipTerm, "siglip": SiglipTerm, "longclip": LongClipTerm}
+
+
+@register_term("clip", ClipOptions)
+def build_clip(options: ClipOptions) -> tuple[ClipTerm, float]:
+    """``clip``: :class:`ClipTerm` with weight 1."""
+    return ClipTerm(label_smoothing=options.label_smoothing), 1.0
+
+
+@register_term("siglip", SiglipOptions)
+def build_siglip(options: SiglipOptions) -> tuple[SiglipTerm, float]:
+    """``siglip``: :class:`SiglipTerm` with weight 1."""
+    return SiglipTerm(), 1.0
+
+
+@register_term("longclip", LongClipOptions)
+def build_longclip(options: LongClipOptions) -> tuple[LongClipTerm, float]:
+    """``longclip``: :class:`LongClipTerm` with weight 1."""
+    return LongClipTerm(label_smoothing=options.label_smoothing, pca_dim=options.pca_dim), 1.0

@@ -44,7 +44,6 @@ of one batch.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import re
@@ -56,6 +55,8 @@ import torch
 from torch import Tensor, nn
 
 from finetune.data.text import split_sentences
+from finetune.models.frozen import FrozenEncoders, model_fingerprint
+from finetune.preprocess.geometry import box_patch_mask, patch_count
 from losses import clip_loss, consistency_loss, local_structure_loss
 from losses.structxlip import (
     OFFICIAL_LOCAL_SCALE_MAX,
@@ -65,8 +66,9 @@ from losses.structxlip import (
     official_weight_decay,
 )
 
-from . import register_term
+from .registry import register_term
 from .base import Batch, Features, ImageRequest, Term, TextRequest, length_buckets, scale_of
+from .contrastive import image_request
 
 __all__ = [
     "EdgeOptions",
@@ -76,10 +78,8 @@ __all__ = [
     "StructXLIPTerm",
     "StructXLIPWeights",
     "DefaultRegionSegmenter",
-    "box_patch_mask",
     "build_structxlip",
     "length_buckets",
-    "model_fingerprint",
     "official_chunks",
     "select_regions",
 ]
@@ -274,96 +274,6 @@ def select_regions(topk: list[list[int]], scores: list[list[float]], per_image: 
     return ranked if per_image is None else ranked[:per_image]
 
 
-def _resize_shortest(width: int, height: int, size: int) -> tuple[int, int]:
-    # transformers' get_resize_output_image_size(default_to_square=False) and torchvision's Resize(int)
-    if width <= height:
-        return size, int(size * height / width)
-    return int(size * width / height), size
-
-
-def input_geometry(
-    width: int, height: int, params: dict[str, Any], spatial_shape: tuple[int, int] | None = None
-) -> tuple[float, float, float, float, int, int]:
-    """How the image processor maps an image of ``width`` x ``height`` onto the network input.
-
-    Args:
-        params: ``DualEncoder.image_transform_params()``.
-        spatial_shape: NaFlex ``(rows, cols)`` of this image.
-
-    Returns:
-        ``(scale_x, scale_y, offset_x, offset_y, input_w, input_h)``: a pixel x of the image lands at
-        ``x * scale_x - offset_x`` of the input (likewise y).
-    """
-    mode = params["mode"]
-    if mode == "naflex":
-        if spatial_shape is None:
-            raise ValueError("a NaFlex model needs the image's spatial_shapes to map boxes to patches")
-        p = int(params["patch_size"])
-        rows, cols = spatial_shape
-        return cols * p / width, rows * p / height, 0.0, 0.0, cols * p, rows * p
-    size, crop = params["size"], params.get("crop")
-    if mode in ("shortest_center_crop", "shortest"):
-        new_w, new_h = _resize_shortest(width, height, int(size))
-        in_h, in_w = (int(crop[0]), int(crop[1])) if crop else (new_h, new_w)
-        off_x, off_y = (new_w - in_w) // 2, (new_h - in_h) // 2
-        return new_w / width, new_h / height, float(off_x), float(off_y), in_w, in_h
-    if mode == "squash":
-        in_h, in_w = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
-        return in_w / width, in_h / height, 0.0, 0.0, in_w, in_h
-    if mode == "longest_pad":
-        in_h, in_w = (int(crop[0]), int(crop[1])) if crop else ((int(size),) * 2 if isinstance(size, int) else size)
-        scale = max(in_h, in_w) / max(width, height)
-        new_w, new_h = int(round(width * scale)), int(round(height * scale))
-        return scale, scale, -float(round((in_w - new_w) / 2)), -float(round((in_h - new_h) / 2)), in_w, in_h
-    raise ValueError(f"regions.encode: pool does not know the image transform mode {mode!r}")
-
-
-def box_patch_mask(
-    box: tuple[float, float, float, float] | list[float],
-    image_size: tuple[int, int],
-    params: dict[str, Any],
-    *,
-    n_patches: int | None = None,
-    spatial_shape: tuple[int, int] | None = None,
-) -> Tensor | None:
-    """The patches of the network input that a region box covers (``regions.encode: pool``).
-
-    The box ``(x1, y1, x2, y2)`` in pixels of the original image is mapped through the processor's exact
-    resize and centre crop (:func:`input_geometry`); a patch belongs to the region when its centre lies in
-    the mapped box; a box smaller than a patch takes the patch under its centre.
-
-    Args:
-        image_size: ``(width, height)`` of the original image.
-        params: ``DualEncoder.image_transform_params()``.
-        n_patches: length of the mask (NaFlex: the padded patch count); default rows x cols.
-        spatial_shape: NaFlex ``(rows, cols)`` of this image.
-
-    Returns:
-        ``(N,)`` bool mask in the row-major patch order of the states, or ``None`` when the box lies
-        outside the input (cut away by the centre crop).
-    """
-    width, height = image_size
-    sx, sy, ox, oy, in_w, in_h = input_geometry(width, height, params, spatial_shape)
-    p = int(params["patch_size"])
-    rows, cols = in_h // p, in_w // p
-    x1, y1, x2, y2 = (box[0] * sx - ox, box[1] * sy - oy, box[2] * sx - ox, box[3] * sy - oy)
-    centres_x = (torch.arange(cols, dtype=torch.float32) + 0.5) * p
-    centres_y = (torch.arange(rows, dtype=torch.float32) + 0.5) * p
-    inside = ((centres_y >= y1) & (centres_y <= y2))[:, None] & ((centres_x >= x1) & (centres_x <= x2))[None, :]
-    if not bool(inside.any()):
-        cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
-        if not (0 <= cx < cols * p and 0 <= cy < rows * p):
-            return None
-        inside[int(cy // p), int(cx // p)] = True
-    flat = inside.flatten()
-    total = n_patches or rows * cols
-    if total < flat.numel():
-        raise ValueError(f"the patch grid {rows}x{cols} does not fit in {total} patch states")
-    mask = torch.zeros(total, dtype=torch.bool)
-    mask[: flat.numel()] = flat
-    return mask
-
-
 class DefaultRegionSegmenter:
     """Segmenter without a model: every image gets the default regions (4 quadrants + centre), marked as a
     fallback (``regions.checkpoint: null``)."""
@@ -376,47 +286,6 @@ class DefaultRegionSegmenter:
         from finetune.preprocess.regions import RegionProposals, default_regions
 
         return [RegionProposals(default_regions(*im.size), True) for im in images]
-
-
-def model_fingerprint(model: Any) -> str:
-    """A short id of a model's weights for cache keys: its description (``config_dict``) and a sha256 of
-    every parameter's name, shape and first and last 256 values (cheap, and different for any two
-    checkpoints in practice)."""
-    digest = hashlib.sha256()
-    describe = model.config_dict() if hasattr(model, "config_dict") else {}
-    digest.update(repr(sorted(describe.items())).encode())
-    digest.update(repr(getattr(getattr(model, "adapter", None), "type", None)).encode())
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            flat = param.detach().reshape(-1)
-            sample = torch.cat([flat[:256], flat[-256:]]).float().cpu().numpy().tobytes()
-            digest.update(name.encode())
-            digest.update(repr(tuple(param.shape)).encode())
-            digest.update(sample)
-    return digest.hexdigest()[:16]
-
-
-class _FrozenEncoders:
-    """The model as loaded, in eval mode, as the ``encode_images`` / ``encode_texts`` functions of
-    ``RegionMatcher`` (paper 3.2: R_m^K "based on the pre-trained VLM encoders")."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def _inputs(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-        device, dtype = self.model.device, self.model.dtype
-        return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
-
-    def images(self, images: list[Any]) -> Tensor:
-        with torch.inference_mode():
-            return self.model.encode_image(**self._inputs(self.model.preprocess_images(images))).embeds.float()
-
-    def texts(self, texts: list[str]) -> Tensor:
-        tok = self.model.tokenize(list(texts))
-        with torch.inference_mode():
-            return self.model.encode_text(
-                tok.input_ids.to(self.model.device), tok.attention_mask.to(self.model.device)
-            ).embeds.float()
 
 
 class _LexiconColumns:
@@ -483,6 +352,10 @@ class StructXLIPTerm(Term):
 
     name = TERM_NAME
     needs = frozenset({"edges", "filtered_caption", "regions"})
+    produces = frozenset({"sx_edges", "sx_filtered", "sx_chunks", "sx_topk", "sx_slots", "sx_boxes", "sx_size",
+                          "sx_crops", "structxlip"})
+    requests = frozenset({"image", "edge", "region", "filtered_text", "chunk"})
+    features = frozenset({"chunk_owner", "chunk_topk", "region_owner", "region_slot", "chunk", "region"})
 
     def __init__(self, options: StructXLIPOptions | None = None) -> None:
         super().__init__()
@@ -633,7 +506,7 @@ class StructXLIPTerm(Term):
             log.warning("structxlip: regions.checkpoint is not set, so every image uses the default regions (4 "
                         "quadrants + centre) instead of FastSAM masks; download FastSAM-x.pt (or FastSAM-s.pt) and "
                         "set objective.terms.structxlip.regions.checkpoint for the paper's regions")
-        encoders = _FrozenEncoders(model)
+        encoders = FrozenEncoders(model)
         was_training = model.training
         model.eval()
         try:
@@ -809,18 +682,19 @@ class StructXLIPTerm(Term):
                     kept.append(slot)
                     rows.append(m)
             slots.append(torch.tensor(kept, dtype=torch.long))
-            empty = torch.zeros((0, n_patches or _grid_len(params)), dtype=torch.bool)
+            empty = torch.zeros((0, n_patches or patch_count(params)), dtype=torch.bool)
             masks.append(torch.stack(rows) if rows else empty)
         out.update({"region_slot": slots, "region_patch_mask": masks})
         return out
 
     # -- model side ------------------------------------------------------------------------------
     def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
-        """``edge`` (the B edge maps, with patch states in pool mode) and, in crop mode, ``region`` (only the
-        kept crops of the batch; absent when there are none)."""
+        """``image`` (the B colour images, shared with the base term: encoded once), ``edge`` (the B edge maps,
+        with patch states in pool mode) and, in crop mode, ``region`` (only the kept crops of the batch; absent
+        when there are none)."""
         sx = batch["structxlip"]
         pool = self.use_local and self.options.regions.encode == "pool"
-        reqs = {"edge": ImageRequest(sx["edge_inputs"], states=pool)}
+        reqs = {"image": image_request(batch), "edge": ImageRequest(sx["edge_inputs"], states=pool)}
         if self.use_local and not pool and sx["region_inputs"]:
             inputs = {name: torch.cat([t for t in parts if t is not None])
                       for name, parts in sx["region_inputs"].items()}
@@ -986,13 +860,6 @@ class StructXLIPTerm(Term):
     def extra_repr(self) -> str:
         return (f"compat={self.compat!r}, weights={self.base_weights}, encode={self.options.regions.encode!r}, "
                 f"k={self.options.regions.k}, local_temperature={self.local_temperature}")
-
-
-def _grid_len(params: dict[str, Any]) -> int:
-    crop = params.get("crop") or params.get("size")
-    h, w = (crop, crop) if isinstance(crop, int) else crop
-    p = int(params["patch_size"])
-    return (int(h) // p) * (int(w) // p)
 
 
 def _owners(counts: list[int], device: torch.device) -> Tensor:

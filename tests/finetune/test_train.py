@@ -16,6 +16,7 @@ from finetune import load_model
 from finetune.config import load_recipe
 from finetune.data.collate import Collator
 from finetune.data.sources import load_source
+from finetune.models import param_groups
 from finetune.models.adapters import AdapterConfig, apply_adapter
 from finetune.objectives import ClipTerm, Objective, build_objective
 from finetune.objectives.base import Term
@@ -25,7 +26,6 @@ from finetune.train import (
     Trainer,
     list_checkpoints,
     lr_lambda,
-    parameter_groups,
 )
 
 
@@ -86,7 +86,7 @@ def test_loop_runs_and_logs_every_term(tmp_path, scenes):
 
 def test_parameter_groups_exclude_norms_biases_positions_and_scale():
     model = load_model("tiny-clip", max_text_len=248)
-    groups = parameter_groups(TrainModule(model, Objective(ClipTerm())), 0.1)
+    groups = param_groups(TrainModule(model, Objective(ClipTerm())), 0.1)
     decayed = {id(p) for p in groups[0]["params"]}
     names = {n: p for n, p in model.named_parameters()}
     assert id(model.logit_scale) not in decayed

@@ -41,3 +41,30 @@ def test_param_groups_split_trainable_parameters() -> None:
     assert all(by_id[id(p)] in skip for p in no_decay["params"])
     trainable = sum(p.requires_grad for p in model.parameters())
     assert len(decay["params"]) + len(no_decay["params"]) == trainable
+
+
+def test_one_rule_for_the_trainer_module_and_term_parameters() -> None:
+    """The trainer's module prefixes the model's names (``model.``) and holds the objective's own
+    parameters (``objective.``): the same rule applies to both, on any prefix."""
+    import torch
+    from torch import nn
+
+    from finetune.models.weight_decay import skips_weight_decay
+
+    module = nn.Module()
+    module.model = build_model("tiny-clip")
+    head = nn.Module()
+    head.proj = nn.Linear(4, 4)
+    head.norm_scale = nn.Parameter(torch.ones(4, 4))  # 2-D, but a norm by name
+    head.temperature = nn.Parameter(torch.tensor(0.07))
+    module.objective = head
+    _, no_decay = param_groups(module, 0.1)
+    skipped = {id(p) for p in no_decay["params"]}
+    assert id(head.norm_scale) in skipped and id(head.temperature) in skipped and id(head.proj.bias) in skipped
+    assert id(head.proj.weight) not in skipped
+    assert id(module.model.model.vision_model.embeddings.class_embedding) in skipped
+    assert id(module.model.logit_scale) in skipped
+    assert skips_weight_decay("model.text_model.embeddings.position_embedding.weight", torch.zeros(3, 3))
+    assert not skips_weight_decay("model.text_model.encoder.layers.0.mlp.fc1.weight", torch.zeros(3, 3))
+    _, with_extra = param_groups(module, 0.1, extra_no_decay={"objective.proj.weight"})
+    assert id(head.proj.weight) in {id(p) for p in with_extra["params"]}

@@ -33,12 +33,12 @@ from finetune.objectives.structxlip import (
     StructXLIPOptions,
     StructXLIPTerm,
     StructXLIPWeights,
-    box_patch_mask,
     length_buckets,
     official_chunks,
     select_regions,
 )
 from finetune.preprocess.edges import edge_array
+from finetune.preprocess.geometry import box_patch_mask
 from finetune.preprocess.regions import split_chunks
 from finetune.train import _split
 from losses import clip_loss, local_structure_loss
@@ -183,24 +183,6 @@ def test_select_regions_ranks_by_votes_then_score():
     assert select_regions(topk, scores, 3) == [2, 0, 1]
     assert select_regions(topk, scores, None) == [2, 0, 1, 4, 3]
     assert select_regions([], [], 3) == []
-
-
-def test_box_patch_mask_follows_resize_and_centre_crop():
-    params = {"mode": "shortest_center_crop", "size": 32, "crop": (32, 32), "patch_size": 8}
-    # 128 x 64 -> resized to 64 x 32, centre crop cuts 16 px on the left and right
-    everything = box_patch_mask((32, 0, 96, 64), (128, 64), params)
-    assert everything.shape == (16,) and bool(everything.all())
-    assert box_patch_mask((0, 0, 32, 64), (128, 64), params) is None  # cut away by the crop
-    one = box_patch_mask((64, 16, 80, 32), (128, 64), params)  # -> (16, 8, 24, 16): the patch at row 1, col 2
-    assert one.nonzero().flatten().tolist() == [6]
-    tiny = box_patch_mask((64, 16, 65, 17), (128, 64), params)  # smaller than a patch: the patch under its centre
-    assert tiny.nonzero().flatten().tolist() == [6]
-    squash = {"mode": "squash", "size": (32, 32), "crop": None, "patch_size": 8}
-    left = box_patch_mask((0, 0, 32, 32), (64, 32), squash)  # left half of the image = columns 0-1
-    assert left.view(4, 4)[:, :2].all() and not left.view(4, 4)[:, 2:].any()
-    naflex = {"mode": "naflex", "size": None, "crop": None, "patch_size": 8}
-    mask = box_patch_mask((0, 0, 32, 32), (64, 32), naflex, n_patches=16, spatial_shape=(2, 4))
-    assert mask.nonzero().flatten().tolist() == [0, 1, 4, 5]
 
 
 # -- preprocessing --------------------------------------------------------------------------------
@@ -366,7 +348,7 @@ def test_no_placeholder_encodes_for_samples_without_chunks(crop_setup, model):
     feats = _objective(term).encode(counting, empty)
     assert calls["image"] == [4]
     assert feats["chunk"].shape == (0, 32) and feats["region"].shape == (0, 32)
-    assert float(_objective(term).loss(counting, feats)["local"]) == 0.0
+    assert float(_objective(term).loss(counting, feats)["structxlip/local"]) == 0.0
 
 
 def _direct_local(chunks, chunk_owner, chunk_topk, regions, region_owner, region_slot, temperature):
@@ -393,13 +375,14 @@ def test_losses_match_the_papers_equations(crop_setup, model):
         values = objective.loss(model, feats)
     scale = term.structure_logit_scale.detach().exp()
     expected = float(clip_loss(feats["edge"], feats["filtered_text"], scale))
-    assert values["structure"] == pytest.approx(expected, rel=1e-5)
+    assert values["structxlip/structure"] == pytest.approx(expected, rel=1e-5)
     cos = F.cosine_similarity(feats["image"], feats["edge"], dim=-1)
-    assert values["consistency"] == pytest.approx(float((1 - cos).mean()), rel=1e-5)
+    assert values["structxlip/consistency"] == pytest.approx(float((1 - cos).mean()), rel=1e-5)
     local = _direct_local(feats["chunk"], feats["chunk_owner"], feats["chunk_topk"], feats["region"],
                           feats["region_owner"], feats["region_slot"], 0.07)
-    assert values["local"] == pytest.approx(float(local), rel=1e-4)
-    expected_total = values["clip"] + 0.25 * values["structure"] + 0.1 * values["consistency"] + 0.1 * values["local"]
+    assert values["structxlip/local"] == pytest.approx(float(local), rel=1e-4)
+    expected_total = (values["clip"] + 0.25 * values["structxlip/structure"]
+                      + 0.1 * values["structxlip/consistency"] + 0.1 * values["structxlip/local"])
     assert values["loss"] == pytest.approx(float(expected_total), rel=1e-6)
 
 
@@ -412,7 +395,7 @@ def test_crop_and_pool_give_finite_losses_and_gradients_with_checkpointing(model
     trained.set_gradient_checkpointing(True)
     objective = _objective(term)
     values = objective.loss(trained, objective.encode(trained, batch))
-    assert set(values) == {"clip", "structure", "consistency", "local", "loss"}
+    assert set(values) == {"clip", "structxlip/structure", "structxlip/consistency", "structxlip/local", "loss"}
     assert all(math.isfinite(float(v.detach())) for v in values.values())
     values["loss"].backward()
     vision = trained.model.vision_model.encoder.layers[0].self_attn.q_proj.weight.grad
@@ -455,10 +438,10 @@ def test_compat_official_reproduces_the_public_code(model, scenes, tmp_path):
         structure = clip_loss(feats["edge"], feats["filtered_text"], s)
         every_region = local_structure_loss(feats["chunk"], feats["chunk_owner"], feats["region"],
                                             feats["region_owner"], temperature=1 / min(float(s) / 0.07, 100.0))
-    assert values["structure"].item() == pytest.approx(structure.item(), rel=1e-5)
-    assert values["local"].item() == pytest.approx(every_region.item(), rel=1e-5)
+    assert values["structxlip/structure"].item() == pytest.approx(structure.item(), rel=1e-5)
+    assert values["structxlip/local"].item() == pytest.approx(every_region.item(), rel=1e-5)
     # the structure loss reads the main scale detached: no gradient reaches it from there
-    values["structure"].backward()
+    values["structxlip/structure"].backward()
     assert trained.logit_scale.grad is None or float(trained.logit_scale.grad) == 0.0
 
 
@@ -532,7 +515,7 @@ def test_structxlip_docci_recipe_runs_offline_and_reuses_its_preprocessing(tmp_p
     first = run(tmp_path / "run1")
     assert "computing regions" in first.stderr
     metrics = json.loads((tmp_path / "run1" / "metrics.json").read_text())
-    for key in ("clip", "structure", "consistency", "local", "loss"):
+    for key in ("clip", "structxlip/structure", "structxlip/consistency", "structxlip/local", "loss"):
         assert math.isfinite(metrics["final_losses"][key]), key
     assert metrics["steps"] == 2 and len(metrics["after"]) == 3, sorted(metrics["after"])
     assert (tmp_path / "run1" / "report.md").is_file()
@@ -623,7 +606,7 @@ def test_every_structxlip_recipe_runs_on_tiny_models(path, run_fixtures, tmp_pat
     assert run(recipe) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 2
-    for key in ("structure", "consistency", "local", "loss"):
+    for key in ("structxlip/structure", "structxlip/consistency", "structxlip/local", "loss"):
         assert math.isfinite(metrics["final_losses"][key]), key
     assert metrics["terms"]["structxlip"]["lexicon"]["captions"] == metrics["train_examples"]
     report = (out / "report.md").read_text()
@@ -632,3 +615,17 @@ def test_every_structxlip_recipe_runs_on_tiny_models(path, run_fixtures, tmp_pat
     if recipe.eval.compare_base_length:
         assert set(metrics["after_at_base_length"]) == set(metrics["after"])
         assert "What reading past 77 tokens buys" in report
+
+
+def test_structxlip_alone_with_base_none_encodes_the_colour_images_itself(model, crop_setup):
+    term, data = crop_setup
+    batch = Collator(model, Objective(None, [(term, term.weights)]))([data[i] for i in (0, 1, 2, 3)])
+    objective = Objective(None, [(term, term.weights)])
+    with torch.no_grad():
+        feats = objective.encode(model, batch)
+        values = objective.loss(model, feats)
+    assert feats["image"].shape[0] == 4  # the consistency loss's colour images, asked by the term itself
+    assert set(values) == {"structxlip/structure", "structxlip/consistency", "structxlip/local", "loss"}
+    expected = (0.25 * values["structxlip/structure"] + 0.1 * values["structxlip/consistency"]
+                + 0.1 * values["structxlip/local"])
+    assert float(values["loss"]) == pytest.approx(float(expected), rel=1e-6)

@@ -1,0 +1,119 @@
+"""Box -> patch geometry: where a box in an image's pixels lands on the network input, through the image
+processor's exact resize and centre crop, and which patches of the input it covers (DESIGN 2).
+
+Used by StructXLIP's pooled regions (``regions.encode: pool``) and FAST-GOAL's TSL box pooling. The transform
+is described by ``DualEncoder.image_transform_params()``: ``mode`` (``shortest_center_crop``, ``shortest``,
+``squash``, ``longest_pad`` or ``naflex``), ``size``, ``crop`` and ``patch_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["box_patch_mask", "input_geometry", "patch_count", "resize_shortest"]
+
+
+def resize_shortest(width: int, height: int, size: int) -> tuple[int, int]:
+    """``(new_w, new_h)`` of an image resized so that its shorter side is ``size`` (aspect kept, the
+    longer side truncated), as transformers' ``get_resize_output_image_size(default_to_square=False)``
+    and torchvision's ``Resize(int)`` compute it."""
+    if width <= height:
+        return size, int(size * height / width)
+    return int(size * width / height), size
+
+
+def input_geometry(
+    width: int, height: int, params: dict[str, Any], spatial_shape: tuple[int, int] | None = None
+) -> tuple[float, float, float, float, int, int]:
+    """How the image processor maps an image of ``width`` x ``height`` onto the network input.
+
+    Args:
+        params: ``DualEncoder.image_transform_params()``.
+        spatial_shape: NaFlex ``(rows, cols)`` of this image.
+
+    Returns:
+        ``(scale_x, scale_y, offset_x, offset_y, input_w, input_h)``: a pixel x of the image lands at
+        ``x * scale_x - offset_x`` of the input (likewise y).
+    """
+    mode = params["mode"]
+    if mode == "naflex":
+        if spatial_shape is None:
+            raise ValueError("a NaFlex model needs the image's spatial_shapes to map boxes to patches")
+        p = int(params["patch_size"])
+        rows, cols = spatial_shape
+        return cols * p / width, rows * p / height, 0.0, 0.0, cols * p, rows * p
+    size, crop = params["size"], params.get("crop")
+    if mode in ("shortest_center_crop", "shortest"):
+        new_w, new_h = resize_shortest(width, height, int(size))
+        in_h, in_w = (int(crop[0]), int(crop[1])) if crop else (new_h, new_w)
+        off_x, off_y = (new_w - in_w) // 2, (new_h - in_h) // 2
+        return new_w / width, new_h / height, float(off_x), float(off_y), in_w, in_h
+    if mode == "squash":
+        in_h, in_w = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        return in_w / width, in_h / height, 0.0, 0.0, in_w, in_h
+    if mode == "longest_pad":
+        in_h, in_w = (int(crop[0]), int(crop[1])) if crop else ((int(size),) * 2 if isinstance(size, int) else size)
+        scale = max(in_h, in_w) / max(width, height)
+        new_w, new_h = int(round(width * scale)), int(round(height * scale))
+        return scale, scale, -float(round((in_w - new_w) / 2)), -float(round((in_h - new_h) / 2)), in_w, in_h
+    raise ValueError(f"input_geometry: unknown image transform mode {mode!r} (expected naflex, shortest_center_crop, "
+                     "shortest, squash or longest_pad); the model's image_transform_params() must name one")
+
+
+def box_patch_mask(
+    box: tuple[float, float, float, float] | list[float],
+    image_size: tuple[int, int],
+    params: dict[str, Any],
+    *,
+    n_patches: int | None = None,
+    spatial_shape: tuple[int, int] | None = None,
+) -> Tensor | None:
+    """The patches of the network input that a region box covers (``regions.encode: pool``).
+
+    The box ``(x1, y1, x2, y2)`` in pixels of the original image is mapped through the processor's exact
+    resize and centre crop (:func:`input_geometry`); a patch belongs to the region when its centre lies in
+    the mapped box; a box smaller than a patch takes the patch under its centre.
+
+    Args:
+        image_size: ``(width, height)`` of the original image.
+        params: ``DualEncoder.image_transform_params()``.
+        n_patches: length of the mask (NaFlex: the padded patch count); default rows x cols.
+        spatial_shape: NaFlex ``(rows, cols)`` of this image.
+
+    Returns:
+        ``(N,)`` bool mask in the row-major patch order of the states, or ``None`` when the box lies
+        outside the input (cut away by the centre crop).
+    """
+    width, height = image_size
+    sx, sy, ox, oy, in_w, in_h = input_geometry(width, height, params, spatial_shape)
+    p = int(params["patch_size"])
+    rows, cols = in_h // p, in_w // p
+    x1, y1, x2, y2 = (box[0] * sx - ox, box[1] * sy - oy, box[2] * sx - ox, box[3] * sy - oy)
+    centres_x = (torch.arange(cols, dtype=torch.float32) + 0.5) * p
+    centres_y = (torch.arange(rows, dtype=torch.float32) + 0.5) * p
+    inside = ((centres_y >= y1) & (centres_y <= y2))[:, None] & ((centres_x >= x1) & (centres_x <= x2))[None, :]
+    if not bool(inside.any()):
+        cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
+        if not (0 <= cx < cols * p and 0 <= cy < rows * p):
+            return None
+        inside[int(cy // p), int(cx // p)] = True
+    flat = inside.flatten()
+    total = n_patches or rows * cols
+    if total < flat.numel():
+        raise ValueError(f"the patch grid {rows}x{cols} does not fit in {total} patch states")
+    mask = torch.zeros(total, dtype=torch.bool)
+    mask[: flat.numel()] = flat
+    return mask
+
+
+
+def patch_count(params: dict[str, Any]) -> int:
+    """Patches ``N = rows x cols`` of a fixed-size network input (``DualEncoder.image_transform_params()``
+    with ``crop`` or ``size`` and ``patch_size``); NaFlex inputs vary per image and have no fixed count."""
+    crop = params.get("crop") or params.get("size")
+    h, w = (crop, crop) if isinstance(crop, int) else crop
+    p = int(params["patch_size"])
+    return (int(h) // p) * (int(w) // p)

@@ -1,0 +1,46 @@
+"""Box -> patch geometry through the processor's resize and crop (``finetune.preprocess.geometry``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.preprocess.geometry import box_patch_mask, input_geometry, patch_count, resize_shortest
+
+
+def test_box_patch_mask_follows_resize_and_centre_crop():
+    params = {"mode": "shortest_center_crop", "size": 32, "crop": (32, 32), "patch_size": 8}
+    # 128 x 64 -> resized to 64 x 32, centre crop cuts 16 px on the left and right
+    everything = box_patch_mask((32, 0, 96, 64), (128, 64), params)
+    assert everything.shape == (16,) and bool(everything.all())
+    assert box_patch_mask((0, 0, 32, 64), (128, 64), params) is None  # cut away by the crop
+    one = box_patch_mask((64, 16, 80, 32), (128, 64), params)  # -> (16, 8, 24, 16): the patch at row 1, col 2
+    assert one.nonzero().flatten().tolist() == [6]
+    tiny = box_patch_mask((64, 16, 65, 17), (128, 64), params)  # smaller than a patch: the patch under its centre
+    assert tiny.nonzero().flatten().tolist() == [6]
+    squash = {"mode": "squash", "size": (32, 32), "crop": None, "patch_size": 8}
+    left = box_patch_mask((0, 0, 32, 32), (64, 32), squash)  # left half of the image = columns 0-1
+    assert left.view(4, 4)[:, :2].all() and not left.view(4, 4)[:, 2:].any()
+    naflex = {"mode": "naflex", "size": None, "crop": None, "patch_size": 8}
+    mask = box_patch_mask((0, 0, 32, 32), (64, 32), naflex, n_patches=16, spatial_shape=(2, 4))
+    assert mask.nonzero().flatten().tolist() == [0, 1, 4, 5]
+
+
+def test_resize_shortest_keeps_aspect_and_truncates():
+    assert resize_shortest(128, 64, 32) == (64, 32)
+    assert resize_shortest(50, 75, 32) == (32, 48)
+    assert resize_shortest(75, 50, 32) == (48, 32)  # 32 * 75 / 50 = 48
+    assert resize_shortest(100, 33, 10) == (30, 10)  # 10 * 100 / 33 = 30.3 -> 30
+
+
+def test_input_geometry_of_longest_pad_centres_the_image():
+    params = {"mode": "longest_pad", "size": 32, "crop": None, "patch_size": 8}
+    sx, sy, ox, oy, in_w, in_h = input_geometry(64, 32, params)
+    assert (sx, sy, in_w, in_h) == (0.5, 0.5, 32, 32)
+    assert (ox, oy) == (0.0, -8.0)  # 32 x 16 pasted 8 px down in a 32 x 32 input
+    with pytest.raises(ValueError, match="unknown image transform mode 'tiles'"):
+        input_geometry(64, 32, {"mode": "tiles", "size": 32, "patch_size": 8})
+
+
+def test_patch_count_of_fixed_inputs():
+    assert patch_count({"mode": "shortest_center_crop", "size": 224, "crop": (224, 224), "patch_size": 16}) == 196
+    assert patch_count({"mode": "squash", "size": 64, "crop": None, "patch_size": 8}) == 64
