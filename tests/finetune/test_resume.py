@@ -159,7 +159,7 @@ def test_a_bad_resume_path_is_found_before_the_model_loads(tmp_path, monkeypatch
 
     monkeypatch.setattr(finetune, "load_model", no_model)
     path = tmp_path / "r.yaml"
-    path.write_text("# r\n")
+    path.write_text("# r\ntrain: {trackers: []}\n")
     recipe = load_recipe(path, [f"output.dir={tmp_path / 'run'}", f"train.resume={tmp_path / 'nowhere'}",
                                 "train.trackers=[]"])
     AcceleratorState._reset_state(reset_partial_state=True)

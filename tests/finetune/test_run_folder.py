@@ -172,9 +172,8 @@ def test_second_run_and_failed_run_leave_a_finished_run_intact(tmp_path, tiny_mo
     assert _snapshot(out) == good
 
     # a run that fails validation, even with output.overwrite: the good run's recipe.yaml stays
-    bad = _recipe(tmp_path, tiny_model, out, "train.lr=0.5",
+    bad = _recipe(tmp_path, tiny_model, out, "train.lr=0.5", "output.overwrite=true",
                   f'eval.sets=[{{"name": "jsonl", "path": "{tmp_path / "missing.jsonl"}"}}]')
-    bad.output.overwrite = True
     assert _run(bad) == 2
     err = capsys.readouterr().err
     assert "evaluation set 'jsonl'" in err and "missing.jsonl" in err and "Traceback" not in err
@@ -182,8 +181,7 @@ def test_second_run_and_failed_run_leave_a_finished_run_intact(tmp_path, tiny_mo
 
     # output.overwrite: the old run's files are replaced, not mixed
     (out / "checkpoints" / "step-99").mkdir(parents=True)
-    again = _recipe(tmp_path, tiny_model, out, "train.lr=0.002")
-    again.output.overwrite = True
+    again = _recipe(tmp_path, tiny_model, out, "train.lr=0.002", "output.overwrite=true")
     assert _run(again) == 0
     assert not (out / "checkpoints").exists()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["lr"] == 0.002
