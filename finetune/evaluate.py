@@ -164,6 +164,8 @@ class RetrievalEmbeddings(NamedTuple):
         truncated: how many captions were longer than the model's text length and were cut.
         image_payload: what the scorer keeps per image (``{"embeds": (Ni, D)}`` for cosine).
         text_payload: what the scorer keeps per text.
+        skipped_examples: rows left out because their image could not be decoded
+            (``on_error="skip"``), as ``{"id", "path", "reason"}``, from every process.
     """
 
     image_embeds: Tensor | None
@@ -172,6 +174,7 @@ class RetrievalEmbeddings(NamedTuple):
     truncated: int
     image_payload: dict[str, Tensor] | None = None
     text_payload: dict[str, Tensor] | None = None
+    skipped_examples: list = []
 
 
 def _rows(batch: list[Any]) -> list[Any]:
@@ -275,6 +278,7 @@ def encode_for_retrieval(
     progress: bool = False,
     desc: str = "encode",
     scorer: str | Scorer = "cosine",
+    on_error: str = "raise",
 ) -> RetrievalEmbeddings:
     """Encode every image and caption of an evaluation set with a DualEncoder, into the payloads of
     ``scorer`` (``finetune.scorers``; cosine keeps the global embeddings).
@@ -299,6 +303,9 @@ def encode_for_retrieval(
         progress: show a progress bar (main process only).
         desc: the progress bar's label.
         scorer: a registered scorer name or a :class:`finetune.scorers.Scorer`.
+        on_error: ``"raise"`` (a :class:`~finetune.data.images.DataError` naming the row and the
+            file) or ``"skip"`` (leave the row and its captions out, listed in
+            ``skipped_examples``) when an image cannot be decoded.
 
     Returns:
         :class:`RetrievalEmbeddings` ``(image_embeds (Ni, D), text_embeds (Nt, D),
@@ -312,7 +319,10 @@ def encode_for_retrieval(
     dual = accelerator.unwrap_model(model) if accelerator is not None else model
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
-    shard, offset = _shard(dataset, rank, world)
+    from finetune.data.images import DataError
+    from finetune.data.skipping import undecoded
+
+    shard, offset = _shard(undecoded(dataset), rank, world)
     device = accelerator.device if accelerator is not None else dual.device
     dtype = dual.dtype
     loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, shuffle=False,
@@ -331,16 +341,32 @@ def encode_for_retrieval(
     image_chunks, text_chunks, owners = [], [], []
     truncated = 0
     row = offset
+    kept = 0  # images of this shard encoded so far: the owner index of a caption, before the gather
+    skipped: list[dict] = []
     try:
         with autocast:
             for rows in loader:
                 images, captions, owner = [], [], []
                 for r in rows:
-                    images.append(_row_image(r, row))
+                    try:
+                        image = _row_image(r, row)
+                    except DataError as exc:
+                        if on_error == "raise":
+                            raise
+                        raw = r.get("image")
+                        path = (raw.get("path") if isinstance(raw, Mapping) else None) or "<bytes>"
+                        skipped.append({"id": str(r.get("id", row)), "path": path,
+                                        "reason": getattr(exc.__cause__, "reason", str(exc))})
+                        row += 1
+                        continue
+                    images.append(image)
                     caps = _row_captions(r, row)
                     captions.extend(caps)
-                    owner.extend([row] * len(caps))
+                    owner.extend([kept] * len(caps))
+                    kept += 1
                     row += 1
+                if not images:
+                    continue
                 inputs = _to_device(dual.preprocess_images(images), device, dtype)
                 image_chunks.append(scorer.encode_images(dual, inputs))
                 tokens = dual.tokenize(captions)
@@ -355,12 +381,18 @@ def encode_for_retrieval(
 
     if accelerator is not None and world > 1:
         truncated = int(accelerator.gather(torch.tensor([truncated], device=device)).sum())
+        # captions point at images by position in the gathered order: shift by the earlier shards' images
+        counts = accelerator.gather(torch.tensor([kept], device=device)).tolist()
+        owners = [o + sum(counts[:rank]) for o in owners]
+        from accelerate.utils import gather_object
+
+        skipped = [e for part in gather_object([skipped]) for e in part]
     image_payload = _gather_payload(accelerator, image_chunks, device)
     text_payload = _gather_payload(accelerator, text_chunks, device)
     owners = owners or [torch.zeros((0,), dtype=torch.long, device=device)]
     text_to_image = _gather_rows(accelerator, torch.cat(owners))
     return RetrievalEmbeddings(image_payload.get("embeds"), text_payload.get("embeds"), text_to_image, truncated,
-                               image_payload, text_payload)
+                               image_payload, text_payload, skipped)
 
 
 # -- evaluation sets ------------------------------------------------------------------------------
@@ -389,6 +421,7 @@ def evaluate_sets(
     scorer: str | Scorer = "cosine",
     rerank_top_k: int | None = None,
     block_size: int = 1024,
+    sources: Sequence[Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Recall@K of ``model`` on each evaluation set (loaded with ``finetune.data.sources.load_source``).
 
@@ -403,6 +436,8 @@ def evaluate_sets(
             :class:`finetune.scorers.Scorer`.
         rerank_top_k: ``eval.rerank_top_k``: re-score only each query's global-cosine top-k.
         block_size: ``eval.block_size``: texts x images per score block.
+        sources: the sets already loaded (``LoadedSource``, one per entry of ``sets``, e.g. by a
+            run's checks before the model loads); None: each set is loaded here.
 
     Raises:
         ValueError: for an unknown scorer (before any set is loaded), naming the registered ones.
@@ -423,7 +458,9 @@ def evaluate_sets(
     scorer_label = (scorer.name or type(scorer).__name__) + (f"@top{rerank_top_k}" if rerank_top_k else "")
 
     results: dict[str, dict[str, Any]] = {}
-    for spec in sets:
+    if sources is not None and len(sources) != len(sets):
+        raise ValueError(f"evaluate_sets: {len(sources)} loaded sources for {len(sets)} sets")
+    for number, spec in enumerate(sets):
         if isinstance(spec, str):
             spec = parse_source_shorthand(spec)
         label = set_label(spec)
@@ -433,14 +470,17 @@ def evaluate_sets(
                 n += 1
             label = f"{label}#{n}"
         ctx = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
-        with ctx:
-            try:
-                source = load_source(spec, on_error=on_error, cache_dir=cache_dir)
-            except (DataError, OSError) as exc:  # say which set: builders' messages may not
-                raise DataError(f"evaluation set {label!r} could not be loaded: {exc}") from exc
+        if sources is not None:
+            source = sources[number]
+        else:
+            with ctx:
+                try:
+                    source = load_source(spec, on_error=on_error, cache_dir=cache_dir)
+                except (DataError, OSError) as exc:  # say which set: builders' messages may not
+                    raise DataError(f"evaluation set {label!r} could not be loaded: {exc}") from exc
         emb = encode_for_retrieval(model, source.dataset, batch_size=batch_size, accelerator=accelerator,
                                    num_workers=num_workers, progress=progress, desc=f"eval {label}",
-                                   scorer=scorer)
+                                   scorer=scorer, on_error=on_error)
         metrics = recall_at_k(emb.image_payload, emb.text_payload, emb.text_to_image, ks, block_size=block_size,
                               scorer=scorer, rerank_top_k=rerank_top_k)
         results[label] = {
@@ -450,9 +490,12 @@ def evaluate_sets(
             "t2i": metrics["t2i"],
             "i2t": metrics["i2t"],
             "truncated": emb.truncated,
-            "skipped": int(getattr(source, "skipped", 0) or 0),
+            "skipped": int(getattr(source, "skipped", 0) or 0) + len(emb.skipped_examples),
             "scorer": scorer_label,
         }
+        skipped_ids = [*(getattr(source, "skipped_ids", None) or []), *(e["id"] for e in emb.skipped_examples)]
+        if skipped_ids:
+            results[label]["skipped_ids"] = skipped_ids
         log.info("eval %s: %d images, %d texts, %d captions truncated; t2i %s; i2t %s", label,
                  results[label]["n_images"], results[label]["n_texts"], emb.truncated,
                  metrics["t2i"], metrics["i2t"])
@@ -672,6 +715,13 @@ def _main(args: argparse.Namespace) -> int:
     if args.block_size is not None and args.block_size < 1:
         raise _UsageError(f"--block-size must be >= 1, got {args.block_size}")
     block_size = args.block_size or (recipe.eval.block_size if recipe else 1024)
+    if args.out:
+        from finetune.run_folder import RunFolderError, check_eval_output
+
+        try:  # before the model loads: never overwrite the model's own files
+            check_eval_output(args.out, [target / "final"] if recipe is not None else [target])
+        except RunFolderError as exc:
+            raise _UsageError(str(exc)) from None
 
     from accelerate import Accelerator
 

@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  accelerate launch finetune/run.py recipes/quickstart.yaml\n"
             "  accelerate launch finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5 adapter.type=lora\n"
-            "  accelerate launch --num_processes 2 --cpu finetune/run.py recipes/quickstart.yaml train.max_steps=20\n"
+            "  ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 finetune/run.py recipes/quickstart.yaml "
+            "train.max_steps=20   # two CPU processes\n"
             "  python finetune/run.py --list\n"
             "  python finetune/run.py --schema > recipe.schema.json"
         ),
@@ -92,8 +93,20 @@ def run(recipe: Any) -> int:
     from accelerate.utils import ProjectConfiguration, set_seed
 
     from finetune.config import dump_recipe, recipe_to_dict
+    from finetune.data.images import DataError
+    from finetune.run_folder import (RunFolderError, check_run_folder, clean_stale_temporaries,
+                                     clear_previous_run, fix_permissions)
 
     out_dir = Path(recipe.output.dir)
+    recipe_dict = recipe_to_dict(recipe)
+    # nothing is written before the whole recipe is checked: the run folder, the resume target, the data
+    try:
+        action = check_run_folder(out_dir, recipe_dict, overwrite=bool(getattr(recipe.output, "overwrite", False)),
+                                  resume=recipe.train.resume,
+                                  ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)))
+    except RunFolderError as exc:
+        print(f"recipe error: {exc}", file=sys.stderr)
+        return 2
     trackers = list(recipe.train.trackers or [])
     accelerator = Accelerator(
         mixed_precision=recipe.train.mixed_precision,
@@ -104,14 +117,35 @@ def run(recipe: Any) -> int:
     _setup_logging(out_dir, accelerator.is_main_process)
     _cpu_threads(accelerator)
     set_seed(recipe.train.seed)
+    try:
+        data = _load_data(recipe, accelerator)
+    except (DataError, RunFolderError) as exc:
+        print(f"recipe error: {exc}", file=sys.stderr)
+        return 2
     if accelerator.is_main_process:
+        if action == "overwrite":
+            removed = clear_previous_run(out_dir)
+            log.warning("output.overwrite: removed the previous run's %s from %s", ", ".join(removed), out_dir)
+        stale = clean_stale_temporaries(out_dir)
+        if stale:
+            log.info("removed what an interrupted run left in %s: %s", out_dir, ", ".join(stale))
         out_dir.mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, out_dir / "recipe.yaml")
-    recipe_dict = recipe_to_dict(recipe)
+        fix_permissions(out_dir / "recipe.yaml")
+    accelerator.wait_for_everyone()
     if trackers:
         accelerator.init_trackers(out_dir.name, config=_flat_scalars(recipe_dict))
+    from finetune.models.loading import ModelNotFoundError
+
     try:
-        return _run(recipe, recipe_dict, accelerator, out_dir)
+        return _run(recipe, recipe_dict, accelerator, out_dir, data)
+    except ModelNotFoundError as exc:  # an unknown model.name_or_path: the registry list, no traceback
+        print(f"recipe error: model.name_or_path: {exc}", file=sys.stderr)
+        if action == "new" and accelerator.is_main_process:  # leave no half-started run behind
+            clear_previous_run(out_dir)
+            if out_dir.is_dir() and not any(out_dir.iterdir()):
+                out_dir.rmdir()
+        return 2
     finally:
         accelerator.end_training()
 
@@ -134,12 +168,53 @@ def _cpu_threads(accelerator: Any) -> None:
             "(accelerate launch --cpu --num_cpu_threads_per_process N chooses N)", cores)
 
 
-def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int:
+def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
+    """Load and validate the training set and every evaluation set (and find the resume
+    checkpoint) before the model loads or anything is written; errors name the set.
+
+    Returns:
+        ``{"train": LoadedSource (None for a stream), "eval": [LoadedSource, ...] (one per eval.sets entry),
+        "resume": checkpoint folder or None}``.
+    Raises:
+        DataError: a set that cannot be loaded (unknown name, missing files, bad examples with
+            ``data.on_error: raise``).
+        RunFolderError: a ``train.resume`` that names no usable checkpoint.
+    """
+    from finetune.config import parse_source_shorthand
+    from finetune.data.images import DEFAULT_MAX_IMAGE_PIXELS, DataError, set_max_image_pixels
+    from finetune.data.sources import SourceSpec, load_source
+    from finetune.evaluate import set_label
+    from finetune.resume import find_checkpoint
+
+    resume = find_checkpoint(recipe.train.resume, Path(recipe.output.dir) / "checkpoints")
+    set_max_image_pixels(getattr(recipe.data, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
+    validate = getattr(recipe.data, "validate", "header")
+    options = dict(on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir, validate=validate)
+    train = None  # a stream (finetune.data.streams) is opened and checked by the training loop itself
+    if not SourceSpec.parse(recipe.data.train).is_stream:
+        with accelerator.main_process_first():
+            try:
+                train = load_source(recipe.data.train, **options)
+            except (DataError, OSError) as exc:
+                raise DataError(f"training set (data.train) could not be loaded: {exc}") from exc
+    sets = []
+    ev = recipe.eval
+    if ev.sets and (ev.before or ev.after or ev.compare_base_length):
+        for spec in ev.sets:
+            spec = parse_source_shorthand(spec) if isinstance(spec, str) else spec
+            with accelerator.main_process_first():
+                try:
+                    sets.append(load_source(spec, **options))
+                except (DataError, OSError) as exc:
+                    raise DataError(f"evaluation set {set_label(spec)!r} (eval.sets) could not be loaded: {exc}") from exc
+    return {"train": train, "eval": sets, "resume": resume}
+
+
+def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: dict[str, Any]) -> int:
     import torch
 
     from finetune import load_model
     from finetune.data.collate import Collator
-    from finetune.data.sources import load_source
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import apply_adapter, save_finetuned
     from finetune.models.families import recipe_family
@@ -178,8 +253,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     if streaming:
         train_src, train_ds = None, _open_train_stream(recipe, objective, model, accelerator)
     else:
-        with accelerator.main_process_first():
-            train_src = load_source(recipe.data.train, on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir)
+        train_src = data["train"]
         _log_skips("train", train_src)
         with accelerator.main_process_first():  # cached preprocessing: computed once, then reused by the others
             train_ds = objective.preprocess(train_src.dataset, model, cache_dir=recipe.data.cache_dir, log=log)
@@ -187,15 +261,19 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
     ev = recipe.eval
     eval_kwargs = dict(batch_size=ev.batch_size, ks=tuple(ev.ks), on_error=recipe.data.on_error,
                        cache_dir=recipe.data.cache_dir, accelerator=accelerator, scorer=get_scorer(ev.scorer),
-                       rerank_top_k=ev.rerank_top_k, block_size=ev.block_size)
+                       rerank_top_k=ev.rerank_top_k, block_size=ev.block_size, sources=data["eval"] or None)
     before = evaluate_sets(model, ev.sets, **eval_kwargs) if ev.sets and ev.before else None
     if before is not None and accelerator.is_main_process:
         print("Recall@K before training:\n" + format_table(None, before), flush=True)
 
     module = TrainModule(model, objective)
-    trainer = Trainer(accelerator, module, train_ds, Collator(model, objective), recipe.train, out_dir,
+    from finetune.data.skipping import SkippingDataset, SkipReportingCollate
+
+    rows = train_ds if streaming else SkippingDataset(train_ds, recipe.data.on_error)  # a stream skips its own
+    trainer = Trainer(accelerator, module, rows, SkipReportingCollate(Collator(model, objective)), recipe.train, out_dir,
                       num_workers=recipe.data.num_workers)
-    trainer.maybe_resume(recipe.train.resume)
+    trainer.maybe_resume(recipe.train.resume, checkpoint=data["resume"], recipe=recipe_dict,
+                         ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)))
     result = trainer.train()
     accelerator.wait_for_everyone()
     model = accelerator.unwrap_model(trainer.wrapped).model
@@ -229,7 +307,10 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path) -> int
             "train_set": train_ds.spec.name if streaming else train_src.name,
             "train_examples": stream_report["used"] if streaming else len(train_src.dataset),
             "skipped": ({"train": stream_report["skipped"], "train_examples": stream_report["skipped_examples"]}
-                        if streaming else {"train": train_src.skipped, "train_examples": train_src.skipped_examples}),
+                        if streaming else
+                        {"train": train_src.skipped + len(result.skipped_examples),
+                         "train_examples": [*train_src.skipped_examples, *result.skipped_examples],
+                         "train_ids": [*train_src.skipped_ids, *(e["id"] for e in result.skipped_examples)]}),
             "train_stream": stream_report,
             "before": before,
             "after": after,

@@ -32,7 +32,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -151,13 +151,21 @@ class TrainState:
     skipped_steps: int = 0
     samples_seen: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    skipped_examples: list[dict[str, str]] = field(default_factory=list)
+    #: seconds spent training up to ``step`` (over every resumed part)
+    train_time_s: float = 0.0
+    #: the recipe's continuation view (``finetune.run_folder.continuation_view``), checked on resume
+    recipe: dict[str, Any] | None = None
+    #: ``{file: bytes}`` of the checkpoint beside this state, checked on resume
+    files: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
 
     @classmethod
     def from_json(cls, text: str) -> "TrainState":
-        return cls(**json.loads(text))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
 @dataclass
@@ -171,6 +179,7 @@ class TrainResult:
     samples_per_s: float
     skipped_steps: int
     truncated_captions: int
+    skipped_examples: list[dict[str, str]] = field(default_factory=list)
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
@@ -186,19 +195,11 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def resolve_resume(resume: str | None, ckpt_dir: Path) -> Path | None:
-    """``latest`` -> newest complete checkpoint (None when there is none yet); a path -> that folder."""
-    if not resume:
-        return None
-    if resume == "latest":
-        found = list_checkpoints(ckpt_dir)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / "train_state.json").is_file():
-        raise FileNotFoundError(
-            f"train.resume: {resume} is not a checkpoint folder (no train_state.json); "
-            f"use `latest` or a folder like {ckpt_dir / (CHECKPOINT_PREFIX + '100')}"
-        )
-    return path
+    """``latest`` -> newest usable checkpoint (None when there is none yet); a path -> that folder,
+    checked (see :func:`finetune.resume.find_checkpoint`, which names a missing or damaged file)."""
+    from .resume import find_checkpoint
+
+    return find_checkpoint(resume, ckpt_dir)
 
 
 def stream_state_file(folder: Path, rank: int) -> Path:
@@ -226,6 +227,9 @@ def save_checkpoint(
         stream_state_file(tmp, accelerator.process_index).write_text(json.dumps(stream_state))
         accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        from .resume import file_manifest
+
+        state.files = file_manifest(tmp)
         (tmp / "train_state.json").write_text(state.to_json())
         if final.exists():
             shutil.rmtree(final)
@@ -354,14 +358,34 @@ class Trainer:
         return loader
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def maybe_resume(self, resume: str | None) -> bool:
-        path = resolve_resume(resume, self.ckpt_dir)
+    def maybe_resume(self, resume: str | None, *, checkpoint: str | Path | None = None,
+                     recipe: dict[str, Any] | None = None, ignore_changes: bool = False) -> bool:
+        """Continue from ``train.resume`` (``latest`` or a checkpoint folder); True when resumed.
+
+        Args:
+            resume: the recipe's ``train.resume``.
+            checkpoint: the folder already found by :func:`finetune.resume.find_checkpoint`
+                (skips the search).
+            recipe: the run's recipe (``recipe_to_dict``): its continuation view is saved in every
+                checkpoint and compared with the checkpoint's on resume.
+            ignore_changes: ``train.resume_ignore_changes``: continue despite a different recipe.
+        Raises:
+            finetune.resume.CheckpointError: no usable checkpoint at a given path (names the file).
+            finetune.run_folder.RunFolderError: the checkpoint was saved with a different recipe.
+        """
+        from .resume import check_continuation, find_checkpoint
+        from .run_folder import continuation_view
+
+        view = continuation_view(recipe) if recipe is not None else None
+        self.state.recipe = view
+        path = Path(checkpoint) if checkpoint is not None else find_checkpoint(resume, self.ckpt_dir)
         if path is None:
-            if resume and resume != "latest":
-                raise FileNotFoundError(resume)
             return False
+        saved = TrainState.from_json((path / "train_state.json").read_text())
+        check_continuation(saved.recipe, view, path, ignore_changes=ignore_changes)
         self.acc.load_state(str(path))
-        self.state = TrainState.from_json((path / "train_state.json").read_text())
+        self.state = saved
+        self.state.recipe = view if view is not None else saved.recipe
         if self.stream is not None:
             file = stream_state_file(path, self.acc.process_index)
             if not file.is_file():
@@ -415,6 +439,7 @@ class Trainer:
         model = self._unwrapped_model()
         start = time.perf_counter()
         start_samples = self.state.samples_seen
+        self._time_before = self.state.train_time_s  # the earlier parts of a resumed run
         truncated = 0
         bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not acc.is_local_main_process,
                    desc="train", dynamic_ncols=True)
@@ -423,6 +448,7 @@ class Trainer:
             for batch in self._batches():
                 if self.state.step >= self.total_steps:
                     break
+                self._note_skipped(batch)
                 out = self._step(batch)
                 bad = self._nonfinite(out)
                 step = self.state.step + 1
@@ -469,6 +495,7 @@ class Trainer:
                                  "samples_s": f"{rate:.1f}"})
                 bar.update(1)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    self.state.train_time_s = self._time_before + time.perf_counter() - start
                     stream_state = self.stream.state_dict() if self.stream is not None else None
                     save_checkpoint(acc, self.ckpt_dir, self.state, cfg.keep_checkpoints, stream_state)
                 if on_step is not None:
@@ -476,15 +503,19 @@ class Trainer:
                 if self.state.step >= self.total_steps:
                     break
         bar.close()
-        wall = time.perf_counter() - start
+        wall = self._time_before + time.perf_counter() - start
+        self.state.train_time_s = wall
+        if not last_losses and self.state.history:  # resumed at the end: the run's own last values
+            last_losses = {k: v for k, v in self.state.history[-1].items() if k != "step"}
         return TrainResult(
             steps=self.state.step,
             history=self.state.history,
             final_losses={k: v for k, v in last_losses.items() if k not in ("lr",)},
             wall_time_s=wall,
-            samples_per_s=(self.state.samples_seen - start_samples) / max(wall, 1e-9),
+            samples_per_s=self.state.samples_seen / max(wall, 1e-9),
             skipped_steps=self.state.skipped_steps,
             truncated_captions=truncated,
+            skipped_examples=self._all_skipped(),
         )
 
     def _batches(self) -> Iterator[dict[str, Any]]:
@@ -519,6 +550,29 @@ class Trainer:
                 term.set_epoch(epoch)
             self.wrapped.train()
             yield from loader
+
+    def _note_skipped(self, batch: dict[str, Any]) -> None:
+        """Record the examples the data loader passed over (unreadable images, ``data.on_error: skip``)."""
+        from .data.skipping import SKIPPED_KEY
+
+        known = {e["id"] for e in self.state.skipped_examples}
+        for entry in batch.pop(SKIPPED_KEY, None) or ():
+            if entry["id"] not in known:
+                known.add(entry["id"])
+                self.state.skipped_examples.append(entry)
+                log.warning("training example id=%s (image %s) skipped: %s", entry["id"], entry["path"],
+                            entry["reason"])
+
+    def _all_skipped(self) -> list[dict[str, str]]:
+        """The passed-over examples of every process, each id once."""
+        entries = self.state.skipped_examples
+        if self.acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            entries = gather_object([entries])
+            entries = [e for part in entries for e in part]
+        unique = {e["id"]: e for e in entries}
+        return sorted(unique.values(), key=lambda e: e["id"])
 
     def _mean_over_processes(self, values: dict[str, float]) -> dict[str, float]:
         if self.acc.num_processes == 1:

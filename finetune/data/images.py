@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,14 @@ __all__ = [
     "probe_image",
     "to_rgb",
     "IMAGE_EXTENSIONS",
+    "DEFAULT_MAX_IMAGE_PIXELS",
+    "max_image_pixels",
+    "set_max_image_pixels",
 ]
+
+# PIL's own default (``PIL.Image.MAX_IMAGE_PIXELS``): about 0.25 GB of RGB pixels, 1024 MiB as RGBA.
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+_max_pixels = DEFAULT_MAX_IMAGE_PIXELS
 
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".jpe", ".jfif", ".ppm", ".pgm"}
@@ -82,6 +90,65 @@ class ImageInfo:
     needs_conversion: bool
 
 
+def max_image_pixels() -> int:
+    """The largest accepted image (width x height) in this process (``data.max_image_pixels``)."""
+    return _max_pixels
+
+
+def set_max_image_pixels(limit: int) -> None:
+    """Accept images of up to ``limit`` pixels (width x height) in this process and its workers.
+
+    A larger image is an :class:`ImageReadError` ("too large"), which data sources skip or raise
+    per ``data.on_error``, instead of PIL's ``DecompressionBombError`` stopping the run. PIL's own
+    limit is raised to match, so that PIL never refuses an image this check accepts. Set once at
+    the start of a run (DataLoader workers forked later inherit it).
+
+    Args:
+        limit: pixels, >= 1 (the recipe's ``data.max_image_pixels``; default
+            :data:`DEFAULT_MAX_IMAGE_PIXELS`, PIL's default).
+    Raises:
+        ValueError: when ``limit`` is not a positive integer.
+    """
+    global _max_pixels
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"data.max_image_pixels must be a positive integer, got {limit!r}")
+    _max_pixels = limit
+    PIL.Image.MAX_IMAGE_PIXELS = max(limit, DEFAULT_MAX_IMAGE_PIXELS)
+
+
+def _check_size(image: PIL.Image.Image, where: str) -> None:
+    width, height = image.size
+    if width * height > _max_pixels:
+        raise ImageReadError(
+            where,
+            f"too large ({width}x{height} = {width * height:,} pixels, more than data.max_image_pixels="
+            f"{_max_pixels:,}; raise data.max_image_pixels to accept it)",
+        )
+
+
+def _jpeg_ends_cleanly(image: PIL.Image.Image) -> bool:
+    """False when a JPEG file has no end-of-image marker (FF D9) at its end: likely truncated.
+
+    A cheap check (reads the last bytes only) that lets header validation find truncated JPEG
+    bodies, which ``verify()`` does not; a file that fails it is fully decoded to be sure (some
+    cameras write bytes after the marker)."""
+    if image.format != "JPEG":
+        return True
+    handle = getattr(image, "fp", None)
+    if handle is None:
+        return True
+    try:
+        position = handle.tell()
+        handle.seek(0, os.SEEK_END)
+        size = handle.tell()
+        handle.seek(max(0, size - 64))
+        tail = handle.read(64).rstrip(b"\x00\r\n ")
+        handle.seek(position)
+    except (OSError, ValueError):
+        return True
+    return tail.endswith(b"\xff\xd9")
+
+
 def _describe(src: Any) -> str:
     if isinstance(src, (str, os.PathLike)):
         return os.fspath(src)
@@ -112,19 +179,35 @@ def _open(src: str | os.PathLike | bytes | bytearray | memoryview | dict) -> tup
         if path.stat().st_size == 0:
             raise ImageReadError(where, "empty file (0 bytes)")
         try:
-            return PIL.Image.open(path), where
+            return _open_quietly(path), where
+        except PIL.Image.DecompressionBombError as error:
+            raise ImageReadError(where, _too_large(error)) from error
         except (PIL.UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
             raise ImageReadError(where, f"not a readable image ({error})") from error
     if isinstance(src, (bytes, bytearray, memoryview)):
         if len(src) == 0:
             raise ImageReadError(where, "empty image bytes (0 bytes)")
         try:
-            return PIL.Image.open(io.BytesIO(bytes(src))), where
+            return _open_quietly(io.BytesIO(bytes(src))), where
+        except PIL.Image.DecompressionBombError as error:
+            raise ImageReadError(where, _too_large(error)) from error
         except (PIL.UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
             raise ImageReadError(where, f"not a readable image ({error})") from error
     raise TypeError(
         f"an image must be a file path, bytes, a {{'bytes', 'path'}} dict or a PIL image; got {type(src).__name__}"
     )
+
+
+def _too_large(error: Exception) -> str:
+    return (f"too large (more than data.max_image_pixels={_max_pixels:,} pixels; raise data.max_image_pixels "
+            f"to accept it; PIL: {error})")
+
+
+def _open_quietly(src: Any) -> PIL.Image.Image:
+    """``PIL.Image.open`` without PIL's decompression-bomb warning: :func:`_check_size` decides."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+        return PIL.Image.open(src)
 
 
 def _needs_conversion(image: PIL.Image.Image) -> bool:
@@ -136,9 +219,11 @@ def _needs_conversion(image: PIL.Image.Image) -> bool:
 def probe_image(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -> ImageInfo:
     """Check that an image is present and well-formed without decoding its pixels.
 
-    Reads the header and runs PIL's ``verify()`` (which checks PNG chunk CRCs and structure; for
-    JPEG it checks little beyond the header, so a truncated JPEG body is only caught by
-    :func:`read_image`).
+    Reads the header, checks the size against :func:`max_image_pixels` and runs PIL's
+    ``verify()`` (which checks PNG chunk CRCs and structure; for JPEG it checks little beyond the
+    header). A JPEG whose file does not end with the end-of-image marker is decoded in full, so a
+    truncated JPEG body is found here too; other damage inside a JPEG body is only found by
+    :func:`read_image`.
 
     Args:
         src: a path, encoded bytes, a ``datasets.Image(decode=False)`` dict ``{"bytes", "path"}``
@@ -146,7 +231,8 @@ def probe_image(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -> Imag
     Returns:
         the image's :class:`ImageInfo`.
     Raises:
-        ImageReadError: naming the path, when the file is missing, empty, corrupt or has no pixels.
+        ImageReadError: naming the path, when the file is missing, empty, corrupt, truncated
+            (JPEG), larger than :func:`max_image_pixels` or has no pixels.
     """
     if isinstance(src, PIL.Image.Image):
         image, where = src, _describe(src)
@@ -156,8 +242,13 @@ def probe_image(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -> Imag
         info = ImageInfo(mode=image.mode, size=tuple(image.size), needs_conversion=_needs_conversion(image))
         if info.size[0] <= 0 or info.size[1] <= 0:
             raise ImageReadError(where, f"the image has no pixels (size {info.size[0]}x{info.size[1]})")
+        _check_size(image, where)
         if image is not src:
+            suspicious = not _jpeg_ends_cleanly(image)
             image.verify()
+            if suspicious:  # no end marker: decode the body to tell a truncated file from trailing bytes
+                image.close()
+                read_image(src)
     except ImageReadError:
         raise
     except Exception as error:  # PIL raises many types (SyntaxError, struct.error, ...) on bad data
@@ -221,8 +312,8 @@ def read_image(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -> PIL.I
     Returns:
         a fully loaded ``RGB`` PIL image (W x H as stored, after EXIF rotation).
     Raises:
-        ImageReadError: naming the path, when the file is missing, empty (0 bytes), corrupt or
-            truncated.
+        ImageReadError: naming the path, when the file is missing, empty (0 bytes), corrupt,
+            truncated or larger than :func:`max_image_pixels`.
         TypeError: when ``src`` is none of the accepted types.
     """
     if isinstance(src, PIL.Image.Image):
@@ -230,6 +321,7 @@ def read_image(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -> PIL.I
     else:
         image, where = _open(src)
     try:
+        _check_size(image, where)
         image.load()
         oriented = PIL.ImageOps.exif_transpose(image)
         if oriented is not None:

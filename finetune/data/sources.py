@@ -26,6 +26,7 @@ import io
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any
 
 import datasets
 
+from finetune.data.bad_rows import collecting, read_utf8_text, report_bad_row, utf8_jsonl
 from finetune.data.images import IMAGE_EXTENSIONS, DataError, ImageReadError, probe_image, read_image
 
 __all__ = [
@@ -56,7 +58,7 @@ _BUILTIN_MODULES = ("finetune.data.synthetic", "finetune.data.benchmarks", "fine
 #: sources that can be read as a stream (``finetune.data.streams``); the first two only as a stream
 STREAM_SOURCES = ("webdataset", "hub", "parquet")
 _ON_ERROR = ("skip", "raise")
-_VALIDATE = ("quick", "full")
+_VALIDATE = ("header", "quick", "full")  # "quick" is the older name of "header"
 _SKIPPED_EXAMPLES_KEPT = 5
 _cache_dir: contextvars.ContextVar[str | None] = contextvars.ContextVar("xlipkit_source_cache_dir", default=None)
 
@@ -314,6 +316,7 @@ class LoadedSource:
         name, split, protocol: as resolved (protocol defaults to the builder's first).
         skipped: number of examples dropped by validation.
         skipped_examples: the first few dropped, as ``{"id", "path", "reason"}``.
+        skipped_ids: the ids of all dropped examples, in order (for ``metrics.json``).
         info: ``num_examples``, ``num_read`` (before skipping), ``ids_sha256`` (of the kept ids,
             in order, newline-joined), ``path``, ``columns``.
     """
@@ -325,6 +328,7 @@ class LoadedSource:
     skipped: int
     skipped_examples: list[dict]
     info: dict
+    skipped_ids: list[str] = field(default_factory=list)
 
 
 def load_source(
@@ -342,8 +346,9 @@ def load_source(
             logged and returned) or ``"raise"`` (stop at the first, naming its id and path).
         cache_dir: where builders cache what they read or download (``datasets`` cache for
             the generic formats); None: the ``datasets`` default.
-        validate: ``"quick"`` probes each image (header + ``verify()``); ``"full"`` decodes
-            every image, which also catches truncated JPEG bodies.
+        validate: ``"header"`` (or its older name ``"quick"``) probes each image (header, size,
+            ``verify()``, and a full decode of a JPEG without its end marker); ``"full"`` decodes
+            every image (the recipe's ``data.validate``).
     Returns:
         the :class:`LoadedSource`.
     Raises:
@@ -371,7 +376,8 @@ def load_source(
     spec = _resolve_split_and_protocol(spec, entry)
     token = _cache_dir.set(cache_dir)
     try:
-        dataset = entry.builder(spec)
+        with collecting(on_error) as unreadable_rows:  # rows the builder could not read (not UTF-8, ...)
+            dataset = entry.builder(spec)
     finally:
         _cache_dir.reset(token)
     if not isinstance(dataset, datasets.Dataset):
@@ -381,6 +387,9 @@ def load_source(
         dataset = dataset.select(range(spec.limit))
     num_read = len(dataset)
     dataset, skipped = _validate(dataset, spec, on_error=on_error, full=validate == "full")
+    num_read += len(unreadable_rows)
+    skipped = unreadable_rows + skipped
+    _check_unique_ids(dataset, spec, on_error)
     if skipped:
         shown = "; ".join(f"id={e['id']} path={e['path']}: {e['reason']}" for e in skipped[:_SKIPPED_EXAMPLES_KEPT])
         logger.warning(
@@ -409,7 +418,25 @@ def load_source(
         skipped=len(skipped),
         skipped_examples=skipped[:_SKIPPED_EXAMPLES_KEPT],
         info=info,
+        skipped_ids=[str(e["id"]) for e in skipped],
     )
+
+
+def _check_unique_ids(dataset: datasets.Dataset, spec: SourceSpec, on_error: str) -> None:
+    """Duplicate ids break per-id caches and skipped-id lists: an error with ``on_error="raise"``,
+    else a warning naming the first few."""
+    counts: dict[str, int] = {}
+    for id_ in dataset["id"]:
+        counts[id_] = counts.get(id_, 0) + 1
+    repeated = [(id_, n) for id_, n in counts.items() if n > 1]
+    if not repeated:
+        return
+    shown = ", ".join(f"{id_!r} ({n}x)" for id_, n in repeated[:_SKIPPED_EXAMPLES_KEPT])
+    message = (f"data source {spec.name!r}{_where(spec)} has {len(repeated)} duplicate ids (first: {shown}); "
+               "ids must be unique per source: set id_column to a unique column or fix the data")
+    if on_error == "raise":
+        raise DataError(message)
+    logger.warning(message)
 
 
 def _resolve_split_and_protocol(spec: SourceSpec, entry: _Entry) -> SourceSpec:
@@ -603,10 +630,13 @@ def _load_table(spec: SourceSpec, builder: str, extensions: tuple[str, ...]) -> 
     parts = []
     offset = 0
     for file in _data_files(spec, extensions):
-        try:
-            table = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=source_cache_dir())
-        except Exception as error:  # datasets wraps parser errors in several types
-            raise DataError(f"data source {spec.name!r}: cannot read {str(file)!r} as {builder}: {error}") from error
+        with tempfile.TemporaryDirectory(prefix="xlipkit-utf8-") as workdir:
+            text_file = utf8_jsonl(file, workdir) if builder in ("json", "csv") else file
+            try:
+                table = datasets.load_dataset(builder, data_files=str(text_file), split="train",
+                                              cache_dir=source_cache_dir())
+            except Exception as error:  # datasets wraps parser errors in several types
+                raise DataError(f"data source {spec.name!r}: cannot read {str(file)!r} as {builder}: {error}") from error
         columns = table.column_names
         for key in ("image_column", "caption_column"):
             column = getattr(spec, key)
@@ -678,8 +708,15 @@ def _read_mapping(file: Path, spec: SourceSpec) -> tuple[list[str], list[Any], l
     """(file names, captions, ids) from ``metadata.jsonl`` or ``captions.json``."""
     names, captions, ids = [], [], []
     if file.name == "metadata.jsonl":
-        with open(file, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
+        with open(file, "rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                try:
+                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                except UnicodeDecodeError as error:
+                    report_bad_row(f"{file.name}:{number}", str(file),
+                                   f"line {number}, column {error.start + 1}: not UTF-8 "
+                                   f"(byte 0x{raw[error.start:error.start + 1].hex()}); save the file as UTF-8")
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -698,7 +735,7 @@ def _read_mapping(file: Path, spec: SourceSpec) -> tuple[list[str], list[Any], l
                 ids.append(str(row[spec.id_column]) if spec.id_column and spec.id_column in row else None)
         return names, captions, ids
     try:
-        mapping = json.loads(file.read_text(encoding="utf-8"))
+        mapping = json.loads(read_utf8_text(file))
     except json.JSONDecodeError as error:
         raise DataError(f"{file} is not valid JSON ({error})") from error
     if not isinstance(mapping, dict):
@@ -751,10 +788,19 @@ def build_imagefolder(spec: SourceSpec) -> datasets.Dataset:
         paths = [_find_image(root, name) for name in names]
     else:
         paths = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-        captions = []
+        readable, captions = [], []
         for path in paths:
             text_file = path.with_suffix(".txt")
-            captions.append(text_file.read_text(encoding="utf-8").strip() if text_file.is_file() else "")
+            try:
+                captions.append(read_utf8_text(text_file).strip() if text_file.is_file() else "")
+            except DataError as error:  # names the file and line; skipped or raised per data.on_error
+                report_bad_row(path.relative_to(root).with_suffix("").as_posix(), str(text_file),
+                               str(error).removeprefix(f"{text_file}: "))
+                continue
+            readable.append(path)
+        if paths and not readable:
+            raise DataError(f"data source 'imagefolder': no caption file in {str(root)!r} is readable as UTF-8")
+        paths = readable
         given_ids = [None] * len(paths)
     if not paths:
         raise DataError(

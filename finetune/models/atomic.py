@@ -31,7 +31,14 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: give the folder the user's usual permissions
     replace_dir(tmp, target)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def replace_dir(src: Path, target: Path) -> None:

@@ -35,7 +35,11 @@ def _looks_local(name: str) -> bool:
             or (os.sep != "/" and os.sep in name) or name.endswith(_CHECKPOINT_SUFFIXES))
 
 
-def _unknown(name: str, family: str, tried: list[str]) -> ValueError:
+class ModelNotFoundError(ValueError):
+    """No model family could load the model name: the message lists what was tried and the registry names."""
+
+
+def _unknown(name: str, family: str, tried: list[str]) -> ModelNotFoundError:
     from finetune.models.families import model_family_names
     from finetune.models.registry import registry_names
 
@@ -46,7 +50,7 @@ def _unknown(name: str, family: str, tried: list[str]) -> ValueError:
                  "folder) and 'open_clip' (architecture names such as 'ViT-B-16' or 'ViT-B-16:openai', "
                  "'hf-hub:org/repo', open_clip folders); a Long-CLIP .pt checkpoint loads through open_clip. "
                  f"Registered model families: {', '.join(repr(n) for n in model_family_names())}.")
-    return ValueError("\n".join(lines))
+    return ModelNotFoundError("\n".join(lines))
 
 
 def _adapter_folder(folder: Path) -> bool:

@@ -460,7 +460,7 @@ ds = load_source({"name": "synthetic", "split": "test", "size": 7, "seed": 3}).d
 ds = ds.map(lambda row, i: {"captions": [row["caption"]] * (1 + i % 3)}, with_indices=True)
 emb = encode_for_retrieval(model, ds, batch_size=2, accelerator=acc)
 if acc.is_main_process:
-    torch.save(emb._asdict(), sys.argv[1])
+    torch.save({**emb._asdict(), "num_processes": acc.num_processes}, sys.argv[1])
 """
 
 
@@ -475,12 +475,13 @@ def test_two_processes_give_the_single_process_embeddings(tiny_clip, tmp_path):
 
     script, out = tmp_path / "enc.py", tmp_path / "emb.pt"
     script.write_text(MULTI_PROCESS_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+    # `accelerate launch --num_processes 2 --cpu` starts ONE process (accelerate 1.15); torchrun starts two
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "ACCELERATE_USE_CPU": "true"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(script), str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(out, weights_only=True)
+    assert got["num_processes"] == 2  # 7 rows: shards of 3 and 4, so the gather pads one row
     ds = load_source({"name": "synthetic", "split": "test", "size": 7, "seed": 3}).dataset
     ds = ds.map(lambda row, i: {"captions": [row["caption"]] * (1 + i % 3)}, with_indices=True)
     ref = encode_for_retrieval(tiny_clip, ds, batch_size=2)

@@ -92,24 +92,56 @@ def test_hub_ids_and_local_paths(tmp_path: Path) -> None:
         read_front_matter("# a card")
 
 
-def test_peft_snippet_rebuilds_the_adapter_without_xlipkit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import huggingface_hub
+_WITHOUT_XLIPKIT = """
+import sys
+
+class _NoXlipkit:  # the card's reader has no xlipkit: importing it must fail
+    def find_spec(self, name, path=None, target=None):
+        if name == "finetune" or name.startswith("finetune."):
+            raise ImportError(f"xlipkit is not installed here ({name})")
+        return None
+
+sys.meta_path.insert(0, _NoXlipkit())
+import torch
+import huggingface_hub
+
+folder_on_disk, inputs_file, out_file, snippet = sys.argv[1:5]
+huggingface_hub.snapshot_download = lambda repo_id, **kw: folder_on_disk
+scope = {}
+exec(snippet, scope)
+inputs = torch.load(inputs_file, weights_only=True)
+model, tokenizer = scope["model"], scope["tokenizer"]
+tok = tokenizer(inputs["captions"], padding="max_length", truncation=True, return_tensors="pt")
+with torch.no_grad():
+    out = (model.get_text_features(input_ids=tok.input_ids), model.get_image_features(pixel_values=inputs["pixels"]))
+out = [x if isinstance(x, torch.Tensor) else x.pooler_output for x in out]
+assert not [m for m in sys.modules if m == "finetune" or m.startswith("finetune.")]
+torch.save({"text": out[0], "image": out[1], "max_length": tokenizer.model_max_length}, out_file)
+"""
+
+
+def test_peft_snippet_rebuilds_the_adapter_without_xlipkit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from transformers import AutoImageProcessor
 
     base = save_tiny("tiny-siglip", tmp_path / "base")
     run = make_run(tmp_path / "run", str(base), "lora")
     folder = stage_upload(run, tmp_path / "upload", repo_id="me/m", base_model="google/siglip-base-patch16-224")
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(folder))
-    scope: dict[str, Any] = {}
-    exec(peft_snippet("me/m", str(base), 248), scope)  # the card's code with the base on disk
-    model, tokenizer = scope["model"], scope["tokenizer"]
-    assert tokenizer.model_max_length == 248
-    tok = tokenizer(CAPTIONS, padding="max_length", truncation=True, return_tensors="pt")
-    pixels = scope["image_processor"](images=images(), return_tensors="pt").pixel_values
-    with torch.no_grad():
-        out = (model.get_text_features(input_ids=tok.input_ids), model.get_image_features(pixel_values=pixels))
-    out = tuple(x if isinstance(x, torch.Tensor) else x.pooler_output for x in out)
-    for got, want in zip(out, embeddings(load_finetuned(run / "final"))):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    pixels = AutoImageProcessor.from_pretrained(folder)(images=images(), return_tensors="pt").pixel_values
+    torch.save({"captions": CAPTIONS, "pixels": pixels}, tmp_path / "inputs.pt")
+    script = tmp_path / "reader.py"
+    script.write_text(_WITHOUT_XLIPKIT)
+    # a fresh interpreter, outside the repository: the snippet runs with no xlipkit imported or importable
+    proc = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"),
+                           peft_snippet("me/m", str(base), 248)], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert got["max_length"] == 248
+    for name, want in zip(("text", "image"), embeddings(load_finetuned(run / "final"))):
+        torch.testing.assert_close(got[name], want, atol=1e-5, rtol=0)
 
 
 def test_transformers_snippet_loads_an_export(tmp_path: Path) -> None:

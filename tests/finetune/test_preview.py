@@ -70,12 +70,39 @@ def test_preview_command_on_a_recipe(tmp_path, capsys):
     assert steps == {"lexicon", "edges", "regions"}
 
 
-def test_preview_of_a_recipe_without_structxlip_uses_the_default_options(tmp_path):
+def test_preview_of_a_recipe_without_structxlip_uses_the_default_options(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import finetune.preview as preview
+    from finetune.objectives.structxlip import build_structxlip
+
+    terms, drawn = [], []
+    real_term, real_render = preview._structxlip_term, preview.render_preview
+
+    def spy_term(recipe):
+        terms.append(real_term(recipe))
+        return terms[-1]
+
+    def spy_render(items, out, **kwargs):
+        drawn.append((items, kwargs))
+        return real_render(items, out, **kwargs)
+
+    monkeypatch.setattr(preview, "_structxlip_term", spy_term)
+    monkeypatch.setattr(preview, "render_preview", spy_render)
     tiny = save_tiny("tiny-clip", tmp_path / "tiny-clip")
     out = tmp_path / "plain.png"
-    assert main(["recipes/quickstart_clip.yaml", f"model.name_or_path={tiny}", "data.train.size=2",
-                 f"data.cache_dir={tmp_path / 'cache'}", "--n", "1", "--out", str(out)]) == 0
-    assert out.is_file()
+    with caplog.at_level(logging.INFO, logger="xlipkit"):
+        assert main(["recipes/quickstart_clip.yaml", f"model.name_or_path={tiny}", "data.train.size=2",
+                     f"data.cache_dir={tmp_path / 'cache'}", "--n", "1", "--out", str(out)]) == 0
+    assert "no structxlip term: previewing with its default options" in caplog.text
+    default = build_structxlip(None)[0]
+    [term] = terms
+    assert term.options == default.options and term.compat == default.compat
+    [(items, kwargs)] = drawn
+    assert len(items) == 1 and items[0]["chunks"] and items[0]["filtered_caption"]
+    assert f"compat {default.compat}, regions encoded as {default.options.regions.encode}" in kwargs["title"]
+    with Image.open(out) as png:
+        assert png.format == "PNG" and png.size[0] > 100
 
 
 def test_preview_reports_recipe_errors(tmp_path, capsys):

@@ -153,8 +153,9 @@ class _NaNAtStep(Term):
 
     def loss(self, model, feats, *, detach_params=False):
         self.calls += 1
-        value = feats["image"].sum() * 0.0
-        return {"probe": value + (float("nan") if self.calls == 3 else 0.0)}
+        # NaN times the features: the NaN reaches every gradient of the image tower, so a skip branch
+        # that still stepped the optimiser would change (and poison) the weights
+        return {"probe": feats["image"].sum() * (float("nan") if self.calls == 3 else 0.0)}
 
 
 def test_nonfinite_term_stops_the_run_naming_step_and_term(tmp_path, scenes):
@@ -166,9 +167,19 @@ def test_nonfinite_term_stops_the_run_naming_step_and_term(tmp_path, scenes):
 
 def test_nonfinite_skip_drops_the_step(tmp_path, scenes):
     objective = Objective(ClipTerm(), [(_NaNAtStep(), 1.0)])
-    trainer = _trainer(tmp_path, scenes, objective=objective, max_steps=4, on_nonfinite="skip")
-    result = trainer.train()
-    assert result.steps == 4 and result.skipped_steps == 1
+    trainer = _trainer(tmp_path, scenes, objective=objective, max_steps=3, on_nonfinite="skip")
+    after_step = {}
+
+    def snapshot(step, values):
+        after_step[step] = _weights(trainer)
+
+    result = trainer.train(on_step=snapshot)
+    assert result.steps == 3 and result.skipped_steps == 1
+    assert sorted(after_step) == [1, 2]  # step 3 was skipped
+    got = _weights(trainer)
+    for k, v in after_step[2].items():  # the skipped step left every weight as it was
+        assert torch.equal(got[k], v), k
+    assert not all(torch.equal(after_step[1][k], v) for k, v in after_step[2].items())  # step 2 did train
     for p in trainer.acc.unwrap_model(trainer.wrapped).parameters():
         assert torch.isfinite(p).all()
 
@@ -180,7 +191,8 @@ class _Stop(Exception):
 @pytest.mark.slow
 @pytest.mark.parametrize("adapter", ["full", "lora"])
 def test_resume_reaches_bit_identical_weights(tmp_path, scenes, adapter):
-    common = dict(adapter=adapter, max_steps=8, checkpoint_every=4, keep_checkpoints=3)
+    # 4 steps per epoch: the resume at step 6 is mid-epoch, so the batches already used are skipped
+    common = dict(adapter=adapter, max_steps=8, checkpoint_every=3, keep_checkpoints=3)
     straight = _trainer(tmp_path / "straight", scenes, **common)
     straight.train()
     expected = _weights(straight)
@@ -188,16 +200,17 @@ def test_resume_reaches_bit_identical_weights(tmp_path, scenes, adapter):
     interrupted = _trainer(tmp_path / "resumed", scenes, **common)
 
     def stop(step, values):
-        if step == 4:
+        if step == 6:
             raise _Stop
 
     with pytest.raises(_Stop):
         interrupted.train(on_step=stop)
-    assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "run" / "checkpoints")] == ["step-4"]
+    assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "run" / "checkpoints")] == ["step-3", "step-6"]
 
     resumed = _trainer(tmp_path / "resumed", scenes, **common)
+    assert resumed.steps_per_epoch == 4
     assert resumed.maybe_resume("latest")
-    assert resumed.state.step == 4
+    assert resumed.state.step == 6
     resumed.train()
     got = _weights(resumed)
     assert set(got) == set(expected)

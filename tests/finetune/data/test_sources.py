@@ -294,7 +294,8 @@ def test_limit_and_full_validation(tmp_path):
     spec = {"name": "jsonl", "path": str(tmp_path / "d.jsonl")}
     cache = str(tmp_path / "cache")
 
-    assert load_source(spec, cache_dir=cache).skipped == 0  # a quick probe reads headers only
+    quick = load_source(spec, cache_dir=cache)  # the header probe decodes a JPEG without its end marker
+    assert quick.skipped == 1 and "truncated" in quick.skipped_examples[0]["reason"]
     full = load_source(spec, cache_dir=cache, validate="full")
     assert full.skipped == 1 and "truncated" in full.skipped_examples[0]["reason"]
     assert full.dataset["id"] == ["0", "2"]

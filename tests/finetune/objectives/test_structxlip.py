@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,6 +207,17 @@ def test_preprocess_adds_filtered_captions_edges_and_regions(crop_setup, scenes)
     assert term.stats["regions"]["fallback_images"] == 6
 
 
+def _comparable(value):
+    """A value of a preprocessed column in a form ``==`` compares exactly (PIL images as bytes)."""
+    if hasattr(value, "tobytes") and hasattr(value, "mode"):
+        return (value.mode, value.size, value.tobytes())
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_comparable(v) for v in value]
+    return value
+
+
 def test_cached_preprocessing_is_reused_and_invalidated_by_a_parameter(model, scenes, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="xlipkit")
     term = StructXLIPTerm(_options())
@@ -215,7 +227,17 @@ def test_cached_preprocessing_is_reused_and_invalidated_by_a_parameter(model, sc
     again = term.preprocess(scenes, model, cache_dir=str(tmp_path))
     for step in ("lexicon", "edges", "regions"):
         assert f"reusing cached {step}" in caplog.text
-    assert again["chunks"] == term.preprocess(scenes, model, cache_dir=str(tmp_path))["chunks"]
+    computed = StructXLIPTerm(_options()).preprocess(scenes, model, cache_dir=str(tmp_path / "fresh"))
+    assert "computing edges" in caplog.text  # a fresh cache folder: computed, not reused
+    assert again.column_names == computed.column_names and len(again) == len(computed)
+    added = [c for c in computed.column_names if c not in scenes.column_names]
+    assert {"chunks", "edges"} <= set(added)
+    for column in added:  # the cached result is what a computation gives, column by column
+        assert [_comparable(v) for v in again[column]] == [_comparable(v) for v in computed[column]], column
+    # and what the steps give without any cache: edge maps and the lexicon filter, example by example
+    for i in range(len(scenes)):
+        assert (np.asarray(again[i]["edges"]) == edge_array(scenes[i]["image"], term.edge_cfg)).all(), i
+        assert again[i]["filtered_caption"] == term.lexicon.filter(scenes[i]["caption"]).text, i
     caplog.clear()
     changed = StructXLIPTerm(StructXLIPOptions(edges=EdgeOptions(low=20, high=60)))
     edges = changed.preprocess(scenes, model, cache_dir=str(tmp_path))

@@ -259,12 +259,29 @@ def test_fastsam_masks_become_boxes_inside_the_image(random_seg_checkpoint):
     )
     images = [_two_colour_image(80, 48), _two_colour_image(40, 30)]
     proposals = segmenter(images)
-    for image, proposal in zip(images, proposals):
+    # the same prediction, to compare every box with the mask it came from
+    results = segmenter._load().predict(images, imgsz=64, conf=1e-4, iou=segmenter.iou, device="cpu",
+                                        retina_masks=False, verbose=False)
+    for image, proposal, result in zip(images, proposals, results):
         assert not proposal.fallback
         assert 1 <= len(proposal.boxes) <= 3 and len(set(proposal.boxes)) == len(proposal.boxes)
         w, h = image.size
-        for x1, y1, x2, y2 in proposal.boxes:
+        conf = result.boxes.conf.float().tolist()
+        clipped = [(max(0.0, a), max(0.0, b), min(float(w), c), min(float(h), d))
+                   for a, b, c, d in result.boxes.xyxy.float().tolist()]
+        sources = []
+        for box in proposal.boxes:
+            x1, y1, x2, y2 = box
             assert 0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h
+            j = min(range(len(clipped)), key=lambda i: max(abs(u - v) for u, v in zip(clipped[i], box)))
+            assert max(abs(u - v) for u, v in zip(clipped[j], box)) < 1e-3  # a detection's own box
+            polygon = result.masks.xy[j]  # its mask, in image coordinates
+            assert len(polygon) > 0
+            # the mask lies inside the box it gave (masks are cropped to their boxes; 1.5 px for scaling)
+            assert polygon[:, 0].min() >= x1 - 1.5 and polygon[:, 0].max() <= x2 + 1.5
+            assert polygon[:, 1].min() >= y1 - 1.5 and polygon[:, 1].max() <= y2 + 1.5
+            sources.append(j)
+        assert [conf[j] for j in sources] == sorted((conf[j] for j in sources), reverse=True)  # most confident first
     # An area window no mask falls into sends every image to the fallback.
     none_pass = FastSAMRegions(
         random_seg_checkpoint, imgsz=64, conf=1e-4, min_area=0.4321, max_area=0.4321, device="cpu"

@@ -1,0 +1,95 @@
+"""Examples whose image fails to decode during training follow ``data.on_error``.
+
+Validation (:func:`finetune.data.sources.load_source`) probes every image, but some damage is
+only found by decoding the whole body (a JPEG whose middle is corrupt, a file changed on disk
+after validation). :class:`SkippingDataset` decodes each example's image when the DataLoader
+asks for it (in a worker process or not): with ``on_error="raise"`` a bad image stops the run
+with a :class:`~finetune.data.images.DataError` naming the id and file; with ``"skip"`` the
+example is replaced by the next readable one (so every batch keeps its size, which a contrastive
+batch split over processes needs) and reported in the batch under :data:`SKIPPED_KEY`, from
+where the trainer counts it for ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .images import DataError, read_image
+
+__all__ = ["SKIPPED_KEY", "SkippingDataset", "SkipReportingCollate", "undecoded"]
+
+SKIPPED_KEY = "_skipped_examples"
+_ON_ERROR = ("skip", "raise")
+
+
+def undecoded(dataset: Any) -> Any:
+    """``dataset`` with its ``image`` column left as ``{"bytes", "path"}`` (no decoding by
+    ``datasets``), so that :func:`~finetune.data.images.read_image` decodes it and names the file
+    on failure; other datasets are returned unchanged. Metadata only: no data is rewritten."""
+    import datasets
+
+    features = getattr(dataset, "features", None)
+    if isinstance(dataset, datasets.Dataset) and isinstance(features.get("image"), datasets.Image):
+        return dataset.cast_column("image", datasets.Image(decode=False))
+    return dataset
+
+
+class SkippingDataset:
+    """A map-style dataset whose ``image`` is decoded to RGB here, following ``on_error``.
+
+    Args:
+        dataset: rows with ``id``, ``image`` (anything :func:`read_image` reads) and the rest.
+        on_error: ``"skip"`` or ``"raise"`` (the recipe's ``data.on_error``).
+
+    ``dataset[i]`` returns row ``i`` with a decoded RGB ``image``; when that image fails and
+    ``on_error="skip"`` it returns the next readable row (``i + 1``, ``i + 2``, ... wrapping
+    around) with ``SKIPPED_KEY: [{"id", "path", "reason"}, ...]`` listing the rows passed over.
+    """
+
+    def __init__(self, dataset: Any, on_error: str = "skip") -> None:
+        if on_error not in _ON_ERROR:
+            raise ValueError(f"data.on_error must be one of {', '.join(_ON_ERROR)}, got {on_error!r}")
+        self.dataset = undecoded(dataset)
+        self.on_error = on_error
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        n = len(self.dataset)
+        passed_over: list[dict] = []
+        for k in range(n):
+            row = dict(self.dataset[(index + k) % n])
+            image = row.get("image")
+            path = (image.get("path") if isinstance(image, dict) else None) or "<bytes>"
+            try:
+                row["image"] = read_image(image)
+            except DataError as error:
+                reason = getattr(error, "reason", str(error))
+                if self.on_error == "raise":
+                    raise DataError(
+                        f"training example id={row.get('id')!r} (image {path}): {reason}. Fix or remove the "
+                        "example, or set data.on_error: skip to skip and count such examples."
+                    ) from error
+                passed_over.append({"id": str(row.get("id")), "path": path, "reason": reason})
+                continue
+            if passed_over:
+                row[SKIPPED_KEY] = passed_over
+            return row
+        raise DataError(f"no training example has a readable image (first: {passed_over[:1]})")
+
+
+class SkipReportingCollate:
+    """Wraps a collate function: the rows' :data:`SKIPPED_KEY` lists go to ``batch[SKIPPED_KEY]``
+    (the collate function never sees them)."""
+
+    def __init__(self, collate_fn: Callable[[list[dict]], dict[str, Any]]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        skipped = [entry for e in examples for entry in e.get(SKIPPED_KEY, ())]
+        batch = self.collate_fn([{k: v for k, v in e.items() if k != SKIPPED_KEY} for e in examples])
+        if skipped:
+            batch[SKIPPED_KEY] = skipped
+        return batch

@@ -1,0 +1,169 @@
+"""Resume checks what it resumes: missing or damaged checkpoint files are named, a checkpoint of
+another recipe is refused listing the differing keys, and metrics cover the whole run."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import yaml
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.state import AcceleratorState, GradientState
+
+from finetune import load_model
+from finetune.config import load_recipe
+from finetune.data.collate import Collator
+from finetune.data.sources import load_source
+from finetune.objectives import ClipTerm, Objective
+from finetune.resume import CheckpointError, checkpoint_problem, find_checkpoint
+from finetune.run_folder import RunFolderError
+from finetune.train import TrainModule, Trainer
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    return load_source({"name": "synthetic", "size": 16, "seed": 0, "options": {"image_size": 32}}).dataset
+
+
+def _recipe(lr: float = 1e-3, max_steps: int = 4) -> dict:
+    return {"model": {"name_or_path": "tiny-clip"}, "adapter": {"type": "full"}, "objective": {"base": "clip"},
+            "data": {"train": {"name": "synthetic", "size": 16}},
+            "train": {"lr": lr, "max_steps": max_steps, "batch_size": 4, "checkpoint_every": 2}}
+
+
+def _trainer(tmp_path, scenes, **train):
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"train": {"lr": 1e-3, "batch_size": 4, "max_steps": 4, "trackers": [],
+                                              "log_every": 1, "checkpoint_every": 2, "keep_checkpoints": 5,
+                                              "warmup_steps": 0, **train}}))
+    torch.manual_seed(0)
+    model = load_model("tiny-clip")
+    objective = Objective(ClipTerm())
+    return Trainer(acc, TrainModule(model, objective), scenes, Collator(model, objective), load_recipe(path).train,
+                   tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, scenes):
+    """A run of 4 steps with checkpoints at steps 2 and 4, saved with recipe ``_recipe()``."""
+    tmp = tmp_path_factory.mktemp("finished")
+    trainer = _trainer(tmp, scenes)
+    trainer.maybe_resume(None, recipe=_recipe())
+    result = trainer.train()
+    return tmp, result
+
+
+def _copy(finished, tmp_path):
+    import shutil
+
+    src, _ = finished
+    shutil.copytree(src / "run", tmp_path / "run")
+    return tmp_path / "run" / "checkpoints"
+
+
+def test_a_checkpoint_records_its_files_and_recipe(finished):
+    import json
+
+    state = json.loads((finished[0] / "run" / "checkpoints" / "step-4" / "train_state.json").read_text())
+    assert state["step"] == 4 and state["recipe"]["train"]["lr"] == 1e-3
+    assert "model.safetensors" in state["files"] and state["files"]["model.safetensors"] > 0
+    assert checkpoint_problem(finished[0] / "run" / "checkpoints" / "step-4") is None
+
+
+def test_latest_without_a_checkpoint_says_so(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="xlipkit"):
+        assert find_checkpoint("latest", tmp_path / "checkpoints") is None
+    assert "no checkpoint in" in caplog.text and "starts at step 0" in caplog.text
+    assert find_checkpoint(None, tmp_path) is None
+
+
+def test_a_missing_weights_file_is_named(finished, tmp_path):
+    ckpt = _copy(finished, tmp_path)
+    (ckpt / "step-4" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"step-4 is not a checkpoint folder \(model\.safetensors is missing\)"):
+        find_checkpoint(str(ckpt / "step-4"), ckpt)
+
+
+def test_a_corrupt_safetensors_header_is_named(finished, tmp_path):
+    ckpt = _copy(finished, tmp_path)
+    weights = ckpt / "step-4" / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(b"\xff" * size)  # same size: only the header check can tell
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is corrupt"):
+        find_checkpoint(str(ckpt / "step-4"), ckpt)
+    weights.write_bytes(b"\x00" * 10)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is damaged \(10 bytes, \d+ when saved\)"):
+        find_checkpoint(str(ckpt / "step-4"), ckpt)
+
+
+def test_latest_skips_an_incomplete_checkpoint_saying_which_and_why(finished, tmp_path, caplog):
+    ckpt = _copy(finished, tmp_path)
+    (ckpt / "step-4" / "train_state.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="xlipkit"):
+        assert find_checkpoint("latest", ckpt) == ckpt / "step-2"
+    assert "skipped step-4: train_state.json is missing" in caplog.text and "resuming from step-2" in caplog.text
+    (ckpt / "step-2" / "optimizer.bin").unlink()
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*step-4: train_state.json is missing .*; "
+                                              r"step-2: optimizer.bin is missing"):
+        find_checkpoint("latest", ckpt)
+
+
+def test_resume_with_another_recipe_lists_the_differing_keys(finished, tmp_path, scenes, caplog):
+    _copy(finished, tmp_path)
+    trainer = _trainer(tmp_path, scenes, lr=2e-3, max_steps=6)
+    with pytest.raises(RunFolderError, match=r"different recipe; differing keys: train\.lr: 0\.001 -> 0\.002; "
+                                             r"train\.max_steps: 4 -> 6"):
+        trainer.maybe_resume("latest", recipe=_recipe(lr=2e-3, max_steps=6))
+    assert trainer.state.step == 0
+    with caplog.at_level(logging.WARNING, logger="xlipkit"):
+        assert trainer.maybe_resume("latest", recipe=_recipe(lr=2e-3, max_steps=6), ignore_changes=True)
+    assert "resume_ignore_changes" in caplog.text and "train.lr: 0.001 -> 0.002" in caplog.text
+    assert trainer.state.step == 4 and trainer.state.recipe["train"]["lr"] == 2e-3
+
+
+def test_metrics_after_a_resume_cover_the_whole_run(finished, tmp_path, scenes):
+    _copy(finished, tmp_path)
+    _, straight = finished
+    # resumed at the end: nothing left to train, the run's own final losses and time are reported
+    done = _trainer(tmp_path, scenes)
+    assert done.maybe_resume("latest", recipe=_recipe())
+    result = done.train()
+    assert result.final_losses and result.final_losses["loss"] == straight.history[-1]["loss"]
+    assert result.wall_time_s >= done.state.train_time_s > 0
+    # resumed mid-way: time and samples/s over all 4 steps, not only the last 2
+    import shutil
+
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-4")
+    half = _trainer(tmp_path, scenes)
+    assert half.maybe_resume("latest", recipe=_recipe())
+    before = half.state.train_time_s
+    assert before > 0
+    result = half.train()
+    assert result.wall_time_s > before
+    assert math.isclose(result.samples_per_s, 4 * 4 / result.wall_time_s, rel_tol=1e-6)
+    assert result.final_losses["loss"] == pytest.approx(straight.final_losses["loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_bad_resume_path_is_found_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import finetune
+    from finetune.run import run
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(finetune, "load_model", no_model)
+    path = tmp_path / "r.yaml"
+    path.write_text("# r\ntrain: {trackers: []}\n")
+    recipe = load_recipe(path, [f"output.dir={tmp_path / 'run'}", f"train.resume={tmp_path / 'nowhere'}",
+                                "train.trackers=[]"])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert run(recipe) == 2
+    err = capsys.readouterr().err
+    assert "nowhere is not a checkpoint folder (it does not exist)" in err
+    assert not (tmp_path / "run").exists()
