@@ -360,7 +360,7 @@ def _stream_recipe(tiny: Path, urls: str, out: Path, *extra: str):
     from finetune.config import load_recipe
 
     return load_recipe(REPO / "recipes" / "quickstart.yaml", [
-        f"model.name_or_path={tiny}", "model.dtype=null", "model.kps=null", "model.max_text_len=null",
+        f"model.name_or_path={tiny}", "model.dtype=null", "model.max_text_len=null",
         f"data.train={{name: webdataset, urls: '{urls}', seed: 5}}",
         "objective.terms.structxlip.weights.local=0",  # edge maps and lexicon per example; no regions
         "eval.sets=[]", "eval.compare_base_length=false", "train.batch_size=4", "train.trackers=[]",
@@ -449,7 +449,7 @@ _TWO_PROCESS_SCRIPT = textwrap.dedent('''
 
     Trainer._step = recording
     recipe = load_recipe(sys.argv[4], [
-        f"model.name_or_path={tiny}", "model.dtype=null", "model.kps=null", "model.max_text_len=null",
+        f"model.name_or_path={tiny}", "model.dtype=null", "model.max_text_len=null",
         f"data.train={{name: webdataset, urls: '{urls}', shuffle_buffer: 0}}", "objective.terms={}",
         "eval.sets=[]", "eval.compare_base_length=false", "train.batch_size=4", "train.max_steps=3",
         "train.trackers=[]", "train.mixed_precision=no", "train.checkpoint_every=3", f"output.dir={out / 'run'}",
