@@ -461,6 +461,8 @@ ds = ds.map(lambda row, i: {"captions": [row["caption"]] * (1 + i % 3)}, with_in
 emb = encode_for_retrieval(model, ds, batch_size=2, accelerator=acc)
 if acc.is_main_process:
     torch.save({**emb._asdict(), "num_processes": acc.num_processes}, sys.argv[1])
+acc.wait_for_everyone()
+acc.end_training()  # destroys the process group: a rank that exits with it alive can abort its peer
 """
 
 

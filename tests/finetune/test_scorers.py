@@ -334,6 +334,8 @@ for size in (7, 1):  # with 1 row, process 0 has an empty shard
     out[size] = {"text": emb.text_payload, "image": emb.image_payload, "owner": emb.text_to_image}
 if acc.is_main_process:
     torch.save(out, sys.argv[1])
+acc.wait_for_everyone()
+acc.end_training()  # destroys the process group: a rank that exits with it alive can abort its peer
 """
 
 
@@ -350,7 +352,7 @@ def test_two_processes_gather_payloads_of_different_lengths(tmp_path):
     script, out = tmp_path / "states.py", tmp_path / "states.pt"
     script.write_text(STATES_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
                            str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(out, weights_only=True)

@@ -472,7 +472,7 @@ def test_two_processes_read_disjoint_shards(tmp_path):
     script.write_text(_TWO_PROCESS_SCRIPT)
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(script), str(tmp_path), str(tiny), str(tmp_path / "shards" / "shard-{00000..00003}.tar"),
            str(REPO / "recipes" / "quickstart_clip.yaml")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
