@@ -1419,6 +1419,9 @@ def dump_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
             fh.write("\n".join(header) + "\n" + body)
             fh.flush()
             os.fsync(fh.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600: give the file the user's usual permissions
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):

@@ -22,6 +22,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from finetune.models.atomic import give_user_permissions
+
 __all__ = ["main", "preview_recipe", "render_preview"]
 
 log = logging.getLogger("xlipkit")
@@ -148,6 +150,7 @@ def render_preview(
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=dpi)
+        give_user_permissions(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

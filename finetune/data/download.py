@@ -33,6 +33,8 @@ from pathlib import Path
 from filelock import FileLock
 from tqdm.auto import tqdm
 
+from finetune.models.atomic import give_user_permissions
+
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
@@ -215,6 +217,7 @@ def fetch(
             with os.fdopen(fd, "wb") as handle:
                 _stream_to(url, handle, desc or target.name)
             actual = _verify(tmp, sha256, url)
+            give_user_permissions(tmp)
             os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -296,6 +299,7 @@ def extract(archive: str | os.PathLike, dest: str | os.PathLike | None = None) -
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part"))
         try:
             _unpack(archive, tmp)
+            give_user_permissions(tmp)
             os.replace(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

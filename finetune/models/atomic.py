@@ -41,6 +41,13 @@ def _umask() -> int:
     return mask
 
 
+def give_user_permissions(path: str | os.PathLike) -> None:
+    """Give a file made by ``tempfile.mkstemp`` (0600) or a folder made by ``mkdtemp`` (0700) the
+    permissions a plain ``open`` / ``mkdir`` would: 0666 / 0777 less the user's umask."""
+    mode = 0o777 if Path(path).is_dir() else 0o666
+    os.chmod(path, mode & ~_umask())
+
+
 def replace_dir(src: Path, target: Path) -> None:
     """Move the finished folder ``src`` to ``target``, replacing any old one, with ``os.replace``."""
     old = None

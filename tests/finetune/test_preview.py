@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import datasets
 import pytest
 from PIL import Image, ImageDraw
@@ -49,6 +52,9 @@ def test_render_preview_writes_one_row_per_example(tmp_path):
     with Image.open(many) as c, Image.open(one) as a:
         assert c.height > a.height
     assert not list(tmp_path.glob(".*.png"))  # written through a temp file, nothing left behind
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(os.stat(one).st_mode) == 0o666 & ~mask  # not mkstemp's 0600
 
 
 def test_render_preview_needs_an_example(tmp_path):
