@@ -215,6 +215,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
 
     from finetune import load_model
     from finetune.data.collate import Collator
+    from finetune.data.skipping import drop_undecodable
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import apply_adapter, save_finetuned
     from finetune.models.families import recipe_family
@@ -256,7 +257,16 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         train_src = data["train"]
         _log_skips("train", train_src)
         with accelerator.main_process_first():  # cached preprocessing: computed once, then reused by the others
-            train_ds = objective.preprocess(train_src.dataset, model, cache_dir=recipe.data.cache_dir, log=log)
+            rows = train_src.dataset
+            if _preprocesses(objective):  # it decodes every image: bad ones must not reach it
+                rows, dropped = drop_undecodable(rows, on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir)
+                if dropped:
+                    train_src.skipped += len(dropped)
+                    train_src.skipped_examples.extend(dropped)
+                    train_src.skipped_ids.extend(e["id"] for e in dropped)
+                    log.warning("train set: skipped %d images that do not decode before preprocessing (first: %s)",
+                                len(dropped), ", ".join(e["id"] for e in dropped[:5]))
+            train_ds = objective.preprocess(rows, model, cache_dir=recipe.data.cache_dir, log=log)
 
     ev = recipe.eval
     eval_kwargs = dict(batch_size=ev.batch_size, ks=tuple(ev.ks), on_error=recipe.data.on_error,
@@ -390,6 +400,13 @@ def _evaluate_at_length(model: Any, length: int, sets: list, eval_kwargs: dict) 
         return evaluate_sets(model, sets, **eval_kwargs)
     finally:
         del model.tokenize
+
+
+def _preprocesses(objective: Any) -> bool:
+    """Whether a term of ``objective`` has a whole-dataset ``preprocess`` step (which decodes images)."""
+    from finetune.objectives import Term
+
+    return any(type(t).preprocess is not Term.preprocess for t in objective.all_terms)
 
 
 def _log_skips(role: str, src: Any) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .images import DataError, read_image
 
-__all__ = ["SKIPPED_KEY", "SkippingDataset", "SkipReportingCollate", "undecoded"]
+__all__ = ["SKIPPED_KEY", "SkippingDataset", "SkipReportingCollate", "drop_undecodable", "undecoded"]
 
 SKIPPED_KEY = "_skipped_examples"
 _ON_ERROR = ("skip", "raise")
@@ -93,3 +93,71 @@ class SkipReportingCollate:
         if skipped:
             batch[SKIPPED_KEY] = skipped
         return batch
+
+
+class _DecodeCheck:
+    """``datasets.map`` function (batched): ``decode_error`` is ``""`` for an image that decodes, else
+    ``"PATH\tREASON"``."""
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[str]]:
+        errors = []
+        for image in batch["image"]:
+            try:
+                read_image(image)
+                errors.append("")
+            except DataError as error:
+                path = (image.get("path") if isinstance(image, dict) else None) or "<bytes>"
+                errors.append(f"{path}\t{getattr(error, 'reason', str(error))}")
+        return {"decode_error": errors}
+
+
+def drop_undecodable(
+    dataset: Any, *, on_error: str = "skip", cache_dir: str | None = None
+) -> tuple[Any, list[dict]]:
+    """Decode every image of a map-style ``datasets.Dataset`` once and drop the rows that fail, before
+    a term's cached preprocessing decodes the whole set itself (StructXLIP's edge maps and regions),
+    where a bad image would otherwise stop the run whatever ``data.on_error`` says.
+
+    The check is cached like the preprocessing (keyed by the dataset's fingerprint and the image-size
+    limit), so only the first run decodes. A set where every image decodes is returned unchanged
+    (same fingerprint: the preprocessing caches still match).
+
+    Args:
+        dataset: rows with ``id`` and ``image``.
+        on_error: ``"skip"``: drop the bad rows; ``"raise"``: stop at the first, naming its id and file.
+        cache_dir: where the check is cached (``data.cache_dir``).
+
+    Returns:
+        ``(dataset, skipped)``: the readable rows, and ``{"id", "path", "reason"}`` per dropped row.
+
+    Raises:
+        DataError: with ``on_error="raise"``, for the first image that fails to decode.
+    """
+    import datasets
+
+    from finetune.preprocess.cache import cached_map
+
+    from .images import max_image_pixels
+
+    if on_error not in _ON_ERROR:
+        raise ValueError(f"data.on_error must be one of {', '.join(_ON_ERROR)}, got {on_error!r}")
+    checked = cached_map(
+        undecoded(dataset).select_columns(["image"]), _DecodeCheck(),
+        params={"max_image_pixels": max_image_pixels()}, name="decode_check", cache_dir=cache_dir,
+        batched=True, batch_size=64, features=datasets.Features({"decode_error": datasets.Value("string")}),
+        desc="checking that every training image decodes",
+    )
+    errors = checked["decode_error"]
+    bad = [i for i, e in enumerate(errors) if e]
+    if not bad:
+        return dataset, []
+    ids = dataset.select_columns(["id"]).select(bad)["id"]
+    skipped = []
+    for i, id_ in zip(bad, ids):
+        path, _, reason = errors[i].partition("\t")
+        if on_error == "raise":
+            raise DataError(f"training example id={id_!r} (image {path}): {reason}. Fix or remove the example, "
+                            "or set data.on_error: skip to skip and count such examples.")
+        skipped.append({"id": str(id_), "path": path, "reason": reason})
+    keep = sorted(set(range(len(errors))) - set(bad))
+    return dataset.select(keep), skipped

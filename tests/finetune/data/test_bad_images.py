@@ -235,3 +235,44 @@ def test_evaluation_skips_or_raises_on_an_image_that_fails_to_decode(tmp_path):
     ref = encode_for_retrieval(model, kept, batch_size=3)
     assert (emb.image_embeds - ref.image_embeds).abs().max() < 1e-5
     assert (emb.text_embeds - ref.text_embeds).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------------- preprocessing
+
+
+def _structxlip_edges_term():
+    from finetune.objectives.structxlip import StructXLIPOptions, StructXLIPTerm, StructXLIPWeights
+
+    return StructXLIPTerm(StructXLIPOptions(weights=StructXLIPWeights(local=0.0)))  # edge maps + lexicon only
+
+
+def test_preprocessing_never_sees_an_image_that_fails_to_decode(tmp_path, monkeypatch):
+    from finetune.data import skipping
+
+    dataset = _validated_then_truncated(tmp_path)
+    cache = str(tmp_path / "cache")
+    term = _structxlip_edges_term()
+    with pytest.raises(Exception, match="truncated"):  # the gap: StructXLIP's cached edge maps decode every image
+        term.preprocess(dataset, None, cache_dir=cache)
+    kept, skipped = skipping.drop_undecodable(dataset, on_error="skip", cache_dir=cache)
+    assert kept["id"] == ["a", "c", "d"]
+    assert [(e["id"], e["path"]) for e in skipped] == [("b", str(tmp_path / "b.jpg"))]
+    assert "truncated" in skipped[0]["reason"]
+    out = term.preprocess(kept, None, cache_dir=cache)
+    assert out["id"] == ["a", "c", "d"] and len(out["edges"]) == 3
+    # the check is cached: a second run decodes nothing
+    calls = []
+    monkeypatch.setattr(skipping, "read_image", lambda src: calls.append(src))
+    again, skipped_again = skipping.drop_undecodable(dataset, on_error="skip", cache_dir=cache)
+    assert calls == [] and again["id"] == ["a", "c", "d"] and skipped_again == skipped
+
+
+def test_preprocessing_check_raises_naming_the_file_and_keeps_a_clean_set(tmp_path):
+    from finetune.data.skipping import drop_undecodable
+
+    clean = load_source({"name": "jsonl", "path": _jsonl_set(tmp_path, {})}).dataset
+    same, skipped = drop_undecodable(clean, cache_dir=str(tmp_path / "cache"))
+    assert skipped == [] and same._fingerprint == clean._fingerprint  # later caches still match
+    truncated_jpeg(tmp_path / "c.jpg", seed=2)
+    with pytest.raises(DataError, match=r"training example id='c' \(image .*c\.jpg\): corrupt image data"):
+        drop_undecodable(clean, on_error="raise", cache_dir=str(tmp_path / "other"))
