@@ -12,7 +12,7 @@ ranks with (s_t2i + s_i2t) / 2 at evaluation. Neither touches xlipkit's code: th
 when it is imported, and the recipe names it in ``objective.import``, so ``objective.terms.tokenwise``
 and ``eval.scorer: tokenwise`` validate like built-in keys.
 
-    python examples/custom_term.py                      # small CLIP on the synthetic scenes, ~2 min on 2 cores
+    python examples/custom_term.py                      # small CLIP on the synthetic scenes, ~3.5 min on 2 cores
     python examples/custom_term.py --steps 3 --train-size 64 --eval-size 32 --out /tmp/custom   # a smoke run
 
 The term asks for the ``image`` and ``text`` features the clip base asks for too, with states: the
