@@ -22,7 +22,7 @@ them per micro-batch and concatenate them: every tensor is concatenated along di
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -322,32 +322,24 @@ class Objective(nn.Module):
         text_reqs: dict[str, TextRequest] = {}
         owners: dict[str, set[str]] = {}
         for t in self.all_terms:
-            for key, req in t.image_inputs(batch).items():
-                if key in text_reqs:
-                    raise _collision(_first(owners[key]), t.name, "feature key", key, "image_inputs",
-                                     detail="one asks for it as a text, the other as an image")
-                first = image_reqs.get(key)
-                if first is None:
-                    image_reqs[key] = req
-                elif not _same_image_inputs(first, req):
-                    raise _collision(_first(owners[key]), t.name, "feature key", key, "image_inputs",
-                                     detail="with different images")
-                elif req.states and not first.states:
-                    image_reqs[key] = ImageRequest(first.inputs, states=True)
-                owners.setdefault(key, set()).add(t.name)
-            for key, req in t.text_inputs(batch).items():
-                if key in image_reqs:
-                    raise _collision(_first(owners[key]), t.name, "feature key", key, "text_inputs",
-                                     detail="one asks for it as an image, the other as a text")
-                first = text_reqs.get(key)
-                if first is None:
-                    text_reqs[key] = req
-                elif not _same_text_inputs(first, req):
-                    raise _collision(_first(owners[key]), t.name, "feature key", key, "text_inputs",
-                                     detail="with different token ids")
-                elif req.states and not first.states:
-                    text_reqs[key] = TextRequest(first.input_ids, first.attention_mask, states=True)
-                owners.setdefault(key, set()).add(t.name)
+            sides = (("image", t.image_inputs(batch), image_reqs, text_reqs, _same_image_inputs, "images"),
+                     ("text", t.text_inputs(batch), text_reqs, image_reqs, _same_text_inputs, "token ids"))
+            for kind, asked, mine, theirs, same, what in sides:
+                for key, req in asked.items():
+                    if key in theirs:
+                        other = "text" if kind == "image" else "image"
+                        raise _collision(_first(owners[key]), t.name, "feature key", key, f"{kind}_inputs",
+                                         detail=f"one asks for it as {'an' if other == 'image' else 'a'} {other}, "
+                                                f"the other as {'an' if kind == 'image' else 'a'} {kind}")
+                    first = mine.get(key)
+                    if first is None:
+                        mine[key] = req
+                    elif not same(first, req):
+                        raise _collision(_first(owners[key]), t.name, "feature key", key, f"{kind}_inputs",
+                                         detail=f"with different {what}")
+                    elif req.states and not first.states:
+                        mine[key] = replace(first, states=True)
+                    owners.setdefault(key, set()).add(t.name)
         return image_reqs, text_reqs, owners
 
     def encode(self, model: Any, batch: Batch) -> Features:
