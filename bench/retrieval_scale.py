@@ -16,9 +16,7 @@ Both methods give the same Recall@K at ``--full-n`` (checked).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
 import platform
 import resource
 import sys
@@ -29,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from finetune.report import write_json_atomic  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KS = (1, 5, 10)
@@ -141,10 +141,7 @@ def main() -> None:
     print(f"  at n={args.full_n}: full matrix / blocks peak memory {memory:.1f}x, "
           f"blocks / full matrix time {result['ratio_time_blocks_vs_full_at_full_n']:.2f}x")
     print(f"  a full matrix at n={args.n} would need about {result['full_matrix_at_n_would_need_gib']:.1f} GiB")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS / "retrieval.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, RESULTS / "retrieval.json")
+    write_json_atomic(RESULTS / "retrieval.json", result)
 
 
 if __name__ == "__main__":

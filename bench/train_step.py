@@ -11,8 +11,6 @@ long enough to fill 248 tokens, so the 248-token model really reads 248 position
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import sys
 import time
@@ -24,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune import load_model  # noqa: E402
 from finetune.objectives import ClipTerm, Objective  # noqa: E402
+from finetune.report import write_json_atomic  # noqa: E402
 from finetune.train import TrainModule, build_optimizer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -92,10 +91,7 @@ def main() -> None:
         r = result[key]
         print(f"  {r['text_len']:>3} positions: {r['seconds_per_step']:.2f} s/step, {r['samples_per_s']:.2f} samples/s")
     print(f"  ratio (248 / 77 samples/s): {result['ratio_248_vs_77_samples_per_s']:.3f}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS / "train_step.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, RESULTS / "train_step.json")
+    write_json_atomic(RESULTS / "train_step.json", result)
 
 
 if __name__ == "__main__":
