@@ -95,7 +95,7 @@ def run(recipe: Any) -> int:
     from finetune.config import dump_recipe, recipe_to_dict
     from finetune.data.images import DataError
     from finetune.run_folder import (RunFolderError, check_run_folder, clean_stale_temporaries,
-                                     clear_previous_run, fix_permissions)
+                                     clear_previous_run)
 
     out_dir = Path(recipe.output.dir)
     recipe_dict = recipe_to_dict(recipe)
@@ -130,8 +130,7 @@ def run(recipe: Any) -> int:
         if stale:
             log.info("removed what an interrupted run left in %s: %s", out_dir, ", ".join(stale))
         out_dir.mkdir(parents=True, exist_ok=True)
-        dump_recipe(recipe, out_dir / "recipe.yaml")
-        fix_permissions(out_dir / "recipe.yaml")
+        dump_recipe(recipe, out_dir / "recipe.yaml")  # atomic, with the user's umask
     accelerator.wait_for_everyone()
     if trackers:
         accelerator.init_trackers(out_dir.name, config=_flat_scalars(recipe_dict))

@@ -32,7 +32,6 @@ __all__ = [
     "check_run_folder",
     "clear_previous_run",
     "clean_stale_temporaries",
-    "fix_permissions",
 ]
 
 RECIPE_NAME = "recipe.yaml"
@@ -211,27 +210,6 @@ def clean_stale_temporaries(out_dir: str | os.PathLike) -> list[str]:
         else:
             path.unlink(missing_ok=True)
     return sorted(str(p.relative_to(folder)) for p in stale)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def fix_permissions(path: str | os.PathLike, *, recursive: bool = True) -> None:
-    """Give ``path`` (and what it holds) the permissions the user's umask gives new files and
-    folders: ``tempfile`` creates 0600 files and 0700 folders, which atomic writes then rename
-    into place."""
-    mask = _umask()
-    root = Path(path)
-    targets = [root]
-    if recursive and root.is_dir():
-        targets += list(root.rglob("*"))
-    for target in targets:
-        if target.is_symlink():
-            continue
-        os.chmod(target, (0o777 if target.is_dir() else 0o666) & ~mask)
 
 
 def check_eval_output(out: str | os.PathLike, model_dirs: list[str | os.PathLike]) -> Path:
