@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import difflib
+import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -226,6 +227,20 @@ class CosineScorer(Scorer):
 # -- the registry ---------------------------------------------------------------------------------
 _SCORERS: dict[str, Callable[..., Scorer]] = {}
 
+#: Modules of the toolkit that register scorers when imported (GRM's token-wise, FLAIR's
+#: text-conditioned); imported on the first lookup.
+BUILTIN_SCORER_MODULES: tuple[str, ...] = ()
+_builtins_imported = False
+
+
+def _import_builtin_scorers() -> None:
+    global _builtins_imported
+    if _builtins_imported:
+        return
+    _builtins_imported = True
+    for module in BUILTIN_SCORER_MODULES:
+        importlib.import_module(module)
+
 
 def register_scorer(name: str, *, replace: bool = False) -> Callable[[Any], Any]:
     """Class decorator (or decorator of a factory returning a :class:`Scorer`) that registers a scorer
@@ -255,6 +270,7 @@ def register_scorer(name: str, *, replace: bool = False) -> Callable[[Any], Any]
 
 def available_scorers() -> list[str]:
     """Registered scorer names, sorted."""
+    _import_builtin_scorers()
     return sorted(_SCORERS)
 
 
@@ -268,6 +284,7 @@ def get_scorer(name: str | Scorer, **options: Any) -> Scorer:
         if options:
             raise ValueError(f"get_scorer: options {sorted(options)} cannot apply to an already built scorer")
         return name
+    _import_builtin_scorers()
     factory = _SCORERS.get(name)
     if factory is None:
         close = difflib.get_close_matches(str(name), available_scorers(), n=1)

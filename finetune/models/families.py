@@ -19,6 +19,7 @@ generic one). A model records the name of the family that loaded it in ``DualEnc
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,20 @@ class ModelFamily:
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
+
+#: Modules of the toolkit that register a model family when imported (GRM's ``vision_text``, FLAIR,
+#: F-CAST). They are imported on the first lookup, so that ``import finetune`` stays light.
+BUILTIN_FAMILY_MODULES: tuple[str, ...] = ()
+_builtins_imported = False
+
+
+def _import_builtin_families() -> None:
+    global _builtins_imported
+    if _builtins_imported:
+        return
+    _builtins_imported = True
+    for module in BUILTIN_FAMILY_MODULES:
+        importlib.import_module(module)
 
 
 def register_model_family(
@@ -109,10 +124,12 @@ def unregister_model_family(name: str) -> None:
 
 def model_family_names() -> list[str]:
     """Names of the registered model families, in registration order."""
+    _import_builtin_families()
     return list(_FAMILIES)
 
 
 def _names_text() -> str:
+    _import_builtin_families()
     return ", ".join(repr(n) for n in _FAMILIES) or "none"
 
 
@@ -127,6 +144,7 @@ def get_model_family(name: str, *, key: str = "family") -> ModelFamily:
     Raises:
         ValueError: ``name`` is not registered; the message lists the registered families.
     """
+    _import_builtin_families()
     if name not in _FAMILIES:
         raise ValueError(f"{key} {name!r} is not a registered model family; registered: {_names_text()} "
                          f"(or 'auto'). A family registered by a plugin needs its module imported first "
@@ -160,6 +178,7 @@ def detect_family(folder: str | Path) -> str | None:
         ValueError: ``xlipkit.json`` records a family that is not registered (the message says to
             import the module that registers it).
     """
+    _import_builtin_families()
     folder = Path(folder)
     recorded = recorded_family(folder)
     if recorded is not None:

@@ -429,3 +429,17 @@ def test_run_evaluates_with_the_recipe_scorer(tmp_path, monkeypatch):
         assert metrics[when]["synthetic"]["scorer"] == "test-run-scorer@top4"
     # the default score_candidates scores each query's 4 candidates in one call: 6 texts + 6 images, twice
     assert sys.modules["my_scorer_mod"].CALLS["score"] == 2 * (6 + 6)
+
+
+def test_builtin_scorer_modules_are_imported_on_first_lookup(tmp_path, monkeypatch) -> None:
+    from finetune import scorers
+
+    (tmp_path / "xlip_builtin_scorer_probe.py").write_text(
+        "from finetune.scorers import CosineScorer, register_scorer\n"
+        "register_scorer('probe_scorer')(type('ProbeScorer', (CosineScorer,), {}))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(scorers, "BUILTIN_SCORER_MODULES", ("xlip_builtin_scorer_probe",))
+    monkeypatch.setattr(scorers, "_builtins_imported", False)
+    monkeypatch.setattr(scorers, "_SCORERS", dict(scorers._SCORERS))
+    assert "probe_scorer" in scorers.available_scorers()
+    assert scorers.get_scorer("probe_scorer").name == "probe_scorer"

@@ -463,3 +463,19 @@ def test_model_card_offers_no_plain_snippet_for_another_family() -> None:
 
     assert plain_snippet({"kind": "full", "backend": "toy", "family": "clip"}, "me/toy") is None
     assert plain_snippet({"kind": "full", "backend": "hf", "family": "clip"}, "me/clip")[0] == "With plain transformers"
+
+
+def test_builtin_family_modules_are_imported_on_first_lookup(tmp_path: Path, monkeypatch) -> None:
+    from finetune.models import families
+
+    (tmp_path / "xlip_builtin_family_probe.py").write_text(
+        "from finetune.models.families import register_model_family\n"
+        "register_model_family('probe_family', lambda p, **kw: None, lambda m, f: None)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(families, "BUILTIN_FAMILY_MODULES", ("xlip_builtin_family_probe",))
+    monkeypatch.setattr(families, "_builtins_imported", False)
+    try:
+        assert families.get_model_family("probe_family").name == "probe_family"
+    finally:
+        if "probe_family" in families.model_family_names():
+            families.unregister_model_family("probe_family")
