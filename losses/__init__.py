@@ -13,6 +13,7 @@ from .distributed import (
     should_gather,
     world_info,
 )
+from .flair import TextConditionedAttentionPool
 from .structxlip import StructXLIPLoss, consistency_loss, local_structure_loss, official_weight_decay
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "local_structure_loss",
     "StructXLIPLoss",
     "official_weight_decay",
+    "TextConditionedAttentionPool",
     "gather_with_grad",
     "gather_variable_with_grad",
     "VariableGather",
