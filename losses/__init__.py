@@ -15,6 +15,20 @@ from .distributed import (
 )
 from .flair import TextConditionedAttentionPool
 from .structxlip import StructXLIPLoss, consistency_loss, local_structure_loss, official_weight_decay
+from .tsl import (
+    BoxGeometry,
+    SentenceSpans,
+    TSLHeads,
+    attach_tsl_heads,
+    box_patch_masks,
+    pool_box_states,
+    pool_patch_states,
+    pool_span_states,
+    select_sentence_spans,
+    tsl_loss,
+    tsl_sentence_spans,
+    tsl_similarity_loss,
+)
 
 __all__ = [
     "clip_loss",
@@ -26,6 +40,18 @@ __all__ = [
     "StructXLIPLoss",
     "official_weight_decay",
     "TextConditionedAttentionPool",
+    "tsl_loss",
+    "tsl_similarity_loss",
+    "pool_box_states",
+    "pool_patch_states",
+    "box_patch_masks",
+    "BoxGeometry",
+    "pool_span_states",
+    "select_sentence_spans",
+    "tsl_sentence_spans",
+    "SentenceSpans",
+    "TSLHeads",
+    "attach_tsl_heads",
     "gather_with_grad",
     "gather_variable_with_grad",
     "VariableGather",
