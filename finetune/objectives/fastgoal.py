@@ -167,7 +167,7 @@ class FastGoalTerm(Term):
 
     name = TERM_NAME
     needs = frozenset({"flism"})
-    produces = frozenset({"fg_crops", "fg_sentences", "fg_sentence_index", "fg_boxes", "fg_size", "fg_valid",
+    produces = frozenset({"fg_caption", "fg_crops", "fg_sentences", "fg_sentence_index", "fg_boxes", "fg_size", "fg_valid",
                           "fg_weight", "fastgoal"})
     requests = frozenset({"image", "text", "fastgoal_crop", "fastgoal_sentence"})
     features = frozenset({"fastgoal_box", "fastgoal_span", "fastgoal_pair_valid", "fastgoal_span_valid",
@@ -317,7 +317,8 @@ class FastGoalTerm(Term):
                                  "belong to this caption: clear the preprocessing cache")
             texts.append(sentences[i] if 0 <= i < len(sentences) else "")
         return {"fg_crops": [crop_box(image, b) for b in boxes], "fg_sentences": texts, "fg_sentence_index": index,
-                "fg_boxes": boxes, "fg_size": image.size, "fg_valid": valid, "fg_weight": weights}
+                "fg_boxes": boxes, "fg_size": image.size, "fg_valid": valid, "fg_weight": weights,
+                "fg_caption": example["caption"]}
 
     def collate(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Any]:
         """Batch the prepared fields into ``batch["fastgoal"]`` (every tensor ``(B, k, ...)`` or ``(B, ...)``):
@@ -339,7 +340,7 @@ class FastGoalTerm(Term):
         crop_inputs = _stack_inputs(dict(model.preprocess_images(crops)), b, k)
         tok = model.tokenize([s for e in examples for s in e["fg_sentences"]])
         ids, mask = _trim(tok.input_ids, tok.attention_mask, model)
-        captions = [e["caption"] for e in examples]
+        captions = [e["fg_caption"] for e in examples]
         pair_valid = torch.tensor([e["fg_valid"] for e in examples], dtype=torch.bool)
         spans = torch.zeros(b, k, 2, dtype=torch.long)
         span_valid = torch.zeros(b, k, dtype=torch.bool)
