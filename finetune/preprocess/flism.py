@@ -69,6 +69,7 @@ __all__ = [
     "flism_stats",
     "main",
     "mask_box",
+    "write_pairs",
     "match_sentences",
     "render_flism_preview",
     "select_pairs",
@@ -323,6 +324,7 @@ class SamMasks:
         points_per_side: the pipeline's ``points_per_crop`` (its default, 64, GOAL's).
         points_per_batch: points per forward pass (GOAL: 128).
         max_boxes: most boxes per image (None: all).
+        pred_iou_thresh, stability_score_thresh: the pipeline's mask filters (its defaults, GOAL's).
         device: torch device.
     """
 
@@ -330,7 +332,7 @@ class SamMasks:
 
     def __init__(self, checkpoint: str = LISM_SAM, *, min_area: float = 0.01, max_area: float = 0.8,
                  points_per_side: int = 64, points_per_batch: int = 128, max_boxes: int | None = None,
-                 device: str | None = None) -> None:
+                 pred_iou_thresh: float = 0.88, stability_score_thresh: float = 0.95, device: str | None = None) -> None:
         if not 0 <= min_area <= max_area <= 1:
             raise ValueError(f"regions.min_area and regions.max_area must satisfy 0 <= min <= max <= 1, got "
                              f"{min_area} and {max_area}")
@@ -338,6 +340,7 @@ class SamMasks:
         self.min_area, self.max_area = float(min_area), float(max_area)
         self.points_per_side, self.points_per_batch = int(points_per_side), int(points_per_batch)
         self.max_boxes = max_boxes
+        self.pred_iou_thresh, self.stability_score_thresh = float(pred_iou_thresh), float(stability_score_thresh)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._pipe: Any = None
 
@@ -349,7 +352,8 @@ class SamMasks:
     def params(self) -> dict[str, Any]:
         """Cache-key parameters."""
         return {"detector": "sam", "checkpoint": _folder_id(self.checkpoint), "min_area": self.min_area,
-                "max_area": self.max_area, "points_per_side": self.points_per_side, "max_boxes": self.max_boxes}
+                "max_area": self.max_area, "points_per_side": self.points_per_side, "max_boxes": self.max_boxes,
+                "pred_iou_thresh": self.pred_iou_thresh, "stability_score_thresh": self.stability_score_thresh}
 
     def _load(self) -> Any:
         if self._pipe is None:
@@ -386,7 +390,8 @@ class SamMasks:
         pipe = self._load()
         out = []
         for im in images:
-            result = pipe(im, points_per_crop=self.points_per_side, points_per_batch=self.points_per_batch)
+            result = pipe(im, points_per_crop=self.points_per_side, points_per_batch=self.points_per_batch,
+                          pred_iou_thresh=self.pred_iou_thresh, stability_score_thresh=self.stability_score_thresh)
             out.append(self.boxes_of_masks(result["masks"], im.width, im.height))
         return out
 
@@ -771,3 +776,206 @@ def render_flism_preview(rows: Sequence[dict[str, Any]], path: str | Path, *, ti
     finally:
         plt.close(fig)
     return path
+
+
+# -- pairs as a dataset (GLIT100k-style; FAST-GOAL†† two-stage training) -------------------------------
+_TABLE_SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _source_spec(value: str) -> dict[str, Any]:
+    """IMAGES_AND_CAPTIONS -> a data source spec: a jsonl / csv / parquet file or folder, an image folder, or a
+    registered source as a name (``synthetic``) or a YAML mapping (``{name: synthetic, size: 64}``)."""
+    import yaml
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        name = _TABLE_SUFFIXES.get(path.suffix.lower())
+        if name is None:
+            raise ValueError(f"{value!r}: a file of image-caption pairs must be .jsonl, .json, .csv or .parquet")
+        return {"name": name, "path": str(path)}
+    if path.is_dir():
+        found = {_TABLE_SUFFIXES[p.suffix.lower()] for p in path.iterdir() if p.suffix.lower() in _TABLE_SUFFIXES}
+        if len(found) == 1 and not (path / "metadata.jsonl").is_file():
+            return {"name": found.pop(), "path": str(path)}
+        return {"name": "imagefolder", "path": str(path)}
+    spec = yaml.safe_load(value) if value.lstrip().startswith("{") else value
+    if isinstance(spec, str) and ("/" in spec or "." in Path(spec).name):
+        raise FileNotFoundError(f"{value!r} does not exist (give a jsonl/csv/parquet file, an image folder, or a "
+                                "registered data source such as synthetic)")
+    return spec if isinstance(spec, dict) else {"name": spec}
+
+
+def _done_ids(out: Path, done: Path) -> set[str]:
+    """Ids finished by an earlier run, and ``out`` cut back to their lines (an interrupted run may have left a
+    partial block of lines after its last finished image)."""
+    if not done.is_file():
+        if out.exists():
+            out.unlink()
+        return set()
+    ids = {line.strip() for line in done.read_text(encoding="utf-8").splitlines() if line.strip()}
+    if out.is_file():
+        from finetune.report import write_text_atomic
+
+        kept = []
+        for line in out.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut by the interruption
+            if str(row.get("id")) in ids:
+                kept.append(line)
+        write_text_atomic(out, "".join(k + "\n" for k in kept))
+    return ids
+
+
+def _image_ref(example: dict[str, Any], image: Image.Image, images_dir: Path, out: Path) -> str:
+    """The image as the pairs file names it: its own file when it has one, else a PNG written beside ``out``."""
+    raw = example.get("image_raw")
+    path = raw.get("path") if isinstance(raw, dict) else None
+    if path and Path(path).is_file():
+        return str(Path(path).resolve())
+    images_dir.mkdir(parents=True, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(example["id"]))
+    target = images_dir / f"{safe}.png"
+    if not target.is_file():
+        tmp = target.with_name(f".{target.name}.tmp")
+        image.save(tmp, format="PNG")
+        os.replace(tmp, target)
+    return os.path.relpath(target, out.parent)
+
+
+def write_pairs(source: dict[str, Any] | str, out: str | Path, model: Any, *, proposer: Any = None,
+                default: bool = True, pairs: int = 1, weighting: str = "uniform", batch_size: int = 16,
+                progress: bool = True, model_id: str | None = None) -> dict[str, int]:
+    """Write the global-local pairs of a dataset as a jsonl that ``data.train`` reads (``{name: jsonl, path: out}``
+    with ``objective.terms.fastgoal.regions.method: pairs``): one line per kept pair with ``id``, ``image``
+    (its file, or a PNG in ``<out stem>_images/``), ``caption``, ``box`` (pixels of the original image),
+    ``sentence``, ``sentence_index`` (into ``split_sentences(caption)``), ``similarity``, ``weight`` and
+    ``candidates``; the id of each finished image is appended to ``<out>.done`` after its lines are flushed.
+    Interrupted, a second call with the same ``out`` skips the images listed there (resume).
+
+    Args:
+        source: a data source spec (:func:`finetune.data.sources.load_source`).
+        out: the jsonl to write.
+        model: the DualEncoder that matches sentences to crops (frozen, eval mode).
+        proposer, default, pairs, weighting: as :class:`FLISMMatcher`.
+        batch_size: images per matching batch.
+        progress: show a progress bar.
+
+    Returns:
+        ``{"images": processed now, "skipped": already done, "pairs": lines written now}``.
+    """
+    from tqdm.auto import tqdm
+
+    from finetune.data.sources import load_source
+    from finetune.models.frozen import FrozenEncoders, model_fingerprint
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done_file = out.with_name(out.name + ".done")
+    done = _done_ids(out, done_file)
+    data = load_source(source).dataset
+    raw = data.cast_column("image", datasets.Image(decode=False))
+    todo = [i for i, rid in enumerate(data["id"]) if str(rid) not in done]
+    encoders = FrozenEncoders(model)
+    model.eval()
+    matcher = FLISMMatcher(proposer, encoders.images, encoders.texts, model_id=model_id or model_fingerprint(model),
+                           default=default, pairs=pairs, weighting=weighting)
+    images_dir = out.with_name(out.stem + "_images")
+    written = 0
+    bar = tqdm(total=len(data), initial=len(data) - len(todo), desc="FLISM pairs", unit="image", disable=not progress)
+    with out.open("a", encoding="utf-8") as fh, done_file.open("a", encoding="utf-8") as dh:
+        for start in range(0, len(todo), batch_size):
+            rows = todo[start: start + batch_size]
+            batch = data.select(rows)[:]
+            result = matcher(batch)
+            lines, ids = [], []
+            for j, index in enumerate(rows):
+                example = {k: batch[k][j] for k in batch}
+                example["image_raw"] = raw[index]["image"]
+                ref = _image_ref(example, batch["image"][j], images_dir, out)
+                for p in range(result["flism_num_pairs"][j]):
+                    s = result["flism_pair_sentence"][j][p]
+                    lines.append(json.dumps({
+                        "id": f"{example['id']}#{p}" if pairs > 1 else str(example["id"]),
+                        "image": ref, "caption": example["caption"],
+                        "box": [round(float(v), 2) for v in result["flism_pair_box"][j][p]],
+                        "sentence": result["flism_sentences"][j][s], "sentence_index": int(s),
+                        "similarity": round(float(result["flism_pair_similarity"][j][p]), 6),
+                        "weight": round(float(result["flism_pair_weight"][j][p]), 6),
+                        "candidates": int(result["flism_num_candidates"][j]),
+                    }, ensure_ascii=False))
+                ids.append(str(example["id"]))
+            fh.write("".join(line + "\n" for line in lines))
+            fh.flush()
+            os.fsync(fh.fileno())
+            dh.write("".join(i + "\n" for i in ids))  # only after the lines are on disk
+            dh.flush()
+            os.fsync(dh.fileno())
+            written += len(lines)
+            bar.update(len(rows))
+    bar.close()
+    return {"images": len(todo), "skipped": len(data) - len(todo), "pairs": written}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m finetune.preprocess.flism",
+        description="Write FLISM's global-local pairs (FAST-GOAL III-A) of a dataset as a jsonl that data.train "
+                    "reads ({name: jsonl, path: OUT} with objective.terms.fastgoal.regions.method: pairs). "
+                    "Resumable: run it again with the same OUT after an interruption.")
+    p.add_argument("images_and_captions", metavar="IMAGES_AND_CAPTIONS",
+                   help="a jsonl/csv/parquet file or folder, an image folder, or a data source (synthetic, "
+                        "'{name: docci, split: train}')")
+    p.add_argument("out", metavar="OUT", help="the jsonl to write (OUT.done lists the finished images)")
+    p.add_argument("--model", default="openai/clip-vit-base-patch16",
+                   help="the model that matches sentences to crops (hub id, folder or registry name)")
+    p.add_argument("--max-text-len", type=int, default=248, help="text positions (248: Long-CLIP KPS)")
+    p.add_argument("--method", choices=("detector", "sam", "dataset"), default="detector")
+    p.add_argument("--detector", default=PAPER_DETECTOR,
+                   help="YOLOS hub id / folder, or an ultralytics .pt file; 'none': default regions only")
+    p.add_argument("--threshold", type=float, default=None, help="detection score threshold")
+    p.add_argument("--classes", nargs="*", default=None, help="keep only these detector classes")
+    p.add_argument("--max-boxes", type=int, default=None)
+    p.add_argument("--imgsz", type=int, default=640, help="ultralytics inference size")
+    p.add_argument("--sam-checkpoint", default=LISM_SAM)
+    p.add_argument("--no-default", action="store_true", help="no quadrants and centre box (Table VII 'YOLO only')")
+    p.add_argument("--no-links", action="store_true", help="--method dataset: match the boxes like detections")
+    p.add_argument("--pairs", type=int, default=1, help="pairs per image (paper 1; Table VIII 3)")
+    p.add_argument("--weighting", choices=("uniform", "weighted"), default="uniform")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--device", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m finetune.preprocess.flism IMAGES_AND_CAPTIONS OUT``: see :func:`write_pairs`. Exit status 2
+    with a message (no traceback) on bad input."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from finetune import load_model
+    from finetune.data.sources import DataError
+
+    try:
+        source = _source_spec(args.images_and_captions)
+        detector = None if str(args.detector).lower() in ("none", "null", "") else args.detector
+        proposer = build_proposer(args.method, detector=detector, threshold=args.threshold, classes=args.classes,
+                                  max_boxes=args.max_boxes, imgsz=args.imgsz, sam_checkpoint=args.sam_checkpoint,
+                                  links=not args.no_links, device=args.device)
+        if proposer is None and args.no_default:
+            raise ValueError("--detector none with --no-default leaves no candidate region")
+        model = load_model(args.model, max_text_len=args.max_text_len)
+        if args.device:
+            model.to(args.device)
+        counts = write_pairs(source, args.out, model, proposer=proposer, default=not args.no_default,
+                             pairs=args.pairs, weighting=args.weighting, batch_size=args.batch_size)
+    except (DataError, ValueError, FileNotFoundError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {counts['pairs']} pairs of {counts['images']} images to {args.out} ({counts['skipped']} images "
+          "were done before)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
