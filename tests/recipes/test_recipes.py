@@ -16,8 +16,10 @@ from accelerate.state import AcceleratorState, GradientState
 from finetune.config import RecipeError, list_recipes, load_recipe, recipe_json_schema, recipe_to_dict
 from finetune.models.registry import save_tiny
 from tests.finetune.data.fixtures import (
+    write_coco_fixture,
     write_dci_fixture,
     write_docci_fixture,
+    write_flickr30k_fixture,
     write_urban1k_fixture,
 )
 
@@ -63,13 +65,32 @@ def fixtures(tmp_path_factory):
         "docci": write_docci_fixture(root / "docci", n_train=8, n_test=6, n_qual_test=2),
         "dci": write_dci_fixture(root / "dci", n_train=3, n_valid=2, n_test=2),
         "urban1k": write_urban1k_fixture(root / "urban1k", 6),
+        "coco": write_coco_fixture(root / "coco", 4, karpathy=(2, 1, 4)),
+        "flickr30k": write_flickr30k_fixture(root / "flickr30k", 2, 1, 4),
+        **_detector_fixtures(root),
     }
+
+
+def _detector_fixtures(root: Path) -> dict:
+    """Tiny random-weight detectors saved like real checkpoints: YOLOS (FAST-GOAL's FLISM), an ultralytics YOLO
+    and a FastSAM-style segmenter (StructXLIP's regions)."""
+    import torch
+    from ultralytics import YOLO
+
+    from finetune.preprocess.regions import preserve_thread_settings
+    from tests.finetune.preprocess.tiny_detectors import save_tiny_yolo, save_tiny_yolos
+
+    torch.manual_seed(0)
+    with preserve_thread_settings():
+        YOLO("yolov8n-seg.yaml").save(str(root / "fastsam-random.pt"))
+    return {"yolos": save_tiny_yolos(root / "yolos"), "yolo": save_tiny_yolo(root / "yolo.pt"),
+            "fastsam": root / "fastsam-random.pt"}
 
 
 def _fixture_set(entry, fixtures) -> dict:
     spec = {"name": entry} if isinstance(entry, str) else dict(entry)
     name = spec["name"]
-    if name in ("docci", "dci", "urban1k"):
+    if name in ("docci", "dci", "urban1k", "coco", "flickr30k"):
         spec["path"] = str(fixtures[name])
         if name == "docci" and spec.get("protocol") not in (None, "test", "goal"):
             spec.pop("protocol")
@@ -78,9 +99,9 @@ def _fixture_set(entry, fixtures) -> dict:
     return spec
 
 
-def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
+def tiny_overrides(path: Path, fixtures: dict, out_dir: Path, *, detector: str = "yolos") -> list[str]:
     """Overrides that keep a recipe's method, objective and adapter but swap in a tiny saved model, fixture
-    data and a few steps."""
+    data and a few steps (and FAST-GOAL's detector: the tiny YOLOS, or the tiny ultralytics YOLO)."""
     raw = yaml.safe_load(path.read_text())
     model_name = str(raw.get("model", {}).get("name_or_path", ""))
     tiny = fixtures["tiny-siglip"] if "siglip" in model_name.lower() else fixtures["tiny-clip"]
@@ -88,7 +109,16 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
     if train["name"] == "synthetic":
         train["size"] = 16
     sets = [_fixture_set(s, fixtures) for s in raw.get("eval", {}).get("sets", [])]
-    return [
+    terms = (raw.get("objective") or {}).get("terms") or {}
+    extra = []
+    regions = (terms.get("fastgoal") or {}).get("regions") or {}
+    if "fastgoal" in terms and regions.get("method", "detector") == "detector":
+        extra += [f"objective.terms.fastgoal.regions.detector={fixtures[detector]}",
+                  "objective.terms.fastgoal.regions.threshold=0.0", "objective.terms.fastgoal.regions.imgsz=64"]
+    if "structxlip" in terms and "fastgoal" in terms:
+        extra += [f"objective.terms.structxlip.regions.checkpoint={fixtures['fastsam']}",
+                  "objective.terms.structxlip.regions.imgsz=64"]
+    return extra + [
         f"model.name_or_path={tiny}",
         "model.dtype=null",
         f"data.train={json.dumps(train)}",
@@ -117,13 +147,16 @@ def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
 
     out = tmp_path / "run"
     recipe = load_recipe(path, tiny_overrides(path, fixtures, out))
-    if recipe.objective.terms.get("structxlip") is not None:
+    terms = recipe.objective.terms
+    if terms.get("structxlip") is not None and terms.get("fastgoal") is None:
         pytest.skip("StructXLIP recipes run end to end in tests/finetune/objectives/test_structxlip.py")
     _reset_accelerate()
     assert run(recipe) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 2
     assert metrics["final_losses"] and all(math.isfinite(v) for v in metrics["final_losses"].values())
+    if terms.get("fastgoal") is not None:
+        assert {"fastgoal/local", "fastgoal/tsl"} <= set(metrics["final_losses"])
     assert len(metrics["after"]) == len(recipe.eval.sets)
     if recipe.eval.compare_base_length:
         assert set(metrics["after_at_base_length"]) == set(metrics["after"])
@@ -131,6 +164,22 @@ def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
     assert (out / "report.md").is_file() and (out / "plots" / "loss.png").is_file()
     assert (out / "final" / "xlipkit.json").is_file()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["max_steps"] == 2
+
+
+@pytest.mark.slow
+def test_fastgoal_recipe_with_an_ultralytics_yolo_detector(fixtures, tmp_path):
+    """FAST-GOAL's FLISM with `regions.detector: <a .pt file>` (the ultralytics path) runs a recipe end to end."""
+    from finetune.run import run
+
+    path = ROOT / "recipes" / "fastgoal_docci.yaml"
+    out = tmp_path / "run"
+    recipe = load_recipe(path, tiny_overrides(path, fixtures, out, detector="yolo"))
+    assert str(recipe.objective.terms["fastgoal"].regions.detector).endswith("yolo.pt")
+    _reset_accelerate()
+    assert run(recipe) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {"fastgoal/local", "fastgoal/tsl"} <= set(metrics["final_losses"])
+    assert metrics["terms"]["fastgoal"]["flism"]["images"] == 8
 
 
 @pytest.mark.slow
