@@ -266,6 +266,13 @@ def test_sample_flair_text_indices_layout_and_uniform_negatives() -> None:
     again = sample_flair_text_indices(n_img, k, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(again, draws[0])
     assert sample_flair_text_indices(1, 2).tolist() == [[0, 1]]
+    # a process builds its rows of the global draw: the same rows as the whole draw
+    part = sample_flair_text_indices(n_img, k, rows=slice(2, 4), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(part, draws[0, 2:4])
+    with pytest.raises(ValueError, match="step-1 slice"):
+        sample_flair_text_indices(n_img, k, rows=slice(0, 4, 2))
+    with pytest.raises(ValueError, match="k <= 256"):
+        sample_flair_text_indices(n_img, 0)
 
 
 def test_flair_loss_rejects_bad_inputs() -> None:
@@ -300,7 +307,7 @@ def test_flair_loss_rejects_bad_inputs() -> None:
 # --- across processes (2 and 3 gloo processes) ---------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["2proc", "3proc"])
 def flair_world(request, tmp_path_factory) -> tuple[int, list[dict]]:
     world = request.param
     return world, flair_ranks.run_ranks(str(tmp_path_factory.mktemp(f"flair{world}")), world)
