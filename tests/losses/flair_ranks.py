@@ -64,7 +64,7 @@ def ring_indices(world: int) -> list[torch.Tensor]:
     return [sample_flair_text_indices(B, K, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
 
 
-CASES = ("global", "global_no_mps", "global_seeded", "ring", "ring_no_mps", "ring_module")
+CASES = ("global", "global_no_mps", "global_seeded", "ring", "ring_no_mps", "ring_module", "local")
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,9 @@ def run_case(name: str, rank: int, world: int) -> dict:
     log_scale, bias = _leaf(full["log_scale"]), _leaf(full["bias"])
     pool = make_pool()
     kwargs = {"add_mps": not name.endswith("no_mps"), "local_mask": full["mask"][rows], "gather": True}
-    if name.startswith("global"):
+    if name == "local":  # gather=False: each process on its own batch, its own draw
+        kwargs.update(gather=False, text_indices=ring_indices(world)[rank])
+    elif name.startswith("global"):
         kwargs.update(distributed="global", text_indices=None if name == "global_seeded" else global_indices(world))
     else:
         kwargs.update(distributed="ring", text_indices=ring_indices(world)[rank])
