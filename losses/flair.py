@@ -165,7 +165,7 @@ def _check_rows(rows: Tensor, first_image: int, num_images: int, k: int) -> None
 
 
 def _check_inputs(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
-                  pool: TextConditionedAttentionPool, local_mask: Tensor | None) -> None:
+                  local_mask: Tensor | None) -> None:
     if not isinstance(text_embeds, Tensor) or text_embeds.dim() != 3:
         raise ValueError(f"flair_loss: text_embeds must be (B, K, D), got "
                          f"{tuple(text_embeds.shape) if isinstance(text_embeds, Tensor) else type(text_embeds).__name__}")
@@ -230,10 +230,10 @@ def _global_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor
     mine = slice(rank * b, (rank + 1) * b)
     if text_indices is None:
         rows = sample_flair_text_indices(total, k, rows=mine, device=text_embeds.device)
-    else:
+    else:  # each process checks its own rows
         _check_text_indices(text_indices, total, k, "the global batch, the same on every process")
         rows = text_indices[mine].to(text_embeds.device).long()
-    _check_rows(rows, rank * b, total, k)
+        _check_rows(rows, rank * b, total, k)
     owner = torch.arange(rank * b, (rank + 1) * b, device=text_embeds.device).unsqueeze(1)
     # Each process holds B of the W*B images: W x its share makes the mean over processes (and
     # DDP's averaged gradients) equal the loss of one process on the global batch.
@@ -254,10 +254,11 @@ def _ring_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
     b, k, d = text_embeds.shape
     texts = text_embeds.reshape(b * k, d)
     if text_indices is None:
-        text_indices = sample_flair_text_indices(b, k, device=text_embeds.device)
-    _check_text_indices(text_indices, b, k, "this process's batch")
-    rows = text_indices.to(text_embeds.device).long()
-    _check_rows(rows, 0, b, k)
+        rows = sample_flair_text_indices(b, k, device=text_embeds.device)
+    else:
+        _check_text_indices(text_indices, b, k, "this process's batch")
+        rows = text_indices.to(text_embeds.device).long()
+        _check_rows(rows, 0, b, k)
     owner = torch.arange(b, device=text_embeds.device).unsqueeze(1)
     tcs = _tcs_sum(texts, rows, rows // k == owner, local_image, local_mask, pool, logit_scale, logit_bias)
     mps = None
@@ -285,7 +286,7 @@ def _flair_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
                  distributed: str, gather: bool | None, local_mask: Tensor | None) -> dict[str, Tensor]:
     if distributed not in ("global", "ring"):
         raise ValueError(f"flair_loss: distributed must be 'global' or 'ring', got {distributed!r}")
-    _check_inputs(text_embeds, local_image, global_image, pool, local_mask)
+    _check_inputs(text_embeds, local_image, global_image, local_mask)
     compute = _global_parts if distributed == "global" else _ring_parts
     parts = compute(text_embeds, local_image, global_image, pool, logit_scale, logit_bias, add_mps,
                     text_indices, gather, local_mask)
@@ -362,7 +363,7 @@ def flair_loss(
         local_mask: ``(B, N)`` bool, True for real local tokens (see the pool).
 
     Returns:
-        Scalar loss. Every process must pass the same B, K, N and D.
+        Scalar loss. Every process must pass the same B, K and D (N may differ).
     """
     return _flair_parts(text_embeds, local_image, global_image, pool, logit_scale, logit_bias,
                         add_mps=add_mps, text_indices=text_indices, distributed=distributed,

@@ -244,6 +244,8 @@ def test_flair_loss_draws_the_same_texts_as_the_sampler_and_ring_equals_global_i
     indices = sample_flair_text_indices(4, 3)
     torch.testing.assert_close(drawn, flair_loss(*args, local_mask=mask, text_indices=indices))
     torch.testing.assert_close(drawn, flair_loss(*args, local_mask=mask, text_indices=indices, distributed="ring"))
+    torch.manual_seed(11)
+    torch.testing.assert_close(drawn, flair_loss(*args, local_mask=mask, distributed="ring"))
     other = sample_flair_text_indices(4, 3, generator=torch.Generator().manual_seed(3))
     assert not torch.equal(other, indices)
     assert not torch.allclose(drawn, flair_loss(*args, local_mask=mask, text_indices=other))
