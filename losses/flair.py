@@ -167,8 +167,8 @@ def _check_rows(rows: Tensor, first_image: int, num_images: int, k: int) -> None
 def _check_inputs(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
                   local_mask: Tensor | None) -> None:
     if not isinstance(text_embeds, Tensor) or text_embeds.dim() != 3:
-        raise ValueError(f"flair_loss: text_embeds must be (B, K, D), got "
-                         f"{tuple(text_embeds.shape) if isinstance(text_embeds, Tensor) else type(text_embeds).__name__}")
+        got = tuple(text_embeds.shape) if isinstance(text_embeds, Tensor) else type(text_embeds).__name__
+        raise ValueError(f"flair_loss: text_embeds must be (B, K, D), got {got}")
     if not isinstance(local_image, Tensor) or local_image.dim() != 3:
         raise ValueError("flair_loss: local_image must be (B, N, D) patch embeddings")
     if not isinstance(global_image, Tensor) or global_image.dim() != 2:
