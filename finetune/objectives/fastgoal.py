@@ -106,7 +106,7 @@ class FlismOptions:
     default: bool = True
     detector: str | None = "hustvl/yolos-base"
     threshold: float | None = field(default=None, metadata={"check": _unit})
-    classes: list[str] | None = None
+    classes: list[str | int] | None = None
     max_boxes: int | None = field(default=None, metadata={"check": _at_least_one})
     imgsz: int = field(default=640, metadata={"check": _at_least_one})
     sam_checkpoint: str = "facebook/sam-vit-huge"
