@@ -618,8 +618,9 @@ def region_entropy(image: GRMImageOutput, *, entropy_of: EntropyOf = "normalised
     if entropy_of not in ("normalised", "sigmoid"):
         raise ValueError(f"entropy_of must be 'normalised' or 'sigmoid', got {entropy_of!r}")
     a = image.region_weights if entropy_of == "normalised" else image.region_scores
-    plogp = torch.xlogy(a, a) * image.mask[..., None]  # 0 log 0 = 0 on padding
-    return -plogp.sum(dim=1).mean(dim=-1)
+    # Padding set to 1 (1 log 1 = 0): no term and no gradient (0 log 0 has an infinite slope).
+    a = a.masked_fill(~image.mask[..., None], 1.0)
+    return -torch.xlogy(a, a).sum(dim=1).mean(dim=-1)
 
 
 def region_kl(image: GRMImageOutput) -> Tensor:
