@@ -115,7 +115,9 @@ def gumbel_gate(
         ``(...)`` the gate A in [0, 1].
     """
     if logits.shape[-1] != 2:
-        raise ValueError(f"gumbel_gate: logits must end with 2 columns (drop, keep), got {tuple(logits.shape)}")
+        raise ValueError(
+            f"gumbel_gate: logits must end with 2 columns (drop, keep), got {tuple(logits.shape)}"
+        )
     if tau <= 0:
         raise ValueError(f"gumbel_gate: tau must be > 0, got {tau}")
     if stochastic:
@@ -257,7 +259,9 @@ def sample_regions(
     if noise is not None:
         expected = (*weights.shape, mu.shape[-1])
         if tuple(noise.shape) != expected:
-            raise ValueError(f"sample_regions: noise must have shape (B, Lv, K, d) = {expected}, got {tuple(noise.shape)}")
+            raise ValueError(
+                f"sample_regions: noise must have shape (B, Lv, K, d) = {expected}, got {tuple(noise.shape)}"
+            )
         z = mu[:, None] + noise * std[:, None]
         return torch.einsum("blk,blkd->bkd", weights, z)
     eps = torch.randn(mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
@@ -365,7 +369,9 @@ class GRMHead(nn.Module):
         mask = _token_mask("image mask", mask, tokens)
         stochastic = self._stochastic(stochastic)
         logits = self.vision_adapter(tokens)
-        gate = gumbel_gate(logits, tau=self.tau, hard=self.hard, stochastic=stochastic, generator=generator) * mask
+        gate = gumbel_gate(
+            logits, tau=self.tau, hard=self.hard, stochastic=stochastic, generator=generator
+        ) * mask
         key_tokens = tokens * gate[..., None]
         prompts = F.normalize(self.prompts, dim=-1).to(key_tokens.dtype)
         region_scores = torch.sigmoid(key_tokens @ prompts.T) * mask[..., None]
@@ -465,7 +471,9 @@ def token_wise_similarity(
     _check_tokens("text", text)
     _check_tokens("image", image)
     if text.shape[-1] != image.shape[-1]:
-        raise ValueError(f"text and image tokens must share the width d, got {text.shape[-1]} and {image.shape[-1]}")
+        raise ValueError(
+            f"text and image tokens must share the width d, got {text.shape[-1]} and {image.shape[-1]}"
+        )
     if block_elements < 1:
         raise ValueError(f"block_elements must be >= 1, got {block_elements}")
     text_mask = _token_mask("text_mask", text_mask, text)
@@ -481,6 +489,10 @@ def token_wise_similarity(
     ci = min(n_image, max(1, math.isqrt(pairs)))
     ct = min(n_text, max(1, pairs // ci))
     ci = min(n_image, max(1, pairs // ct))
+    inputs = (text, image, text_weights, image_weights)
+    needs_graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    # Without autograd the blocks are written into the result (no second copy of it).
+    out = None if needs_graph else image.new_empty(n_image, n_text)
     columns = []
     for t0 in range(0, n_text, ct):
         t1 = min(t0 + ct, n_text)
@@ -489,11 +501,16 @@ def token_wise_similarity(
         for i0 in range(0, n_image, ci):
             i1 = min(i0 + ci, n_image)
             image_block = _unit_tokens(image[i0:i1], None if image_weights is None else image_weights[i0:i1])
-            rows.append(
-                _block_similarity(text_block, text_mask[t0:t1], image_block, image_mask[i0:i1], leaky_slope)
+            block = _block_similarity(
+                text_block, text_mask[t0:t1], image_block, image_mask[i0:i1], leaky_slope
             )
-        columns.append(torch.cat(rows, dim=0))
-    return torch.cat(columns, dim=1)
+            if out is None:
+                rows.append(block)
+            else:
+                out[i0:i1, t0:t1] = block
+        if out is None:
+            columns.append(torch.cat(rows, dim=0))
+    return torch.cat(columns, dim=1) if out is None else out
 
 
 # --- eq. 8: VSE++ hinge --------------------------------------------------------------------
@@ -575,7 +592,11 @@ def vse_hinge_loss(
         or positives.dtype != torch.bool
         or tuple(positives.shape) != (n_rows, n_cols)
     ):
-        got = (positives.dtype, tuple(positives.shape)) if isinstance(positives, Tensor) else type(positives).__name__
+        got = (
+            (positives.dtype, tuple(positives.shape))
+            if isinstance(positives, Tensor)
+            else type(positives).__name__
+        )
         raise ValueError(f"positives must be a bool tensor of shape {(n_rows, n_cols)} like sim, got {got}")
     image_queries = _hinge(sim, positives, margin, max_violation)
     if world == 1:
@@ -669,7 +690,9 @@ def grm_similarity(
             text_weights=text.gate, image_weights=image.gate, **common,
         )
     if level == "unc":
-        return token_wise_similarity(text.tokens, text.mask, image.regions, None, text_weights=text.gate, **common)
+        return token_wise_similarity(
+            text.tokens, text.mask, image.regions, None, text_weights=text.gate, **common
+        )
     raise ValueError(f"level must be 'ori', 'key' or 'unc', got {level!r}")
 
 
@@ -724,7 +747,10 @@ def grm_loss(
         text = GRMTextOutput(tokens, mask, text.logits, gate, tokens * gate[..., None])
     common = {"leaky_slope": leaky_slope, "block_elements": block_elements}
     hinge = {"margin": margin, "max_violation": max_violation, "positives": positives, "gather": world > 1}
-    out = {level: vse_hinge_loss(grm_similarity(image, text, level, **common), **hinge) for level in ("ori", "key", "unc")}
+    out = {
+        level: vse_hinge_loss(grm_similarity(image, text, level, **common), **hinge)
+        for level in ("ori", "key", "unc")
+    }
     a, b, c = level_weights
     out["con"] = a * out["ori"] + b * out["key"] + c * out["unc"]
     out["recon"] = _batch_mean(reconstruction(image), world)
