@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .distributed import gather_counts, gather_with_grad, should_gather, sum_over_ranks, world_info
+from .distributed import gather_counts, gather_with_grad, should_gather, world_info
 
 # Eq. 9 weights a, b, c (paper, "Parameter Analysis" and implementation details).
 PAPER_LEVEL_WEIGHTS = (0.4, 0.4, 0.2)
@@ -659,13 +659,10 @@ def reconstruction(image: GRMImageOutput) -> Tensor:
     return (image.regions.mean(dim=1) - patch_mean).square().sum(dim=-1)
 
 
-def _batch_mean(per_image: Tensor, world: int) -> Tensor:
-    """Mean over the global batch, as ``world * local sum / global count`` (mean over ranks =
-    the single-process mean)."""
-    count = torch.tensor(float(per_image.shape[0]), device=per_image.device)
-    if world > 1:
-        count = sum_over_ranks(count)
-    return per_image.sum() * world / count.clamp(min=1)
+def _batch_mean(per_image: Tensor) -> Tensor:
+    """Mean over the images. Distributed, every rank holds as many images (the hinge gathers equal
+    blocks of rows), so the mean over ranks of the local means is the global mean."""
+    return per_image.mean() if per_image.numel() else per_image.sum()
 
 
 def grm_similarity(
@@ -732,7 +729,9 @@ def grm_loss(
         gather: ``None`` gathers when a process group of size > 1 is initialised: the texts
             (tokens, masks, gates, padded to the longest Lt) are gathered with autograd, each rank
             scores its images against all texts, and every value is scaled so that its mean over
-            ranks equals the single-process value on the concatenated batch.
+            ranks equals the single-process value on the concatenated batch (exact gradients
+            under DDP's averaging). Every rank must hold as many images and as many texts
+            (``drop_last=True``); text lengths may differ.
 
     Returns:
         ``{"ori", "key", "unc", "con", "recon", "kl", "ent", "reg", "loss"}`` scalars.
@@ -741,7 +740,7 @@ def grm_loss(
         raise ValueError(f"level_weights must be three non-negative numbers (a, b, c), got {level_weights}")
     if recon_weight < 0 or reg_weight < 0:
         raise ValueError(f"recon_weight and reg_weight must be >= 0, got {recon_weight}, {reg_weight}")
-    rank, world = world_info() if should_gather(gather) else (0, 1)
+    _, world = world_info() if should_gather(gather) else (0, 1)
     if world > 1:
         tokens, mask, gate = _gather_tokens(text.tokens, text.mask, text.gate)
         text = GRMTextOutput(tokens, mask, text.logits, gate, tokens * gate[..., None])
@@ -753,9 +752,9 @@ def grm_loss(
     }
     a, b, c = level_weights
     out["con"] = a * out["ori"] + b * out["key"] + c * out["unc"]
-    out["recon"] = _batch_mean(reconstruction(image), world)
-    out["kl"] = _batch_mean(region_kl(image), world)
-    out["ent"] = _batch_mean(region_entropy(image, entropy_of=entropy_of), world)
+    out["recon"] = _batch_mean(reconstruction(image))
+    out["kl"] = _batch_mean(region_kl(image))
+    out["ent"] = _batch_mean(region_entropy(image, entropy_of=entropy_of))
     out["reg"] = out["kl"] + out["ent"]
     out["loss"] = out["con"] + recon_weight * out["recon"] + reg_weight * out["reg"]
     return out
