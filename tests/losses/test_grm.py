@@ -324,6 +324,11 @@ def test_token_wise_similarity_agrees_with_brute_force_in_every_block_size(slope
             leaky_slope=slope, block_elements=block,
         )
         torch.testing.assert_close(got_w, weighted)
+    # Under autograd the blocks are concatenated instead of written in place: same values.
+    text_grad = text.clone().requires_grad_()
+    torch.testing.assert_close(
+        token_wise_similarity(text_grad, text_mask, image, image_mask, leaky_slope=slope, block_elements=54), expected
+    )
 
 
 def test_token_wise_similarity_gradcheck_and_normalisation() -> None:
@@ -598,6 +603,12 @@ def test_grm_loss_module_and_per_call_max_violation() -> None:
     )
     assert summed["ori"] > hardest["ori"]
     assert hardest["ent"].item() == pytest.approx(region_entropy(out.image, entropy_of="sigmoid").mean().item())
+    assert hardest["loss"].item() == pytest.approx(hardest["con"].item() + hardest["recon"].item() + hardest["reg"].item())
+    options = GRMLoss(leaky_slope=0.1, recon_weight=0.3, reg_weight=0.7, margin=0.5, max_violation=False)
+    leaky = options(out.image, out.text)
+    s_leaky = grm_similarity(out.image, out.text, "ori", leaky_slope=0.1)
+    assert leaky["ori"].item() == pytest.approx(vse_hinge_loss(s_leaky, margin=0.5, max_violation=False).item())
+    assert leaky["loss"].item() == pytest.approx(leaky["con"].item() + 0.3 * leaky["recon"].item() + 0.7 * leaky["reg"].item())
     assert hardest["con"].item() == pytest.approx(
         0.2 * hardest["ori"].item() + 0.6 * hardest["key"].item() + 0.2 * hardest["unc"].item()
     )
