@@ -422,14 +422,19 @@ def _block_similarity(
     ct, lt, _ = text.shape
     # (ci, Lv, ct, Lt) token cosines, without a permuted copy.
     s = (image.reshape(ci * lv, d) @ text.reshape(ct * lt, d).T).reshape(ci, lv, ct, lt)
-    if leaky_slope is not None:
-        s = F.leaky_relu(s, leaky_slope)
     low = torch.finfo(s.dtype).min
     # Text2Image: each real text token takes its best real image token.
     t2i = s.masked_fill(~image_mask[:, :, None, None], low).max(dim=1).values  # (ci, ct, Lt)
+    # Image2Text: each real image token takes its best real text token (without autograd the
+    # mask is written in place: one block copy fewer).
+    no_text = ~text_mask[None, None]
+    masked = s.masked_fill(no_text, low) if s.requires_grad else s.masked_fill_(no_text, low)
+    i2t = masked.max(dim=3).values  # (ci, Lv, ct)
+    if leaky_slope is not None:
+        # leaky_relu is increasing, so max(leaky(s)) = leaky(max(s)): applied after the max, the
+        # block of cosines is not kept for the backward.
+        t2i, i2t = F.leaky_relu(t2i, leaky_slope), F.leaky_relu(i2t, leaky_slope)
     t2i = (t2i * text_mask[None]).sum(dim=-1) / text_mask.sum(dim=-1)[None]
-    # Image2Text: each real image token takes its best real text token.
-    i2t = s.masked_fill(~text_mask[None, None], low).max(dim=3).values  # (ci, Lv, ct)
     i2t = (i2t * image_mask[..., None]).sum(dim=1) / image_mask.sum(dim=-1)[:, None]
     return t2i + i2t
 
@@ -450,8 +455,9 @@ def token_wise_similarity(
     ``S = 1/Lt sum_t max_v s_tv + 1/Lv sum_v max_t s_tv`` (a sum of the two directions, as
     LAPS), with ``s_tv`` the cosine of L2-normalised tokens; padding tokens take part neither in
     the max nor in the mean. Blocks of images x texts are scored one at a time so that at most
-    ``block_elements`` token cosines exist at once (peak memory about three times that, plus the
-    inputs and the (Bi, Bt) result); under autograd each block keeps only the arg-max indices.
+    ``block_elements`` token cosines exist at once (peak memory about two to three times that,
+    plus the inputs and the (Bi, Bt) result); under autograd each block keeps only the arg-max
+    indices, so training memory is linear in Bi x Bt x (Lv + Lt), not in Bi x Bt x Lv x Lt.
 
     Args:
         text: ``(Bt, Lt, d)`` text token states (raw; normalised here).
@@ -463,6 +469,7 @@ def token_wise_similarity(
             token is the zero vector, cosine 0) with a gradient to the gates.
         image_weights: optional ``(Bi, Lv)`` gates of the image tokens, likewise.
         leaky_slope: LAPS's ``leaky_relu(cos, 0.1)`` before the max when set (0.1); None is eq. 7.
+            (Computed after the max, the same value since leaky_relu is increasing.)
         block_elements: cosines per block (memory bound).
 
     Returns:

@@ -346,6 +346,26 @@ def test_token_wise_similarity_gradcheck_and_normalisation() -> None:
     )
 
 
+@pytest.mark.parametrize("slope", [None, 0.1])
+def test_token_wise_similarity_keeps_no_block_of_cosines_for_the_backward(slope) -> None:
+    """Under autograd only arg-max indices and token inputs are saved: memory linear in
+    Bi x Bt x (Lv + Lt), not Bi x Bt x Lv x Lt (LAPS's leaky ReLU included)."""
+    text = _randn(8, 40, 4, seed=33).requires_grad_()
+    image = _randn(8, 50, 4, seed=34).requires_grad_()
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sim = token_wise_similarity(text, None, image, None, leaky_slope=slope, block_elements=8 * 8 * 50 * 40)
+    sim.sum().backward()
+    all_cosines = 8 * 8 * 50 * 40
+    assert max(saved) < all_cosines / 10 and sum(saved) < all_cosines / 2, (max(saved), sum(saved))
+    assert torch.isfinite(text.grad).all() and text.grad.abs().sum() > 0
+
+
 def test_token_wise_similarity_rejects_bad_inputs() -> None:
     text, image = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
     with pytest.raises(ValueError, match="width"):
