@@ -241,9 +241,10 @@ def sample_regions(
 
     ``z_lk = mu_k + eps_lk * exp(log_var_k / 2)``, ``u_k = sum_l A_hat_lk z_lk``. Since the
     weights of region k sum to 1 over the tokens, ``u_k = mu_k + exp(log_var_k / 2) * sum_l
-    A_hat_lk eps_lk``, and ``sum_l A_hat_lk eps_lk`` is ``N(0, sum_l A_hat_lk^2)`` per dimension: without
-    ``noise`` that one (B, K, d) normal is drawn, the same distribution as eqs. 5-6 at a
-    (B, Lv, K, d) cost avoided (a valid reparameterisation: unbiased gradients).
+    A_hat_lk eps_lk``, and ``sum_l A_hat_lk eps_lk`` is ``N(0, sum_l A_hat_lk^2)`` per dimension.
+    Without ``noise`` that one ``(B, K, d)`` normal is drawn: the distribution of eqs. 5-6
+    without their ``(B, Lv, K, d)`` noise tensor (another reparameterisation of the same
+    distribution, so its gradients are unbiased too).
 
     Args:
         mu: ``(B, K, d)`` region means (eq. 3).
@@ -337,6 +338,9 @@ class GRMHead(nn.Module):
             mask: ``(B, Lt)`` bool or 0/1 attention mask; None: no padding.
             stochastic: Gumbel noise on/off; None follows ``self.training``.
             generator: RNG of the Gumbel noise.
+
+        Returns:
+            :class:`GRMTextOutput` (gate 0 on padding).
         """
         self._check_dim("text tokens", tokens)
         mask = _token_mask("text mask", mask, tokens)
@@ -364,6 +368,10 @@ class GRMHead(nn.Module):
             generator: RNG of both noises.
             noise: optional ``(B, Lv, K, d)`` eps of eq. 5 (see :func:`sample_regions`); only
                 used when stochastic.
+
+        Returns:
+            :class:`GRMImageOutput`; padding has gate 0 and region weight 0, and each region's
+            weights sum to 1 over the real tokens (also when K exceeds their number).
         """
         self._check_dim("image tokens", tokens)
         mask = _token_mask("image mask", mask, tokens)
