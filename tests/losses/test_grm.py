@@ -645,6 +645,21 @@ def test_grm_loss_trains_every_head_parameter() -> None:
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
 
 
+def test_grm_under_bfloat16_autocast_is_finite_and_trains() -> None:
+    torch.manual_seed(3)
+    head = GRMHead(16, num_regions=5)
+    image = torch.randn(6, 10, 16)
+    text = torch.randn(6, 7, 16)
+    text_mask = torch.arange(7)[None] < torch.tensor([7, 3, 5, 1, 7, 2])[:, None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = head(image, text, None, text_mask)
+        values = grm_loss(out.image, out.text)
+    assert all(torch.isfinite(v) for v in values.values())
+    values["loss"].float().backward()
+    for name, p in head.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
 # --- two ranks -----------------------------------------------------------------------------
 
 
