@@ -14,6 +14,7 @@ from .distributed import (
     should_gather,
     world_info,
 )
+from .fcast import fcast_loss, fcast_part_loss, fcast_whole_loss
 from .flair import FLAIRLoss, TextConditionedAttentionPool, flair_loss, sample_flair_text_indices
 from .structxlip import StructXLIPLoss, consistency_loss, local_structure_loss, official_weight_decay
 
@@ -30,6 +31,9 @@ __all__ = [
     "flair_loss",
     "FLAIRLoss",
     "sample_flair_text_indices",
+    "fcast_part_loss",
+    "fcast_whole_loss",
+    "fcast_loss",
     "gather_with_grad",
     "gather_variable_with_grad",
     "VariableGather",
