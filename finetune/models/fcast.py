@@ -127,6 +127,9 @@ class ChunkEncoder(nn.Module):
         nn.init.normal_(self.token_embedding.weight, std=0.02)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        # causal: trailing padding never reaches the end token, so rows are cut to the longest real one
+        longest = max(int(attention_mask.long().sum(dim=1).max()), 1) if input_ids.shape[0] else 1
+        input_ids, attention_mask = input_ids[:, :longest], attention_mask[:, :longest]
         n, length = input_ids.shape
         x = self.token_embedding(input_ids) + self.positional_embedding[:length]
         causal = torch.full((length, length), float("-inf"), device=x.device).triu(1)
