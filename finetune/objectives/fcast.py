@@ -61,6 +61,11 @@ class FCastOptions:
         cache_superpixels: cache map-style data's superpixels under ``data.cache_dir``.
         seed: seed of the chunking and sub-caption draws (with the epoch and the example id).
         report_images: images drawn in the report (F-CAST Figs. 6-7); 0: none.
+        caption_fields: example fields holding an image's captions (strings, or lists of sentences such as
+            DreamLIP's re-captioned shards); null: the example's ``caption``. The K - N extra sub-captions
+            are drawn from all their sentences ("sampled from multiple captions", 3.3).
+        long_fields: which of ``caption_fields`` are long captions; the N chunks come from one of them drawn
+            at random per example (3.3: "derived from a single long caption"); null: all of them.
     """
 
     k: int = field(default=8, metadata={"check": _positive})
@@ -71,6 +76,8 @@ class FCastOptions:
     cache_superpixels: bool = True
     seed: int = 0
     report_images: int = 4
+    caption_fields: list[str] | None = None
+    long_fields: list[str] | None = None
 
 
 class FCastTerm(Term):
@@ -83,6 +90,10 @@ class FCastTerm(Term):
 
     def __init__(self, options: FCastOptions) -> None:
         super().__init__()
+        unknown = set(options.long_fields or ()) - set(options.caption_fields or ())
+        if unknown:
+            raise ValueError(f"objective.terms.fcast.long_fields {sorted(unknown)} must be among caption_fields "
+                             f"{options.caption_fields}")
         if options.k < options.n_chunks:
             raise ValueError(f"objective.terms.fcast.k ({options.k}) must be at least n_chunks ({options.n_chunks}): "
                              f"the first N sub-captions are the caption's chunks")
@@ -125,20 +136,50 @@ class FCastTerm(Term):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
-    def subcaptions(self, caption: str, key: str) -> list[str]:
-        """The K sub-captions of one caption: N random chunks (appendix C), then K - N FLAIR samples."""
+    def subcaptions(self, caption: str, key: str, captions: dict[str, list[str]] | None = None) -> list[str]:
+        """The K sub-captions of one example: N random chunks of one long caption (appendix C), then K - N
+        FLAIR samples (1-3 sentences) from all its captions' sentences.
+
+        Args:
+            caption: the example's caption (used when ``captions`` is None).
+            key: what seeds the draws with the term's seed and the epoch (the example id).
+            captions: ``{field: sentences}`` of ``caption_fields``.
+        """
         from finetune.data.text import random_chunks, sample_subcaptions, split_sentences
 
         o = self.options
-        sentences = split_sentences(caption) or [caption.strip() or "."]
         rng = random.Random(zlib.crc32(f"{o.seed}:{self.epoch}:{key}".encode()))
-        chunks = [" ".join(c) for c in random_chunks(sentences, o.n_chunks, rng, max_per_chunk=o.max_sentences)]
-        extra = sample_subcaptions(sentences, o.k - o.n_chunks, 1, o.max_sentences, rng) if o.k > o.n_chunks else []
+        if captions is None:
+            pool = long = split_sentences(caption) or [caption.strip() or "."]
+        else:
+            longs = [captions[f] for f in (o.long_fields or list(captions)) if captions.get(f)]
+            pool = [s for sentences in captions.values() for s in sentences]
+            if not longs or not pool:
+                raise ValueError(f"objective.terms.fcast: example {key!r} has no sentence in its long_fields "
+                                 f"{o.long_fields or list(captions)}")
+            long = rng.choice(longs)
+        chunks = [" ".join(c) for c in random_chunks(long, o.n_chunks, rng, max_per_chunk=o.max_sentences)]
+        extra = sample_subcaptions(pool, o.k - o.n_chunks, 1, o.max_sentences, rng) if o.k > o.n_chunks else []
         return chunks + extra
 
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
+        from finetune.data.text import split_sentences
+
         key = str(example.get("id", example["caption"][:64]))
-        return {"fcast_subcaptions": self.subcaptions(example["caption"], key)}
+        captions = None
+        if self.options.caption_fields:
+            captions = {}
+            for name in self.options.caption_fields:
+                if name not in example:
+                    raise ValueError(f"objective.terms.fcast.caption_fields: example {key!r} has no field {name!r} "
+                                     f"(fields: {', '.join(sorted(example))}); a stream must pass it through "
+                                     f"(data.train.options.fields), or set caption_fields: null")
+                value = example[name]
+                if isinstance(value, str):
+                    captions[name] = split_sentences(value)
+                else:
+                    captions[name] = [str(v).strip() for v in (value or []) if str(v).strip()]
+        return {"fcast_subcaptions": self.subcaptions(example["caption"], key, captions)}
 
     def collate(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Any]:
         texts = [s for e in examples for s in e["fcast_subcaptions"]]
@@ -186,9 +227,10 @@ class FCastTerm(Term):
                                 "distributed": self.options.distributed}
         if model is not None:
             info.update(superpixels=model.superpixels.method, n_segments=model.superpixels.n_segments,
-                        part_scale=float(model.model.part_logit_scale.exp()),
-                        whole_scale=float(model.model.logit_scale.exp()),
-                        part_bias=float(model.model.part_logit_bias), whole_bias=float(model.model.logit_bias))
+                        part_scale=float(model.model.part_logit_scale.detach().exp()),
+                        whole_scale=float(model.model.logit_scale.detach().exp()),
+                        part_bias=float(model.model.part_logit_bias.detach()),
+                        whole_bias=float(model.model.logit_bias.detach()))
         return info
 
     def report_sections(self, run_dir: str | Path, dataset: Any) -> list[str]:
