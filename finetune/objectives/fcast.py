@@ -66,6 +66,10 @@ class FCastOptions:
             are drawn from all their sentences ("sampled from multiple captions", 3.3).
         long_fields: which of ``caption_fields`` are long captions; the N chunks come from one of them drawn
             at random per example (3.3: "derived from a single long caption"); null: all of them.
+        superpixels: overrides of the model's superpixel settings (``method``: slic | seeds | sfcn,
+            ``n_segments``, ``compactness``, ``checkpoint``: the SFCN weights), applied when the term first
+            sees the model (preprocessing, or the first streamed example) and saved with it, since
+            inference needs the same superpixels; null: the model's own (``slic`` for registry models).
     """
 
     k: int = field(default=8, metadata={"check": _positive})
@@ -78,6 +82,7 @@ class FCastOptions:
     report_images: int = 4
     caption_fields: list[str] | None = None
     long_fields: list[str] | None = None
+    superpixels: dict[str, Any] | None = None
 
 
 class FCastTerm(Term):
@@ -99,6 +104,13 @@ class FCastTerm(Term):
                              f"the first N sub-captions are the caption's chunks")
         self.options = options
         self.epoch = 0
+        if options.superpixels is not None:
+            from finetune.preprocess.superpixels import SuperpixelSettings
+
+            try:
+                SuperpixelSettings(**{"n_segments": 196, **options.superpixels})
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"objective.terms.fcast.superpixels: {exc}") from exc
 
     # -- the model the term works with (kept out of the module tree) ------------------------------
     def _attach(self, model: Any) -> Any:
@@ -111,6 +123,14 @@ class FCastTerm(Term):
         if model.n_chunks != self.options.n_chunks:
             raise ValueError(f"objective.terms.fcast.n_chunks ({self.options.n_chunks}) differs from the model's "
                              f"N = {model.n_chunks}; set them equal")
+        if self.options.superpixels is not None and self.__dict__.get("_model") is not model:
+            from dataclasses import asdict
+
+            from finetune.preprocess.superpixels import settings_from
+
+            settings = settings_from({**asdict(model.superpixels), **self.options.superpixels})
+            model.superpixels = settings
+            model.config.superpixels = asdict(settings)
         self.__dict__["_model"] = model
         return model
 

@@ -84,6 +84,8 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
     raw = yaml.safe_load(path.read_text())
     model_name = str(raw.get("model", {}).get("name_or_path", ""))
     tiny = fixtures["tiny-siglip"] if "siglip" in model_name.lower() else fixtures["tiny-clip"]
+    if raw.get("model", {}).get("family") == "fcast":  # F-CAST: the tiny registry model of its own family
+        tiny = "fcast-tiny"
     train = _fixture_set(raw.get("data", {}).get("train", {"name": "synthetic"}), fixtures)
     if train["name"] == "synthetic":
         train["size"] = 16
@@ -102,7 +104,18 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
         "train.checkpoint_every=0",
         "train.trackers=[]",
         f"output.dir={out_dir}",
-    ]
+    ] + _fcast_overrides(raw)
+
+
+def _fcast_overrides(raw: dict) -> list[str]:
+    """F-CAST recipes: the fixtures' plain captions, SLIC superpixels (no SFCN weights in tests)."""
+    if "fcast" not in (raw.get("objective", {}).get("terms") or {}):
+        return []
+    out = ["objective.terms.fcast.caption_fields=null", "objective.terms.fcast.long_fields=null",
+           "objective.terms.fcast.superpixels=null", "objective.terms.fcast.report_images=2"]
+    if raw.get("data", {}).get("train", {}).get("name") in ("webdataset", "parquet", "hub"):  # shards: scenes
+        out.append('data.train={"name": "synthetic", "size": 16, "options": {"image_size": 32}}')
+    return out
 
 
 def _reset_accelerate() -> None:
@@ -131,6 +144,8 @@ def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
     assert (out / "report.md").is_file() and (out / "plots" / "loss.png").is_file()
     assert (out / "final" / "xlipkit.json").is_file()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["max_steps"] == 2
+    if "fcast" in recipe.objective.terms:
+        assert (out / "plots" / "fcast_hierarchy.png").is_file() and (out / "plots" / "fcast_attention.png").is_file()
 
 
 @pytest.mark.slow

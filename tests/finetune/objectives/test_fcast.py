@@ -118,3 +118,14 @@ def test_report_draws_the_hierarchy_and_attention(model, scenes, tmp_path):
     for name in ("fcast_hierarchy.png", "fcast_attention.png"):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_superpixel_overrides_are_applied_and_saved(tmp_path):
+    model = load_model("fcast-tiny", family="fcast")
+    term = _term(superpixels={"n_segments": 25, "compactness": 20.0})
+    term.preprocess([], model, cache_dir=str(tmp_path))
+    assert model.superpixels.n_segments == 25 and model.superpixels.method == "slic"
+    model.save_pretrained(str(tmp_path / "m"))
+    assert load_model(str(tmp_path / "m")).superpixels.compactness == 20.0
+    with pytest.raises(ValueError, match="objective.terms.fcast.superpixels"):
+        _term(superpixels={"method": "sfcn"})
