@@ -77,7 +77,7 @@ class CastConfig:
 CAST_CONFIGS: dict[str, CastConfig] = {
     "cast-b": CastConfig(width=768, heads=12),
     "cast-s": CastConfig(width=384, heads=12),
-    "cast-tiny": CastConfig(width=64, heads=4, depths=(1, 1, 1, 1), clusters=(16, 8, 4), embed_dim=64,
+    "cast-tiny": CastConfig(width=128, heads=4, depths=(1, 1, 1, 1), clusters=(16, 8, 4), embed_dim=64,
                             image_size=64, n_segments=36),
 }
 

@@ -84,3 +84,18 @@ def test_save_load_round_trip_and_detection(model, scenes, tmp_path):
     (folder / "fcast_config.json").write_text('{"nonsense": 1}')
     with pytest.raises(ValueError, match="unknown keys"):
         load_model(str(folder))
+
+
+def test_push_stages_the_safetensors_folder_that_loads_back(model, scenes, tmp_path):
+    from finetune.hub import stage_upload
+    from finetune.models.adapters import load_finetuned, save_finetuned
+
+    folder = save_finetuned(model, tmp_path / "final")
+    out = stage_upload(folder, tmp_path / "upload", repo_id="me/fcast-tiny")
+    names = {p.name for p in out.iterdir()}
+    assert {"fcast_config.json", "model.safetensors", "xlipkit.json", "README.md"} <= names
+    assert not any(n.endswith((".bin", ".pt", ".pth")) for n in names)
+    tok = model.tokenize([e["caption"] for e in scenes])
+    with torch.no_grad():
+        torch.testing.assert_close(load_finetuned(str(out)).eval().encode_text(tok.input_ids, tok.attention_mask).embeds,
+                                   model.encode_text(tok.input_ids, tok.attention_mask).embeds)
