@@ -296,10 +296,11 @@ class CastEncoder(nn.Module):
         labels = resize_labels(superpixels.to(feats.device), (h, w))
         flat = labels.reshape(b, -1)
         n_seg = int(flat.max()) + 1
-        tok, counts = segment_mean(feats.flatten(2).transpose(1, 2), flat, n_seg)
-        pos = self.pos_embed if self.pos_embed.shape[0] == h * w else sincos_2d(h, w, c).to(feats)
-        pos_mean, _ = segment_mean(pos.to(feats.dtype), flat, n_seg)
-        return tok + pos_mean, counts > 0, labels
+        # sums and counts in float32 (a bf16 count is not exact past 256 pixels)
+        tok, counts = segment_mean(feats.flatten(2).transpose(1, 2).float(), flat, n_seg)
+        pos = self.pos_embed if self.pos_embed.shape[0] == h * w else sincos_2d(h, w, c).to(feats.device)
+        pos_mean, _ = segment_mean(pos.float(), flat, n_seg)
+        return (tok + pos_mean).to(feats.dtype), counts > 0, labels
 
     def forward(self, pixel_values: Tensor, superpixels: Tensor) -> CastOutput:
         """Encode ``pixel_values (B, 3, H, W)`` with their ``superpixels (B, H, W)`` int labels."""
