@@ -116,8 +116,10 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
     except RunFolderError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
+    from finetune.data.streams import check_stream_recipe
     from finetune.prerequisites import PrerequisiteError
 
+    check_stream_recipe(recipe)  # a RecipeError before any prerequisite trains
     try:
         prerequisites = _prerequisites(recipe, chain)
     except PrerequisiteError as exc:
