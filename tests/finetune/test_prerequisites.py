@@ -177,3 +177,24 @@ def test_quickstart_pretraining_fine_tuning_and_test_scenes_are_disjoint():
         for j in range(i + 1, 3):
             assert not captions[i] & captions[j], (specs[i], specs[j])
             assert not images[i] & images[j], (specs[i], specs[j])
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_start_together_then_fine_tune_from_it(tiny, tmp_path):
+    """Under a multi-process launch every process runs the prerequisite the way the run itself runs (one DDP
+    run of 2 processes), then all of them start from its final/."""
+    import subprocess
+    import sys
+
+    pre = _recipe(tmp_path / "pre.yaml", tiny, tmp_path / "runs" / "pre")
+    fine = _recipe(tmp_path / "fine.yaml", tiny, tmp_path / "runs" / "fine", seed=0, init_from=str(pre))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "finetune" / "run.py"), str(fine)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    pre_metrics, fine_metrics = _metrics(tmp_path / "runs" / "pre"), _metrics(tmp_path / "runs" / "fine")
+    assert pre_metrics["num_processes"] == fine_metrics["num_processes"] == 2
+    assert fine_metrics["init_from"]["status"] == "trained"
+    assert fine_metrics["before"]["synthetic"] == pre_metrics["after"]["synthetic"]
