@@ -125,6 +125,8 @@ def write_report(run_dir: str | Path, metrics: dict[str, Any], *, table: str, ex
         "",
         f"- model: `{model.get('name_or_path')}` (backend {metrics.get('backend', model.get('backend'))}), "
         f"text positions {metrics.get('max_text_len')}",
+        *([f"- started from: `{metrics['init_from']['run_dir']}/final` (`model.init_from: "
+             f"{metrics['init_from']['ref']}`, {metrics['init_from']['status']})"] if metrics.get("init_from") else []),
         f"- adapter: {recipe.get('adapter', {}).get('type')}; trainable parameters "
         f"{metrics.get('trainable_parameters', 0):,} of {metrics.get('total_parameters', 0):,}",
         f"- objective: {metrics.get('objective')}",

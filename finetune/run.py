@@ -209,11 +209,13 @@ def _load_start_model(m: Any, init: Any) -> Any:
              init.status)
     if read_info(init.final)["kind"] == "full":
         return load_model(str(init.final), max_text_len=m.max_text_len, dtype=m.dtype, kps=kps).train()
+    import torch
+
     model = load_finetuned(init.final, merge=True)
     if m.max_text_len is not None:
         apply_text_length(model, int(m.max_text_len), kps)
     if m.dtype is not None:
-        model.to(getattr(__import__("torch"), m.dtype))
+        model.to(getattr(torch, m.dtype))
     return model.train()
 
 

@@ -80,6 +80,7 @@ def test_init_from_trains_the_start_once_reuses_it_and_retrains_it_when_its_reci
     assert second["init_from"]["status"] == "reused"
     assert (tmp_path / "runs" / "pre" / "final").stat().st_mtime_ns == stamp
     assert second["before"] == first["before"]
+    assert "- started from: `" in (tmp_path / "runs" / "fine2" / "report.md").read_text()
 
     _recipe(pre, tiny, tmp_path / "runs" / "pre", lr=2e-3)  # the start's recipe changed: retrained
     assert _run(fine, f"output.dir={tmp_path / 'runs' / 'fine3'}") == 0
