@@ -14,6 +14,20 @@ from .distributed import (
     world_info,
 )
 from .flair import TextConditionedAttentionPool
+from .grm import (
+    GRMHead,
+    GRMImageOutput,
+    GRMLoss,
+    GRMOutput,
+    GRMTextOutput,
+    TokenAdapter,
+    grm_loss,
+    grm_similarity,
+    gumbel_gate,
+    sample_regions,
+    token_wise_similarity,
+    vse_hinge_loss,
+)
 from .structxlip import StructXLIPLoss, consistency_loss, local_structure_loss, official_weight_decay
 
 __all__ = [
@@ -26,6 +40,18 @@ __all__ = [
     "StructXLIPLoss",
     "official_weight_decay",
     "TextConditionedAttentionPool",
+    "GRMHead",
+    "GRMImageOutput",
+    "GRMTextOutput",
+    "GRMOutput",
+    "GRMLoss",
+    "TokenAdapter",
+    "grm_loss",
+    "grm_similarity",
+    "gumbel_gate",
+    "sample_regions",
+    "token_wise_similarity",
+    "vse_hinge_loss",
     "gather_with_grad",
     "gather_variable_with_grad",
     "VariableGather",
