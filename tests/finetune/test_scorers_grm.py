@@ -157,6 +157,7 @@ def test_1000_images_x_5000_captions_in_bounded_memory():
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("1,000 x 5,000 with the grm scorer:", result)
     assert result["n_t2i"] == 5000 and result["n_i2t"] == 1000
     all_cosines_mib = 5000 * 1000 * 16 * 12 * 4 / 2**20
     assert result["peak_growth_mib"] < 512 < all_cosines_mib / 4, result
