@@ -10,10 +10,11 @@ from .distributed import (
     VariableGather,
     gather_variable_with_grad,
     gather_with_grad,
+    ring_exchange_with_grad,
     should_gather,
     world_info,
 )
-from .flair import TextConditionedAttentionPool
+from .flair import FLAIRLoss, TextConditionedAttentionPool, flair_loss, sample_flair_text_indices
 from .grm import (
     GRMHead,
     GRMImageOutput,
@@ -40,6 +41,9 @@ __all__ = [
     "StructXLIPLoss",
     "official_weight_decay",
     "TextConditionedAttentionPool",
+    "flair_loss",
+    "FLAIRLoss",
+    "sample_flair_text_indices",
     "GRMHead",
     "GRMImageOutput",
     "GRMTextOutput",
@@ -55,6 +59,7 @@ __all__ = [
     "gather_with_grad",
     "gather_variable_with_grad",
     "VariableGather",
+    "ring_exchange_with_grad",
     "should_gather",
     "world_info",
 ]

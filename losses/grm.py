@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .distributed import gather_counts, gather_with_grad, should_gather, sum_over_ranks, world_info
+from .distributed import gather_counts, gather_with_grad, should_gather, world_info
 
 # Eq. 9 weights a, b, c (paper, "Parameter Analysis" and implementation details).
 PAPER_LEVEL_WEIGHTS = (0.4, 0.4, 0.2)
@@ -115,7 +115,9 @@ def gumbel_gate(
         ``(...)`` the gate A in [0, 1].
     """
     if logits.shape[-1] != 2:
-        raise ValueError(f"gumbel_gate: logits must end with 2 columns (drop, keep), got {tuple(logits.shape)}")
+        raise ValueError(
+            f"gumbel_gate: logits must end with 2 columns (drop, keep), got {tuple(logits.shape)}"
+        )
     if tau <= 0:
         raise ValueError(f"gumbel_gate: tau must be > 0, got {tau}")
     if stochastic:
@@ -239,9 +241,10 @@ def sample_regions(
 
     ``z_lk = mu_k + eps_lk * exp(log_var_k / 2)``, ``u_k = sum_l A_hat_lk z_lk``. Since the
     weights of region k sum to 1 over the tokens, ``u_k = mu_k + exp(log_var_k / 2) * sum_l
-    A_hat_lk eps_lk``, and ``sum_l A_hat_lk eps_lk`` is ``N(0, sum_l A_hat_lk^2)`` per dimension: without
-    ``noise`` that one (B, K, d) normal is drawn, the same distribution as eqs. 5-6 at a
-    (B, Lv, K, d) cost avoided (a valid reparameterisation: unbiased gradients).
+    A_hat_lk eps_lk``, and ``sum_l A_hat_lk eps_lk`` is ``N(0, sum_l A_hat_lk^2)`` per dimension.
+    Without ``noise`` that one ``(B, K, d)`` normal is drawn: the distribution of eqs. 5-6
+    without their ``(B, Lv, K, d)`` noise tensor (another reparameterisation of the same
+    distribution, so its gradients are unbiased too).
 
     Args:
         mu: ``(B, K, d)`` region means (eq. 3).
@@ -257,7 +260,9 @@ def sample_regions(
     if noise is not None:
         expected = (*weights.shape, mu.shape[-1])
         if tuple(noise.shape) != expected:
-            raise ValueError(f"sample_regions: noise must have shape (B, Lv, K, d) = {expected}, got {tuple(noise.shape)}")
+            raise ValueError(
+                f"sample_regions: noise must have shape (B, Lv, K, d) = {expected}, got {tuple(noise.shape)}"
+            )
         z = mu[:, None] + noise * std[:, None]
         return torch.einsum("blk,blkd->bkd", weights, z)
     eps = torch.randn(mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
@@ -333,6 +338,9 @@ class GRMHead(nn.Module):
             mask: ``(B, Lt)`` bool or 0/1 attention mask; None: no padding.
             stochastic: Gumbel noise on/off; None follows ``self.training``.
             generator: RNG of the Gumbel noise.
+
+        Returns:
+            :class:`GRMTextOutput` (gate 0 on padding).
         """
         self._check_dim("text tokens", tokens)
         mask = _token_mask("text mask", mask, tokens)
@@ -360,12 +368,18 @@ class GRMHead(nn.Module):
             generator: RNG of both noises.
             noise: optional ``(B, Lv, K, d)`` eps of eq. 5 (see :func:`sample_regions`); only
                 used when stochastic.
+
+        Returns:
+            :class:`GRMImageOutput`; padding has gate 0 and region weight 0, and each region's
+            weights sum to 1 over the real tokens (also when K exceeds their number).
         """
         self._check_dim("image tokens", tokens)
         mask = _token_mask("image mask", mask, tokens)
         stochastic = self._stochastic(stochastic)
         logits = self.vision_adapter(tokens)
-        gate = gumbel_gate(logits, tau=self.tau, hard=self.hard, stochastic=stochastic, generator=generator) * mask
+        gate = gumbel_gate(
+            logits, tau=self.tau, hard=self.hard, stochastic=stochastic, generator=generator
+        ) * mask
         key_tokens = tokens * gate[..., None]
         prompts = F.normalize(self.prompts, dim=-1).to(key_tokens.dtype)
         region_scores = torch.sigmoid(key_tokens @ prompts.T) * mask[..., None]
@@ -416,14 +430,19 @@ def _block_similarity(
     ct, lt, _ = text.shape
     # (ci, Lv, ct, Lt) token cosines, without a permuted copy.
     s = (image.reshape(ci * lv, d) @ text.reshape(ct * lt, d).T).reshape(ci, lv, ct, lt)
-    if leaky_slope is not None:
-        s = F.leaky_relu(s, leaky_slope)
     low = torch.finfo(s.dtype).min
     # Text2Image: each real text token takes its best real image token.
     t2i = s.masked_fill(~image_mask[:, :, None, None], low).max(dim=1).values  # (ci, ct, Lt)
+    # Image2Text: each real image token takes its best real text token (without autograd the
+    # mask is written in place: one block copy fewer).
+    no_text = ~text_mask[None, None]
+    masked = s.masked_fill(no_text, low) if s.requires_grad else s.masked_fill_(no_text, low)
+    i2t = masked.max(dim=3).values  # (ci, Lv, ct)
+    if leaky_slope is not None:
+        # leaky_relu is increasing, so max(leaky(s)) = leaky(max(s)): applied after the max, the
+        # block of cosines is not kept for the backward.
+        t2i, i2t = F.leaky_relu(t2i, leaky_slope), F.leaky_relu(i2t, leaky_slope)
     t2i = (t2i * text_mask[None]).sum(dim=-1) / text_mask.sum(dim=-1)[None]
-    # Image2Text: each real image token takes its best real text token.
-    i2t = s.masked_fill(~text_mask[None, None], low).max(dim=3).values  # (ci, Lv, ct)
     i2t = (i2t * image_mask[..., None]).sum(dim=1) / image_mask.sum(dim=-1)[:, None]
     return t2i + i2t
 
@@ -444,8 +463,9 @@ def token_wise_similarity(
     ``S = 1/Lt sum_t max_v s_tv + 1/Lv sum_v max_t s_tv`` (a sum of the two directions, as
     LAPS), with ``s_tv`` the cosine of L2-normalised tokens; padding tokens take part neither in
     the max nor in the mean. Blocks of images x texts are scored one at a time so that at most
-    ``block_elements`` token cosines exist at once (peak memory about three times that, plus the
-    inputs and the (Bi, Bt) result); under autograd each block keeps only the arg-max indices.
+    ``block_elements`` token cosines exist at once (peak memory about two to three times that,
+    plus the inputs and the (Bi, Bt) result); under autograd each block keeps only the arg-max
+    indices, so training memory is linear in Bi x Bt x (Lv + Lt), not in Bi x Bt x Lv x Lt.
 
     Args:
         text: ``(Bt, Lt, d)`` text token states (raw; normalised here).
@@ -457,6 +477,7 @@ def token_wise_similarity(
             token is the zero vector, cosine 0) with a gradient to the gates.
         image_weights: optional ``(Bi, Lv)`` gates of the image tokens, likewise.
         leaky_slope: LAPS's ``leaky_relu(cos, 0.1)`` before the max when set (0.1); None is eq. 7.
+            (Computed after the max, the same value since leaky_relu is increasing.)
         block_elements: cosines per block (memory bound).
 
     Returns:
@@ -465,7 +486,9 @@ def token_wise_similarity(
     _check_tokens("text", text)
     _check_tokens("image", image)
     if text.shape[-1] != image.shape[-1]:
-        raise ValueError(f"text and image tokens must share the width d, got {text.shape[-1]} and {image.shape[-1]}")
+        raise ValueError(
+            f"text and image tokens must share the width d, got {text.shape[-1]} and {image.shape[-1]}"
+        )
     if block_elements < 1:
         raise ValueError(f"block_elements must be >= 1, got {block_elements}")
     text_mask = _token_mask("text_mask", text_mask, text)
@@ -481,6 +504,10 @@ def token_wise_similarity(
     ci = min(n_image, max(1, math.isqrt(pairs)))
     ct = min(n_text, max(1, pairs // ci))
     ci = min(n_image, max(1, pairs // ct))
+    inputs = (text, image, text_weights, image_weights)
+    needs_graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    # Without autograd the blocks are written into the result (no second copy of it).
+    out = None if needs_graph else image.new_empty(n_image, n_text)
     columns = []
     for t0 in range(0, n_text, ct):
         t1 = min(t0 + ct, n_text)
@@ -489,11 +516,16 @@ def token_wise_similarity(
         for i0 in range(0, n_image, ci):
             i1 = min(i0 + ci, n_image)
             image_block = _unit_tokens(image[i0:i1], None if image_weights is None else image_weights[i0:i1])
-            rows.append(
-                _block_similarity(text_block, text_mask[t0:t1], image_block, image_mask[i0:i1], leaky_slope)
+            block = _block_similarity(
+                text_block, text_mask[t0:t1], image_block, image_mask[i0:i1], leaky_slope
             )
-        columns.append(torch.cat(rows, dim=0))
-    return torch.cat(columns, dim=1)
+            if out is None:
+                rows.append(block)
+            else:
+                out[i0:i1, t0:t1] = block
+        if out is None:
+            columns.append(torch.cat(rows, dim=0))
+    return torch.cat(columns, dim=1) if out is None else out
 
 
 # --- eq. 8: VSE++ hinge --------------------------------------------------------------------
@@ -575,7 +607,11 @@ def vse_hinge_loss(
         or positives.dtype != torch.bool
         or tuple(positives.shape) != (n_rows, n_cols)
     ):
-        got = (positives.dtype, tuple(positives.shape)) if isinstance(positives, Tensor) else type(positives).__name__
+        got = (
+            (positives.dtype, tuple(positives.shape))
+            if isinstance(positives, Tensor)
+            else type(positives).__name__
+        )
         raise ValueError(f"positives must be a bool tensor of shape {(n_rows, n_cols)} like sim, got {got}")
     image_queries = _hinge(sim, positives, margin, max_violation)
     if world == 1:
@@ -638,13 +674,10 @@ def reconstruction(image: GRMImageOutput) -> Tensor:
     return (image.regions.mean(dim=1) - patch_mean).square().sum(dim=-1)
 
 
-def _batch_mean(per_image: Tensor, world: int) -> Tensor:
-    """Mean over the global batch, as ``world * local sum / global count`` (mean over ranks =
-    the single-process mean)."""
-    count = torch.tensor(float(per_image.shape[0]), device=per_image.device)
-    if world > 1:
-        count = sum_over_ranks(count)
-    return per_image.sum() * world / count.clamp(min=1)
+def _batch_mean(per_image: Tensor) -> Tensor:
+    """Mean over the images. Distributed, every rank holds as many images (the hinge gathers equal
+    blocks of rows), so the mean over ranks of the local means is the global mean."""
+    return per_image.mean() if per_image.numel() else per_image.sum()
 
 
 def grm_similarity(
@@ -669,7 +702,9 @@ def grm_similarity(
             text_weights=text.gate, image_weights=image.gate, **common,
         )
     if level == "unc":
-        return token_wise_similarity(text.tokens, text.mask, image.regions, None, text_weights=text.gate, **common)
+        return token_wise_similarity(
+            text.tokens, text.mask, image.regions, None, text_weights=text.gate, **common
+        )
     raise ValueError(f"level must be 'ori', 'key' or 'unc', got {level!r}")
 
 
@@ -709,7 +744,9 @@ def grm_loss(
         gather: ``None`` gathers when a process group of size > 1 is initialised: the texts
             (tokens, masks, gates, padded to the longest Lt) are gathered with autograd, each rank
             scores its images against all texts, and every value is scaled so that its mean over
-            ranks equals the single-process value on the concatenated batch.
+            ranks equals the single-process value on the concatenated batch (exact gradients
+            under DDP's averaging). Every rank must hold as many images and as many texts
+            (``drop_last=True``); text lengths may differ.
 
     Returns:
         ``{"ori", "key", "unc", "con", "recon", "kl", "ent", "reg", "loss"}`` scalars.
@@ -718,18 +755,21 @@ def grm_loss(
         raise ValueError(f"level_weights must be three non-negative numbers (a, b, c), got {level_weights}")
     if recon_weight < 0 or reg_weight < 0:
         raise ValueError(f"recon_weight and reg_weight must be >= 0, got {recon_weight}, {reg_weight}")
-    rank, world = world_info() if should_gather(gather) else (0, 1)
+    _, world = world_info() if should_gather(gather) else (0, 1)
     if world > 1:
         tokens, mask, gate = _gather_tokens(text.tokens, text.mask, text.gate)
         text = GRMTextOutput(tokens, mask, text.logits, gate, tokens * gate[..., None])
     common = {"leaky_slope": leaky_slope, "block_elements": block_elements}
     hinge = {"margin": margin, "max_violation": max_violation, "positives": positives, "gather": world > 1}
-    out = {level: vse_hinge_loss(grm_similarity(image, text, level, **common), **hinge) for level in ("ori", "key", "unc")}
+    out = {
+        level: vse_hinge_loss(grm_similarity(image, text, level, **common), **hinge)
+        for level in ("ori", "key", "unc")
+    }
     a, b, c = level_weights
     out["con"] = a * out["ori"] + b * out["key"] + c * out["unc"]
-    out["recon"] = _batch_mean(reconstruction(image), world)
-    out["kl"] = _batch_mean(region_kl(image), world)
-    out["ent"] = _batch_mean(region_entropy(image, entropy_of=entropy_of), world)
+    out["recon"] = _batch_mean(reconstruction(image))
+    out["kl"] = _batch_mean(region_kl(image))
+    out["ent"] = _batch_mean(region_entropy(image, entropy_of=entropy_of))
     out["reg"] = out["kl"] + out["ent"]
     out["loss"] = out["con"] + recon_weight * out["recon"] + reg_weight * out["reg"]
     return out
