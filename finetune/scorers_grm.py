@@ -8,7 +8,7 @@ masked), and scores a text block against an image block with :func:`losses.token
 - ``key`` (default): the adapted tokens of the GRM head in ``model.inference_modules["grm"]`` (the
   ``grm`` objective term trains it): the significance- / granularity-aware gates of eq. 1, argmax at
   evaluation, applied to the normalised tokens (S^key);
-- ``ori``: the raw projected tokens (S^ori), which needs no head;
+- ``ori``: the raw projected tokens (S^ori), which needs no head (also registered as ``grm_ori``);
 - ``unc``: the gated text tokens against the K region means (U = mu at evaluation, S^unc).
 
 ``score_pairs`` scores text j with image j directly (one ``(Lv, Lt)`` cosine block per pair, in chunks),
@@ -28,7 +28,7 @@ from torch import Tensor
 from finetune.scorers import Payload, Scorer, register_scorer
 from losses.grm import DEFAULT_BLOCK_ELEMENTS, LAPS_LEAKY_SLOPE, token_wise_similarity
 
-__all__ = ["GRMScorer", "pairwise_token_similarity", "LAPS_LEAKY_SLOPE"]
+__all__ = ["GRMScorer", "grm_ori", "pairwise_token_similarity", "LAPS_LEAKY_SLOPE"]
 
 Level = Literal["key", "ori", "unc"]
 
@@ -163,3 +163,12 @@ class GRMScorer(Scorer):
         means of such cosines."""
         x = texts["tokens"]
         return 4 * x.shape[-1] * torch.finfo(x.dtype).eps
+
+
+@register_scorer("grm_ori")
+def grm_ori(leaky_slope: float | None = None, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> GRMScorer:
+    """``eval.scorer: grm_ori``: :class:`GRMScorer` with ``level="ori"`` (eq. 7 on the raw projected tokens,
+    S^ori; no GRM head needed)."""
+    scorer = GRMScorer(level="ori", leaky_slope=leaky_slope, block_elements=block_elements)
+    scorer.name = "grm_ori"
+    return scorer

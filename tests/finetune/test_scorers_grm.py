@@ -104,6 +104,8 @@ def test_pairwise_is_the_diagonal_of_the_full_similarity():
 def test_registered_and_needs_a_head_for_the_adapted_levels():
     assert "grm" in available_scorers()
     assert isinstance(get_scorer("grm"), GRMScorer) and get_scorer("grm", level="ori").level == "ori"
+    alias = get_scorer("grm_ori")
+    assert alias.level == "ori" and alias.name == "grm_ori" and get_scorer("grm").name == "grm"
     with pytest.raises(ValueError, match="level must be"):
         GRMScorer(level="sum")
     model = load_model("tiny-clip")
