@@ -196,12 +196,12 @@ def _load_start_model(m: Any, init: Any) -> Any:
     """The model a run starts from: ``model.name_or_path`` as loaded, or the ``final/`` of the run that
     ``model.init_from`` names (an adapter folded into its base), stretched to ``model.max_text_len``."""
     from finetune import load_model
-    from finetune.models.families import recipe_family
+    from finetune.models.families import model_family_options, recipe_family
 
     kps = dict(vars(m.kps)) if m.kps is not None else None
     if init is None:
         return load_model(m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
-                          trust_remote_code=m.trust_remote_code, kps=kps)
+                          trust_remote_code=m.trust_remote_code, kps=kps, family_options=model_family_options(m))
     from finetune.models.adapters import load_finetuned, read_info
     from finetune.models.loading import apply_text_length
 
