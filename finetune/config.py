@@ -265,6 +265,10 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     gradient_checkpointing: Bool = False
     trust_remote_code: Annotated[Bool, _doc("let transformers run the model repository's code")] = False
+    init_from: Annotated[Str | None, _doc(
+        "start from another run's final/: a recipe YAML (its run is reused when its output.dir holds a "
+        "finished run of the same resolved recipe, else trained first) or a run folder with final/; "
+        "name_or_path is then not loaded (finetune.prerequisites)")] = None
     vision: Annotated[NonEmptyStr | None, _doc(
         "family vision_text: the image tower (a ViT or Swin hub id or folder) of a new dual encoder; "
         "with model.text, name_or_path is not read")] = None
@@ -401,6 +405,10 @@ class EvalConfig:
     rerank_top_k: Annotated[_int(ge=1) | None, _doc(
         "re-score only the global-cosine top-k candidates with the scorer; null: all")] = None
     block_size: Annotated[_int(ge=1), _doc("texts x images scored per block (bounds memory)")] = 1024
+    compare_with: Annotated[list[NonEmptyStr], _doc(
+        "recipes (or finished run folders) whose Recall@K the report sets beside this run's; a recipe's "
+        "run is reused when current, else trained first, like model.init_from")] = dataclasses.field(
+        default_factory=list)
 
 
 def _validate_terms(value: Any) -> dict[str, Any]:

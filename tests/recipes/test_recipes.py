@@ -118,6 +118,8 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
         "train.checkpoint_every=0",
         "train.trackers=[]",
         f"output.dir={out_dir}",
+        "model.init_from=null",  # a start from another recipe: tests/finetune/test_prerequisites.py
+        "eval.compare_with=[]",
     ]
 
 
