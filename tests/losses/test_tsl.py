@@ -310,6 +310,34 @@ def test_attached_heads_are_saved_and_restored_with_the_model(tiny_folder, tmp_p
     assert isinstance(restored, TSLHeads)
     for (key, a), (_, b) in zip(heads.state_dict().items(), restored.state_dict().items()):
         torch.testing.assert_close(a, b, msg=key)
+    assert attach_tsl_heads(loaded) is restored  # a resumed or reloaded model keeps its trained heads
+
+
+@pytest.mark.slow
+def test_a_model_with_heads_loads_in_a_fresh_process_without_importing_losses(tiny_folder, tmp_path):
+    import subprocess
+    import sys
+
+    from finetune.models.adapters import save_finetuned
+
+    model = load_model(str(tiny_folder("tiny-clip")))
+    with torch.no_grad():
+        attach_tsl_heads(model).image.proj.weight.mul_(3)
+    save_finetuned(model, tmp_path / "final")
+    torch.save(model.inference_modules["tsl_heads"].state_dict(), tmp_path / "heads.pt")
+    script = (
+        "import sys, torch\n"
+        "from finetune.models.adapters import load_finetuned\n"
+        f"model = load_finetuned({str(tmp_path / 'final')!r})\n"
+        "assert 'losses.tsl' in sys.modules\n"
+        f"saved = torch.load({str(tmp_path / 'heads.pt')!r}, weights_only=True)\n"
+        "for k, v in model.inference_modules['tsl_heads'].state_dict().items():\n"
+        "    assert torch.equal(v, saved[k]), k\n"
+        "print('restored', type(model.inference_modules['tsl_heads']).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "restored TSLHeads" in out.stdout
 
 
 # --- tsl_loss (eq. 14) ------------------------------------------------------------------------------

@@ -44,3 +44,23 @@ def test_input_geometry_of_longest_pad_centres_the_image():
 def test_patch_count_of_fixed_inputs():
     assert patch_count({"mode": "shortest_center_crop", "size": 224, "crop": (224, 224), "patch_size": 16}) == 196
     assert patch_count({"mode": "squash", "size": 64, "crop": None, "patch_size": 8}) == 64
+
+
+def test_box_patch_mask_overlap_takes_every_patch_the_box_touches():
+    """FAST-GOAL appendix C: floor of the top-left corner, ceil of the bottom-right one, in patch units."""
+    params = {"mode": "shortest_center_crop", "size": 32, "crop": (32, 32), "patch_size": 8}
+    # 128 x 64 -> 64 x 32, crop offset 16: (60, 16, 70, 20) -> (14, 8)-(19, 10): columns 1-2 of row 1
+    straddles = (60, 16, 70, 20)
+    assert box_patch_mask(straddles, (128, 64), params, cover="overlap").nonzero().flatten().tolist() == [5, 6]
+    assert box_patch_mask(straddles, (128, 64), params).nonzero().flatten().tolist() == [6]  # centre rule
+    inside = (64, 16, 80, 32)  # -> (16, 8)-(24, 16): exactly the patch at row 1, col 2
+    assert box_patch_mask(inside, (128, 64), params, cover="overlap").nonzero().flatten().tolist() == [6]
+    # partly cut by the crop: (0, 0, 40, 20) -> (-16, 0)-(4, 10), clipped to (0, 0)-(4, 10): column 0, rows 0-1
+    assert box_patch_mask((0, 0, 40, 20), (128, 64), params, cover="overlap").nonzero().flatten().tolist() == [0, 4]
+    assert box_patch_mask((0, 0, 32, 64), (128, 64), params, cover="overlap") is None  # all cut away
+    # 200 px -> 224: x = 100 lands on 112.00000000000001, the boundary of column 7, which it must not take
+    squash = {"mode": "squash", "size": (224, 224), "crop": None, "patch_size": 16}
+    left = box_patch_mask((0, 0, 100, 200), (200, 200), squash, cover="overlap").view(14, 14)
+    assert left[:, :7].all() and not left[:, 7:].any()
+    with pytest.raises(ValueError, match="cover must be 'centre' or 'overlap'"):
+        box_patch_mask(inside, (128, 64), params, cover="any")
