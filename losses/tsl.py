@@ -176,14 +176,16 @@ def pool_span_states(
     if not isinstance(states, Tensor) or states.dim() != 3:
         raise ValueError(f"states must be a (B, L, W) tensor, got {getattr(states, 'shape', type(states).__name__)}")
     batch, length, _ = states.shape
-    spans = _span_tensor(spans, batch).to(states.device)
+    spans = _span_tensor(spans, batch)
     valid = _check_valid(valid, batch)
     use = torch.ones(batch, dtype=torch.bool) if valid is None else valid.cpu()
+    checked = spans.cpu().tolist()  # one transfer, not one per row
     for b in use.nonzero().flatten().tolist():
-        start, end = spans[b].tolist()
+        start, end = checked[b]
         if not 0 <= start < end <= length:
             raise ValueError(f"pool_span_states: sample {b} has span ({start}, {end}), which is empty or outside "
                              f"the {length} token states; mark it invalid (valid[{b}] = False) or fix the span")
+    spans = spans.to(states.device)
     positions = torch.arange(length, device=states.device)
     mask = (positions[None, :] >= spans[:, :1]) & (positions[None, :] < spans[:, 1:])
     mask &= use.to(states.device)[:, None]
