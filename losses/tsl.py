@@ -554,6 +554,8 @@ def tsl_similarity_loss(
         raise ValueError(f"weights must be a ({batch},) tensor, got {getattr(weights, 'shape', type(weights).__name__)}")
     pooled = F.normalize(pooled_embeds, dim=-1)
     target = F.normalize(target_embeds, dim=-1)
+    if weights is not None:
+        weights = weights.to(device=pooled.device, dtype=pooled.dtype)
     rank, world = world_info() if should_gather(gather) else (0, 1)
     local_valid = valid if valid is not None else torch.ones(batch, dtype=torch.bool, device=pooled.device)
     local_valid = local_valid.to(pooled.device)

@@ -267,6 +267,8 @@ def test_naflex_boxes_follow_each_images_grid(tiny_folder):
     boxes = [(10, 5, 30, 20), (30, 30, 40, 40)]
     masks = box_patch_masks(boxes, geometry, feats.states.shape[1])
     assert [m.nonzero().flatten().tolist() for m in masks] == [[1, 2, 6, 7], [15]]
+    assert feats.patch_mask[0].tolist() == [1] * 15 + [0]  # the padding patch is never selected
+    assert not bool((masks & ~feats.patch_mask.bool()).any())
     pooled = pool_box_states(feats.states, boxes, geometry)
     torch.testing.assert_close(pooled, torch.stack([feats.states[0, [1, 2, 6, 7]].mean(0), feats.states[1, 15]]))
 
