@@ -25,6 +25,11 @@ The pieces, in the order a training step uses them:
 Conventions (DESIGN 4): embeddings are raw (normalised here); with ``gather`` each rank scores its
 local rows against the gathered columns of every rank, and the mean over ranks of the returned value
 is the single-process value on the concatenated batch (same gradients under DDP's averaging).
+
+Like the rest of ``losses``, the module needs torch only: mapping boxes to patches
+(:func:`box_patch_masks`, :func:`pool_box_states`) imports the toolkit's
+``finetune.preprocess.geometry`` when called, and :class:`TSLHeads` is registered as an inference
+module when the toolkit is installed.
 """
 
 from __future__ import annotations
@@ -36,9 +41,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from finetune.models.inference_modules import register_inference_module
-from finetune.preprocess.geometry import box_patch_mask
 
 from .distributed import gather_with_grad, should_gather, world_info
 
@@ -272,6 +274,8 @@ def box_patch_masks(
         ValueError: a box of zero area, or one entirely outside the crop (the message names the
             sample), or a geometry that does not match the batch (sizes, NaFlex shapes, patch count).
     """
+    from finetune.preprocess.geometry import box_patch_mask, patch_count
+
     boxes = _boxes_tensor(boxes)
     batch = boxes.shape[0]
     valid = _check_valid(valid, batch)
@@ -288,8 +292,6 @@ def box_patch_masks(
     elif naflex:
         raise ValueError("a NaFlex model's boxes need BoxGeometry.spatial_shapes (ImageFeatures.spatial_shapes)")
     if not naflex:
-        from finetune.preprocess.geometry import patch_count
-
         grid = patch_count(params)
         if grid != n_patches:
             raise ValueError(f"the states hold {n_patches} patches per image but the model's input geometry has "
@@ -432,7 +434,6 @@ class _NormLinear(nn.Module):
             self.proj.bias.copy_(bias)
 
 
-@register_inference_module(name="tsl.heads")
 class TSLHeads(nn.Module):
     """Separate TSL projections psi_v and psi_t (FAST-GOAL eqs. 8, 10; option ``heads: new``).
 
@@ -440,8 +441,8 @@ class TSLHeads(nn.Module):
     final norm and projection (:meth:`from_model`), so at initialisation it maps states exactly as
     ``DualEncoder.project_image_states`` / ``project_text_states`` do, and then trains on its own:
     TSL's gradients reach the encoders through these heads without moving the model's projections.
-    Registered as an inference module (``tsl.heads``), so it is saved and restored with the model
-    (:func:`attach_tsl_heads`); the model's embeddings never use it.
+    Registered as an inference module (``tsl.heads``, when the toolkit is installed), so it is saved
+    and restored with the model (:func:`attach_tsl_heads`); the model's embeddings never use it.
 
     Args:
         image_width, text_width: ``W`` of the image and text states.
@@ -483,6 +484,14 @@ class TSLHeads(nn.Module):
     def project_text_states(self, x: Tensor) -> Tensor:
         """psi_t: ``(..., W_text)`` -> ``(..., D)``."""
         return self.text(x)
+
+
+try:
+    from finetune.models.inference_modules import register_inference_module
+except ImportError:  # losses used on its own, without the toolkit: nothing saves inference modules
+    pass
+else:
+    register_inference_module(TSLHeads, name="tsl.heads")
 
 
 def attach_tsl_heads(model: Any) -> TSLHeads:

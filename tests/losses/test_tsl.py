@@ -435,3 +435,26 @@ def test_tsl_loss_rejects_bad_inputs():
 @pytest.mark.parametrize("case", ["tsl_matrix", "tsl_diagonal", "tsl_valid_weighted"])
 def test_two_ranks_match_one_process_on_the_concatenated_batch(two_ranks: list[dict], case: str) -> None:
     two_rank_cases.assert_matches_single_process(case, two_ranks)
+
+
+def test_the_losses_need_no_toolkit():
+    """``losses`` is torch only (README, "Losses library"): TSL's pooling and loss work without ``finetune``."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "sys.modules['finetune'] = None  # the toolkit cannot be imported\n"
+        "import torch, losses\n"
+        "x = torch.randn(3, 4)\n"
+        "assert losses.tsl_loss(x, x, x, x, form='diagonal').item() < 1e-12\n"
+        "states = torch.arange(12.).reshape(1, 6, 2)\n"
+        "assert losses.pool_span_states(states, [[1, 3]]).tolist() == [[3.0, 4.0]]\n"
+        "mask = torch.tensor([[True, False, False, False, False, True]])\n"
+        "assert losses.pool_patch_states(states, mask).tolist() == [[5.0, 6.0]]\n"
+        "print('torch only')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=str(Path(__file__).resolve().parents[2]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "torch only"
