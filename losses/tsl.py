@@ -309,9 +309,9 @@ def box_patch_masks(
         mask = box_patch_mask(box, (int(sizes[b][0]), int(sizes[b][1])), params, n_patches=n_patches,
                               spatial_shape=shape, cover=geometry.cover)
         if mask is None:
-            raise ValueError(f"sample {b}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) lies entirely outside the network input "
-                             f"of its {int(sizes[b][0])}x{int(sizes[b][1])} image (cut away by the processor's centre "
-                             "crop): no patch state covers it")
+            raise ValueError(f"sample {b}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) lies entirely outside the network "
+                             f"input of its {int(sizes[b][0])}x{int(sizes[b][1])} image (cut away by the processor's "
+                             "centre crop): no patch state covers it")
         masks[b] = mask
     return masks
 
@@ -560,7 +560,8 @@ def tsl_similarity_loss(
     batch = pooled_embeds.shape[0]
     valid = _check_valid(valid, batch)
     if weights is not None and (not isinstance(weights, Tensor) or weights.shape != (batch,)):
-        raise ValueError(f"weights must be a ({batch},) tensor, got {getattr(weights, 'shape', type(weights).__name__)}")
+        got = getattr(weights, "shape", type(weights).__name__)
+        raise ValueError(f"weights must be a ({batch},) tensor, got {got}")
     pooled = F.normalize(pooled_embeds, dim=-1)
     target = F.normalize(target_embeds, dim=-1)
     if weights is not None:
