@@ -218,6 +218,11 @@ class BoxGeometry:
     spatial_shapes: Sequence[Sequence[int]] | Tensor | None = None
     cover: str = "overlap"
 
+    def __post_init__(self) -> None:
+        if self.cover not in ("overlap", "centre"):
+            raise ValueError(f"BoxGeometry.cover must be 'overlap' (FAST-GOAL appendix C) or 'centre', got "
+                             f"{self.cover!r}")
+
     @classmethod
     def from_model(
         cls,
@@ -297,9 +302,10 @@ def box_patch_masks(
             raise ValueError(f"the states hold {n_patches} patches per image but the model's input geometry has "
                              f"{grid} (patch size {params.get('patch_size')}); the states and the geometry come from "
                              "different models or inputs")
+    use = [True] * batch if valid is None else valid.cpu().tolist()
     masks = torch.zeros(batch, n_patches, dtype=torch.bool)
     for b, box in enumerate(boxes.tolist()):
-        if valid is not None and not bool(valid[b]):
+        if not use[b]:
             continue
         x1, y1, x2, y2 = box
         if not x2 > x1 or not y2 > y1:

@@ -221,6 +221,8 @@ def test_small_boxes_and_boxes_cut_by_the_crop():
     assert [m.nonzero().flatten().tolist() for m in masks] == [[29], [14], [15, 16], [0, 14]]
     centre = box_patch_masks(boxes, BoxGeometry([(640, 480)] * 4, params, cover="centre"), 196)
     assert centre[2].nonzero().flatten().tolist() == [15]  # StructXLIP's rule: the patch under the box centre
+    with pytest.raises(ValueError, match="cover must be 'overlap' .* or 'centre', got 'center'"):
+        BoxGeometry([(640, 480)], params, cover="center")
 
 
 def test_empty_boxes_are_errors_naming_the_sample():
