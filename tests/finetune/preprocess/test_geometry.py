@@ -64,3 +64,30 @@ def test_box_patch_mask_overlap_takes_every_patch_the_box_touches():
     assert left[:, :7].all() and not left[:, 7:].any()
     with pytest.raises(ValueError, match="cover must be 'centre' or 'overlap'"):
         box_patch_mask(inside, (128, 64), params, cover="any")
+
+
+def test_crop_offset_floors_or_rounds_the_cut_half():
+    floor = {"mode": "shortest_center_crop", "size": 32, "crop": (32, 32), "patch_size": 8}
+    # 67 x 32: nothing to resize, the crop cuts 35 columns: 17 before the kept part (floor), 18 (round)
+    assert input_geometry(67, 32, floor)[2] == 17.0
+    assert input_geometry(67, 32, {**floor, "crop_offset": "round"})[2] == 18.0
+    assert input_geometry(69, 32, {**floor, "crop_offset": "round"})[2] == 18.0  # round(18.5): half to even
+    with pytest.raises(ValueError, match="crop_offset must be 'floor' or 'round'"):
+        input_geometry(67, 32, {**floor, "crop_offset": "ceil"})
+
+
+@pytest.mark.parametrize("name", ["tiny-clip", "tiny-openclip"])  # transformers floors, torchvision rounds
+@pytest.mark.parametrize("width", [67, 69])
+def test_geometry_matches_the_processors_own_centre_crop(name, width):
+    import numpy as np
+    from PIL import Image
+
+    from finetune.models.registry import build_model
+
+    model = build_model(name)
+    pixels = np.full((32, width, 3), 255, dtype=np.uint8)
+    pixels[:, :40] = 0  # dark up to x = 40 of the original image
+    row = model.preprocess_images([Image.fromarray(pixels)])["pixel_values"][0].mean(dim=0)[16]
+    dark_until = int((row < 0).nonzero().max()) + 1
+    sx, _, ox, _, _, _ = input_geometry(width, 32, model.image_transform_params())
+    assert dark_until == 40 * sx - ox
