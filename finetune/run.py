@@ -217,7 +217,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     from finetune.data.skipping import drop_undecodable
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import apply_adapter, save_finetuned
-    from finetune.models.families import recipe_family
+    from finetune.models.families import model_family_options, recipe_family
     from finetune.objectives import build_objective
     from finetune.report import plot_losses, plot_recall, write_json_atomic, write_report
     from finetune.scorers import get_scorer
@@ -233,6 +233,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     model = load_model(
         m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
         trust_remote_code=m.trust_remote_code, kps=dict(vars(m.kps)) if m.kps is not None else None,
+        family_options=model_family_options(m),
     )
     model = apply_adapter(model, recipe.adapter)
     if m.gradient_checkpointing:
