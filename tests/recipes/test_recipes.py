@@ -16,8 +16,10 @@ from accelerate.state import AcceleratorState, GradientState
 from finetune.config import RecipeError, list_recipes, load_recipe, recipe_json_schema, recipe_to_dict
 from finetune.models.registry import save_tiny
 from tests.finetune.data.fixtures import (
+    write_coco_fixture,
     write_dci_fixture,
     write_docci_fixture,
+    write_flickr30k_fixture,
     write_urban1k_fixture,
 )
 
@@ -63,13 +65,22 @@ def fixtures(tmp_path_factory):
         "docci": write_docci_fixture(root / "docci", n_train=8, n_test=6, n_qual_test=2),
         "dci": write_dci_fixture(root / "dci", n_train=3, n_valid=2, n_test=2),
         "urban1k": write_urban1k_fixture(root / "urban1k", 6),
+        "flickr30k": write_flickr30k_fixture(root / "flickr30k", n_train=4, n_val=1, n_test=5),
+        "coco": write_coco_fixture(root / "coco", 0, karpathy=(4, 1, 10)),
+        "towers": _tiny_towers(root / "towers"),
     }
+
+
+def _tiny_towers(folder):
+    from finetune.models.vision_text import save_tiny_towers
+
+    return save_tiny_towers(folder)
 
 
 def _fixture_set(entry, fixtures) -> dict:
     spec = {"name": entry} if isinstance(entry, str) else dict(entry)
     name = spec["name"]
-    if name in ("docci", "dci", "urban1k"):
+    if name in ("docci", "dci", "urban1k", "flickr30k", "coco"):
         spec["path"] = str(fixtures[name])
         if name == "docci" and spec.get("protocol") not in (None, "test", "goal"):
             spec.pop("protocol")
@@ -84,14 +95,19 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
     raw = yaml.safe_load(path.read_text())
     model_name = str(raw.get("model", {}).get("name_or_path", ""))
     tiny = fixtures["tiny-siglip"] if "siglip" in model_name.lower() else fixtures["tiny-clip"]
+    model = [f"model.name_or_path={tiny}"]
+    if raw.get("model", {}).get("family") == "vision_text":  # GRM's ViT / Swin + BERT: tiny towers as hub ids
+        swin = "swin" in str(raw["model"].get("vision", "")).lower()
+        model = [f"model.vision={fixtures['towers']['swin' if swin else 'vit']}",
+                 f"model.text={fixtures['towers']['bert']}"]
     if raw.get("model", {}).get("family") == "fcast":  # F-CAST: the tiny registry model of its own family
-        tiny = "fcast-tiny"
+        model = ["model.name_or_path=fcast-tiny"]
     train = _fixture_set(raw.get("data", {}).get("train", {"name": "synthetic"}), fixtures)
     if train["name"] == "synthetic":
         train["size"] = 16
     sets = [_fixture_set(s, fixtures) for s in raw.get("eval", {}).get("sets", [])]
     return [
-        f"model.name_or_path={tiny}",
+        *model,
         "model.dtype=null",
         f"data.train={json.dumps(train)}",
         f"eval.sets={json.dumps(sets)}",
@@ -104,6 +120,8 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
         "train.checkpoint_every=0",
         "train.trackers=[]",
         f"output.dir={out_dir}",
+        "model.init_from=null",  # a start from another recipe: tests/finetune/test_prerequisites.py
+        "eval.compare_with=[]",
     ] + _fcast_overrides(raw)
 
 
@@ -146,6 +164,9 @@ def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["max_steps"] == 2
     if "fcast" in recipe.objective.terms:
         assert (out / "plots" / "fcast_hierarchy.png").is_file() and (out / "plots" / "fcast_attention.png").is_file()
+    if "grm" in recipe.objective.terms:  # the GRM head is saved with the model; rSum is reported
+        assert (out / "final" / "xlipkit_inference.json").is_file()
+        assert all(r["rsum"] >= 0 for r in metrics["after"].values())
 
 
 @pytest.mark.slow
