@@ -61,6 +61,7 @@ _FAMILIES: dict[str, ModelFamily] = {}
 #: F-CAST). They are imported on the first lookup, so that ``import finetune`` stays light.
 BUILTIN_FAMILY_MODULES: tuple[str, ...] = (
     "finetune.models.vision_text",
+    "finetune.models.fcast",
 )
 _builtins_imported = False
 

@@ -100,6 +100,8 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
         swin = "swin" in str(raw["model"].get("vision", "")).lower()
         model = [f"model.vision={fixtures['towers']['swin' if swin else 'vit']}",
                  f"model.text={fixtures['towers']['bert']}"]
+    if raw.get("model", {}).get("family") == "fcast":  # F-CAST: the tiny registry model of its own family
+        model = ["model.name_or_path=fcast-tiny"]
     train = _fixture_set(raw.get("data", {}).get("train", {"name": "synthetic"}), fixtures)
     if train["name"] == "synthetic":
         train["size"] = 16
@@ -120,7 +122,18 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
         f"output.dir={out_dir}",
         "model.init_from=null",  # a start from another recipe: tests/finetune/test_prerequisites.py
         "eval.compare_with=[]",
-    ]
+    ] + _fcast_overrides(raw)
+
+
+def _fcast_overrides(raw: dict) -> list[str]:
+    """F-CAST recipes: the fixtures' plain captions, SLIC superpixels (no SFCN weights in tests)."""
+    if "fcast" not in (raw.get("objective", {}).get("terms") or {}):
+        return []
+    out = ["objective.terms.fcast.caption_fields=null", "objective.terms.fcast.long_fields=null",
+           "objective.terms.fcast.superpixels=null", "objective.terms.fcast.report_images=2"]
+    if raw.get("data", {}).get("train", {}).get("name") in ("webdataset", "parquet", "hub"):  # shards: scenes
+        out.append('data.train={"name": "synthetic", "size": 16, "options": {"image_size": 32}}')
+    return out
 
 
 def _reset_accelerate() -> None:
@@ -149,6 +162,8 @@ def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
     assert (out / "report.md").is_file() and (out / "plots" / "loss.png").is_file()
     assert (out / "final" / "xlipkit.json").is_file()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["max_steps"] == 2
+    if "fcast" in recipe.objective.terms:
+        assert (out / "plots" / "fcast_hierarchy.png").is_file() and (out / "plots" / "fcast_attention.png").is_file()
     if "grm" in recipe.objective.terms:  # the GRM head is saved with the model; rSum is reported
         assert (out / "final" / "xlipkit_inference.json").is_file()
         assert all(r["rsum"] >= 0 for r in metrics["after"].values())
