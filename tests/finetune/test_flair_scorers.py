@@ -71,8 +71,9 @@ def test_prefilter_path_equals_the_full_path_when_k_covers_everything(model):
     scorer, texts, images, owner = _payloads(model, seed=1)
     full = retrieval_ranks(scorer, texts, images, owner, block_size=4)
     for k in (len(owner), 128):
-        pre = retrieval_ranks(scorer, texts, images, owner, block_size=4, rerank_top_k=k)
-        assert pre.t2i.tolist() == full.t2i.tolist() and pre.i2t.tolist() == full.i2t.tolist()
+        for block in (4, 64):  # one query per candidate call, and several
+            pre = retrieval_ranks(scorer, texts, images, owner, block_size=block, rerank_top_k=k)
+            assert pre.t2i.tolist() == full.t2i.tolist() and pre.i2t.tolist() == full.i2t.tolist()
 
 
 def test_prefilter_ranks_only_the_cosine_top_k(model):
