@@ -10,10 +10,11 @@ from .distributed import (
     VariableGather,
     gather_variable_with_grad,
     gather_with_grad,
+    ring_exchange_with_grad,
     should_gather,
     world_info,
 )
-from .flair import TextConditionedAttentionPool
+from .flair import FLAIRLoss, TextConditionedAttentionPool, flair_loss, sample_flair_text_indices
 from .structxlip import StructXLIPLoss, consistency_loss, local_structure_loss, official_weight_decay
 
 __all__ = [
@@ -26,9 +27,13 @@ __all__ = [
     "StructXLIPLoss",
     "official_weight_decay",
     "TextConditionedAttentionPool",
+    "flair_loss",
+    "FLAIRLoss",
+    "sample_flair_text_indices",
     "gather_with_grad",
     "gather_variable_with_grad",
     "VariableGather",
+    "ring_exchange_with_grad",
     "should_gather",
     "world_info",
 ]

@@ -190,3 +190,78 @@ def gather_variable_with_grad(x: Tensor, counts: list[int] | None = None) -> Var
     gathered = gather_with_grad(padded)
     blocks = [gathered[r * width : r * width + counts[r]] for r in range(world)]
     return VariableGather(torch.cat(blocks, dim=0), counts, offsets)
+
+
+class _NeighbourExchange(torch.autograd.Function):
+    """One hop of a ring: send to the right (and, bidirectional, to the left) neighbour, receive
+    from the left (and right) one, by ``torch.distributed.batch_isend_irecv``. The backward sends
+    each received tensor's gradient back to the rank it came from, so a rank's sent tensor gets
+    the gradient of every loss that used it."""
+
+    @staticmethod
+    def forward(ctx, left: int, right: int, to_right: Tensor, to_left: Tensor | None):  # noqa: D102
+        ctx.left, ctx.right, ctx.bidir = left, right, to_left is not None
+        ctx.shapes = (to_right.shape, None if to_left is None else to_left.shape)
+        from_left = torch.empty_like(to_right)
+        ops = [dist.P2POp(dist.isend, to_right.contiguous(), right), dist.P2POp(dist.irecv, from_left, left)]
+        if to_left is None:
+            _run_p2p(ops)
+            return from_left
+        from_right = torch.empty_like(to_left)
+        ops += [dist.P2POp(dist.isend, to_left.contiguous(), left), dist.P2POp(dist.irecv, from_right, right)]
+        _run_p2p(ops)
+        return from_left, from_right
+
+    @staticmethod
+    def backward(ctx, grad_from_left: Tensor, grad_from_right: Tensor | None = None):  # noqa: D102
+        # What came from the left was the left neighbour's ``to_right``: its gradient goes back
+        # left, and the gradient of our ``to_right`` arrives from the right (mirror for to_left).
+        grad_to_right = grad_from_left.new_empty(ctx.shapes[0])
+        ops = [dist.P2POp(dist.isend, grad_from_left.contiguous(), ctx.left),
+               dist.P2POp(dist.irecv, grad_to_right, ctx.right)]
+        grad_to_left = None
+        if ctx.bidir:
+            grad_to_left = grad_from_right.new_empty(ctx.shapes[1])
+            ops += [dist.P2POp(dist.isend, grad_from_right.contiguous(), ctx.right),
+                    dist.P2POp(dist.irecv, grad_to_left, ctx.left)]
+        _run_p2p(ops)
+        return None, None, grad_to_right, grad_to_left
+
+
+def _run_p2p(ops: list) -> None:
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+
+
+def ring_exchange_with_grad(x: Tensor) -> list[tuple[int, Tensor]]:
+    """Every other rank's ``x``, passed around the ring by neighbour exchange, with autograd.
+
+    Bidirectional hops (each rank sends to both neighbours and forwards what it received) for
+    ``(W - 1) // 2`` hops, plus one unidirectional hop when ``W - 1`` is odd, as the FLAIR and
+    open_clip SigLIP code schedule their ring; in that last hop a rank forwards what it received
+    (the public FLAIR code re-sends its own tensor there, so some ranks see a block twice and one
+    never: not reproduced). Memory holds one block per hop at a time per direction; the backward
+    returns each block's gradient to its owner along the same path, so ``x``'s gradient on its
+    rank is the sum of what every rank's loss sends to it.
+
+    Args:
+        x: this rank's tensor (any shape; every rank must pass the same shape and dtype).
+
+    Returns:
+        ``[(source_rank, tensor), ...]``: the ``W - 1`` other ranks' tensors, each exactly once
+        (order: by hop, left before right); ``[]`` when not distributed.
+    """
+    rank, world = world_info()
+    if world == 1:
+        return []
+    left, right = (rank - 1) % world, (rank + 1) % world
+    received: list[tuple[int, Tensor]] = []
+    from_left = from_right = x
+    bidir_hops = (world - 1) // 2
+    for hop in range(1, bidir_hops + 1):
+        from_left, from_right = _NeighbourExchange.apply(left, right, from_left, from_right)
+        received += [((rank - hop) % world, from_left), ((rank + hop) % world, from_right)]
+    if (world - 1) % 2:
+        from_left = _NeighbourExchange.apply(left, right, from_left, None)
+        received.append(((rank - bidir_hops - 1) % world, from_left))
+    return received

@@ -1,4 +1,4 @@
-"""FLAIR's text-conditioned attention pooling (FLAIR, section 3.2).
+"""FLAIR's text-conditioned attention pooling and sigmoid losses (FLAIR, sections 3.2-3.4).
 
 The global text embedding queries the image's local (patch) embeddings through one multi-head
 attention layer, giving a text-conditioned image embedding ``v_tc``. The keys and values get an
@@ -9,8 +9,15 @@ attend to can put its weight there: that slot has logit exactly 0 and adds nothi
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .distributed import gather_with_grad, ring_exchange_with_grad, should_gather, world_info
+
+Distributed = Literal["global", "ring"]
 
 
 class TextConditionedAttentionPool(nn.Module):
@@ -83,4 +90,307 @@ class TextConditionedAttentionPool(nn.Module):
         return (out, weights) if return_weights else out
 
 
-__all__ = ["TextConditionedAttentionPool"]
+def sample_flair_text_indices(
+    num_images: int,
+    k: int,
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Draw the texts of L_tcs: each image's K positives and one random sub-caption of every other
+    image (FLAIR, section 3.3: ``B x (K + B - 1)`` pairs instead of ``B x BK``).
+
+    As the public code (``downsample_text_features``), the offset of each negative sub-caption is
+    drawn independently for every (image, other image) pair and each row is sorted, so image i's
+    own sub-captions sit at columns ``i .. i + K - 1``.
+
+    Args:
+        num_images: B, images in the batch (the global batch for ``flair_loss(distributed="global")``).
+        k: K, sub-captions per image.
+        generator: a ``torch.Generator`` on ``device``; None uses torch's default generator (every
+            process that seeds it alike draws the same matrix).
+        device: where the indices are made (the texts' device).
+
+    Returns:
+        ``(B, K + B - 1)`` int64 indices into the image-major ``B * K`` sub-captions
+        (sub-caption k of image j is ``j * K + k``).
+    """
+    if num_images < 1 or k < 1:
+        raise ValueError(f"sample_flair_text_indices needs num_images >= 1 and k >= 1, got {num_images} and {k}")
+    offsets = torch.randint(0, k, (num_images, num_images), generator=generator, device=device)
+    image = torch.arange(num_images, device=offsets.device).unsqueeze(1)
+    column = torch.arange(k + num_images - 1, device=offsets.device).unsqueeze(0)
+    own = (column >= image) & (column < image + k)
+    other = torch.where(column < image, column, column - k + 1).clamp(0, num_images - 1)
+    negatives = other * k + offsets.gather(1, other.expand(num_images, -1))
+    return torch.where(own, image * k + column - image, negatives)
+
+
+def _check_text_indices(indices: Tensor, num_images: int, k: int, what: str) -> None:
+    """Shape, range and FLAIR structure of ``text_indices``: each row holds its image's K
+    sub-captions once each and exactly one sub-caption of every other image."""
+    shape = (num_images, k + num_images - 1)
+    if not isinstance(indices, Tensor) or indices.is_floating_point() or indices.dtype == torch.bool \
+            or tuple(indices.shape) != shape:
+        got = (indices.dtype, tuple(indices.shape)) if isinstance(indices, Tensor) else type(indices).__name__
+        raise ValueError(f"flair_loss: text_indices must be an integer tensor of shape {shape} "
+                         f"(K + B - 1 columns, {what}), got {got}")
+    if indices.numel() and (indices.min() < 0 or indices.max() >= num_images * k):
+        raise ValueError(f"flair_loss: text_indices must index the {num_images} x {k} image-major "
+                         f"sub-captions, i.e. lie in [0, {num_images * k})")
+    owner = indices.long() // k
+    counts = torch.zeros(num_images, num_images, dtype=torch.long, device=indices.device)
+    counts.scatter_add_(1, owner, torch.ones_like(owner))
+    expected = 1 + (k - 1) * torch.eye(num_images, dtype=torch.long, device=indices.device)
+    distinct = (indices.sort(dim=1).values.diff(dim=1) > 0).all()
+    if not (torch.equal(counts, expected) and distinct):
+        raise ValueError("flair_loss: each row i of text_indices must hold image i's K sub-captions "
+                         "(once each) and one sub-caption of every other image; draw it with "
+                         "sample_flair_text_indices")
+
+
+def _check_inputs(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
+                  pool: TextConditionedAttentionPool, local_mask: Tensor | None) -> None:
+    if not isinstance(text_embeds, Tensor) or text_embeds.dim() != 3:
+        raise ValueError(f"flair_loss: text_embeds must be (B, K, D), got "
+                         f"{tuple(text_embeds.shape) if isinstance(text_embeds, Tensor) else type(text_embeds).__name__}")
+    if not isinstance(local_image, Tensor) or local_image.dim() != 3:
+        raise ValueError("flair_loss: local_image must be (B, N, D) patch embeddings")
+    if not isinstance(global_image, Tensor) or global_image.dim() != 2:
+        raise ValueError("flair_loss: global_image must be (B, D)")
+    b, _, d = text_embeds.shape
+    if local_image.shape[0] != b or global_image.shape[0] != b:
+        raise ValueError(f"flair_loss: text_embeds, local_image and global_image must share B, got "
+                         f"{b}, {local_image.shape[0]} and {global_image.shape[0]}")
+    if local_image.shape[2] != d or global_image.shape[1] != d:
+        raise ValueError(f"flair_loss: text_embeds, local_image and global_image must share D, got "
+                         f"{d}, {local_image.shape[2]} and {global_image.shape[1]}")
+    if local_mask is not None and (local_mask.dtype != torch.bool or local_mask.shape != local_image.shape[:2]):
+        raise ValueError(f"flair_loss: local_mask must be a bool (B, N) = {tuple(local_image.shape[:2])} "
+                         f"tensor, got {local_mask.dtype} {tuple(local_mask.shape)}")
+
+
+def _at_least_float32(x: Tensor) -> Tensor:
+    """The logits and log-sigmoids in float32 under bf16/fp16 autocast (float64 stays)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _sigmoid_sum(image: Tensor, text: Tensor, positive: Tensor | None, logit_scale: Tensor | float,
+                 logit_bias: Tensor | float) -> Tensor:
+    """``-sum log sigmoid(y (s cos + b))`` over paired rows of ``image`` and ``text`` (``(..., D)``,
+    raw); ``y = +1`` where ``positive``, -1 elsewhere (all -1 when ``positive`` is None)."""
+    cos = (F.normalize(image, dim=-1) * F.normalize(text, dim=-1)).sum(-1)
+    logits = logit_scale * _at_least_float32(cos) + logit_bias
+    signs = -torch.ones_like(logits) if positive is None else positive.to(logits.dtype) * 2 - 1
+    return -F.logsigmoid(signs * logits).sum()
+
+
+def _tcs_sum(texts: Tensor, rows: Tensor, positive: Tensor | None, local_image: Tensor,
+             local_mask: Tensor | None, pool: TextConditionedAttentionPool,
+             logit_scale: Tensor | float, logit_bias: Tensor | float) -> Tensor:
+    """L_tcs summed over pairs: image i conditioned on text ``texts[rows[i, c]]`` and compared with
+    that same text (FLAIR eq. 2). ``texts`` ``(T, D)``, ``rows`` ``(B, C)``."""
+    chosen = texts[rows]
+    conditioned = pool(chosen, local_image, local_mask)
+    return _sigmoid_sum(conditioned, chosen, positive, logit_scale, logit_bias)
+
+
+def _mps_sum(global_image: Tensor, texts: Tensor, positive: Tensor | None,
+             logit_scale: Tensor | float, logit_bias: Tensor | float) -> Tensor:
+    """L_mps summed over all (image, text) pairs (FLAIR eq. 3): ``(B, D)`` x ``(T, D)``."""
+    cos = F.normalize(global_image, dim=-1) @ F.normalize(texts, dim=-1).T
+    logits = logit_scale * _at_least_float32(cos) + logit_bias
+    signs = -torch.ones_like(logits) if positive is None else positive.to(logits.dtype) * 2 - 1
+    return -F.logsigmoid(signs * logits).sum()
+
+
+def _global_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
+                  pool: TextConditionedAttentionPool, logit_scale: Tensor | float,
+                  logit_bias: Tensor | float, add_mps: bool, text_indices: Tensor | None,
+                  gather: bool | None, local_mask: Tensor | None) -> dict[str, Tensor]:
+    b, k, d = text_embeds.shape
+    rank, world = world_info() if should_gather(gather) else (0, 1)
+    total = b * world
+    texts = gather_with_grad(text_embeds.reshape(b * k, d)) if world > 1 else text_embeds.reshape(b * k, d)
+    if text_indices is None:
+        text_indices = sample_flair_text_indices(total, k, device=text_embeds.device)
+    _check_text_indices(text_indices, total, k, "the global batch, the same on every process")
+    rows = text_indices[rank * b : (rank + 1) * b].to(text_embeds.device).long()
+    owner = torch.arange(rank * b, (rank + 1) * b, device=text_embeds.device).unsqueeze(1)
+    # Each process holds B of the W*B images: W x its share makes the mean over processes (and
+    # DDP's averaged gradients) equal the loss of one process on the global batch.
+    tcs = _tcs_sum(texts, rows, rows // k == owner, local_image, local_mask, pool, logit_scale,
+                   logit_bias) * (world / (k + total - 1))
+    parts = {"tcs": tcs}
+    if add_mps:
+        text_owner = torch.arange(total * k, device=text_embeds.device).unsqueeze(0) // k
+        parts["mps"] = _mps_sum(global_image, texts, text_owner == owner, logit_scale,
+                                logit_bias) * (world / (total * k))
+    return parts
+
+
+def _ring_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
+                pool: TextConditionedAttentionPool, logit_scale: Tensor | float,
+                logit_bias: Tensor | float, add_mps: bool, text_indices: Tensor | None,
+                gather: bool | None, local_mask: Tensor | None) -> dict[str, Tensor]:
+    b, k, d = text_embeds.shape
+    texts = text_embeds.reshape(b * k, d)
+    if text_indices is None:
+        text_indices = sample_flair_text_indices(b, k, device=text_embeds.device)
+    _check_text_indices(text_indices, b, k, "this process's batch")
+    rows = text_indices.to(text_embeds.device).long()
+    owner = torch.arange(b, device=text_embeds.device).unsqueeze(1)
+    tcs = _tcs_sum(texts, rows, rows // k == owner, local_image, local_mask, pool, logit_scale, logit_bias)
+    mps = None
+    if add_mps:
+        mps = _mps_sum(global_image, texts, (torch.arange(b * k, device=owner.device) // k) == owner,
+                       logit_scale, logit_bias)
+    if should_gather(gather) and world_info()[1] > 1:
+        # Only the (B*K, D) texts travel; each process's sampled rows are small integers.
+        all_rows = gather_with_grad(rows)
+        for source, foreign in ring_exchange_with_grad(texts):
+            foreign_rows = all_rows[source * b : (source + 1) * b]
+            tcs = tcs + _tcs_sum(foreign, foreign_rows, None, local_image, local_mask, pool,
+                                 logit_scale, logit_bias)
+            if add_mps:
+                mps = mps + _mps_sum(global_image, foreign, None, logit_scale, logit_bias)
+    parts = {"tcs": tcs / (k + b - 1)}
+    if add_mps:
+        parts["mps"] = mps / (b * k)
+    return parts
+
+
+def _flair_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
+                 pool: TextConditionedAttentionPool, logit_scale: Tensor | float,
+                 logit_bias: Tensor | float, *, add_mps: bool, text_indices: Tensor | None,
+                 distributed: str, gather: bool | None, local_mask: Tensor | None) -> dict[str, Tensor]:
+    if distributed not in ("global", "ring"):
+        raise ValueError(f"flair_loss: distributed must be 'global' or 'ring', got {distributed!r}")
+    _check_inputs(text_embeds, local_image, global_image, pool, local_mask)
+    compute = _global_parts if distributed == "global" else _ring_parts
+    parts = compute(text_embeds, local_image, global_image, pool, logit_scale, logit_bias, add_mps,
+                    text_indices, gather, local_mask)
+    parts["loss"] = (parts["tcs"] + parts["mps"]) / 2 if add_mps else parts["tcs"]
+    return parts
+
+
+def flair_loss(
+    text_embeds: Tensor,
+    local_image: Tensor,
+    global_image: Tensor,
+    pool: TextConditionedAttentionPool,
+    logit_scale: Tensor | float,
+    logit_bias: Tensor | float,
+    *,
+    add_mps: bool = True,
+    text_indices: Tensor | None = None,
+    distributed: Distributed = "global",
+    gather: bool | None = None,
+    local_mask: Tensor | None = None,
+) -> Tensor:
+    """FLAIR's loss ``L = (L_tcs + L_mps) / 2`` (FLAIR, sections 3.3-3.4, eqs. 2-4).
+
+    With ``s`` = ``logit_scale``, ``b`` = ``logit_bias``, ``n`` the L2 normalisation and
+    ``y = +1`` for an image's own sub-captions, -1 otherwise:
+
+    * ``L_tcs = sum_i mean_c -log sigmoid(y_ic (s <n(pool(t_c, v_loc_i)), n(t_c)> + b))`` over the
+      ``K + B - 1`` texts ``c`` of row i of ``text_indices`` (image i's K sub-captions and one
+      sub-caption of every other image): the image is conditioned on each text and compared with
+      that same text (eq. 2, the negatives ``<v_{i,j_k}^tc, t_{j_k}>``);
+    * ``L_mps = sum_i mean_c -log sigmoid(y_ic (s <n(v_g_i), n(t_c)> + b))`` over all ``B * K``
+      sub-captions (eq. 3; K positives per image);
+    * ``L = (L_tcs + L_mps) / 2`` with ``add_mps`` (eq. 4), else ``L_tcs``.
+
+    The normalisation is the public code's: a sum over images of a mean over each image's texts
+    (so the loss grows with B; open_clip's SigLIP loss divides by B instead). One scale and one
+    bias serve both terms.
+
+    Image tokens never leave their process. Across processes (``gather``):
+
+    * ``distributed="global"`` (default, the paper's batch of W*B images): texts are all-gathered
+      with autograd; each process scores its own images against the global draw (each image's K
+      positives and one sub-caption of every other image of the global batch) and returns
+      ``W x`` its images' share, so the mean over processes and DDP's averaged gradients equal
+      one process on the concatenated batch, whatever W.
+    * ``distributed="ring"`` (the public code, to reproduce its runs): per process the sum over the
+      W process blocks of ``(L_tcs + L_mps) / 2``, each normalised by the local ``K + B - 1`` and
+      ``B * K``: its own block as above, and for a foreign block local image i conditioned on row
+      i of that process's sampled ``(B, K + B - 1)`` rows, all negatives, plus the global image
+      against all that process's ``B * K`` texts, all negatives. The ``(B*K, D)`` texts travel by
+      bidirectional neighbour exchange with autograd (:func:`losses.distributed.ring_exchange_with_grad`),
+      so a process's text gradients include the other processes' losses.
+
+    Args:
+        text_embeds: ``(B, K, D)`` raw global text embeddings, K sub-captions per image.
+        local_image: ``(B, N, D)`` raw projected local (patch) image tokens.
+        global_image: ``(B, D)`` raw global image embedding (class token).
+        pool: the :class:`TextConditionedAttentionPool` (a model module; its gradient flows).
+        logit_scale: ``s``, the multiplier (already exponentiated).
+        logit_bias: ``b`` (FLAIR initialises it to -10).
+        add_mps: add L_mps (the paper's and the public code's final loss).
+        text_indices: fixes the draw of L_tcs's texts for tests and reproducibility: integer
+            indices into the image-major sub-captions, row i for image i (see
+            :func:`sample_flair_text_indices`). ``"global"``: ``(W*B, K + W*B - 1)`` over the
+            global batch, the same on every process; ``"ring"``: ``(B, K + B - 1)``, this
+            process's own draw. None draws with torch's default generator on the texts' device;
+            under ``"global"`` each process draws the whole global matrix, so processes seeded
+            alike use one draw, the one a single process would make.
+        distributed: ``"global"`` or ``"ring"`` (above).
+        gather: ``None`` works across processes when a process group of size > 1 is
+            initialised; ``False`` keeps each process's loss on its own batch.
+        local_mask: ``(B, N)`` bool, True for real local tokens (see the pool).
+
+    Returns:
+        Scalar loss. Every process must pass the same B, K, N and D.
+    """
+    return _flair_parts(text_embeds, local_image, global_image, pool, logit_scale, logit_bias,
+                        add_mps=add_mps, text_indices=text_indices, distributed=distributed,
+                        gather=gather, local_mask=local_mask)["loss"]
+
+
+class FLAIRLoss(nn.Module):
+    """FLAIR's loss as a module, in open_clip's ``loss.py`` style: options fixed at construction,
+    the model's outputs at call time (see :func:`flair_loss`).
+
+    Args:
+        add_mps: add the multi-positive sigmoid loss L_mps (FLAIR 3.4; the paper's final loss).
+        distributed: ``"global"`` (the paper's batch) or ``"ring"`` (the public code).
+        gather: see :func:`flair_loss`.
+    """
+
+    def __init__(self, *, add_mps: bool = True, distributed: Distributed = "global",
+                 gather: bool | None = None) -> None:
+        super().__init__()
+        if distributed not in ("global", "ring"):
+            raise ValueError(f"FLAIRLoss: distributed must be 'global' or 'ring', got {distributed!r}")
+        self.add_mps, self.distributed, self.gather = add_mps, distributed, gather
+
+    def forward(
+        self,
+        text_embeds: Tensor,
+        local_image: Tensor,
+        global_image: Tensor,
+        pool: TextConditionedAttentionPool,
+        logit_scale: Tensor | float,
+        logit_bias: Tensor | float,
+        *,
+        text_indices: Tensor | None = None,
+        local_mask: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """The loss and its terms.
+
+        Args: as :func:`flair_loss`.
+
+        Returns:
+            ``{"loss", "tcs"}`` and, with ``add_mps``, ``"mps"``: scalars, ``loss`` the one to
+            backpropagate, the terms (normalised as in the loss) for logging.
+        """
+        return _flair_parts(text_embeds, local_image, global_image, pool, logit_scale, logit_bias,
+                            add_mps=self.add_mps, text_indices=text_indices,
+                            distributed=self.distributed, gather=self.gather, local_mask=local_mask)
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"add_mps={self.add_mps}, distributed={self.distributed!r}"
+
+
+__all__ = ["TextConditionedAttentionPool", "flair_loss", "FLAIRLoss", "sample_flair_text_indices"]

@@ -106,3 +106,267 @@ def test_pool_rejects_mismatched_shapes() -> None:
         pool(_randn(2, 3, 8), _randn(2, 4, 8), torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="divisible"):
         TextConditionedAttentionPool(10, 3)
+
+
+# --- flair_loss (sections 3.3-3.4) ---------------------------------------------------------
+
+import flair_ranks  # noqa: E402  (tests/losses is on sys.path: conftest)
+
+from losses import FLAIRLoss, flair_loss, sample_flair_text_indices  # noqa: E402
+
+
+def _nls(z: torch.Tensor) -> torch.Tensor:
+    """-log sigmoid(z), written out."""
+    return torch.log1p(torch.exp(-z))
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.dot(a, b) / (a.norm() * b.norm())
+
+
+def _hand_tcs(pool, texts, rows, local, mask, s, b, k, first_image=0, foreign=False):
+    """Sum over pairs (i, c): image i conditioned on text rows[i, c], compared with that text."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(rows.shape[0]):
+        for c in range(rows.shape[1]):
+            j = int(rows[i, c])
+            t = texts[j]
+            v = _by_hand(pool, t.view(1, 1, -1), local[i : i + 1], None if mask is None else mask[i : i + 1])[0][0, 0]
+            y = 1.0 if not foreign and j // k == first_image + i else -1.0
+            total = total + _nls(y * (s * _cos(v, t) + b))
+    return total
+
+
+def _hand_mps(glob, texts, s, b, k, first_image=0, foreign=False):
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(glob.shape[0]):
+        for c in range(texts.shape[0]):
+            y = 1.0 if not foreign and c // k == first_image + i else -1.0
+            total = total + _nls(y * (s * _cos(glob[i], texts[c]) + b))
+    return total
+
+
+def _hand_flair(pool, text, local, glob, s, b, indices, mask=None, add_mps=True):
+    """One process, the whole batch: (sum_i mean_c tcs + sum_i mean_c mps) / 2."""
+    n_img, k, d = text.shape
+    flat = text.reshape(-1, d)
+    tcs = _hand_tcs(pool, flat, indices, local, mask, s, b, k) / (k + n_img - 1)
+    if not add_mps:
+        return tcs
+    return (tcs + _hand_mps(glob, flat, s, b, k) / (n_img * k)) / 2
+
+
+def _hand_ring(pool, text, local, glob, s, b, indices, mask, world, add_mps=True):
+    """The loss of every rank under the public code's ring: own block + all-negative foreign blocks."""
+    per, k, d = text.shape[0] // world, text.shape[1], text.shape[2]
+    losses, parts = [], []
+    for r in range(world):
+        rows = slice(r * per, (r + 1) * per)
+        tcs = mps = torch.zeros((), dtype=torch.float64)
+        for q in range(world):
+            texts_q = text[q * per : (q + 1) * per].reshape(-1, d)
+            tcs = tcs + _hand_tcs(pool, texts_q, indices[q], local[rows], mask[rows], s, b, k, foreign=q != r)
+            mps = mps + _hand_mps(glob[rows], texts_q, s, b, k, foreign=q != r)
+        tcs, mps = tcs / (k + per - 1), mps / (per * k)
+        parts.append({"tcs": tcs, "mps": mps})
+        losses.append((tcs + mps) / 2 if add_mps else tcs)
+    return losses, parts
+
+
+def _leaves(world: int):
+    full = flair_ranks.global_inputs(world)
+    pool = flair_ranks.make_pool()
+    leaves = {k: full[k].clone().requires_grad_(True) for k in ("text", "local", "global", "log_scale", "bias")}
+    return leaves, full["mask"], pool
+
+
+def _grads(loss, leaves, pool) -> dict[str, torch.Tensor]:
+    names = list(leaves) + [f"pool.{k}" for k, _ in pool.named_parameters()]
+    tensors = list(leaves.values()) + [p for _, p in pool.named_parameters()]
+    return dict(zip(names, torch.autograd.grad(loss, tensors, allow_unused=True, retain_graph=True)))
+
+
+@pytest.mark.parametrize("add_mps", [True, False])
+def test_flair_loss_matches_a_hand_computation_with_gradients(add_mps: bool) -> None:
+    leaves, mask, pool = _leaves(2)  # 4 images, K = 3, image 1 with a padded token
+    mask[3] = False  # image 3: every token padded, only the empty slot is left
+    indices = sample_flair_text_indices(4, 3, generator=torch.Generator().manual_seed(7))
+    s, b = leaves["log_scale"].exp(), leaves["bias"]
+    got = flair_loss(leaves["text"], leaves["local"], leaves["global"], pool, s, b, add_mps=add_mps,
+                     text_indices=indices, local_mask=mask)
+    want = _hand_flair(pool, leaves["text"], leaves["local"], leaves["global"], s, b, indices, mask, add_mps)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    got_grads, want_grads = _grads(got, leaves, pool), _grads(want, leaves, pool)
+    for name, want_grad in want_grads.items():
+        if name == "global" and not add_mps:
+            assert got_grads[name] is None
+            continue
+        assert want_grad.abs().sum() > 0, name
+        torch.testing.assert_close(got_grads[name], want_grad, rtol=1e-8, atol=1e-12, msg=name)
+    assert got_grads["local"][3].abs().sum() == 0  # a fully padded image pools to the empty slot
+
+
+def test_flair_loss_normalisation_sums_over_images_and_averages_over_each_images_texts() -> None:
+    # s = 0: every logit is b, so the loss only counts pairs and divides them.
+    n_img, k, bias = 5, 3, -2.0
+    text, local, glob = _randn(n_img, k, 8, seed=1), _randn(n_img, 4, 8, seed=2), _randn(n_img, 8, seed=3)
+    pool = _pool()
+    sp = F.softplus
+    pos, neg = sp(torch.tensor(-bias, dtype=torch.float64)), sp(torch.tensor(bias, dtype=torch.float64))
+    tcs = n_img * (k * pos + (n_img - 1) * neg) / (k + n_img - 1)
+    mps = n_img * (k * pos + (n_img - 1) * k * neg) / (n_img * k)
+    parts = FLAIRLoss()(text, local, glob, pool, 0.0, bias)
+    torch.testing.assert_close(parts["tcs"], tcs)
+    torch.testing.assert_close(parts["mps"], mps)
+    torch.testing.assert_close(parts["loss"], (tcs + mps) / 2)
+    torch.testing.assert_close(flair_loss(text, local, glob, pool, 0.0, bias, add_mps=False), tcs)
+    assert set(FLAIRLoss(add_mps=False)(text, local, glob, pool, 0.0, bias)) == {"loss", "tcs"}
+
+
+def test_flair_loss_conditions_each_image_on_the_text_it_is_compared_with() -> None:
+    # One image, K = 2: if v_tc were pooled from another text, swapping the texts would change
+    # each pair's score; with the right pairing it only permutes the pairs.
+    pool = _pool()
+    text, local, glob = _randn(1, 2, 8, seed=4), _randn(1, 5, 8, seed=5), _randn(1, 8, seed=6)
+    a = flair_loss(text, local, glob, pool, 5.0, -1.0, add_mps=False)
+    swapped = flair_loss(text.flip(1), local, glob, pool, 5.0, -1.0, add_mps=False)
+    torch.testing.assert_close(a, swapped)
+    want = sum(_nls(5.0 * _cos(pool(text[:, j], local)[0], text[0, j]) - 1.0) for j in range(2)) / 2
+    torch.testing.assert_close(a, want)
+
+
+def test_flair_loss_draws_the_same_texts_as_the_sampler_and_ring_equals_global_in_one_process() -> None:
+    leaves, mask, pool = _leaves(2)
+    args = (leaves["text"], leaves["local"], leaves["global"], pool, 3.0, -1.0)
+    torch.manual_seed(11)
+    drawn = flair_loss(*args, local_mask=mask)
+    torch.manual_seed(11)
+    indices = sample_flair_text_indices(4, 3)
+    torch.testing.assert_close(drawn, flair_loss(*args, local_mask=mask, text_indices=indices))
+    torch.testing.assert_close(drawn, flair_loss(*args, local_mask=mask, text_indices=indices, distributed="ring"))
+    other = sample_flair_text_indices(4, 3, generator=torch.Generator().manual_seed(3))
+    assert not torch.equal(other, indices)
+    assert not torch.allclose(drawn, flair_loss(*args, local_mask=mask, text_indices=other))
+
+
+def test_sample_flair_text_indices_layout_and_uniform_negatives() -> None:
+    n_img, k = 4, 3
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_flair_text_indices(n_img, k, generator=generator) for _ in range(3000)])
+    assert draws.shape == (3000, n_img, k + n_img - 1) and draws.dtype == torch.int64
+    for i in range(n_img):
+        own = draws[:, i, i : i + k]
+        assert (own == torch.arange(i * k, (i + 1) * k)).all()  # positives at columns i .. i+K-1
+        others = torch.cat([draws[:, i, :i], draws[:, i, i + k :]], dim=1)
+        assert (others // k == torch.tensor([j for j in range(n_img) if j != i])).all()  # one per other image
+        freq = torch.bincount((others % k).flatten(), minlength=k).double() / others.numel()
+        torch.testing.assert_close(freq, torch.full((k,), 1 / k, dtype=torch.float64), atol=0.02, rtol=0)
+    # rows and images draw independently: image 0's and image 1's picks from image 2 often differ
+    assert (draws[:, 0, 1] != draws[:, 1, 1 + k]).double().mean() > 0.5
+    again = sample_flair_text_indices(n_img, k, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(again, draws[0])
+    assert sample_flair_text_indices(1, 2).tolist() == [[0, 1]]
+
+
+def test_flair_loss_rejects_bad_inputs() -> None:
+    pool = _pool()
+    text, local, glob = _randn(3, 2, 8, seed=1), _randn(3, 4, 8, seed=2), _randn(3, 8, seed=3)
+    good = sample_flair_text_indices(3, 2)
+    bad_cases = {
+        "shape": (good[:, :-1], "shape \\(3, 4\\)"),
+        "float": (good.double(), "integer tensor"),
+        "range": (good + 100, "lie in \\[0, 6\\)"),
+        "missing positive": (good.masked_fill(good == 0, 2), "once each"),
+        "two of one image": (torch.tensor([[0, 1, 2, 3], [0, 2, 3, 5], [1, 3, 4, 5]]), "every other image"),
+    }
+    for name, (indices, message) in bad_cases.items():
+        with pytest.raises(ValueError, match=message):
+            flair_loss(text, local, glob, pool, 1.0, 0.0, text_indices=indices)
+        assert name
+    with pytest.raises(ValueError, match="'global' or 'ring'"):
+        flair_loss(text, local, glob, pool, 1.0, 0.0, distributed="all")
+    with pytest.raises(ValueError, match="'global' or 'ring'"):
+        FLAIRLoss(distributed="ring-ish")
+    with pytest.raises(ValueError, match="share B"):
+        flair_loss(text, local[:2], glob, pool, 1.0, 0.0)
+    with pytest.raises(ValueError, match="share D"):
+        flair_loss(text, local, glob[:, :4], pool, 1.0, 0.0)
+    with pytest.raises(ValueError, match="\\(B, K, D\\)"):
+        flair_loss(text[:, 0], local, glob, pool, 1.0, 0.0)
+    with pytest.raises(ValueError, match="local_mask"):
+        flair_loss(text, local, glob, pool, 1.0, 0.0, local_mask=torch.ones(3, 5, dtype=torch.bool))
+
+
+# --- across processes (2 and 3 gloo processes) ---------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])
+def flair_world(request, tmp_path_factory) -> tuple[int, list[dict]]:
+    world = request.param
+    return world, flair_ranks.run_ranks(str(tmp_path_factory.mktemp(f"flair{world}")), world)
+
+
+def _assert_close(got, want, msg: str, rtol: float = 1e-9) -> None:
+    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-12, msg=lambda m: f"{msg}: {m}")
+
+
+@pytest.mark.parametrize("case", ["global", "global_no_mps", "global_seeded"])
+def test_global_semantics_equal_one_process_on_the_concatenated_batch(flair_world, case: str) -> None:
+    world, results = flair_world
+    assert [r["world_size"] for r in results] == [world] * world
+    leaves, mask, pool = _leaves(world)
+    if case == "global_seeded":  # every rank drew the matrix itself, from the same seed
+        torch.manual_seed(flair_ranks.SAMPLE_SEED)
+        indices = sample_flair_text_indices(world * flair_ranks.B, flair_ranks.K)
+    else:
+        indices = flair_ranks.global_indices(world)
+    want = _hand_flair(pool, leaves["text"], leaves["local"], leaves["global"], leaves["log_scale"].exp(),
+                       leaves["bias"], indices, mask, add_mps=case != "global_no_mps")
+    _assert_close(sum(r[case]["loss"] for r in results) / world, want, f"{case} loss")
+    want_grads = _grads(want, leaves, pool)
+    per = flair_ranks.B
+    for name, full in want_grads.items():
+        if full is None:  # the class token without L_mps
+            assert all(r[case]["grads"][name] is None for r in results)
+            continue
+        assert full.abs().sum() > 0, name
+        if name in ("text", "local", "global"):
+            for rank, r in enumerate(results):  # DDP divides by W what the rank's gather summed
+                _assert_close(r[case]["grads"][name] / world, full[rank * per : (rank + 1) * per],
+                              f"{case} grad {name} rank {rank}")
+        else:  # shared parameters: DDP's mean over ranks
+            _assert_close(sum(r[case]["grads"][name] for r in results) / world, full, f"{case} grad {name}")
+
+
+@pytest.mark.parametrize("case", ["ring", "ring_no_mps", "ring_module"])
+def test_ring_semantics_equal_the_public_codes_per_rank_loss(flair_world, case: str) -> None:
+    world, results = flair_world
+    assert [r["world_size"] for r in results] == [world] * world
+    leaves, mask, pool = _leaves(world)
+    losses, parts = _hand_ring(pool, leaves["text"], leaves["local"], leaves["global"], leaves["log_scale"].exp(),
+                               leaves["bias"], flair_ranks.ring_indices(world), mask, world,
+                               add_mps=case != "ring_no_mps")
+    for rank, r in enumerate(results):
+        _assert_close(r[case]["loss"], losses[rank], f"{case} loss rank {rank}")
+        if case == "ring_module":
+            _assert_close(r[case]["parts"]["tcs"], parts[rank]["tcs"], f"tcs rank {rank}")
+            _assert_close(r[case]["parts"]["mps"], parts[rank]["mps"], f"mps rank {rank}")
+    # Every rank backpropagates its own loss: the texts' gradients come back over the ring, so
+    # the gradients of all ranks together are those of the sum of the per-rank losses.
+    want_grads = _grads(sum(losses), leaves, pool)
+    per = flair_ranks.B
+    for name, full in want_grads.items():
+        if full is None:
+            assert all(r[case]["grads"][name] is None for r in results)
+            continue
+        assert full.abs().sum() > 0, name
+        if name in ("text", "local", "global"):
+            for rank, r in enumerate(results):
+                _assert_close(r[case]["grads"][name], full[rank * per : (rank + 1) * per],
+                              f"{case} grad {name} rank {rank}")
+        else:
+            _assert_close(sum(r[case]["grads"][name] for r in results), full, f"{case} grad {name}")
+    # A text's gradient includes the other ranks' (all-negative) losses: its own rank's loss alone
+    # gives a different gradient.
+    own_only = torch.autograd.grad(losses[0], leaves["text"])[0][:per]
+    assert not torch.allclose(own_only, results[0][case]["grads"]["text"])

@@ -1,0 +1,119 @@
+"""Multi-process (gloo, CPU) runs of ``flair_loss``: the rank-side code and the shared inputs.
+
+A global batch of ``world * B`` images is built from fixed seeds; rank r holds images
+``r*B .. r*B + B - 1`` (their K sub-captions, patch tokens and class token) and a private copy of
+the shared parameters (the pool, the log scale and the bias, like DDP replicas). Every case is
+run and backpropagated on every rank; ``tests/losses/test_flair.py`` compares the results with
+hand computations in one process. The code lives here (not in a test module) so that spawned
+processes can import it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from losses import FLAIRLoss, TextConditionedAttentionPool, flair_loss, sample_flair_text_indices
+
+B, K, N, D, HEADS = 2, 3, 4, 8, 2
+GLOBAL_SEED = 5  # the global draw of text_indices passed explicitly
+SAMPLE_SEED = 123  # torch.manual_seed on every rank before flair_loss draws by itself
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def make_pool() -> TextConditionedAttentionPool:
+    """The same pool on every rank, with non-trivial norms and biases."""
+    torch.manual_seed(0)
+    pool = TextConditionedAttentionPool(D, HEADS).double()
+    with torch.no_grad():
+        for i, ln in enumerate((pool.ln_q, pool.ln_k, pool.ln_v)):
+            ln.weight.copy_(1.0 + 0.1 * (i + 1) * _randn(D, seed=10 + i))
+            ln.bias.copy_(0.1 * _randn(D, seed=20 + i))
+        pool.attn.in_proj_bias.copy_(0.1 * _randn(3 * D, seed=30))
+        pool.attn.out_proj.bias.copy_(0.1 * _randn(D, seed=31))
+    return pool
+
+
+def global_inputs(world: int) -> Tensors:
+    """The global batch of ``world * B`` images (rank 0's first); image 1 has a padded token."""
+    g = world * B
+    mask = torch.ones(g, N, dtype=torch.bool)
+    mask[1, 2] = False
+    # Moderate scale and bias so that positives and negatives both carry gradient.
+    return {"text": _randn(g, K, D, seed=1), "local": _randn(g, N, D, seed=2), "global": _randn(g, D, seed=3),
+            "mask": mask, "log_scale": torch.tensor(math.log(3.0), dtype=torch.float64),
+            "bias": torch.tensor(-1.0, dtype=torch.float64)}
+
+
+def global_indices(world: int) -> torch.Tensor:
+    """The draw of the global batch (``distributed="global"``), the same on every rank."""
+    return sample_flair_text_indices(world * B, K, generator=torch.Generator().manual_seed(GLOBAL_SEED))
+
+
+def ring_indices(world: int) -> list[torch.Tensor]:
+    """Each rank's own draw of its batch (``distributed="ring"``)."""
+    return [sample_flair_text_indices(B, K, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+
+
+CASES = ("global", "global_no_mps", "global_seeded", "ring", "ring_no_mps", "ring_module")
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone().requires_grad_(True)
+
+
+def run_case(name: str, rank: int, world: int) -> dict:
+    """Rank ``rank``'s loss and gradients for case ``name``."""
+    full = global_inputs(world)
+    rows = slice(rank * B, (rank + 1) * B)
+    text, local, glob = (_leaf(full[k][rows]) for k in ("text", "local", "global"))
+    log_scale, bias = _leaf(full["log_scale"]), _leaf(full["bias"])
+    pool = make_pool()
+    kwargs = {"add_mps": not name.endswith("no_mps"), "local_mask": full["mask"][rows], "gather": True}
+    if name.startswith("global"):
+        kwargs.update(distributed="global", text_indices=None if name == "global_seeded" else global_indices(world))
+    else:
+        kwargs.update(distributed="ring", text_indices=ring_indices(world)[rank])
+    if name == "global_seeded":
+        torch.manual_seed(SAMPLE_SEED)
+    parts = {}
+    if name == "ring_module":
+        module = FLAIRLoss(distributed="ring", gather=True)
+        parts = module(text, local, glob, pool, log_scale.exp(), bias, text_indices=kwargs["text_indices"],
+                       local_mask=kwargs["local_mask"])
+        loss = parts["loss"]
+    else:
+        loss = flair_loss(text, local, glob, pool, log_scale.exp(), bias, **kwargs)
+    loss.backward()
+    return {
+        "loss": loss.detach(),
+        "parts": {k: v.detach() for k, v in parts.items()},
+        "grads": {"text": text.grad, "local": local.grad, "global": glob.grad, "log_scale": log_scale.grad,
+                  "bias": bias.grad, **{f"pool.{k}": p.grad for k, p in pool.named_parameters()}},
+    }
+
+
+def _worker(rank: int, folder: str, world: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    try:
+        results = {name: run_case(name, rank, world) for name in CASES}
+        results["world_size"] = dist.get_world_size()
+        torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(folder: str, world: int) -> list[dict]:
+    """Spawn ``world`` gloo processes that run every case; returns each rank's results."""
+    mp.spawn(_worker, args=(folder, world), nprocs=world, join=True)
+    return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=True) for r in range(world)]
