@@ -13,7 +13,14 @@ import random
 import re
 from collections.abc import Callable, Sequence
 
-__all__ = ["split_sentences", "sentence_offsets", "chunk_sentences", "sample_subcaptions", "first_sentence"]
+__all__ = [
+    "split_sentences",
+    "sentence_offsets",
+    "chunk_sentences",
+    "sample_subcaptions",
+    "as_sentence_list",
+    "first_sentence",
+]
 
 # Words that end in a period without ending the sentence when followed by a capital or digit
 # ("Mr. Smith", "Fig. 3", "e.g. Paris"). Lower-case followers never end a sentence anyway, so
@@ -169,7 +176,7 @@ def _as_rng(rng: random.Random | int | None) -> random.Random:
 
 def sample_subcaptions(
     sentences: Sequence[str],
-    k: int,
+    k: int = 8,
     min_s: int = 1,
     max_s: int = 3,
     rng: random.Random | int | None = None,
@@ -178,24 +185,31 @@ def sample_subcaptions(
 ) -> list[str]:
     """Sample FLAIR's K diverse sub-captions of a long caption (FLAIR paper, section 3).
 
-    For each of the ``k`` sub-captions independently: draw ``s`` uniformly in
-    ``[min_s, max_s]`` (capped at the number of sentences); with probability ``consecutive``
-    take a window of ``s`` consecutive sentences (every window start equally likely, the last
-    one included), otherwise ``s`` distinct sentences from random positions, concatenated in
-    the order drawn ("either randomly sampled, i.e. independently sampled and concatenated, or
-    extracted as a consecutive sequence"; implementation details: K=8, S=3). The FLAIR code's
-    window off-by-one (the last window never drawn) and its repeated sentences when a caption
-    has fewer than ``s`` sentences are not reproduced. ``consecutive=1.0`` gives windows only.
+    For each of the ``k`` sub-captions independently (duplicates across sub-captions are
+    possible, as in the FLAIR code): draw ``s`` uniformly in ``[min_s, max_s]`` (capped at the
+    number of sentences; a caption of at most ``s`` sentences is taken whole); with probability
+    ``consecutive`` take a window of ``s`` consecutive sentences (every window start equally
+    likely, the last one included), otherwise ``s`` distinct sentences from random positions,
+    kept in caption order ("either randomly sampled, i.e. independently sampled and
+    concatenated, or extracted as a consecutive sequence"; implementation details: K=8, S=3;
+    the FLAIR code uses K=10 for YFCC15M and Merged-30M). The FLAIR code's window off-by-one
+    (the last window never drawn), its random order of sampled sentences and its repeated
+    sentences when a caption has fewer than ``s`` sentences are not reproduced.
+    ``consecutive=1.0`` gives windows only, ``0.0`` scattered sentences only.
 
     Args:
-        sentences: the caption's sentences (non-empty list).
-        k: number of sub-captions (FLAIR: 8).
+        sentences: the caption's sentences (a non-empty list; :func:`as_sentence_list` checks a
+            data field before it gets here).
+        k: number of sub-captions K (FLAIR: 8; 10 for YFCC15M and Merged-30M).
         min_s, max_s: the range of sentences per sub-caption (FLAIR: 1 and 3).
         rng: a ``random.Random`` (for reproducible sampling in a data loader), a seed, or None.
         consecutive: probability that a sub-caption is a consecutive window.
     Returns:
         ``k`` sub-captions, each the space-joined sentences it holds.
     """
+    if isinstance(sentences, str):
+        raise TypeError("sample_subcaptions expects a list of sentences, got a str (it would sample "
+                        "single characters); split it with split_sentences or check it with as_sentence_list")
     items = [s.strip() for s in sentences if s and s.strip()]
     if not items:
         raise ValueError("sample_subcaptions needs at least one non-empty sentence")
@@ -216,9 +230,48 @@ def sample_subcaptions(
             start = generator.randint(0, n - s)
             chosen = items[start : start + s]
         else:
-            chosen = [items[i] for i in generator.sample(range(n), s)]
+            chosen = [items[i] for i in sorted(generator.sample(range(n), s))]
         result.append(" ".join(chosen))
     return result
+
+
+def as_sentence_list(value: object, *, field: str) -> list[str]:
+    """A data field that must hold pre-split sentences, checked: FLAIR's re-captioned shards
+    store each caption field as a list of sentences.
+
+    A string where a list was expected is the FLAIR code's silent failure: its sampler then
+    draws single characters and the model trains to chance (its issue #6). Here it is an error
+    naming the field.
+
+    Args:
+        value: the field's value: a list or tuple of str (a numpy array or any other
+            non-string sequence of str, as parquet/webdataset decoders return, is accepted).
+        field: the field's name, for the error message (e.g. ``"long_IB_captions"``).
+
+    Returns:
+        The sentences, stripped, empty ones dropped (the list may be empty).
+
+    Raises:
+        TypeError: ``value`` is a string, bytes, None, not a sequence, or holds non-strings.
+    """
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple, str, bytes)):
+        value = value.tolist()  # numpy arrays (a 0-d string array becomes a str: caught below)
+    if isinstance(value, (str, bytes)):
+        raise TypeError(
+            f"caption field {field!r} holds a {type(value).__name__} where a list of sentences was "
+            f"expected (starting {str(value)[:40]!r}); store the field pre-split (a list of sentences), "
+            "or split it with finetune.data.text.split_sentences"
+        )
+    if not isinstance(value, Sequence):
+        raise TypeError(f"caption field {field!r} must be a list of sentences, got {type(value).__name__}")
+    sentences = []
+    for i, sentence in enumerate(value):
+        if not isinstance(sentence, str):
+            raise TypeError(f"caption field {field!r}: item {i} is a {type(sentence).__name__}, "
+                            "expected a sentence (str)")
+        if sentence.strip():
+            sentences.append(sentence.strip())
+    return sentences
 
 
 def first_sentence(text: str) -> str:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
 
 import pytest
 
 from finetune.data.text import (
+    as_sentence_list,
     chunk_sentences,
     first_sentence,
     sample_subcaptions,
@@ -130,11 +133,81 @@ def test_sample_subcaptions_windows_include_the_last_one():
         assert SENTENCES.index(b) == SENTENCES.index(a) + 1
 
 
-def test_sample_subcaptions_random_positions_and_short_captions():
+def test_sample_subcaptions_random_positions_keep_caption_order_and_short_captions():
     scattered = sample_subcaptions(SENTENCES, 300, 2, 2, rng=2, consecutive=0.0)
     gaps = {SENTENCES.index(_parts(c)[1]) - SENTENCES.index(_parts(c)[0]) for c in scattered}
-    assert any(abs(g) > 1 for g in gaps)  # not only windows
+    assert min(gaps) > 0  # in caption order, never repeated
+    assert any(g > 1 for g in gaps)  # not only windows
     assert sample_subcaptions(["Only.", "Two."], 3, 3, 3, rng=0) == ["Only. Two."] * 3
+
+
+LONG = [f"S{i}." for i in range(7)]
+
+
+def test_sample_subcaptions_statistics_over_many_draws():
+    """FLAIR 3.1 with the defaults: K = 8 per image, s ~ U{1, 2, 3}, half windows (every start,
+    the last included, equally often), half scattered sentences in caption order."""
+    rng = random.Random(0)
+    draws = [sample_subcaptions(LONG, rng=rng) for _ in range(1500)]
+    assert {len(d) for d in draws} == {8}  # K per image
+    captions = [c for d in draws for c in d]  # 12,000 sub-captions
+    positions = [[LONG.index(p) for p in _parts(c)] for c in captions]
+    lengths = [len(p) for p in positions]
+    for s in (1, 2, 3):  # s spread evenly over 1-3
+        assert abs(lengths.count(s) / len(lengths) - 1 / 3) < 0.02
+    for pos in positions:
+        assert pos == sorted(pos) and len(set(pos)) == len(pos)  # caption order, no repeat
+    for s in (2, 3):
+        of_s = [p for p in positions if len(p) == s]
+        windows = [p for p in of_s if p == list(range(p[0], p[0] + s))]
+        # scattered picks are windows by chance in (n - s + 1) / C(n, s) of the cases
+        chance = (len(LONG) - s + 1) / math.comb(len(LONG), s)
+        assert abs(len(windows) / len(of_s) - (0.5 + 0.5 * chance)) < 0.04
+        starts = Counter(p[0] for p in windows)
+        assert set(starts) == set(range(len(LONG) - s + 1))  # every start, the last one included
+        expected = len(windows) / (len(LONG) - s + 1)
+        assert all(abs(count - expected) < 0.25 * expected for count in starts.values())
+    singles = Counter(p[0] for p in positions if len(p) == 1)
+    assert set(singles) == set(range(len(LONG)))
+
+
+def test_sample_subcaptions_windows_only_draw_every_start_evenly():
+    windows = sample_subcaptions(LONG, 6000, 3, 3, rng=5, consecutive=1.0)
+    starts = Counter(LONG.index(_parts(w)[0]) for w in windows)
+    assert sorted(starts) == [0, 1, 2, 3, 4]  # the FLAIR code never draws start 4 = n - s
+    assert all(abs(c / 6000 - 1 / 5) < 0.02 for c in starts.values())
+    assert sample_subcaptions(LONG, rng=1) == sample_subcaptions(LONG, rng=1)
+    assert sample_subcaptions(LONG, rng=1) != sample_subcaptions(LONG, rng=2)
+
+
+def test_sample_subcaptions_refuses_a_string():
+    with pytest.raises(TypeError, match="single characters"):
+        sample_subcaptions("A dog. A cat.", 2)
+
+
+def test_as_sentence_list_accepts_lists_and_arrays():
+    assert as_sentence_list(["A dog. ", "", "  ", "A cat."], field="raw_caption") == ["A dog.", "A cat."]
+    assert as_sentence_list(("A dog.",), field="raw_caption") == ["A dog."]
+    np = pytest.importorskip("numpy")
+    assert as_sentence_list(np.array(["A dog.", "A cat."], dtype=object), field="f") == ["A dog.", "A cat."]
+    assert as_sentence_list([], field="f") == []
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("A dog on the grass. A red ball.", "'long_IB_captions' holds a str where a list of sentences"),
+        (b"A dog.", "'long_IB_captions' holds a bytes"),
+        (None, "'long_IB_captions' must be a list of sentences, got NoneType"),
+        (["A dog.", 3], "'long_IB_captions': item 1 is a int"),
+    ],
+)
+def test_as_sentence_list_names_the_field_of_a_string_caption(value, message):
+    with pytest.raises(TypeError, match=message):
+        as_sentence_list(value, field="long_IB_captions")
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match="holds a str"):
+        as_sentence_list(np.array("A dog. A cat."), field="long_IB_captions")
 
 
 @pytest.mark.parametrize(
