@@ -353,10 +353,11 @@ def tiny_flair_config() -> dict[str, Any]:
 
 
 def small_flair_config() -> dict[str, Any]:
-    """The quickstart size (DESIGN 7's small CLIP): 4 layers, width 128, 64-pixel images, patch 8."""
-    return {"embed_dim": 128,
-            "vision_cfg": {"image_size": 64, "layers": 4, "width": 128, "patch_size": 8},
-            "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 128, "heads": 2, "layers": 4}}
+    """The CPU recipe's size (``flair_tiny_synthetic.yaml``): 2 layers, width 64 (one 64-wide head) in both
+    towers, 64-pixel images, patch 8 (64 patches)."""
+    return {"embed_dim": 64,
+            "vision_cfg": {"image_size": 64, "layers": 2, "width": 64, "patch_size": 8},
+            "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 1, "layers": 2}}
 
 
 def _detect(folder: Path) -> bool:

@@ -195,7 +195,7 @@ def _entries() -> list[RegistryEntry]:
                                          sig_v, "siglip2-base-patch16-224", family="siglip2")),
         RegistryEntry("tiny-flair", "flair", "clip", "FLAIR (open_clip ViT + attention pool), 2 layers, width 64, 32 px",
                       lambda: _flair("tiny_flair_config", "tiny-flair")),
-        RegistryEntry("small-flair", "flair", "clip", "FLAIR at the quickstart size: 4 layers, width 128, 64 px, patch 8",
+        RegistryEntry("small-flair", "flair", "clip", "FLAIR for the CPU recipe: 2 layers, width 64, 64 px, patch 8",
                       lambda: _flair("small_flair_config", "small-flair")),
         RegistryEntry("flair-vit-b-16", "flair", "clip", "FLAIR ViT-B/16 (paper), random weights",
                       lambda: _flair("flair_vit_b16_config", "flair-vit-b-16")),
