@@ -22,11 +22,16 @@ from torch import Tensor
 
 from finetune.scorers import CosineScorer, Payload, Scorer, payload_len, register_scorer
 
-__all__ = ["FlairGlobalScorer", "FlairScorer", "conditioned_scores"]
+__all__ = ["FlairGlobalScorer", "FlairScorer", "conditioned_scores", "public_code_scores"]
 
 
 def conditioned_scores(pool: Any, texts: Tensor, local: Tensor, *, max_elements: int = 2 ** 24) -> Tensor:
     """``(Tt, Ti)`` text-conditioned cosine scores of ``Tt`` texts against ``Ti`` images (FLAIR eq. 2).
+
+    The pool's attention is computed here from its own weights so that the texts' LayerNorm and query
+    projection run ONCE for all images (``pool(texts, local)`` per image, the public code's way, repeats them
+    for every image); keys and values get the empty slot (a zero key and value after the in-projection) as
+    in :class:`losses.flair.TextConditionedAttentionPool`, so the result equals calling the pool.
 
     Args:
         pool: the model's :class:`losses.flair.TextConditionedAttentionPool`.
@@ -38,18 +43,40 @@ def conditioned_scores(pool: Any, texts: Tensor, local: Tensor, *, max_elements:
     Returns:
         ``score[j, i] = <n(pool(t_j, v_loc_i)), n(t_j)>``.
     """
+    attn = pool.attn
+    if attn.bias_k is not None or not attn._qkv_same_embed_dim or not attn.batch_first:
+        raise ValueError("conditioned_scores expects FLAIR's pool: packed in-projection, batch_first, no bias_k/v")
     n_texts, dim = texts.shape
-    n_images = local.shape[0]
+    n_images, n_local = local.shape[:2]
+    heads = attn.num_heads
+    w, b = attn.in_proj_weight, attn.in_proj_bias
+    bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
+    wq, wk, wv = w.chunk(3)
+    q = F.linear(pool.ln_q(texts), wq, bq).view(n_texts, heads, -1).transpose(0, 1)  # (H, Tt, dh)
     unit = F.normalize(texts, dim=-1)
     step = max(1, max_elements // max(1, n_texts * dim))
     out = []
     for i0 in range(0, n_images, step):
         chunk = local[i0:i0 + step]
-        tc = pool(texts.unsqueeze(0).expand(chunk.shape[0], -1, -1), chunk)  # (ti, Tt, D)
-        out.append((F.normalize(tc, dim=-1) * unit.unsqueeze(0)).sum(-1))   # (ti, Tt)
+        ti = chunk.shape[0]
+        zero = chunk.new_zeros(ti, 1, dim)
+        k = torch.cat([F.linear(pool.ln_k(chunk), wk, bk), zero], 1).view(ti, n_local + 1, heads, -1).transpose(1, 2)
+        v = torch.cat([F.linear(pool.ln_v(chunk), wv, bv), zero], 1).view(ti, n_local + 1, heads, -1).transpose(1, 2)
+        tc = F.scaled_dot_product_attention(q.unsqueeze(0).expand(ti, -1, -1, -1), k, v)  # (ti, H, Tt, dh)
+        tc = attn.out_proj(tc.transpose(1, 2).reshape(ti, n_texts, dim))
+        out.append((F.normalize(tc, dim=-1) * unit.unsqueeze(0)).sum(-1))  # (ti, Tt)
     if not out:
         return texts.new_zeros((n_texts, 0))
     return torch.cat(out).T
+
+
+def public_code_scores(pool: Any, texts: Tensor, local: Tensor) -> Tensor:
+    """``(Tt, Ti)`` the same scores the public code's way (``train.py`` inference): one image at a time,
+    conditioned on all texts in one call of the pool. For the benchmark and as a reference."""
+    unit = F.normalize(texts, dim=-1)
+    cols = [(F.normalize(pool(texts.unsqueeze(0), local[i:i + 1])[0], dim=-1) * unit).sum(-1)
+            for i in range(local.shape[0])]
+    return torch.stack(cols, 1) if cols else texts.new_zeros((texts.shape[0], 0))
 
 
 def _require_flair(model: Any, name: str) -> None:

@@ -116,3 +116,17 @@ def test_docci_fg_retrieval_with_both_scorers(model, tmp_path):
     assert emb.image_payload["local"].shape[1:] == (16, 64)
     assert recall_from_ranks(retrieval_ranks(get_scorer("flair_global"), emb.text_payload, emb.image_payload,
                                              emb.text_to_image), [1])["t2i"]["R@1"] == glob["t2i"]["R@1"]
+
+
+def test_conditioned_scores_equal_the_pool_called_per_image(model):
+    """The one-projection-of-the-texts form equals the pool (the public code's per-image calls), masked-free,
+    in every chunking."""
+    from finetune.flair_scorers import conditioned_scores, public_code_scores
+
+    torch.manual_seed(4)
+    texts, local = torch.randn(11, 64), torch.randn(5, 16, 64)
+    with torch.no_grad():
+        reference = public_code_scores(model.pool, texts, local)
+        for max_elements in (1, 64 * 11 * 2, 2 ** 24):
+            torch.testing.assert_close(conditioned_scores(model.pool, texts, local, max_elements=max_elements),
+                                       reference, rtol=0, atol=1e-5)
