@@ -94,6 +94,7 @@ def sample_flair_text_indices(
     num_images: int,
     k: int,
     *,
+    rows: slice | None = None,
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
 ) -> Tensor:
@@ -102,47 +103,61 @@ def sample_flair_text_indices(
 
     As the public code (``downsample_text_features``), the offset of each negative sub-caption is
     drawn independently for every (image, other image) pair and each row is sorted, so image i's
-    own sub-captions sit at columns ``i .. i + K - 1``.
+    own sub-captions sit at columns ``i .. i + K - 1``. The whole ``(B, B)`` matrix of offsets
+    is always drawn (one byte each), so that ``rows`` of it are the same rows whoever draws them:
+    processes seeded alike each build only their own images' rows of one global draw.
 
     Args:
         num_images: B, images in the batch (the global batch for ``flair_loss(distributed="global")``).
-        k: K, sub-captions per image.
-        generator: a ``torch.Generator`` on ``device``; None uses torch's default generator (every
-            process that seeds it alike draws the same matrix).
+        k: K, sub-captions per image (at most 256).
+        rows: the images whose rows to return (a step-1 slice); None: all.
+        generator: a ``torch.Generator`` on ``device``; None uses torch's default generator.
         device: where the indices are made (the texts' device).
 
     Returns:
-        ``(B, K + B - 1)`` int64 indices into the image-major ``B * K`` sub-captions
-        (sub-caption k of image j is ``j * K + k``).
+        ``(R, K + B - 1)`` int64 indices into the image-major ``B * K`` sub-captions
+        (sub-caption k of image j is ``j * K + k``), R = B or the length of ``rows``.
     """
-    if num_images < 1 or k < 1:
-        raise ValueError(f"sample_flair_text_indices needs num_images >= 1 and k >= 1, got {num_images} and {k}")
-    offsets = torch.randint(0, k, (num_images, num_images), generator=generator, device=device)
-    image = torch.arange(num_images, device=offsets.device).unsqueeze(1)
+    if num_images < 1 or not 1 <= k <= 256:
+        raise ValueError(f"sample_flair_text_indices needs num_images >= 1 and 1 <= k <= 256, got "
+                         f"{num_images} and {k}")
+    first, stop, step = (rows or slice(None)).indices(num_images)
+    if step != 1 or stop <= first:
+        raise ValueError(f"sample_flair_text_indices: rows must be a non-empty step-1 slice of "
+                         f"range({num_images}), got {rows}")
+    offsets = torch.randint(0, k, (num_images, num_images), generator=generator, device=device,
+                            dtype=torch.uint8)[first:stop].long()
+    image = torch.arange(first, stop, device=offsets.device).unsqueeze(1)
     column = torch.arange(k + num_images - 1, device=offsets.device).unsqueeze(0)
     own = (column >= image) & (column < image + k)
     other = torch.where(column < image, column, column - k + 1).clamp(0, num_images - 1)
-    negatives = other * k + offsets.gather(1, other.expand(num_images, -1))
+    negatives = other * k + offsets.gather(1, other.expand(stop - first, -1))
     return torch.where(own, image * k + column - image, negatives)
 
 
 def _check_text_indices(indices: Tensor, num_images: int, k: int, what: str) -> None:
-    """Shape, range and FLAIR structure of ``text_indices``: each row holds its image's K
-    sub-captions once each and exactly one sub-caption of every other image."""
+    """Type and shape of ``text_indices``: ``(num_images, K + num_images - 1)`` integers."""
     shape = (num_images, k + num_images - 1)
     if not isinstance(indices, Tensor) or indices.is_floating_point() or indices.dtype == torch.bool \
             or tuple(indices.shape) != shape:
         got = (indices.dtype, tuple(indices.shape)) if isinstance(indices, Tensor) else type(indices).__name__
         raise ValueError(f"flair_loss: text_indices must be an integer tensor of shape {shape} "
                          f"(K + B - 1 columns, {what}), got {got}")
-    if indices.numel() and (indices.min() < 0 or indices.max() >= num_images * k):
+
+
+def _check_rows(rows: Tensor, first_image: int, num_images: int, k: int) -> None:
+    """FLAIR's structure of rows ``first_image ..`` of ``text_indices``: in range, each row
+    holding its image's K sub-captions (once each) and one sub-caption of every other image."""
+    if rows.min() < 0 or rows.max() >= num_images * k:
         raise ValueError(f"flair_loss: text_indices must index the {num_images} x {k} image-major "
                          f"sub-captions, i.e. lie in [0, {num_images * k})")
-    owner = indices.long() // k
-    counts = torch.zeros(num_images, num_images, dtype=torch.long, device=indices.device)
+    owner = rows // k
+    counts = torch.zeros(rows.shape[0], num_images, dtype=torch.long, device=rows.device)
     counts.scatter_add_(1, owner, torch.ones_like(owner))
-    expected = 1 + (k - 1) * torch.eye(num_images, dtype=torch.long, device=indices.device)
-    distinct = (indices.sort(dim=1).values.diff(dim=1) > 0).all()
+    expected = torch.ones_like(counts)
+    expected[torch.arange(rows.shape[0], device=rows.device), first_image + torch.arange(
+        rows.shape[0], device=rows.device)] = k
+    distinct = (rows.sort(dim=1).values.diff(dim=1) > 0).all()
     if not (torch.equal(counts, expected) and distinct):
         raise ValueError("flair_loss: each row i of text_indices must hold image i's K sub-captions "
                          "(once each) and one sub-caption of every other image; draw it with "
@@ -150,10 +165,10 @@ def _check_text_indices(indices: Tensor, num_images: int, k: int, what: str) -> 
 
 
 def _check_inputs(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
-                  pool: TextConditionedAttentionPool, local_mask: Tensor | None) -> None:
+                  local_mask: Tensor | None) -> None:
     if not isinstance(text_embeds, Tensor) or text_embeds.dim() != 3:
-        raise ValueError(f"flair_loss: text_embeds must be (B, K, D), got "
-                         f"{tuple(text_embeds.shape) if isinstance(text_embeds, Tensor) else type(text_embeds).__name__}")
+        got = tuple(text_embeds.shape) if isinstance(text_embeds, Tensor) else type(text_embeds).__name__
+        raise ValueError(f"flair_loss: text_embeds must be (B, K, D), got {got}")
     if not isinstance(local_image, Tensor) or local_image.dim() != 3:
         raise ValueError("flair_loss: local_image must be (B, N, D) patch embeddings")
     if not isinstance(global_image, Tensor) or global_image.dim() != 2:
@@ -212,10 +227,13 @@ def _global_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor
     rank, world = world_info() if should_gather(gather) else (0, 1)
     total = b * world
     texts = gather_with_grad(text_embeds.reshape(b * k, d)) if world > 1 else text_embeds.reshape(b * k, d)
+    mine = slice(rank * b, (rank + 1) * b)
     if text_indices is None:
-        text_indices = sample_flair_text_indices(total, k, device=text_embeds.device)
-    _check_text_indices(text_indices, total, k, "the global batch, the same on every process")
-    rows = text_indices[rank * b : (rank + 1) * b].to(text_embeds.device).long()
+        rows = sample_flair_text_indices(total, k, rows=mine, device=text_embeds.device)
+    else:  # each process checks its own rows
+        _check_text_indices(text_indices, total, k, "the global batch, the same on every process")
+        rows = text_indices[mine].to(text_embeds.device).long()
+        _check_rows(rows, rank * b, total, k)
     owner = torch.arange(rank * b, (rank + 1) * b, device=text_embeds.device).unsqueeze(1)
     # Each process holds B of the W*B images: W x its share makes the mean over processes (and
     # DDP's averaged gradients) equal the loss of one process on the global batch.
@@ -236,9 +254,11 @@ def _ring_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
     b, k, d = text_embeds.shape
     texts = text_embeds.reshape(b * k, d)
     if text_indices is None:
-        text_indices = sample_flair_text_indices(b, k, device=text_embeds.device)
-    _check_text_indices(text_indices, b, k, "this process's batch")
-    rows = text_indices.to(text_embeds.device).long()
+        rows = sample_flair_text_indices(b, k, device=text_embeds.device)
+    else:
+        _check_text_indices(text_indices, b, k, "this process's batch")
+        rows = text_indices.to(text_embeds.device).long()
+        _check_rows(rows, 0, b, k)
     owner = torch.arange(b, device=text_embeds.device).unsqueeze(1)
     tcs = _tcs_sum(texts, rows, rows // k == owner, local_image, local_mask, pool, logit_scale, logit_bias)
     mps = None
@@ -266,7 +286,7 @@ def _flair_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
                  distributed: str, gather: bool | None, local_mask: Tensor | None) -> dict[str, Tensor]:
     if distributed not in ("global", "ring"):
         raise ValueError(f"flair_loss: distributed must be 'global' or 'ring', got {distributed!r}")
-    _check_inputs(text_embeds, local_image, global_image, pool, local_mask)
+    _check_inputs(text_embeds, local_image, global_image, local_mask)
     compute = _global_parts if distributed == "global" else _ring_parts
     parts = compute(text_embeds, local_image, global_image, pool, logit_scale, logit_bias, add_mps,
                     text_indices, gather, local_mask)
@@ -333,15 +353,17 @@ def flair_loss(
             :func:`sample_flair_text_indices`). ``"global"``: ``(W*B, K + W*B - 1)`` over the
             global batch, the same on every process; ``"ring"``: ``(B, K + B - 1)``, this
             process's own draw. None draws with torch's default generator on the texts' device;
-            under ``"global"`` each process draws the whole global matrix, so processes seeded
-            alike use one draw, the one a single process would make.
+            under ``"global"`` each process builds its own images' rows of one global draw (the
+            one a single process seeded alike would make; see :func:`sample_flair_text_indices`),
+            so processes seeded alike share one draw and processes seeded apart draw
+            independent rows.
         distributed: ``"global"`` or ``"ring"`` (above).
         gather: ``None`` works across processes when a process group of size > 1 is
             initialised; ``False`` keeps each process's loss on its own batch.
         local_mask: ``(B, N)`` bool, True for real local tokens (see the pool).
 
     Returns:
-        Scalar loss. Every process must pass the same B, K, N and D.
+        Scalar loss. Every process must pass the same B, K and D (N may differ).
     """
     return _flair_parts(text_embeds, local_image, global_image, pool, logit_scale, logit_bias,
                         add_mps=add_mps, text_indices=text_indices, distributed=distributed,

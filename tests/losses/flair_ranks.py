@@ -64,7 +64,7 @@ def ring_indices(world: int) -> list[torch.Tensor]:
     return [sample_flair_text_indices(B, K, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
 
 
-CASES = ("global", "global_no_mps", "global_seeded", "ring", "ring_no_mps", "ring_module")
+CASES = ("global", "global_no_mps", "global_seeded", "ring", "ring_no_mps", "ring_module", "local")
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,9 @@ def run_case(name: str, rank: int, world: int) -> dict:
     log_scale, bias = _leaf(full["log_scale"]), _leaf(full["bias"])
     pool = make_pool()
     kwargs = {"add_mps": not name.endswith("no_mps"), "local_mask": full["mask"][rows], "gather": True}
-    if name.startswith("global"):
+    if name == "local":  # gather=False: each process on its own batch, its own draw
+        kwargs.update(gather=False, text_indices=ring_indices(world)[rank])
+    elif name.startswith("global"):
         kwargs.update(distributed="global", text_indices=None if name == "global_seeded" else global_indices(world))
     else:
         kwargs.update(distributed="ring", text_indices=ring_indices(world)[rank])
@@ -117,3 +119,31 @@ def run_ranks(folder: str, world: int) -> list[dict]:
     """Spawn ``world`` gloo processes that run every case; returns each rank's results."""
     mp.spawn(_worker, args=(folder, world), nprocs=world, join=True)
     return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=True) for r in range(world)]
+
+
+# --- the ring exchange primitive -------------------------------------------------------------
+
+
+def _exchange_worker(rank: int, folder: str, world: int) -> None:
+    from losses import ring_exchange_with_grad
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    try:
+        x = (torch.arange(6, dtype=torch.float64).reshape(2, 3) + 100 * rank).requires_grad_(True)
+        received = ring_exchange_with_grad(x)
+        weights = torch.arange(1, 7, dtype=torch.float64).reshape(2, 3)
+        # Distinct weights per (receiving rank, source rank): the gradient shows who used what.
+        loss = sum((10 * rank + source) * (block * weights).sum() for source, block in received)
+        loss.backward()
+        torch.save({"world_size": dist.get_world_size(), "sources": torch.tensor([s for s, _ in received]),
+                    "blocks": torch.stack([b.detach() for _, b in received]), "grad": x.grad},
+                   os.path.join(folder, f"exchange{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_exchange(folder: str, world: int) -> list[dict]:
+    """Spawn ``world`` gloo processes that pass a tensor around the ring and backpropagate."""
+    mp.spawn(_exchange_worker, args=(folder, world), nprocs=world, join=True)
+    return [torch.load(os.path.join(folder, f"exchange{r}.pt"), weights_only=True) for r in range(world)]

@@ -91,3 +91,28 @@ def test_gather_variable_handles_an_empty_rank_and_unpads(two_ranks: list[dict])
         assert p["variable_bool"].dtype == torch.bool
     assert two_ranks[0]["primitives"]["variable_grad"].shape == (0, 2)
     assert torch.equal(two_ranks[1]["primitives"]["variable_grad"], 2 * rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [4])
+def test_ring_exchange_delivers_every_other_rank_once_and_returns_gradients(tmp_path, world: int) -> None:
+    """4 processes: one bidirectional hop and one unidirectional hop with distinct neighbours,
+    where the FLAIR code re-sends its own tensor (so a rank would see one block twice)."""
+    import flair_ranks
+
+    results = flair_ranks.run_exchange(str(tmp_path), world)
+    weights = torch.arange(1, 7, dtype=torch.float64).reshape(2, 3)
+    for rank, result in enumerate(results):
+        assert result["world_size"] == world
+        assert sorted(result["sources"].tolist()) == [r for r in range(world) if r != rank]
+        for source, block in zip(result["sources"].tolist(), result["blocks"]):
+            torch.testing.assert_close(block, torch.arange(6, dtype=torch.float64).reshape(2, 3) + 100 * source)
+        # x's gradient on its rank: every other rank's use of it, sent back along the ring
+        coefficient = sum(10 * r + rank for r in range(world) if r != rank)
+        torch.testing.assert_close(result["grad"], coefficient * weights)
+
+
+def test_ring_exchange_is_empty_in_a_single_process() -> None:
+    from losses import ring_exchange_with_grad
+
+    assert ring_exchange_with_grad(torch.ones(2)) == []

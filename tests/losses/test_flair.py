@@ -244,6 +244,8 @@ def test_flair_loss_draws_the_same_texts_as_the_sampler_and_ring_equals_global_i
     indices = sample_flair_text_indices(4, 3)
     torch.testing.assert_close(drawn, flair_loss(*args, local_mask=mask, text_indices=indices))
     torch.testing.assert_close(drawn, flair_loss(*args, local_mask=mask, text_indices=indices, distributed="ring"))
+    torch.manual_seed(11)
+    torch.testing.assert_close(drawn, flair_loss(*args, local_mask=mask, distributed="ring"))
     other = sample_flair_text_indices(4, 3, generator=torch.Generator().manual_seed(3))
     assert not torch.equal(other, indices)
     assert not torch.allclose(drawn, flair_loss(*args, local_mask=mask, text_indices=other))
@@ -266,6 +268,13 @@ def test_sample_flair_text_indices_layout_and_uniform_negatives() -> None:
     again = sample_flair_text_indices(n_img, k, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(again, draws[0])
     assert sample_flair_text_indices(1, 2).tolist() == [[0, 1]]
+    # a process builds its rows of the global draw: the same rows as the whole draw
+    part = sample_flair_text_indices(n_img, k, rows=slice(2, 4), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(part, draws[0, 2:4])
+    with pytest.raises(ValueError, match="step-1 slice"):
+        sample_flair_text_indices(n_img, k, rows=slice(0, 4, 2))
+    with pytest.raises(ValueError, match="k <= 256"):
+        sample_flair_text_indices(n_img, 0)
 
 
 def test_flair_loss_rejects_bad_inputs() -> None:
@@ -300,7 +309,7 @@ def test_flair_loss_rejects_bad_inputs() -> None:
 # --- across processes (2 and 3 gloo processes) ---------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["2proc", "3proc"])
 def flair_world(request, tmp_path_factory) -> tuple[int, list[dict]]:
     world = request.param
     return world, flair_ranks.run_ranks(str(tmp_path_factory.mktemp(f"flair{world}")), world)
@@ -370,3 +379,34 @@ def test_ring_semantics_equal_the_public_codes_per_rank_loss(flair_world, case: 
     # gives a different gradient.
     own_only = torch.autograd.grad(losses[0], leaves["text"])[0][:per]
     assert not torch.allclose(own_only, results[0][case]["grads"]["text"])
+
+
+def test_gather_false_keeps_each_process_on_its_own_batch(flair_world) -> None:
+    world, results = flair_world
+    leaves, mask, pool = _leaves(world)
+    per = flair_ranks.B
+    for rank, r in enumerate(results):
+        rows = slice(rank * per, (rank + 1) * per)
+        want = _hand_flair(pool, leaves["text"][rows], leaves["local"][rows], leaves["global"][rows],
+                           leaves["log_scale"].exp(), leaves["bias"], flair_ranks.ring_indices(world)[rank],
+                           mask[rows])
+        _assert_close(r["local"]["loss"], want, f"local loss rank {rank}")
+        want_text = torch.autograd.grad(want, leaves["text"], retain_graph=True)[0][rows]
+        _assert_close(r["local"]["grads"]["text"], want_text, f"local text grad rank {rank}")
+
+
+def test_flair_loss_under_bf16_autocast_keeps_float32_logits() -> None:
+    pool = TextConditionedAttentionPool(8, 2)
+    text, local, glob = (_randn(*shape, seed=i).float().requires_grad_(True)
+                         for i, shape in enumerate([(3, 2, 8), (3, 4, 8), (3, 8)]))
+    scale, bias = torch.tensor(14.3, requires_grad=True), torch.tensor(-10.0, requires_grad=True)
+    indices = sample_flair_text_indices(3, 2, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        parts = FLAIRLoss()(text, local, glob, pool, scale, bias, text_indices=indices)
+    assert {k: v.dtype for k, v in parts.items()} == dict.fromkeys(("tcs", "mps", "loss"), torch.float32)
+    loss = parts["loss"]
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert all(torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0 for t in (text, local, glob, scale, bias))
+    full = flair_loss(text, local, glob, pool, scale, bias, text_indices=indices)
+    torch.testing.assert_close(loss, full, rtol=0.02, atol=0.0)  # bf16 cosines, float32 logits
