@@ -15,6 +15,20 @@ from .distributed import (
     world_info,
 )
 from .flair import FLAIRLoss, TextConditionedAttentionPool, flair_loss, sample_flair_text_indices
+from .grm import (
+    GRMHead,
+    GRMImageOutput,
+    GRMLoss,
+    GRMOutput,
+    GRMTextOutput,
+    TokenAdapter,
+    grm_loss,
+    grm_similarity,
+    gumbel_gate,
+    sample_regions,
+    token_wise_similarity,
+    vse_hinge_loss,
+)
 from .structxlip import StructXLIPLoss, consistency_loss, local_structure_loss, official_weight_decay
 
 __all__ = [
@@ -30,6 +44,18 @@ __all__ = [
     "flair_loss",
     "FLAIRLoss",
     "sample_flair_text_indices",
+    "GRMHead",
+    "GRMImageOutput",
+    "GRMTextOutput",
+    "GRMOutput",
+    "GRMLoss",
+    "TokenAdapter",
+    "grm_loss",
+    "grm_similarity",
+    "gumbel_gate",
+    "sample_regions",
+    "token_wise_similarity",
+    "vse_hinge_loss",
     "gather_with_grad",
     "gather_variable_with_grad",
     "VariableGather",
