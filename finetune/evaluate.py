@@ -481,8 +481,13 @@ def evaluate_sets(
         emb = encode_for_retrieval(model, source.dataset, batch_size=batch_size, accelerator=accelerator,
                                    num_workers=num_workers, progress=progress, desc=f"eval {label}",
                                    scorer=scorer, on_error=on_error)
-        metrics = recall_at_k(emb.image_payload, emb.text_payload, emb.text_to_image, ks, block_size=block_size,
-                              scorer=scorer, rerank_top_k=rerank_top_k)
+        folds = _protocol_folds(source)
+        if folds:
+            metrics = fold_recall(emb.image_payload, emb.text_payload, emb.text_to_image, ks, folds,
+                                  block_size=block_size, scorer=scorer, rerank_top_k=rerank_top_k)
+        else:
+            metrics = recall_at_k(emb.image_payload, emb.text_payload, emb.text_to_image, ks, block_size=block_size,
+                                  scorer=scorer, rerank_top_k=rerank_top_k)
         results[label] = {
             "protocol": getattr(source, "protocol", None) or "default",
             "n_images": payload_len(emb.image_payload),
@@ -493,6 +498,11 @@ def evaluate_sets(
             "skipped": int(getattr(source, "skipped", 0) or 0) + len(emb.skipped_examples),
             "scorer": scorer_label,
         }
+        if folds:
+            results[label]["folds"] = folds
+        rsum = recall_sum(metrics)
+        if rsum is not None:
+            results[label]["rsum"] = rsum
         skipped_ids = [*(getattr(source, "skipped_ids", None) or []), *(e["id"] for e in emb.skipped_examples)]
         if skipped_ids:
             results[label]["skipped_ids"] = skipped_ids
@@ -500,6 +510,68 @@ def evaluate_sets(
                  results[label]["n_images"], results[label]["n_texts"], emb.truncated,
                  metrics["t2i"], metrics["i2t"])
     return results
+
+
+def recall_sum(metrics: Mapping[str, Mapping[str, float]]) -> float | None:
+    """rSum: R@1 + R@5 + R@10 of both directions (VSE++, LAPS, GRM), or None when one is missing.
+
+    Args:
+        metrics: ``{"t2i": {"R@1": pct, ...}, "i2t": {...}}``.
+    """
+    keys = ("R@1", "R@5", "R@10")
+    try:
+        return float(sum(metrics[d][k] for d in ("t2i", "i2t") for k in keys))
+    except KeyError:
+        return None
+
+
+def _protocol_folds(source: Any) -> int | None:
+    from finetune.data.protocols import PROTOCOLS, get_protocol
+
+    name, protocol = getattr(source, "name", None), getattr(source, "protocol", None)
+    if getattr(source, "split", None) is not None or name not in PROTOCOLS or protocol is None:
+        return None
+    return get_protocol(name, protocol).folds
+
+
+def fold_recall(
+    image_payload: Mapping[str, Tensor],
+    text_payload: Mapping[str, Tensor],
+    text_to_image: Tensor,
+    ks: Sequence[int],
+    folds: int,
+    **kwargs: Any,
+) -> dict[str, dict[str, float]]:
+    """Recall@K averaged over ``folds`` consecutive blocks of images, each ranked against its own captions
+    only (COCO 1K: the 5,000 test images as 5 folds of 1,000, VSE++ / LAPS ``evalrank(fold5=True)``).
+
+    Args:
+        image_payload, text_payload: the scorer's payloads of ``Ni`` images and ``Nt`` texts.
+        text_to_image: ``(Nt,)`` the image of each text.
+        ks: the cut-offs K.
+        folds: the number of blocks; ``Ni`` must divide evenly.
+        kwargs: passed to :func:`recall_at_k` (``block_size``, ``scorer``, ``rerank_top_k``).
+
+    Returns:
+        ``{"t2i": {"R@K": mean pct}, "i2t": {...}}``.
+
+    Raises:
+        ValueError: ``Ni`` is not a multiple of ``folds``.
+    """
+    from finetune.scorers import payload_len, take
+
+    n_images = payload_len(image_payload)
+    if folds < 1 or n_images % folds:
+        raise ValueError(f"{n_images} images cannot be split into {folds} folds of equal size")
+    size = n_images // folds
+    owner = text_to_image.to(torch.long)
+    parts = []
+    for f in range(folds):
+        lo, hi = f * size, (f + 1) * size
+        rows = ((owner >= lo) & (owner < hi)).nonzero().flatten()
+        parts.append(recall_at_k(take(image_payload, slice(lo, hi)), take(text_payload, rows.to(owner.device)),
+                                 owner[rows] - lo, ks, **kwargs))
+    return {d: {k: float(sum(p[d][k] for p in parts) / folds) for k in parts[0][d]} for d in ("t2i", "i2t")}
 
 
 _DIRECTIONS = (("t2i", "text→image"), ("i2t", "image→text"))
@@ -537,6 +609,10 @@ def format_table(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> 
                 else:
                     cells.append(f"{value:.1f}")
             lines.append(f"| {name} | {size} | {words} | " + " | ".join(cells) + " |")
+        if res.get("rsum") is not None:
+            was = prev.get("rsum") if prev is not None else None
+            value = f"{was:.1f} → {res['rsum']:.1f}" if was is not None else f"{res['rsum']:.1f}"
+            lines.append(f"| {name} | {size} | rSum (R@1+5+10, both) | {value} |" + " |" * (len(ks) - 1))
     return "\n".join(lines)
 
 

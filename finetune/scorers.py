@@ -231,6 +231,7 @@ _SCORERS: dict[str, Callable[..., Scorer]] = {}
 #: text-conditioned); imported on the first lookup.
 BUILTIN_SCORER_MODULES: tuple[str, ...] = (
     "finetune.flair_scorers",
+    "finetune.scorers_grm",
 )
 _builtins_imported = False
 

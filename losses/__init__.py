@@ -30,6 +30,20 @@ from .grm import (
     vse_hinge_loss,
 )
 from .structxlip import StructXLIPLoss, consistency_loss, local_structure_loss, official_weight_decay
+from .tsl import (
+    BoxGeometry,
+    SentenceSpans,
+    TSLHeads,
+    attach_tsl_heads,
+    box_patch_masks,
+    pool_box_states,
+    pool_patch_states,
+    pool_span_states,
+    select_sentence_spans,
+    tsl_loss,
+    tsl_sentence_spans,
+    tsl_similarity_loss,
+)
 
 __all__ = [
     "clip_loss",
@@ -41,6 +55,18 @@ __all__ = [
     "StructXLIPLoss",
     "official_weight_decay",
     "TextConditionedAttentionPool",
+    "tsl_loss",
+    "tsl_similarity_loss",
+    "pool_box_states",
+    "pool_patch_states",
+    "box_patch_masks",
+    "BoxGeometry",
+    "pool_span_states",
+    "select_sentence_spans",
+    "tsl_sentence_spans",
+    "SentenceSpans",
+    "TSLHeads",
+    "attach_tsl_heads",
     "flair_loss",
     "FLAIRLoss",
     "sample_flair_text_indices",

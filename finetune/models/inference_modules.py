@@ -11,7 +11,9 @@ FLAIR's text-conditioned attention pool) goes into ``model.inference_modules`` (
 ``xlipkit_inference.json`` (per module: the registered class name and its init kwargs as JSON)
 and ``xlipkit_inference.safetensors`` (its state dict, keys ``<module name>.<tensor name>``)
 beside the model; ``load_model`` / ``load_finetuned`` rebuild them. Only registered classes are
-rebuilt, by the name they were registered under: no class path from a file is ever imported.
+rebuilt, by the name they were registered under: no class path from a file is ever imported (the
+toolkit's own term modules, which register their heads such as GRM's, are imported when a saved
+class is not registered yet).
 
 A registered class gives its init kwargs either with an ``inference_config()`` method returning
 a JSON-serialisable dict, or, without one, from the arguments its ``__init__`` was called with
@@ -186,6 +188,8 @@ def load_inference_modules(model: nn.Module, folder: str | Path) -> list[str]:
         device, dtype = ref.device, ref.dtype
     except StopIteration:
         device, dtype = torch.device("cpu"), None
+    if any(not isinstance(e, dict) or e.get("class") not in _CLASSES for e in entries.values()):
+        import finetune.objectives  # noqa: F401  the toolkit's terms register their heads (GRM's) on import
     for name, entry in entries.items():
         cls_name = entry.get("class") if isinstance(entry, dict) else None
         if cls_name not in _CLASSES:

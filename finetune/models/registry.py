@@ -156,6 +156,12 @@ def _flair(config: str, name: str, pool_heads: int = 8) -> DualEncoder:
     return flair.build_flair(getattr(flair, config)(), pool_heads=pool_heads, name_or_path=name)
 
 
+def _tiny_vision_text(vision_type: str) -> DualEncoder:
+    from finetune.models.vision_text import build_tiny
+
+    return build_tiny(vision_type)
+
+
 # -- the table ----------------------------------------------------------------------------------------
 def _entries() -> list[RegistryEntry]:
     tiny_v = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -199,6 +205,12 @@ def _entries() -> list[RegistryEntry]:
                       lambda: _flair("small_flair_config", "small-flair")),
         RegistryEntry("flair-vit-b-16", "flair", "clip", "FLAIR ViT-B/16 (paper), random weights",
                       lambda: _flair("flair_vit_b16_config", "flair-vit-b-16")),
+        RegistryEntry("tiny-vision-text-vit", "vision_text", "clip",
+                      "transformers VisionTextDualEncoder: ViT (2 layers, width 32, 32 px, patch 8) + BERT (2 layers, "
+                      "width 32), projections to 16", lambda: _tiny_vision_text("vit")),
+        RegistryEntry("tiny-vision-text-swin", "vision_text", "clip",
+                      "transformers VisionTextDualEncoder: Swin (2 stages, 32 px, patch 2) + BERT (2 layers, width "
+                      "32), projections to 16", lambda: _tiny_vision_text("swin")),
     ]
 
 

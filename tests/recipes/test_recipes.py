@@ -16,8 +16,10 @@ from accelerate.state import AcceleratorState, GradientState
 from finetune.config import RecipeError, list_recipes, load_recipe, recipe_json_schema, recipe_to_dict
 from finetune.models.registry import save_tiny
 from tests.finetune.data.fixtures import (
+    write_coco_fixture,
     write_dci_fixture,
     write_docci_fixture,
+    write_flickr30k_fixture,
     write_urban1k_fixture,
 )
 from tests.finetune.objectives.test_flair import DREAMLIP_FIELDS, write_dreamlip_shards
@@ -66,7 +68,16 @@ def fixtures(tmp_path_factory):
         "urban1k": write_urban1k_fixture(root / "urban1k", 6),
         "tiny-flair": save_tiny("tiny-flair", root / "tiny-flair"),
         "dreamlip": write_dreamlip_shards(root / "dreamlip", fields=DREAMLIP_FIELDS),
+        "flickr30k": write_flickr30k_fixture(root / "flickr30k", n_train=4, n_val=1, n_test=5),
+        "coco": write_coco_fixture(root / "coco", 0, karpathy=(4, 1, 10)),
+        "towers": _tiny_towers(root / "towers"),
     }
+
+
+def _tiny_towers(folder):
+    from finetune.models.vision_text import save_tiny_towers
+
+    return save_tiny_towers(folder)
 
 
 def _fixture_set(entry, fixtures) -> dict:
@@ -76,7 +87,7 @@ def _fixture_set(entry, fixtures) -> dict:
         spec["path"] = str(fixtures["docci"])
     elif name == "webdataset":  # FLAIR's DreamLIP shards: local ones with the same json fields
         spec["urls"] = fixtures["dreamlip"]
-    elif name in ("docci", "dci", "urban1k"):
+    elif name in ("docci", "dci", "urban1k", "flickr30k", "coco"):
         spec["path"] = str(fixtures[name])
         if name == "docci" and spec.get("protocol") not in (None, "test", "goal"):
             spec.pop("protocol")
@@ -93,12 +104,17 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
     tiny = fixtures["tiny-siglip"] if "siglip" in model_name.lower() else fixtures["tiny-clip"]
     if "flair" in model_name.lower():
         tiny = fixtures["tiny-flair"]
+    model = [f"model.name_or_path={tiny}"]
+    if raw.get("model", {}).get("family") == "vision_text":  # GRM's ViT / Swin + BERT: tiny towers as hub ids
+        swin = "swin" in str(raw["model"].get("vision", "")).lower()
+        model = [f"model.vision={fixtures['towers']['swin' if swin else 'vit']}",
+                 f"model.text={fixtures['towers']['bert']}"]
     train = _fixture_set(raw.get("data", {}).get("train", {"name": "synthetic"}), fixtures)
     if train["name"] == "synthetic":
         train["size"] = 16
     sets = [_fixture_set(s, fixtures) for s in raw.get("eval", {}).get("sets", [])]
     return [
-        f"model.name_or_path={tiny}",
+        *model,
         "model.dtype=null",
         f"data.train={json.dumps(train)}",
         f"eval.sets={json.dumps(sets)}",
@@ -111,6 +127,8 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
         "train.checkpoint_every=0",
         "train.trackers=[]",
         f"output.dir={out_dir}",
+        "model.init_from=null",  # a start from another recipe: tests/finetune/test_prerequisites.py
+        "eval.compare_with=[]",
     ]
 
 
@@ -140,6 +158,9 @@ def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
     assert (out / "report.md").is_file() and (out / "plots" / "loss.png").is_file()
     assert (out / "final" / "xlipkit.json").is_file()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["max_steps"] == 2
+    if "grm" in recipe.objective.terms:  # the GRM head is saved with the model; rSum is reported
+        assert (out / "final" / "xlipkit_inference.json").is_file()
+        assert all(r["rsum"] >= 0 for r in metrics["after"].values())
 
 
 @pytest.mark.slow

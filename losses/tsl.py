@@ -1,0 +1,632 @@
+"""FAST-GOAL's Token Similarity-based Learning (TSL, paper III-B, eqs. 4-14).
+
+TSL pools the last-layer states of the global image inside the box of a local pair (eq. 9) and the
+last-layer states of the global caption inside the token span of its sentence (eq. 7), projects the
+two pooled states into the joint space (psi_v, psi_t, eqs. 8 and 10) and pulls each towards the
+embedding of the local crop (v_l^cls) and of the sentence encoded alone (t_l^cls):
+
+    L_TSL = MSE(sim(P_l, v_l^cls), I) + MSE(sim(S_l, t_l^cls), I)                        (eq. 14)
+
+with ``sim`` the n x n cosine-similarity matrix of the batch.
+
+The pieces, in the order a training step uses them:
+
+* :func:`tsl_sentence_spans` / :func:`select_sentence_spans`: the span of each pair's sentence in the
+  caption's token ids (from ``DualEncoder.sentence_spans``), sentences cut by truncation marked
+  invalid and counted;
+* :func:`pool_span_states` (eq. 7) and :func:`pool_box_states` (eq. 9, through :class:`BoxGeometry`
+  and ``finetune.preprocess.geometry``; :func:`box_patch_masks` and :func:`pool_patch_states` when the
+  masks are computed ahead, e.g. in a collate function);
+* psi: the model's own final norm + projection (``DualEncoder.project_image_states`` /
+  ``project_text_states``, as the GOAL code), or :class:`TSLHeads` (option ``heads: new``: a separate
+  copy, trained on its own and saved with the model);
+* :func:`tsl_loss` (eq. 14), with :func:`tsl_similarity_loss` for one modality.
+
+Conventions (DESIGN 4): embeddings are raw (normalised here); with ``gather`` each rank scores its
+local rows against the gathered columns of every rank, and the mean over ranks of the returned value
+is the single-process value on the concatenated batch (same gradients under DDP's averaging).
+
+Like the rest of ``losses``, the module needs torch only: mapping boxes to patches
+(:func:`box_patch_masks`, :func:`pool_box_states`) imports the toolkit's
+``finetune.preprocess.geometry`` when called, and :class:`TSLHeads` is registered as an inference
+module when the toolkit is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .distributed import gather_with_grad, should_gather, world_info
+
+__all__ = [
+    "BoxGeometry",
+    "SentenceSpans",
+    "TSL_FORMS",
+    "TSL_HEADS_NAME",
+    "TSLHeads",
+    "attach_tsl_heads",
+    "box_patch_masks",
+    "pool_box_states",
+    "pool_patch_states",
+    "pool_span_states",
+    "select_sentence_spans",
+    "tsl_loss",
+    "tsl_sentence_spans",
+    "tsl_similarity_loss",
+]
+
+TSL_FORMS = ("matrix", "diagonal")
+TSL_HEADS_NAME = "tsl_heads"
+"""The key of :class:`TSLHeads` in ``model.inference_modules`` (see :func:`attach_tsl_heads`)."""
+
+
+# --- text: sentence spans (eq. 7) ------------------------------------------------------------------
+
+
+class SentenceSpans(NamedTuple):
+    """The token span of one sentence per caption, as :func:`pool_span_states` takes it.
+
+    Attributes:
+        spans: ``(B, 2)`` long, half-open ``(start, end)`` positions in the rows of
+            ``DualEncoder.tokenize(captions).input_ids``; ``(0, 0)`` where ``valid`` is False.
+        valid: ``(B,)`` bool, False where the sentence was cut by truncation (or the row has no
+            sentence): pass it to :func:`pool_span_states` and as ``span_valid`` to :func:`tsl_loss`.
+        truncated: how many rows were dropped because truncation cut their sentence (for the report).
+    """
+
+    spans: Tensor
+    valid: Tensor
+    truncated: int
+
+
+def select_sentence_spans(
+    caption_spans: Sequence[Sequence[tuple[int, int] | None]], sentence_index: Sequence[int | None]
+) -> SentenceSpans:
+    """Pick each caption's span of its local pair's sentence.
+
+    Args:
+        caption_spans: ``DualEncoder.sentence_spans(captions)``: per caption, one ``(start, end)`` or
+            ``None`` (cut by truncation) per sentence of ``finetune.data.text.split_sentences``.
+        sentence_index: ``(B,)`` per caption, the index of the pair's sentence among those sentences
+            (FLISM's cached ``sentence_index``); ``None`` for a caption without a local pair (invalid,
+            not counted as truncated).
+
+    Returns:
+        :class:`SentenceSpans`.
+
+    Raises:
+        ValueError: the lengths differ, or an index does not name a sentence of its caption (the
+            message names the sample).
+    """
+    if len(caption_spans) != len(sentence_index):
+        raise ValueError(f"select_sentence_spans: {len(caption_spans)} captions' spans but "
+                         f"{len(sentence_index)} sentence indices")
+    spans = torch.zeros(len(caption_spans), 2, dtype=torch.long)
+    valid = torch.zeros(len(caption_spans), dtype=torch.bool)
+    truncated = 0
+    for b, (sentences, index) in enumerate(zip(caption_spans, sentence_index)):
+        if index is None:
+            continue
+        index = int(index)
+        if not 0 <= index < len(sentences):
+            raise ValueError(f"select_sentence_spans: sample {b} asks for sentence {index}, but its caption has "
+                             f"{len(sentences)} sentences (split_sentences); the cached pairs do not belong to "
+                             f"these captions")
+        span = sentences[index]
+        if span is None:
+            truncated += 1
+            continue
+        spans[b] = torch.tensor(span, dtype=torch.long)
+        valid[b] = True
+    return SentenceSpans(spans, valid, truncated)
+
+
+def tsl_sentence_spans(model: Any, captions: list[str], sentence_index: Sequence[int | None]) -> SentenceSpans:
+    """:func:`select_sentence_spans` of ``model.sentence_spans(captions)``: the spans refer to the rows
+    of ``model.tokenize(captions)`` (right padding; tokenise the same list of captions)."""
+    return select_sentence_spans(model.sentence_spans(list(captions)), sentence_index)
+
+
+def _span_tensor(spans: Tensor | Sequence[Sequence[int]], batch: int) -> Tensor:
+    out = torch.as_tensor(spans, dtype=torch.long) if not isinstance(spans, Tensor) else spans.long()
+    if out.shape != (batch, 2):
+        raise ValueError(f"spans must be a (B, 2) = ({batch}, 2) tensor of (start, end), got {tuple(out.shape)}")
+    return out
+
+
+def _check_valid(valid: Tensor | None, batch: int, name: str = "valid") -> Tensor | None:
+    if valid is None:
+        return None
+    if not isinstance(valid, Tensor) or valid.dtype != torch.bool or valid.shape != (batch,):
+        got = (valid.dtype, tuple(valid.shape)) if isinstance(valid, Tensor) else type(valid).__name__
+        raise ValueError(f"{name} must be a ({batch},) bool tensor, got {got}")
+    return valid
+
+
+def _masked_mean(states: Tensor, mask: Tensor) -> Tensor:
+    """``(B, N, W)``, ``(B, N)`` bool -> ``(B, W)``: mean of the selected rows (rows without any: 0)."""
+    weights = mask.to(states.dtype)
+    counts = weights.sum(dim=1, keepdim=True).clamp(min=1)
+    return torch.einsum("bn,bnw->bw", weights, states) / counts
+
+
+def pool_span_states(
+    states: Tensor, spans: Tensor | Sequence[Sequence[int]], *, valid: Tensor | None = None
+) -> Tensor:
+    """Mean of the token states of each caption's sentence span (FAST-GOAL eq. 7, ``S_m``).
+
+    Args:
+        states: ``(B, L, W)`` last-layer token states of the global captions (``encode_text(...,
+            states=True).states``, before the final norm: psi_t applies it, as the GOAL code).
+        spans: ``(B, 2)`` half-open ``(start, end)`` token positions (``SentenceSpans.spans``).
+        valid: optional ``(B,)`` bool; rows marked False are not pooled and give zeros (drop them
+            from the loss with ``span_valid``).
+
+    Returns:
+        ``(B, W)`` ``S_m``.
+
+    Raises:
+        ValueError: bad shapes, or a valid row whose span is empty or outside ``[0, L]`` (the message
+            names the sample).
+    """
+    if not isinstance(states, Tensor) or states.dim() != 3:
+        raise ValueError(f"states must be a (B, L, W) tensor, got {getattr(states, 'shape', type(states).__name__)}")
+    batch, length, _ = states.shape
+    spans = _span_tensor(spans, batch)
+    valid = _check_valid(valid, batch)
+    use = torch.ones(batch, dtype=torch.bool) if valid is None else valid.cpu()
+    checked = spans.cpu().tolist()  # one transfer, not one per row
+    for b in use.nonzero().flatten().tolist():
+        start, end = checked[b]
+        if not 0 <= start < end <= length:
+            raise ValueError(f"pool_span_states: sample {b} has span ({start}, {end}), which is empty or outside "
+                             f"the {length} token states; mark it invalid (valid[{b}] = False) or fix the span")
+    spans = spans.to(states.device)
+    positions = torch.arange(length, device=states.device)
+    mask = (positions[None, :] >= spans[:, :1]) & (positions[None, :] < spans[:, 1:])
+    mask &= use.to(states.device)[:, None]
+    return _masked_mean(states, mask)
+
+
+# --- image: box pooling (eq. 9) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BoxGeometry:
+    """Where boxes given in original-image pixels land on the patch states of a batch.
+
+    Attributes:
+        image_sizes: ``(B, 2)`` ``(width, height)`` of each original image (PIL's ``image.size``), the
+            frame the boxes are given in.
+        params: ``DualEncoder.image_transform_params()``: the processor's exact resize and centre
+            crop, and the model's patch size (14 for ViT-L/14, 16 for ViT-B/16).
+        spatial_shapes: NaFlex only, ``(B, 2)`` per-image patch grid ``(rows, cols)``
+            (``ImageFeatures.spatial_shapes``, or ``preprocess_images``'s ``spatial_shapes``).
+        cover: which patches a box selects: ``"overlap"`` (FAST-GOAL appendix C: every patch the
+            box overlaps, the default) or ``"centre"`` (patches whose centre lies in the box, as
+            StructXLIP's pooled regions); see ``finetune.preprocess.geometry.box_patch_mask``.
+    """
+
+    image_sizes: Sequence[Sequence[int]] | Tensor
+    params: Mapping[str, Any]
+    spatial_shapes: Sequence[Sequence[int]] | Tensor | None = None
+    cover: str = "overlap"
+
+    def __post_init__(self) -> None:
+        if self.cover not in ("overlap", "centre"):
+            raise ValueError(f"BoxGeometry.cover must be 'overlap' (FAST-GOAL appendix C) or 'centre', got "
+                             f"{self.cover!r}")
+
+    @classmethod
+    def from_model(
+        cls,
+        model: Any,
+        image_sizes: Sequence[Sequence[int]] | Tensor,
+        *,
+        spatial_shapes: Sequence[Sequence[int]] | Tensor | None = None,
+        cover: str = "overlap",
+    ) -> BoxGeometry:
+        """The geometry of ``model``'s image processor for a batch of images of ``image_sizes``.
+
+        Raises:
+            ValueError: the model has no ``patch_geometry`` capability (no transform params).
+        """
+        params = model.image_transform_params()
+        if params is None:
+            raise ValueError(f"{type(model).__name__} does not describe its image transform "
+                             "(image_transform_params() is None), so boxes cannot be mapped to its patches")
+        return cls(image_sizes, params, spatial_shapes, cover)
+
+
+def _boxes_tensor(boxes: Tensor | Sequence[Sequence[float]]) -> Tensor:
+    out = boxes.detach().double().cpu() if isinstance(boxes, Tensor) else torch.as_tensor(boxes, dtype=torch.float64)
+    if out.dim() != 2 or out.shape[1] != 4:
+        raise ValueError(f"boxes must be a (B, 4) tensor of (x1, y1, x2, y2) pixels, got {tuple(out.shape)}")
+    return out
+
+
+def box_patch_masks(
+    boxes: Tensor | Sequence[Sequence[float]],
+    geometry: BoxGeometry,
+    n_patches: int,
+    *,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """The patches each box selects (FAST-GOAL eq. 9's set B), as ``(B, N)`` bool masks.
+
+    A box ``(x1, y1, x2, y2)`` in original-image pixels is mapped through the processor's resize and
+    centre crop; the part outside the crop is clipped away; with the default ``cover="overlap"``
+    every patch it overlaps is selected (``floor`` of the top-left corner to ``ceil`` of the
+    bottom-right one in patch units, FAST-GOAL appendix C), so a box smaller than a patch selects the
+    patch under it.
+
+    Args:
+        boxes: ``(B, 4)`` boxes in pixels of the original images.
+        geometry: :class:`BoxGeometry` of the batch.
+        n_patches: ``N``, the number of patch states per image (NaFlex: the padded count).
+        valid: optional ``(B,)`` bool; rows marked False get an all-False mask and are not checked.
+
+    Returns:
+        ``(B, N)`` bool, row-major patch order of ``ImageFeatures.states``.
+
+    Raises:
+        ValueError: a box of zero area, or one entirely outside the crop (the message names the
+            sample), or a geometry that does not match the batch (sizes, NaFlex shapes, patch count).
+    """
+    from finetune.preprocess.geometry import box_patch_mask, patch_count
+
+    boxes = _boxes_tensor(boxes)
+    batch = boxes.shape[0]
+    valid = _check_valid(valid, batch)
+    sizes = torch.as_tensor(geometry.image_sizes).tolist()
+    if len(sizes) != batch:
+        raise ValueError(f"BoxGeometry has {len(sizes)} image sizes for {batch} boxes")
+    params = dict(geometry.params)
+    naflex = params.get("mode") == "naflex"
+    shapes = None
+    if geometry.spatial_shapes is not None:
+        shapes = torch.as_tensor(geometry.spatial_shapes).tolist()
+        if len(shapes) != batch:
+            raise ValueError(f"BoxGeometry has {len(shapes)} spatial shapes for {batch} boxes")
+    elif naflex:
+        raise ValueError("a NaFlex model's boxes need BoxGeometry.spatial_shapes (ImageFeatures.spatial_shapes)")
+    if not naflex:
+        grid = patch_count(params)
+        if grid != n_patches:
+            raise ValueError(f"the states hold {n_patches} patches per image but the model's input geometry has "
+                             f"{grid} (patch size {params.get('patch_size')}); the states and the geometry come from "
+                             "different models or inputs")
+    use = [True] * batch if valid is None else valid.cpu().tolist()
+    masks = torch.zeros(batch, n_patches, dtype=torch.bool)
+    for b, box in enumerate(boxes.tolist()):
+        if not use[b]:
+            continue
+        x1, y1, x2, y2 = box
+        if not x2 > x1 or not y2 > y1:
+            raise ValueError(f"sample {b}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) has zero area (x2 <= x1 or y2 <= y1); "
+                             "boxes are (x1, y1, x2, y2) pixels of the original image")
+        shape = tuple(int(v) for v in shapes[b]) if shapes is not None else None
+        mask = box_patch_mask(box, (int(sizes[b][0]), int(sizes[b][1])), params, n_patches=n_patches,
+                              spatial_shape=shape, cover=geometry.cover)
+        if mask is None:
+            raise ValueError(f"sample {b}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) lies entirely outside the network "
+                             f"input of its {int(sizes[b][0])}x{int(sizes[b][1])} image (cut away by the processor's "
+                             "centre crop): no patch state covers it")
+        masks[b] = mask
+    return masks
+
+
+def pool_patch_states(states: Tensor, masks: Tensor, *, valid: Tensor | None = None) -> Tensor:
+    """Mean of the patch states selected by ``masks`` (FAST-GOAL eq. 9, ``P_m``).
+
+    Args:
+        states: ``(B, N, W)`` last-layer patch states (``ImageFeatures.states``: prefix tokens removed,
+            before the final norm).
+        masks: ``(B, N)`` bool (:func:`box_patch_masks`).
+        valid: optional ``(B,)`` bool; rows marked False give zeros.
+
+    Returns:
+        ``(B, W)`` ``P_m``.
+
+    Raises:
+        ValueError: bad shapes, or a valid row without any selected patch (naming the sample).
+    """
+    if not isinstance(states, Tensor) or states.dim() != 3:
+        raise ValueError(f"states must be a (B, N, W) tensor, got {getattr(states, 'shape', type(states).__name__)}")
+    if not isinstance(masks, Tensor) or masks.dtype != torch.bool or masks.shape != states.shape[:2]:
+        got = (masks.dtype, tuple(masks.shape)) if isinstance(masks, Tensor) else type(masks).__name__
+        raise ValueError(f"masks must be a bool tensor of shape {tuple(states.shape[:2])}, got {got}")
+    valid = _check_valid(valid, states.shape[0])
+    masks = masks.to(states.device)
+    if valid is not None:
+        masks = masks & valid.to(states.device)[:, None]
+    empty = ~masks.any(dim=1)
+    if valid is not None:
+        empty &= valid.to(states.device)
+    if bool(empty.any()):
+        b = int(empty.nonzero()[0])
+        raise ValueError(f"pool_patch_states: sample {b} selects no patch; its box is empty or off the image")
+    return _masked_mean(states, masks)
+
+
+def pool_box_states(
+    states: Tensor,
+    boxes: Tensor | Sequence[Sequence[float]],
+    geometry: BoxGeometry,
+    *,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """Mean of the patch states inside each box (FAST-GOAL eq. 9, ``P_m``).
+
+    :func:`box_patch_masks` then :func:`pool_patch_states`.
+
+    Args:
+        states: ``(B, N, W)`` patch states of the global images (``encode_image(..., states=True)``).
+        boxes: ``(B, 4)`` ``(x1, y1, x2, y2)`` in pixels of the original images.
+        geometry: :class:`BoxGeometry` (``BoxGeometry.from_model(model, [im.size for im in images])``).
+        valid: optional ``(B,)`` bool; rows marked False (no local pair) give zeros and are not checked.
+
+    Returns:
+        ``(B, W)`` ``P_m``.
+
+    Raises:
+        ValueError: a zero-area box or one entirely outside the crop (naming the sample), or a
+            geometry that does not fit the states.
+    """
+    if not isinstance(states, Tensor) or states.dim() != 3:
+        raise ValueError(f"states must be a (B, N, W) tensor, got {getattr(states, 'shape', type(states).__name__)}")
+    masks = box_patch_masks(boxes, geometry, states.shape[1], valid=valid)
+    if masks.shape[0] != states.shape[0]:
+        raise ValueError(f"{masks.shape[0]} boxes for {states.shape[0]} images' states")
+    return pool_patch_states(states, masks, valid=valid)
+
+
+# --- projections psi_v, psi_t (eqs. 8, 10) ---------------------------------------------------------
+
+
+def _norm_and_projection(model: Any, side: str) -> tuple[nn.Module, Tensor, Tensor | None]:
+    """The final norm and the linear projection ``(D, W)`` weight (+ bias) of a tower whose head is
+    ``projection(norm(x))``: transformers CLIP (both towers), SigLIP's text tower, open_clip CLIP."""
+    inner = getattr(model, "model", model)
+    if side == "image":
+        vm = getattr(inner, "vision_model", None)
+        if vm is not None and hasattr(inner, "visual_projection"):
+            lin = inner.visual_projection
+            return vm.post_layernorm, lin.weight, lin.bias
+        visual = getattr(inner, "visual", None)
+        if visual is not None and hasattr(visual, "ln_post") and not hasattr(visual, "trunk"):
+            if visual.proj is None:
+                raise ValueError("heads: new needs an image projection; this open_clip tower has none")
+            return visual.ln_post, visual.proj.T, None
+        raise ValueError(f"heads: new copies the image tower's final norm + linear projection, and "
+                         f"{type(model).__name__}'s image head is not one (e.g. SigLIP's attention-pooling head); "
+                         "use the model's own head (heads: model)")
+    tm = getattr(inner, "text_model", None)
+    if tm is not None:
+        lin = getattr(inner, "text_projection", None) or getattr(tm, "head", None)
+        if isinstance(lin, nn.Linear):
+            return tm.final_layer_norm, lin.weight, lin.bias
+    text = getattr(inner, "text", inner)
+    ln, proj = getattr(text, "ln_final", None), getattr(text, "text_projection", None)
+    if ln is not None and isinstance(proj, nn.Linear):
+        return ln, proj.weight, proj.bias
+    if ln is not None and isinstance(proj, Tensor):
+        return ln, proj.T, None
+    raise ValueError(f"heads: new copies the text tower's final norm + linear projection, and "
+                     f"{type(model).__name__}'s text head is not one; use the model's own head (heads: model)")
+
+
+class _NormLinear(nn.Module):
+    def __init__(self, width: int, dim: int, *, bias: bool, eps: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width, eps=eps)
+        self.proj = nn.Linear(width, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.norm(x))
+
+    @torch.no_grad()
+    def copy_from(self, norm: nn.Module, weight: Tensor, bias: Tensor | None) -> None:
+        self.norm.weight.copy_(norm.weight)
+        self.norm.bias.copy_(norm.bias)
+        self.proj.weight.copy_(weight)
+        if bias is not None:
+            self.proj.bias.copy_(bias)
+
+
+class TSLHeads(nn.Module):
+    """Separate TSL projections psi_v and psi_t (FAST-GOAL eqs. 8, 10; option ``heads: new``).
+
+    Each head is a LayerNorm followed by a linear layer, initialised as a copy of the model's own
+    final norm and projection (:meth:`from_model`), so at initialisation it maps states exactly as
+    ``DualEncoder.project_image_states`` / ``project_text_states`` do, and then trains on its own:
+    TSL's gradients reach the encoders through these heads without moving the model's projections.
+    Registered as an inference module (``tsl.heads``, when the toolkit is installed), so it is saved
+    and restored with the model (:func:`attach_tsl_heads`); the model's embeddings never use it.
+
+    Args:
+        image_width, text_width: ``W`` of the image and text states.
+        dim: ``D``, the joint embedding width.
+        image_bias, text_bias: whether the linear layers have a bias (as the model's projections).
+        image_eps, text_eps: the LayerNorms' eps (as the model's final norms).
+    """
+
+    def __init__(self, image_width: int, text_width: int, dim: int, *, image_bias: bool = False,
+                 text_bias: bool = False, image_eps: float = 1e-5, text_eps: float = 1e-5) -> None:
+        super().__init__()
+        self.image = _NormLinear(image_width, dim, bias=image_bias, eps=image_eps)
+        self.text = _NormLinear(text_width, dim, bias=text_bias, eps=text_eps)
+
+    @classmethod
+    def from_model(cls, model: Any) -> TSLHeads:
+        """Heads copied from ``model``'s final norms and projections, on its device and dtype.
+
+        Raises:
+            ValueError: a tower whose head is not a norm + linear projection (SigLIP's image tower).
+        """
+        image_norm, image_w, image_b = _norm_and_projection(model, "image")
+        text_norm, text_w, text_b = _norm_and_projection(model, "text")
+        if image_w.shape[0] != text_w.shape[0]:
+            raise ValueError(f"the image and text projections map to different widths ({image_w.shape[0]} and "
+                             f"{text_w.shape[0]})")
+        heads = cls(int(image_w.shape[1]), int(text_w.shape[1]), int(image_w.shape[0]),
+                    image_bias=image_b is not None, text_bias=text_b is not None,
+                    image_eps=float(getattr(image_norm, "eps", 1e-5)), text_eps=float(getattr(text_norm, "eps", 1e-5)))
+        heads.to(device=image_w.device, dtype=image_w.dtype)
+        heads.image.copy_from(image_norm, image_w, image_b)
+        heads.text.copy_from(text_norm, text_w, text_b)
+        return heads
+
+    def project_image_states(self, x: Tensor) -> Tensor:
+        """psi_v: ``(..., W_image)`` -> ``(..., D)``."""
+        return self.image(x)
+
+    def project_text_states(self, x: Tensor) -> Tensor:
+        """psi_t: ``(..., W_text)`` -> ``(..., D)``."""
+        return self.text(x)
+
+
+try:
+    from finetune.models.inference_modules import register_inference_module
+except ImportError:  # losses used on its own, without the toolkit: nothing saves inference modules
+    pass
+else:
+    register_inference_module(TSLHeads, name="tsl.heads")
+
+
+def attach_tsl_heads(model: Any) -> TSLHeads:
+    """``model.inference_modules["tsl_heads"]``, created with :meth:`TSLHeads.from_model` when the model
+    does not hold one yet (a model loaded from a run that trained them keeps its trained heads).
+
+    The heads' parameters are then part of ``model.parameters()`` (trained, saved with ``final/`` and
+    adapters, pushed, restored by ``load_finetuned``)."""
+    modules = model.inference_modules
+    if TSL_HEADS_NAME not in modules:
+        modules[TSL_HEADS_NAME] = TSLHeads.from_model(model)
+    heads = modules[TSL_HEADS_NAME]
+    if not isinstance(heads, TSLHeads):
+        raise ValueError(f"model.inference_modules[{TSL_HEADS_NAME!r}] holds a {type(heads).__name__}, not TSLHeads")
+    return heads
+
+
+# --- the loss (eq. 14) -------------------------------------------------------------------------------
+
+
+def _check_pair(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
+    for name, x in ((name_a, a), (name_b, b)):
+        if not isinstance(x, Tensor) or x.dim() != 2:
+            raise ValueError(f"{name} must be a (B, D) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} {tuple(a.shape)} and {name_b} {tuple(b.shape)} must be paired row by row "
+                         "with the same embedding width")
+
+
+def tsl_similarity_loss(
+    pooled_embeds: Tensor,
+    target_embeds: Tensor,
+    *,
+    form: str = "matrix",
+    valid: Tensor | None = None,
+    weights: Tensor | None = None,
+    gather: bool | None = None,
+) -> Tensor:
+    """One modality of FAST-GOAL eq. 14: ``MSE(sim(pooled, target), I)``.
+
+    ``form="matrix"`` (the paper): ``sim`` is the n x n cosine matrix of the (global) batch,
+    ``cos(pooled_i, target_j)``, and the MSE is the mean of ``(sim - I)^2`` over its n^2 entries.
+    ``form="diagonal"`` (the GOAL code): the mean over the n pairs of ``(cos(pooled_i, target_i) - 1)^2``.
+    No temperature.
+
+    Args:
+        pooled_embeds: ``(B, D)`` raw projected pooled states (``P_l`` or ``S_l``).
+        target_embeds: ``(B, D)`` raw embeddings of the local crops / sentences (``v_l``, ``t_l``).
+        form: ``"matrix"`` or ``"diagonal"``.
+        valid: optional ``(B,)`` bool; pairs marked False leave the batch (neither rows nor columns);
+            n counts the valid pairs of every rank. No valid pair: 0 with the graph intact.
+        weights: optional ``(B,)`` per-pair weights (FAST-GOAL Table VIII's similarity-weighted top-3):
+            each pair's row of squared errors is multiplied by its weight; the normaliser stays n^2
+            (``matrix``) or n (``diagonal``).
+        gather: ``None`` gathers across ranks when a process group of size > 1 is initialised; rows
+            are local, columns gathered with autograd, and the value is scaled so that the mean over
+            ranks equals the single-process loss on the concatenated batch. Every rank must pass the
+            same B.
+
+    Returns:
+        Scalar loss.
+    """
+    if form not in TSL_FORMS:
+        raise ValueError(f"TSL form must be one of {TSL_FORMS}, got {form!r}")
+    _check_pair("pooled_embeds", pooled_embeds, "target_embeds", target_embeds)
+    batch = pooled_embeds.shape[0]
+    valid = _check_valid(valid, batch)
+    if weights is not None and (not isinstance(weights, Tensor) or weights.shape != (batch,)):
+        got = getattr(weights, "shape", type(weights).__name__)
+        raise ValueError(f"weights must be a ({batch},) tensor, got {got}")
+    pooled = F.normalize(pooled_embeds, dim=-1)
+    target = F.normalize(target_embeds, dim=-1)
+    if weights is not None:
+        weights = weights.to(device=pooled.device, dtype=pooled.dtype)
+    rank, world = world_info() if should_gather(gather) else (0, 1)
+    local_valid = valid if valid is not None else torch.ones(batch, dtype=torch.bool, device=pooled.device)
+    local_valid = local_valid.to(pooled.device)
+    all_valid = gather_with_grad(local_valid) if world > 1 else local_valid
+    n = all_valid.sum()
+    if form == "diagonal":
+        errors = ((pooled * target).sum(dim=-1) - 1) ** 2  # (B,)
+        if weights is not None:
+            errors = errors * weights
+        return errors[local_valid].sum() * (world / n.clamp(min=1).to(errors.dtype))
+    columns = gather_with_grad(target) if world > 1 else target
+    sim = pooled[local_valid] @ columns[all_valid].T  # (b_valid, n)
+    # column of each valid local row's own pair among the valid columns of the global batch
+    column_index = torch.cumsum(all_valid.long(), dim=0) - 1
+    own = column_index[torch.arange(batch, device=pooled.device) + rank * batch][local_valid]
+    eye = torch.zeros_like(sim)
+    eye[torch.arange(sim.shape[0], device=sim.device), own] = 1
+    errors = ((sim - eye) ** 2).sum(dim=1)
+    if weights is not None:
+        errors = errors * weights[local_valid]
+    return errors.sum() * (world / n.clamp(min=1).to(errors.dtype) ** 2)
+
+
+def tsl_loss(
+    box_embeds: Tensor,
+    crop_embeds: Tensor,
+    span_embeds: Tensor,
+    sentence_embeds: Tensor,
+    *,
+    form: str = "matrix",
+    box_valid: Tensor | None = None,
+    span_valid: Tensor | None = None,
+    weights: Tensor | None = None,
+    gather: bool | None = None,
+) -> Tensor:
+    """FAST-GOAL's token similarity loss (eq. 14):
+    ``MSE(sim(P_l, v_l^cls), I) + MSE(sim(S_l, t_l^cls), I)``.
+
+    Args:
+        box_embeds: ``(B, D)`` ``P_l = psi_v(P_m)``, the projected box-pooled patch states (eq. 10).
+        crop_embeds: ``(B, D)`` ``v_l^cls``, the embeddings of the local crops (eq. 5).
+        span_embeds: ``(B, D)`` ``S_l = psi_t(S_m)``, the projected span-pooled token states (eq. 8).
+        sentence_embeds: ``(B, D)`` ``t_l^cls``, the embeddings of the sentences encoded alone (eq. 3).
+        form: ``"matrix"`` (n x n cosine matrices against I, the paper) or ``"diagonal"``
+            (``MSE(diag, 1)``, the GOAL code); see :func:`tsl_similarity_loss`.
+        box_valid: optional ``(B,)`` bool, pairs that take part in the image term.
+        span_valid: optional ``(B,)`` bool, pairs that take part in the text term
+            (``SentenceSpans.valid``: sentences cut by truncation are dropped).
+        weights: optional ``(B,)`` per-pair weights, applied to both terms.
+        gather: as :func:`tsl_similarity_loss` (``None``: gather when distributed).
+
+    Returns:
+        Scalar loss, the sum of the image and the text term.
+    """
+    image = tsl_similarity_loss(box_embeds, crop_embeds, form=form, valid=box_valid, weights=weights, gather=gather)
+    text = tsl_similarity_loss(span_embeds, sentence_embeds, form=form, valid=span_valid, weights=weights,
+                               gather=gather)
+    return image + text
