@@ -632,7 +632,8 @@ def _parser() -> argparse.ArgumentParser:
             "  python -m finetune.evaluate runs/structxlip_docci --sets docci,urban1k --protocol docci=goal\n"
             "  python -m finetune.evaluate openai/clip-vit-base-patch16 --sets urban1k --max-text-len 248 "
             "--out clip_urban1k.json\n"
-            "  python -m finetune.evaluate runs/flair_docci --scorer flair --rerank-top-k 128"
+            "  python -m finetune.evaluate runs/flair_docci --scorer flair --rerank-top-k 128\n"
+            "  python -m finetune.evaluate runs/flair_cc3m_recap --zeroshot imagenet/val --templates seven"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -657,6 +658,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="texts x images per score block, bounds memory (default: the recipe's, else 1024)")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first, so that the scorer it registers can be named (repeatable)")
+    p.add_argument("--zeroshot", metavar="FOLDER",
+                   help="zero-shot classification of an image folder with one sub-folder per class (class name = "
+                        "folder name, _ as space): top-1 / top-5 accuracy with prompt templates")
+    p.add_argument("--templates", default="seven",
+                   help="zero-shot prompt templates: seven (CLIP's 7 ImageNet templates, FLAIR's; default), openai "
+                        "(CLIP's 80), simple, or a text file with one template per line holding {}")
     p.add_argument("--out", help="write the metrics JSON here (default for a run: RUN/metrics_eval.json)")
     return p
 
@@ -773,11 +780,21 @@ def _main(args: argparse.Namespace) -> int:
         raise _UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.sets:
         sets = _parse_sets(args.sets, args.protocol)
+    elif args.zeroshot:
+        sets = []
     elif recipe is not None:
         sets = _apply_protocols(list(recipe.eval.sets), args.protocol)
     else:
         raise _UsageError(f"{args.model_or_run} is not a run folder: give the sets to evaluate, e.g. --sets docci,urban1k")
-    if not sets:
+    if args.zeroshot:
+        from finetune.zeroshot import folder_classes, load_templates
+
+        try:
+            folder_classes(args.zeroshot)
+            load_templates(args.templates)
+        except ValueError as exc:
+            raise _UsageError(str(exc)) from None
+    if not sets and not args.zeroshot:
         raise _UsageError("no evaluation sets: the run's recipe has an empty eval.sets; give --sets")
     ks = _parse_ks(args.ks) if args.ks else list(recipe.eval.ks if recipe else DEFAULT_KS)
     batch_size = args.batch_size or (recipe.eval.batch_size if recipe else 64)
@@ -815,20 +832,33 @@ def _main(args: argparse.Namespace) -> int:
 
     from finetune.data.images import DataError
 
+    zeroshot = None
+    if args.zeroshot:
+        from finetune.zeroshot import zeroshot_classify
+
+        # the paper classifies by the global embeddings: cosine unless --scorer names another
+        zeroshot_scorer = _resolve_scorer(args.scorer, args.imports) if args.scorer else "cosine"
+        zeroshot = zeroshot_classify(model, args.zeroshot, templates=args.templates, scorer=zeroshot_scorer,
+                                     batch_size=batch_size, accelerator=accelerator)
     try:
-        results = evaluate_sets(model, sets, batch_size=batch_size, ks=ks, on_error=on_error, cache_dir=cache_dir,
+        results = {} if not sets else evaluate_sets(model, sets, batch_size=batch_size, ks=ks, on_error=on_error, cache_dir=cache_dir,
                                 accelerator=accelerator, num_workers=args.num_workers, scorer=scorer,
                                 rerank_top_k=rerank_top_k, block_size=block_size)
     except DataError as exc:  # unknown set or protocol, missing files, bad examples
         raise _UsageError(str(exc)) from None
     if accelerator.is_main_process:
-        print(format_table(None, results), flush=True)
+        if results:
+            print(format_table(None, results), flush=True)
+        if zeroshot is not None:
+            print(f"zero-shot {zeroshot['folder']}: {zeroshot['n_images']} images, {zeroshot['n_classes']} classes, "
+                  f"top-1 {zeroshot['top1']:.2f} %, top-5 {zeroshot['top5']:.2f} % ({zeroshot['scorer']})", flush=True)
         out = Path(args.out) if args.out else (target / "metrics_eval.json" if recipe is not None else None)
         if out is not None:
             from finetune.report import write_json_atomic
 
             write_json_atomic(out, {"model": args.model_or_run, "run": recipe is not None,
-                                    "max_text_len": model.max_text_len, "ks": ks, "sets": results})
+                                    "max_text_len": model.max_text_len, "ks": ks, "sets": results,
+                                    **({"zeroshot": zeroshot} if zeroshot is not None else {})})
             print(f"wrote {out}", flush=True)
     accelerator.wait_for_everyone()
     return 0

@@ -60,6 +60,7 @@ _FAMILIES: dict[str, ModelFamily] = {}
 #: Modules of the toolkit that register a model family when imported (GRM's ``vision_text``, FLAIR,
 #: F-CAST). They are imported on the first lookup, so that ``import finetune`` stays light.
 BUILTIN_FAMILY_MODULES: tuple[str, ...] = (
+    "finetune.models.flair",
     "finetune.models.vision_text",
     "finetune.models.fcast",
 )

@@ -22,6 +22,7 @@ from tests.finetune.data.fixtures import (
     write_flickr30k_fixture,
     write_urban1k_fixture,
 )
+from tests.finetune.objectives.test_flair import DREAMLIP_FIELDS, write_dreamlip_shards
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -65,6 +66,8 @@ def fixtures(tmp_path_factory):
         "docci": write_docci_fixture(root / "docci", n_train=8, n_test=6, n_qual_test=2),
         "dci": write_dci_fixture(root / "dci", n_train=3, n_valid=2, n_test=2),
         "urban1k": write_urban1k_fixture(root / "urban1k", 6),
+        "tiny-flair": save_tiny("tiny-flair", root / "tiny-flair"),
+        "dreamlip": write_dreamlip_shards(root / "dreamlip", fields=DREAMLIP_FIELDS),
         "flickr30k": write_flickr30k_fixture(root / "flickr30k", n_train=4, n_val=1, n_test=5),
         "coco": write_coco_fixture(root / "coco", 0, karpathy=(4, 1, 10)),
         "towers": _tiny_towers(root / "towers"),
@@ -80,7 +83,11 @@ def _tiny_towers(folder):
 def _fixture_set(entry, fixtures) -> dict:
     spec = {"name": entry} if isinstance(entry, str) else dict(entry)
     name = spec["name"]
-    if name in ("docci", "dci", "urban1k", "flickr30k", "coco"):
+    if name == "docci_fg":
+        spec["path"] = str(fixtures["docci"])
+    elif name == "webdataset":  # FLAIR's DreamLIP shards: local ones with the same json fields
+        spec["urls"] = fixtures["dreamlip"]
+    elif name in ("docci", "dci", "urban1k", "flickr30k", "coco"):
         spec["path"] = str(fixtures[name])
         if name == "docci" and spec.get("protocol") not in (None, "test", "goal"):
             spec.pop("protocol")
@@ -95,6 +102,8 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
     raw = yaml.safe_load(path.read_text())
     model_name = str(raw.get("model", {}).get("name_or_path", ""))
     tiny = fixtures["tiny-siglip"] if "siglip" in model_name.lower() else fixtures["tiny-clip"]
+    if "flair" in model_name.lower():
+        tiny = fixtures["tiny-flair"]
     model = [f"model.name_or_path={tiny}"]
     if raw.get("model", {}).get("family") == "vision_text":  # GRM's ViT / Swin + BERT: tiny towers as hub ids
         swin = "swin" in str(raw["model"].get("vision", "")).lower()
