@@ -265,6 +265,17 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     gradient_checkpointing: Bool = False
     trust_remote_code: Annotated[Bool, _doc("let transformers run the model repository's code")] = False
+    init_from: Annotated[Str | None, _doc(
+        "start from another run's final/: a recipe YAML (its run is reused when its output.dir holds a "
+        "finished run of the same resolved recipe, else trained first) or a run folder with final/; "
+        "name_or_path is then not loaded (finetune.prerequisites)")] = None
+    vision: Annotated[NonEmptyStr | None, _doc(
+        "family vision_text: the image tower (a ViT or Swin hub id or folder) of a new dual encoder; "
+        "with model.text, name_or_path is not read")] = None
+    text: Annotated[NonEmptyStr | None, _doc(
+        "family vision_text: the text tower (a BERT hub id or folder, with its tokenizer)")] = None
+    projection_dim: Annotated[_int(ge=1) | None, _doc(
+        "family vision_text: the joint dimension of the new projections (GRM: 512); null: 512")] = None
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.family == "auto":
@@ -394,6 +405,10 @@ class EvalConfig:
     rerank_top_k: Annotated[_int(ge=1) | None, _doc(
         "re-score only the global-cosine top-k candidates with the scorer; null: all")] = None
     block_size: Annotated[_int(ge=1), _doc("texts x images scored per block (bounds memory)")] = 1024
+    compare_with: Annotated[list[NonEmptyStr], _doc(
+        "recipes (or finished run folders) whose Recall@K the report sets beside this run's; a recipe's "
+        "run is reused when current, else trained first, like model.init_from")] = dataclasses.field(
+        default_factory=list)
 
 
 def _validate_terms(value: Any) -> dict[str, Any]:
@@ -1287,6 +1302,21 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
         raise origins.error_any([("model", "backend"), ("model", "family")],
                                 f"`model.backend` ({m.backend}) and `model.family` ({m.family}) disagree; "
                                 f"`backend` is the deprecated name of `family`: keep only `family`")
+    towers = [k for k in ("vision", "text", "projection_dim") if getattr(m, k, None) is not None]
+    if towers and m.family != "vision_text":
+        raise origins.error_any([("model", k) for k in towers] + [("model", "family")],
+                                f"`model.{towers[0]}` builds a dual encoder from two towers, which only "
+                                f"`model.family: vision_text` does (it is {m.family!r}); set the family or drop "
+                                f"{', '.join(f'`model.{k}`' for k in towers)}")
+    if towers and (m.vision is None) != (m.text is None):
+        given, missing = ("vision", "text") if m.vision is not None else ("text", "vision")
+        raise origins.error_any([("model", given), ("model", missing)],
+                                f"`model.{given}` is set but `model.{missing}` is not: a vision_text model is "
+                                f"built from both towers; set `model.{missing}` too")
+    if m.projection_dim is not None and m.vision is None:
+        raise origins.error_any([("model", "projection_dim")],
+                                "`model.projection_dim` sizes the projections of a model built from "
+                                "`model.vision` and `model.text`; a saved model keeps its own: drop it or set both towers")
     if recipe.hub.push and not recipe.hub.repo_id:
         raise origins.error_any([("hub", "repo_id"), ("hub", "push")],
                                 "`hub.push: true` needs `hub.repo_id` (`user/name`); set it "

@@ -481,8 +481,13 @@ def evaluate_sets(
         emb = encode_for_retrieval(model, source.dataset, batch_size=batch_size, accelerator=accelerator,
                                    num_workers=num_workers, progress=progress, desc=f"eval {label}",
                                    scorer=scorer, on_error=on_error)
-        metrics = recall_at_k(emb.image_payload, emb.text_payload, emb.text_to_image, ks, block_size=block_size,
-                              scorer=scorer, rerank_top_k=rerank_top_k)
+        folds = _protocol_folds(source)
+        if folds:
+            metrics = fold_recall(emb.image_payload, emb.text_payload, emb.text_to_image, ks, folds,
+                                  block_size=block_size, scorer=scorer, rerank_top_k=rerank_top_k)
+        else:
+            metrics = recall_at_k(emb.image_payload, emb.text_payload, emb.text_to_image, ks, block_size=block_size,
+                                  scorer=scorer, rerank_top_k=rerank_top_k)
         results[label] = {
             "protocol": getattr(source, "protocol", None) or "default",
             "n_images": payload_len(emb.image_payload),
@@ -493,6 +498,11 @@ def evaluate_sets(
             "skipped": int(getattr(source, "skipped", 0) or 0) + len(emb.skipped_examples),
             "scorer": scorer_label,
         }
+        if folds:
+            results[label]["folds"] = folds
+        rsum = recall_sum(metrics)
+        if rsum is not None:
+            results[label]["rsum"] = rsum
         skipped_ids = [*(getattr(source, "skipped_ids", None) or []), *(e["id"] for e in emb.skipped_examples)]
         if skipped_ids:
             results[label]["skipped_ids"] = skipped_ids
@@ -500,6 +510,68 @@ def evaluate_sets(
                  results[label]["n_images"], results[label]["n_texts"], emb.truncated,
                  metrics["t2i"], metrics["i2t"])
     return results
+
+
+def recall_sum(metrics: Mapping[str, Mapping[str, float]]) -> float | None:
+    """rSum: R@1 + R@5 + R@10 of both directions (VSE++, LAPS, GRM), or None when one is missing.
+
+    Args:
+        metrics: ``{"t2i": {"R@1": pct, ...}, "i2t": {...}}``.
+    """
+    keys = ("R@1", "R@5", "R@10")
+    try:
+        return float(sum(metrics[d][k] for d in ("t2i", "i2t") for k in keys))
+    except KeyError:
+        return None
+
+
+def _protocol_folds(source: Any) -> int | None:
+    from finetune.data.protocols import PROTOCOLS, get_protocol
+
+    name, protocol = getattr(source, "name", None), getattr(source, "protocol", None)
+    if getattr(source, "split", None) is not None or name not in PROTOCOLS or protocol is None:
+        return None
+    return get_protocol(name, protocol).folds
+
+
+def fold_recall(
+    image_payload: Mapping[str, Tensor],
+    text_payload: Mapping[str, Tensor],
+    text_to_image: Tensor,
+    ks: Sequence[int],
+    folds: int,
+    **kwargs: Any,
+) -> dict[str, dict[str, float]]:
+    """Recall@K averaged over ``folds`` consecutive blocks of images, each ranked against its own captions
+    only (COCO 1K: the 5,000 test images as 5 folds of 1,000, VSE++ / LAPS ``evalrank(fold5=True)``).
+
+    Args:
+        image_payload, text_payload: the scorer's payloads of ``Ni`` images and ``Nt`` texts.
+        text_to_image: ``(Nt,)`` the image of each text.
+        ks: the cut-offs K.
+        folds: the number of blocks; ``Ni`` must divide evenly.
+        kwargs: passed to :func:`recall_at_k` (``block_size``, ``scorer``, ``rerank_top_k``).
+
+    Returns:
+        ``{"t2i": {"R@K": mean pct}, "i2t": {...}}``.
+
+    Raises:
+        ValueError: ``Ni`` is not a multiple of ``folds``.
+    """
+    from finetune.scorers import payload_len, take
+
+    n_images = payload_len(image_payload)
+    if folds < 1 or n_images % folds:
+        raise ValueError(f"{n_images} images cannot be split into {folds} folds of equal size")
+    size = n_images // folds
+    owner = text_to_image.to(torch.long)
+    parts = []
+    for f in range(folds):
+        lo, hi = f * size, (f + 1) * size
+        rows = ((owner >= lo) & (owner < hi)).nonzero().flatten()
+        parts.append(recall_at_k(take(image_payload, slice(lo, hi)), take(text_payload, rows.to(owner.device)),
+                                 owner[rows] - lo, ks, **kwargs))
+    return {d: {k: float(sum(p[d][k] for p in parts) / folds) for k in parts[0][d]} for d in ("t2i", "i2t")}
 
 
 _DIRECTIONS = (("t2i", "text→image"), ("i2t", "image→text"))
@@ -537,6 +609,10 @@ def format_table(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> 
                 else:
                     cells.append(f"{value:.1f}")
             lines.append(f"| {name} | {size} | {words} | " + " | ".join(cells) + " |")
+        if res.get("rsum") is not None:
+            was = prev.get("rsum") if prev is not None else None
+            value = f"{was:.1f} → {res['rsum']:.1f}" if was is not None else f"{res['rsum']:.1f}"
+            lines.append(f"| {name} | {size} | rSum (R@1+5+10, both) | {value} |" + " |" * (len(ks) - 1))
     return "\n".join(lines)
 
 
@@ -556,7 +632,8 @@ def _parser() -> argparse.ArgumentParser:
             "  python -m finetune.evaluate runs/structxlip_docci --sets docci,urban1k --protocol docci=goal\n"
             "  python -m finetune.evaluate openai/clip-vit-base-patch16 --sets urban1k --max-text-len 248 "
             "--out clip_urban1k.json\n"
-            "  python -m finetune.evaluate runs/flair_docci --scorer flair --rerank-top-k 128"
+            "  python -m finetune.evaluate runs/flair_docci --scorer flair --rerank-top-k 128\n"
+            "  python -m finetune.evaluate runs/flair_cc3m_recap --zeroshot imagenet/val --templates seven"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -581,6 +658,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="texts x images per score block, bounds memory (default: the recipe's, else 1024)")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first, so that the scorer it registers can be named (repeatable)")
+    p.add_argument("--zeroshot", metavar="FOLDER",
+                   help="zero-shot classification of an image folder with one sub-folder per class (class name = "
+                        "folder name, _ as space): top-1 / top-5 accuracy with prompt templates")
+    p.add_argument("--templates", default="seven",
+                   help="zero-shot prompt templates: seven (CLIP's 7 ImageNet templates, FLAIR's; default), openai "
+                        "(CLIP's 80), simple, or a text file with one template per line holding {}")
     p.add_argument("--out", help="write the metrics JSON here (default for a run: RUN/metrics_eval.json)")
     return p
 
@@ -697,11 +780,21 @@ def _main(args: argparse.Namespace) -> int:
         raise _UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.sets:
         sets = _parse_sets(args.sets, args.protocol)
+    elif args.zeroshot:
+        sets = []
     elif recipe is not None:
         sets = _apply_protocols(list(recipe.eval.sets), args.protocol)
     else:
         raise _UsageError(f"{args.model_or_run} is not a run folder: give the sets to evaluate, e.g. --sets docci,urban1k")
-    if not sets:
+    if args.zeroshot:
+        from finetune.zeroshot import folder_classes, load_templates
+
+        try:
+            folder_classes(args.zeroshot)
+            load_templates(args.templates)
+        except ValueError as exc:
+            raise _UsageError(str(exc)) from None
+    if not sets and not args.zeroshot:
         raise _UsageError("no evaluation sets: the run's recipe has an empty eval.sets; give --sets")
     ks = _parse_ks(args.ks) if args.ks else list(recipe.eval.ks if recipe else DEFAULT_KS)
     batch_size = args.batch_size or (recipe.eval.batch_size if recipe else 64)
@@ -739,20 +832,33 @@ def _main(args: argparse.Namespace) -> int:
 
     from finetune.data.images import DataError
 
+    zeroshot = None
+    if args.zeroshot:
+        from finetune.zeroshot import zeroshot_classify
+
+        # the paper classifies by the global embeddings: cosine unless --scorer names another
+        zeroshot_scorer = _resolve_scorer(args.scorer, args.imports) if args.scorer else "cosine"
+        zeroshot = zeroshot_classify(model, args.zeroshot, templates=args.templates, scorer=zeroshot_scorer,
+                                     batch_size=batch_size, accelerator=accelerator)
     try:
-        results = evaluate_sets(model, sets, batch_size=batch_size, ks=ks, on_error=on_error, cache_dir=cache_dir,
+        results = {} if not sets else evaluate_sets(model, sets, batch_size=batch_size, ks=ks, on_error=on_error, cache_dir=cache_dir,
                                 accelerator=accelerator, num_workers=args.num_workers, scorer=scorer,
                                 rerank_top_k=rerank_top_k, block_size=block_size)
     except DataError as exc:  # unknown set or protocol, missing files, bad examples
         raise _UsageError(str(exc)) from None
     if accelerator.is_main_process:
-        print(format_table(None, results), flush=True)
+        if results:
+            print(format_table(None, results), flush=True)
+        if zeroshot is not None:
+            print(f"zero-shot {zeroshot['folder']}: {zeroshot['n_images']} images, {zeroshot['n_classes']} classes, "
+                  f"top-1 {zeroshot['top1']:.2f} %, top-5 {zeroshot['top5']:.2f} % ({zeroshot['scorer']})", flush=True)
         out = Path(args.out) if args.out else (target / "metrics_eval.json" if recipe is not None else None)
         if out is not None:
             from finetune.report import write_json_atomic
 
             write_json_atomic(out, {"model": args.model_or_run, "run": recipe is not None,
-                                    "max_text_len": model.max_text_len, "ks": ks, "sets": results})
+                                    "max_text_len": model.max_text_len, "ks": ks, "sets": results,
+                                    **({"zeroshot": zeroshot} if zeroshot is not None else {})})
             print(f"wrote {out}", flush=True)
     accelerator.wait_for_everyone()
     return 0

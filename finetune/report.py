@@ -40,8 +40,12 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def plot_losses(history: list[dict[str, float]], path: str | Path) -> Path | None:
-    """One panel per logged loss term (and the learning rate) against the step; returns the PNG path."""
+def plot_losses(history: list[dict[str, float]], path: str | Path,
+                compare: dict[str, list[dict[str, float]]] | None = None) -> Path | None:
+    """One panel per logged loss term (and the learning rate) against the step; returns the PNG path.
+
+    ``compare`` maps a label to another run's history (``eval.compare_with``): its curves of the same
+    keys are drawn dashed in the same panels."""
     if not history:
         return None
     import matplotlib
@@ -56,7 +60,12 @@ def plot_losses(history: list[dict[str, float]], path: str | Path) -> Path | Non
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        ax.plot(steps, [h.get(key, float("nan")) for h in history], lw=1.5)
+        ax.plot(steps, [h.get(key, float("nan")) for h in history], lw=1.5, label="this run")
+        for label, other in (compare or {}).items():
+            if other and key in other[0]:
+                ax.plot([h["step"] for h in other], [h.get(key, float("nan")) for h in other], lw=1.2, ls="--",
+                        label=Path(label).stem)
+                ax.legend(fontsize=7)
         ax.set_title("total loss" if key == "loss" else key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -116,6 +125,8 @@ def write_report(run_dir: str | Path, metrics: dict[str, Any], *, table: str, ex
         "",
         f"- model: `{model.get('name_or_path')}` (backend {metrics.get('backend', model.get('backend'))}), "
         f"text positions {metrics.get('max_text_len')}",
+        *([f"- started from: `{metrics['init_from']['run_dir']}/final` (`model.init_from: "
+             f"{metrics['init_from']['ref']}`, {metrics['init_from']['status']})"] if metrics.get("init_from") else []),
         f"- adapter: {recipe.get('adapter', {}).get('type')}; trainable parameters "
         f"{metrics.get('trainable_parameters', 0):,} of {metrics.get('total_parameters', 0):,}",
         f"- objective: {metrics.get('objective')}",
@@ -145,3 +156,40 @@ def write_report(run_dir: str | Path, metrics: dict[str, Any], *, table: str, ex
     path = run_dir / "report.md"
     write_text_atomic(path, "\n".join(lines))
     return path
+
+
+def comparison_section(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """Markdown section setting runs side by side (``eval.compare_with``): Recall@1 / @5 per evaluation set
+    and direction of each run after training, read up to its text length and cut at its base length (77
+    for CLIP), and of the first run's start (before training).
+
+    Args:
+        runs: ``(label, metrics)`` pairs, this run first; ``metrics`` as in ``metrics.json`` (``after``,
+            ``after_at_base_length``, ``before``, ``objective``, ``steps``, ``max_text_len``,
+            ``base_text_len``).
+    """
+    first = runs[0][1]
+    sets = list(first.get("after") or {})
+    header = "| run | objective | steps | text tokens | " + " | ".join(
+        f"{name} {arrow} R@{k}" for name in sets for arrow in ("t→i", "i→t") for k in (1, 5)) + " |"
+    lines = ["## Comparison (same start, same evaluation)", "",
+             "Recall@K (%) of each run after training, with captions read up to the model's text length and "
+             "cut at the original length; the first row is the starting model before training.", "",
+             header, "|" + "---|" * (4 + 4 * len(sets))]
+
+    def row(label: str, objective: str, steps: Any, tokens: Any, res: dict | None) -> str:
+        cells = []
+        for name in sets:
+            for direction in ("t2i", "i2t"):
+                values = ((res or {}).get(name) or {}).get(direction) or {}
+                cells += [f"{values[k]:.1f}" if k in values else "" for k in ("R@1", "R@5")]
+        return f"| {label} | {objective} | {steps} | {tokens} | " + " | ".join(cells) + " |"
+
+    if first.get("before"):
+        lines.append(row("start (before training)", "", 0, first.get("max_text_len", ""), first["before"]))
+    for label, m in runs:
+        lines.append(row(label, m.get("objective", ""), m.get("steps", ""), m.get("max_text_len", ""), m.get("after")))
+        if m.get("after_at_base_length"):
+            lines.append(row(label, m.get("objective", ""), m.get("steps", ""),
+                             f"cut at {m.get('base_text_len', 77)}", m["after_at_base_length"]))
+    return "\n".join(lines)

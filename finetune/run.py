@@ -87,8 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     return run(recipe)
 
 
-def run(recipe: Any) -> int:
-    """Run a validated recipe end to end; returns the process exit status."""
+def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
+    """Run a validated recipe end to end; returns the process exit status.
+
+    The runs it builds on (``model.init_from``, ``eval.compare_with``) are reused when current, else trained
+    first by this same function in this same process (in a multi-process launch, by every process together:
+    one DDP run, see :mod:`finetune.prerequisites`).
+
+    Args:
+        recipe: a loaded :class:`finetune.config.Recipe`.
+        chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
+    """
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import ProjectConfiguration, set_seed
 
@@ -105,6 +114,15 @@ def run(recipe: Any) -> int:
                                   resume=recipe.train.resume,
                                   ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)))
     except RunFolderError as exc:
+        print(f"recipe error: {exc}", file=sys.stderr)
+        return 2
+    from finetune.data.streams import check_stream_recipe
+    from finetune.prerequisites import PrerequisiteError
+
+    check_stream_recipe(recipe)  # a RecipeError before any prerequisite trains
+    try:
+        prerequisites = _prerequisites(recipe, chain)
+    except PrerequisiteError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
     trackers = list(recipe.train.trackers or [])
@@ -137,7 +155,7 @@ def run(recipe: Any) -> int:
     from finetune.models.loading import ModelNotFoundError
 
     try:
-        return _run(recipe, recipe_dict, accelerator, out_dir, data)
+        return _run(recipe, recipe_dict, accelerator, out_dir, data, prerequisites)
     except ModelNotFoundError as exc:  # an unknown model.name_or_path: the registry list, no traceback
         print(f"recipe error: model.name_or_path: {exc}", file=sys.stderr)
         if action == "new" and accelerator.is_main_process:  # leave no half-started run behind
@@ -146,7 +164,59 @@ def run(recipe: Any) -> int:
                 out_dir.rmdir()
         return 2
     finally:
-        accelerator.end_training()
+        if chain:  # a prerequisite: the launch's process group still serves the run that needs it
+            for tracker in accelerator.trackers:
+                tracker.finish()
+        else:
+            accelerator.end_training()
+
+
+def _prerequisites(recipe: Any, chain: tuple[str, ...]) -> dict[str, Any]:
+    """The runs ``recipe`` builds on, reused or trained now (:func:`finetune.prerequisites.ensure`):
+    ``{"init": Prerequisite | None, "compare": [Prerequisite, ...]}``. After a prerequisite trained, the
+    accelerate state is reset (its process group kept), so that this run's ``Accelerator`` may differ
+    (mixed precision, plugins)."""
+    from finetune.prerequisites import ensure
+
+    if recipe.source and not chain:
+        chain = (str(Path(recipe.source).resolve()),)
+    init_ref = getattr(recipe.model, "init_from", None)
+    init = ensure(init_ref, "model.init_from", run, chain) if init_ref else None
+    compare = [ensure(ref, f"eval.compare_with[{i}]", run, chain)
+               for i, ref in enumerate(getattr(recipe.eval, "compare_with", None) or [])]
+    if any(p is not None and p.status == "trained" for p in [init, *compare]):
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+    return {"init": init, "compare": compare}
+
+
+def _load_start_model(m: Any, init: Any) -> Any:
+    """The model a run starts from: ``model.name_or_path`` as loaded, or the ``final/`` of the run that
+    ``model.init_from`` names (an adapter folded into its base), stretched to ``model.max_text_len``."""
+    from finetune import load_model
+    from finetune.models.families import model_family_options, recipe_family
+
+    kps = dict(vars(m.kps)) if m.kps is not None else None
+    if init is None:
+        return load_model(m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
+                          trust_remote_code=m.trust_remote_code, kps=kps, family_options=model_family_options(m))
+    from finetune.models.adapters import load_finetuned, read_info
+    from finetune.models.loading import apply_text_length
+
+    log.info("model.init_from: starting from %s (%s, %s); model.name_or_path is not loaded", init.final, init.ref,
+             init.status)
+    if read_info(init.final)["kind"] == "full":
+        return load_model(str(init.final), max_text_len=m.max_text_len, dtype=m.dtype, kps=kps).train()
+    import torch
+
+    model = load_finetuned(init.final, merge=True)
+    if m.max_text_len is not None:
+        apply_text_length(model, int(m.max_text_len), kps)
+    if m.dtype is not None:
+        model.to(getattr(torch, m.dtype))
+    return model.train()
 
 
 def _cpu_threads(accelerator: Any) -> None:
@@ -209,17 +279,16 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
     return {"train": train, "eval": sets, "resume": resume}
 
 
-def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: dict[str, Any]) -> int:
+def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: dict[str, Any],
+         prerequisites: dict[str, Any] | None = None) -> int:
     import torch
 
-    from finetune import load_model
     from finetune.data.collate import Collator
     from finetune.data.skipping import drop_undecodable
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import apply_adapter, save_finetuned
-    from finetune.models.families import recipe_family
     from finetune.objectives import build_objective
-    from finetune.report import plot_losses, plot_recall, write_json_atomic, write_report
+    from finetune.report import comparison_section, plot_losses, plot_recall, write_json_atomic, write_report
     from finetune.scorers import get_scorer
     from finetune.train import TrainModule, Trainer
 
@@ -230,10 +299,8 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     check_stream_recipe(recipe)  # before the model loads
     streaming = SourceSpec.parse(recipe.data.train).is_stream
     m = recipe.model
-    model = load_model(
-        m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
-        trust_remote_code=m.trust_remote_code, kps=dict(vars(m.kps)) if m.kps is not None else None,
-    )
+    prerequisites = prerequisites or {"init": None, "compare": []}
+    model = _load_start_model(m, prerequisites["init"])
     model = apply_adapter(model, recipe.adapter)
     if m.gradient_checkpointing:
         from finetune.models.adapters import enable_gradient_checkpointing
@@ -301,6 +368,10 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         table = format_table(before, after) if after else "(no evaluation sets)"
         shown = train_ds.preview if streaming else train_ds  # a stream: the first examples it yielded
         extra = [section for term in objective.all_terms for section in term.report_sections(out_dir, shown)]
+        compared = [(p.ref, p.metrics()) for p in prerequisites["compare"]]
+        if compared:
+            extra.append(comparison_section([(str(recipe.source or out_dir), _partial_metrics(
+                recipe, model, result, before, after, at_base, objective)), *compared]))
         if at_base:
             extra.append(
                 f"## What reading past {model.base_text_len} tokens buys\n\nThe trained model evaluated "
@@ -312,6 +383,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
             "backend": model.backend,
             "family": model.family,
             "max_text_len": model.max_text_len,
+            "base_text_len": model.base_text_len,
             "objective": ", ".join([b for b in [recipe.objective.base] if b != "none"] + list(recipe.objective.terms)),
             "train_set": train_ds.spec.name if streaming else train_src.name,
             "train_examples": stream_report["used"] if streaming else len(train_src.dataset),
@@ -336,8 +408,11 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
             "trainable_parameters": n_train,
             "total_parameters": n_total,
             "history": result.history,
+            "init_from": prerequisites["init"].record() if prerequisites["init"] is not None else None,
+            "compare_with": [p.record() for p in prerequisites["compare"]],
         }
-        plot_losses(result.history, out_dir / "plots" / "loss.png")
+        plot_losses(result.history, out_dir / "plots" / "loss.png",
+                    compare={ref: m.get("history") or [] for ref, m in compared})
         plot_recall(before, after, out_dir / "plots" / "recall.png")
         write_json_atomic(out_dir / "metrics.json", metrics)
         report = write_report(out_dir, metrics, table=table, extra_sections=extra)
@@ -353,6 +428,14 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
                 return 1
     accelerator.wait_for_everyone()
     return 0
+
+
+def _partial_metrics(recipe: Any, model: Any, result: Any, before: Any, after: Any, at_base: Any,
+                     objective: Any) -> dict[str, Any]:
+    """The parts of this run's ``metrics.json`` that :func:`finetune.report.comparison_section` reads."""
+    return {"objective": ", ".join([b for b in [recipe.objective.base] if b != "none"] + list(recipe.objective.terms)),
+            "steps": result.steps, "max_text_len": model.max_text_len, "base_text_len": model.base_text_len,
+            "before": before, "after": after, "after_at_base_length": at_base, "wall_time_s": result.wall_time_s}
 
 
 def _open_train_stream(recipe: Any, objective: Any, model: Any, accelerator: Any) -> Any:

@@ -28,6 +28,8 @@ __all__ = [
     "RECIPE_NAME",
     "continuation_view",
     "continuation_hash",
+    "comparable_recipe",
+    "recipe_hash",
     "differing_keys",
     "check_run_folder",
     "clear_previous_run",
@@ -96,6 +98,19 @@ def _comparable(recipe: dict[str, Any]) -> dict[str, Any]:
     for key in ("resume", "resume_ignore_changes"):
         (out.get("train") or {}).pop(key, None)
     return out
+
+
+def comparable_recipe(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The whole recipe (as ``recipe_to_dict`` gives it) less what may change between a run and its rerun in
+    the same folder: ``output``, ``hub.token``, ``train.resume`` / ``resume_ignore_changes``."""
+    return _comparable(recipe)
+
+
+def recipe_hash(recipe: dict[str, Any]) -> str:
+    """sha256 of :func:`comparable_recipe` (canonical JSON): a run folder whose ``recipe.yaml`` has the same
+    hash was run with the same resolved recipe (``model.init_from`` reuses such a run)."""
+    text = json.dumps(comparable_recipe(recipe), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def read_run_recipe(out_dir: Path) -> dict[str, Any] | None:

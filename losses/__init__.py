@@ -14,6 +14,7 @@ from .distributed import (
     should_gather,
     world_info,
 )
+from .fcast import fcast_loss, fcast_part_loss, fcast_whole_loss
 from .flair import FLAIRLoss, TextConditionedAttentionPool, flair_loss, sample_flair_text_indices
 from .grm import (
     GRMHead,
@@ -70,6 +71,9 @@ __all__ = [
     "flair_loss",
     "FLAIRLoss",
     "sample_flair_text_indices",
+    "fcast_part_loss",
+    "fcast_whole_loss",
+    "fcast_loss",
     "GRMHead",
     "GRMImageOutput",
     "GRMTextOutput",

@@ -25,6 +25,11 @@ The pieces, in the order a training step uses them:
 Conventions (DESIGN 4): embeddings are raw (normalised here); with ``gather`` each rank scores its
 local rows against the gathered columns of every rank, and the mean over ranks of the returned value
 is the single-process value on the concatenated batch (same gradients under DDP's averaging).
+
+Like the rest of ``losses``, the module needs torch only: mapping boxes to patches
+(:func:`box_patch_masks`, :func:`pool_box_states`) imports the toolkit's
+``finetune.preprocess.geometry`` when called, and :class:`TSLHeads` is registered as an inference
+module when the toolkit is installed.
 """
 
 from __future__ import annotations
@@ -36,9 +41,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from finetune.models.inference_modules import register_inference_module
-from finetune.preprocess.geometry import box_patch_mask
 
 from .distributed import gather_with_grad, should_gather, world_info
 
@@ -176,14 +178,16 @@ def pool_span_states(
     if not isinstance(states, Tensor) or states.dim() != 3:
         raise ValueError(f"states must be a (B, L, W) tensor, got {getattr(states, 'shape', type(states).__name__)}")
     batch, length, _ = states.shape
-    spans = _span_tensor(spans, batch).to(states.device)
+    spans = _span_tensor(spans, batch)
     valid = _check_valid(valid, batch)
     use = torch.ones(batch, dtype=torch.bool) if valid is None else valid.cpu()
+    checked = spans.cpu().tolist()  # one transfer, not one per row
     for b in use.nonzero().flatten().tolist():
-        start, end = spans[b].tolist()
+        start, end = checked[b]
         if not 0 <= start < end <= length:
             raise ValueError(f"pool_span_states: sample {b} has span ({start}, {end}), which is empty or outside "
                              f"the {length} token states; mark it invalid (valid[{b}] = False) or fix the span")
+    spans = spans.to(states.device)
     positions = torch.arange(length, device=states.device)
     mask = (positions[None, :] >= spans[:, :1]) & (positions[None, :] < spans[:, 1:])
     mask &= use.to(states.device)[:, None]
@@ -213,6 +217,11 @@ class BoxGeometry:
     params: Mapping[str, Any]
     spatial_shapes: Sequence[Sequence[int]] | Tensor | None = None
     cover: str = "overlap"
+
+    def __post_init__(self) -> None:
+        if self.cover not in ("overlap", "centre"):
+            raise ValueError(f"BoxGeometry.cover must be 'overlap' (FAST-GOAL appendix C) or 'centre', got "
+                             f"{self.cover!r}")
 
     @classmethod
     def from_model(
@@ -270,6 +279,8 @@ def box_patch_masks(
         ValueError: a box of zero area, or one entirely outside the crop (the message names the
             sample), or a geometry that does not match the batch (sizes, NaFlex shapes, patch count).
     """
+    from finetune.preprocess.geometry import box_patch_mask, patch_count
+
     boxes = _boxes_tensor(boxes)
     batch = boxes.shape[0]
     valid = _check_valid(valid, batch)
@@ -286,16 +297,15 @@ def box_patch_masks(
     elif naflex:
         raise ValueError("a NaFlex model's boxes need BoxGeometry.spatial_shapes (ImageFeatures.spatial_shapes)")
     if not naflex:
-        from finetune.preprocess.geometry import patch_count
-
         grid = patch_count(params)
         if grid != n_patches:
             raise ValueError(f"the states hold {n_patches} patches per image but the model's input geometry has "
                              f"{grid} (patch size {params.get('patch_size')}); the states and the geometry come from "
                              "different models or inputs")
+    use = [True] * batch if valid is None else valid.cpu().tolist()
     masks = torch.zeros(batch, n_patches, dtype=torch.bool)
     for b, box in enumerate(boxes.tolist()):
-        if valid is not None and not bool(valid[b]):
+        if not use[b]:
             continue
         x1, y1, x2, y2 = box
         if not x2 > x1 or not y2 > y1:
@@ -305,9 +315,9 @@ def box_patch_masks(
         mask = box_patch_mask(box, (int(sizes[b][0]), int(sizes[b][1])), params, n_patches=n_patches,
                               spatial_shape=shape, cover=geometry.cover)
         if mask is None:
-            raise ValueError(f"sample {b}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) lies entirely outside the network input "
-                             f"of its {int(sizes[b][0])}x{int(sizes[b][1])} image (cut away by the processor's centre "
-                             "crop): no patch state covers it")
+            raise ValueError(f"sample {b}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) lies entirely outside the network "
+                             f"input of its {int(sizes[b][0])}x{int(sizes[b][1])} image (cut away by the processor's "
+                             "centre crop): no patch state covers it")
         masks[b] = mask
     return masks
 
@@ -430,7 +440,6 @@ class _NormLinear(nn.Module):
             self.proj.bias.copy_(bias)
 
 
-@register_inference_module(name="tsl.heads")
 class TSLHeads(nn.Module):
     """Separate TSL projections psi_v and psi_t (FAST-GOAL eqs. 8, 10; option ``heads: new``).
 
@@ -438,8 +447,8 @@ class TSLHeads(nn.Module):
     final norm and projection (:meth:`from_model`), so at initialisation it maps states exactly as
     ``DualEncoder.project_image_states`` / ``project_text_states`` do, and then trains on its own:
     TSL's gradients reach the encoders through these heads without moving the model's projections.
-    Registered as an inference module (``tsl.heads``), so it is saved and restored with the model
-    (:func:`attach_tsl_heads`); the model's embeddings never use it.
+    Registered as an inference module (``tsl.heads``, when the toolkit is installed), so it is saved
+    and restored with the model (:func:`attach_tsl_heads`); the model's embeddings never use it.
 
     Args:
         image_width, text_width: ``W`` of the image and text states.
@@ -481,6 +490,14 @@ class TSLHeads(nn.Module):
     def project_text_states(self, x: Tensor) -> Tensor:
         """psi_t: ``(..., W_text)`` -> ``(..., D)``."""
         return self.text(x)
+
+
+try:
+    from finetune.models.inference_modules import register_inference_module
+except ImportError:  # losses used on its own, without the toolkit: nothing saves inference modules
+    pass
+else:
+    register_inference_module(TSLHeads, name="tsl.heads")
 
 
 def attach_tsl_heads(model: Any) -> TSLHeads:
@@ -549,9 +566,12 @@ def tsl_similarity_loss(
     batch = pooled_embeds.shape[0]
     valid = _check_valid(valid, batch)
     if weights is not None and (not isinstance(weights, Tensor) or weights.shape != (batch,)):
-        raise ValueError(f"weights must be a ({batch},) tensor, got {getattr(weights, 'shape', type(weights).__name__)}")
+        got = getattr(weights, "shape", type(weights).__name__)
+        raise ValueError(f"weights must be a ({batch},) tensor, got {got}")
     pooled = F.normalize(pooled_embeds, dim=-1)
     target = F.normalize(target_embeds, dim=-1)
+    if weights is not None:
+        weights = weights.to(device=pooled.device, dtype=pooled.dtype)
     rank, world = world_info() if should_gather(gather) else (0, 1)
     local_valid = valid if valid is not None else torch.ones(batch, dtype=torch.bool, device=pooled.device)
     local_valid = local_valid.to(pooled.device)

@@ -711,7 +711,7 @@ def _coco_2017_rows(annotations_file: Path, images: Path, n_captions: int | None
 
 @register_source(
     "coco",
-    description="MS-COCO captions: 5 per image; protocols 2017 val 5k / Karpathy 5k test",
+    description="MS-COCO captions: 5 per image; protocols 2017 val 5k / Karpathy 5k test / Karpathy 1k x 5 folds",
     protocols=tuple(available_protocols("coco")),
     splits=KARPATHY_SPLITS + ("train2017", "val2017"),
 )
@@ -721,7 +721,8 @@ def build_coco(spec: SourceSpec) -> datasets.Dataset:
     Protocol ``val2017`` (default, Long-CLIP and FLAIR): ``annotations/captions_val2017.json``
     and ``val2017/``, 5,000 images with their first 5 captions in file order (as Long-CLIP's
     ``captions[0:5]``). ``karpathy``: ``dataset_coco.json`` ``split == "test"``, 5,000 images,
-    paths ``<filepath>/<filename>``, ids ``cocoid``. Splits ``train2017`` / ``val2017`` read
+    paths ``<filepath>/<filename>``, ids ``cocoid``. ``karpathy_1k``: the same 5,000 images, which
+    evaluation scores as 5 folds of 1,000 (``Protocol.folds``; VSE++, LAPS and GRM's "COCO 1K"). Splits ``train2017`` / ``val2017`` read
     the 2017 files (all captions), ``train`` / ``restval`` / ``val`` / ``test`` Karpathy's.
     ``options.image_dir`` overrides the image folder of the 2017 files.
     """

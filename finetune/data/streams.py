@@ -151,8 +151,9 @@ def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int
         raise DataError(f"data source {spec.name!r} is not a stream; set streaming: true or urls (webdataset, "
                         "parquet) or use name: hub")
     unused = [key for key in ("protocol", "size", "limit") if getattr(spec, key) is not None]
-    if spec.name != "hub" and spec.options:
-        unused.append("options")
+    if spec.name != "hub" and set(spec.options) - {"fields"}:
+        unused.append("options other than fields")
+    _check_fields(spec)
     if unused:
         raise DataError(f"data source {spec.name!r}: {', '.join(unused)} is not used by a stream; remove it")
     try:
@@ -166,10 +167,10 @@ def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int
             if not spec.path:
                 raise DataError("data source 'hub' needs path: a hub dataset id (org/dataset) or a local dataset "
                                 "folder")
-            unknown = sorted(set(spec.options) - {"config", "revision", "data_files"})
+            unknown = sorted(set(spec.options) - {"config", "revision", "data_files", "fields"})
             if unknown:
                 raise DataError(f"data source 'hub': unknown option(s) {', '.join(unknown)}; valid options are "
-                                "config, revision, data_files")
+                                "config, revision, data_files, fields")
             ds = datasets.load_dataset(
                 spec.path, name=spec.options.get("config"), revision=spec.options.get("revision"),
                 data_files=spec.options.get("data_files"), split=spec.split or "train", streaming=True,
@@ -190,6 +191,16 @@ def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int
 
         ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
     return ds
+
+
+def _check_fields(spec: SourceSpec) -> list[str]:
+    """``options.fields``: raw columns (``json.FIELD`` for a field of a webdataset ``KEY.json``) carried into
+    every example under their last name (FLAIR's pre-split DreamLIP caption fields)."""
+    fields = spec.options.get("fields", [])
+    if not isinstance(fields, list) or not all(isinstance(f, str) and f for f in fields):
+        raise DataError(f"data source {spec.name!r}: options.fields must be a list of column names (json.FIELD for a "
+                        f"field of KEY.json), got {fields!r}")
+    return list(fields)
 
 
 def check_stream_recipe(recipe: Any) -> None:
@@ -251,7 +262,8 @@ class ExampleStream(torch.utils.data.IterableDataset):
     objective's :meth:`~finetune.objectives.base.Objective.stream_map`). Columns map as for map-style
     sources: ``image_column`` (default ``image``, else the first webdataset key of
     :data:`WEBDATASET_IMAGE_KEYS`), ``caption_column`` (default ``caption``, else ``txt``, ``text`` or the
-    ``caption`` field of ``json``; ``json.FIELD`` reads another field), ``id_column`` (default ``id``, else
+    ``caption`` field of ``json``; ``json.FIELD`` reads another field), ``options.fields`` (more raw columns,
+    each kept under its last name: ``json.long_IB_captions`` -> ``long_IB_captions``), ``id_column`` (default ``id``, else
     the webdataset ``__key__``, else ``<name>-<rank>-<epoch>-<position>``).
 
     Iterate it once (the trainer's loader does): every epoch calls ``set_epoch`` on the raw stream (a new
@@ -350,6 +362,11 @@ class ExampleStream(torch.utils.data.IterableDataset):
         image = _lookup(raw, image_key)
         if image is None:
             return example, "no image", url
+        for key in _check_fields(self.spec):
+            value = _lookup(raw, key)
+            if value is None:
+                return example, f"no field {key!r} (data.train.options.fields)", url
+            example[key.rpartition(".")[2]] = value
         try:
             example["image"] = read_image(image)
         except ImageReadError as error:

@@ -20,6 +20,8 @@ __all__ = [
     "sample_subcaptions",
     "as_sentence_list",
     "first_sentence",
+    "balanced_chunks",
+    "random_chunks",
 ]
 
 # Words that end in a period without ending the sentence when followed by a capital or digit
@@ -290,3 +292,73 @@ def first_sentence(text: str) -> str:
     if not isinstance(text, str):
         raise TypeError(f"first_sentence expects a str, got {type(text).__name__}")
     return text.strip().split(". ")[0].strip()
+
+
+def balanced_chunks(sentences: Sequence[str], n: int) -> list[list[str]]:
+    """F-CAST's balanced chunking for inference (F-CAST, appendix C): ``n`` chunks of consecutive sentences,
+    each ``floor(L / n)`` sentences, the ``L mod n`` remaining ones going to the first chunks in order
+    (L = 6, n = 4 -> sizes [2, 2, 1, 1]; L = 11 -> [3, 3, 3, 2]). With ``L < n`` the last ``n - L`` chunks
+    are empty (the encoder masks them).
+
+    Args:
+        sentences: the caption's L sentences, in order (:func:`split_sentences`).
+        n: number of chunks N (F-CAST: 4).
+    Returns:
+        ``n`` lists of sentences whose concatenation is ``sentences``.
+    """
+    if n < 1:
+        raise ValueError(f"balanced_chunks: n (number of chunks) must be at least 1, got {n}")
+    items = list(sentences)
+    base, extra = divmod(len(items), n)
+    chunks, start = [], 0
+    for k in range(n):
+        size = base + (1 if k < extra else 0)
+        chunks.append(items[start:start + size])
+        start += size
+    return chunks
+
+
+def random_chunks(sentences: Sequence[str], n: int, rng: random.Random | int | None = None,
+                  *, max_per_chunk: int = 3) -> list[list[str]]:
+    """F-CAST's random chunking for training (F-CAST, appendix C): ``n`` chunks of 1 to ``max_per_chunk``
+    (3) consecutive sentences, the number chosen at random.
+
+    - ``L < n``: every sentence makes a chunk of its own, in order, and the remaining ``n - L`` chunks get
+      one sentence each drawn uniformly with replacement ("randomly resampled with replacement until all
+      chunks are filled");
+    - ``n <= L <= 3n``: every sentence is used once, in order; chunk k's size is drawn uniformly among the
+      sizes in [1, 3] that still let the remaining chunks hold the remaining sentences (1 to 3 each);
+    - ``L > 3n``: each size is drawn uniformly in [1, 3] and the sentences after the last chunk are discarded
+      (no chunk may hold more than three sentences).
+
+    Args:
+        sentences: the caption's L >= 1 sentences, in order.
+        n: number of chunks N (F-CAST: 4).
+        rng: a ``random.Random``, a seed or None.
+        max_per_chunk: most sentences per chunk (3 in the paper).
+    Returns:
+        ``n`` non-empty lists of sentences.
+    """
+    items = [s for s in sentences if s and s.strip()]
+    if not items:
+        raise ValueError("random_chunks needs at least one non-empty sentence")
+    if n < 1 or max_per_chunk < 1:
+        raise ValueError(f"random_chunks: need n >= 1 and max_per_chunk >= 1, got n={n}, "
+                         f"max_per_chunk={max_per_chunk}")
+    generator = _as_rng(rng)
+    total = len(items)
+    if total < n:
+        return [[s] for s in items] + [[generator.choice(items)] for _ in range(n - total)]
+    chunks, start = [], 0
+    for k in range(n):
+        left = n - k - 1  # chunks after this one
+        if total > max_per_chunk * n:
+            low, high = 1, max_per_chunk
+        else:
+            remaining = total - start
+            low = max(1, remaining - max_per_chunk * left)
+            high = min(max_per_chunk, remaining - left)
+        size = generator.randint(low, high)
+        chunks.append(items[start:start + size])
+        start += size
+    return chunks

@@ -35,6 +35,8 @@ _LAZY = {
     "TINY_NAMES": "finetune.models.registry",
     "HFDualEncoder": "finetune.models.hf",
     "OpenCLIPDualEncoder": "finetune.models.openclip",
+    "FlairDualEncoder": "finetune.models.flair",
+    "load_flair_checkpoint": "finetune.models.flair",
     "register_model_family": "finetune.models.families",
     "unregister_model_family": "finetune.models.families",
     "model_family_names": "finetune.models.families",

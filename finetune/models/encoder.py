@@ -323,7 +323,9 @@ class DualEncoder(nn.Module, abc.ABC):
         ``"longest_pad"``: resize the longest side to ``size`` then pad to a square;
         ``"naflex"``: aspect-preserving resize to at most ``max_num_patches`` patches),
         ``size``, ``crop``, ``resample`` (e.g. ``"bicubic"``), ``mean``, ``std``, ``patch_size``,
-        ``max_num_patches`` (NaFlex only).
+        ``max_num_patches`` (NaFlex only), ``crop_offset`` (optional: ``"floor"``, the default, when
+        the centre crop cuts ``excess // 2`` pixels first, as transformers does; ``"round"`` for
+        torchvision's ``round(excess / 2)``).
 
         None for a model without the ``patch_geometry`` capability (the default).
         """

@@ -59,7 +59,11 @@ _FAMILIES: dict[str, ModelFamily] = {}
 
 #: Modules of the toolkit that register a model family when imported (GRM's ``vision_text``, FLAIR,
 #: F-CAST). They are imported on the first lookup, so that ``import finetune`` stays light.
-BUILTIN_FAMILY_MODULES: tuple[str, ...] = ()
+BUILTIN_FAMILY_MODULES: tuple[str, ...] = (
+    "finetune.models.flair",
+    "finetune.models.vision_text",
+    "finetune.models.fcast",
+)
 _builtins_imported = False
 
 
@@ -239,6 +243,13 @@ def recipe_family(model_cfg: Any) -> str:
         warnings.warn(f"recipe key model.backend is deprecated: use model.family: {backend}", DeprecationWarning,
                       stacklevel=2)
     return resolve_family_setting(family, backend, keys=("recipe key model.family", "recipe key model.backend"))[0]
+
+
+def model_family_options(model_cfg: Any) -> dict[str, Any]:
+    """The loader keywords a recipe's ``model`` section gives its family beyond the name: ``vision``,
+    ``text`` and ``projection_dim`` (family ``vision_text``), those that are set."""
+    keys = ("vision", "text", "projection_dim")
+    return {k: getattr(model_cfg, k) for k in keys if getattr(model_cfg, k, None) is not None}
 
 
 # -- the two built-in families ---------------------------------------------------------------------------

@@ -11,7 +11,9 @@ FLAIR's text-conditioned attention pool) goes into ``model.inference_modules`` (
 ``xlipkit_inference.json`` (per module: the registered class name and its init kwargs as JSON)
 and ``xlipkit_inference.safetensors`` (its state dict, keys ``<module name>.<tensor name>``)
 beside the model; ``load_model`` / ``load_finetuned`` rebuild them. Only registered classes are
-rebuilt, by the name they were registered under: no class path from a file is ever imported.
+rebuilt, by the name they were registered under: no class path from a file is ever imported (the
+toolkit's own term modules, which register their heads such as GRM's, are imported when a saved
+class is not registered yet).
 
 A registered class gives its init kwargs either with an ``inference_config()`` method returning
 a JSON-serialisable dict, or, without one, from the arguments its ``__init__`` was called with
@@ -21,7 +23,6 @@ a JSON-serialisable dict, or, without one, from the arguments its ``__init__`` w
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import json
 from pathlib import Path
@@ -36,21 +37,6 @@ FORMAT_VERSION = 1
 _RECORD = "_xlipkit_init_kwargs"
 
 _CLASSES: dict[str, type[nn.Module]] = {}
-
-#: Modules of the toolkit that register inference-module classes when imported (FAST-GOAL's TSL
-#: heads). They are imported before a saved module's class is looked up, so that a model saved with
-#: them loads in a fresh process without importing them first.
-BUILTIN_INFERENCE_MODULES: tuple[str, ...] = ("losses.tsl",)
-_builtins_imported = False
-
-
-def _import_builtin_modules() -> None:
-    global _builtins_imported
-    if _builtins_imported:
-        return
-    _builtins_imported = True
-    for module in BUILTIN_INFERENCE_MODULES:
-        importlib.import_module(module)
 
 
 def register_inference_module(cls: type[nn.Module] | None = None, *, name: str | None = None) -> Any:
@@ -202,8 +188,8 @@ def load_inference_modules(model: nn.Module, folder: str | Path) -> list[str]:
         device, dtype = ref.device, ref.dtype
     except StopIteration:
         device, dtype = torch.device("cpu"), None
-    if entries:
-        _import_builtin_modules()
+    if any(not isinstance(e, dict) or e.get("class") not in _CLASSES for e in entries.values()):
+        import finetune.objectives  # noqa: F401  the toolkit's terms register their heads (GRM's) on import
     for name, entry in entries.items():
         cls_name = entry.get("class") if isinstance(entry, dict) else None
         if cls_name not in _CLASSES:

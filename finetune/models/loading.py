@@ -98,9 +98,18 @@ def _load_folder(folder: Path, family: str, dtype: torch.dtype | None, trust_rem
 
 
 def _load(name: str, family: str, dtype: torch.dtype | None, trust_remote_code: bool,
-          revision: str | None) -> DualEncoder:
+          revision: str | None, family_options: dict[str, Any] | None = None) -> DualEncoder:
     from finetune.models.families import get_model_family
     from finetune.models.registry import REGISTRY, build_model, resolve_name
+
+    if family_options:
+        if family in _BUILTIN:
+            raise ValueError(f"model options {sorted(family_options)} need a model family that takes them "
+                             f"(vision_text: vision, text, projection_dim); family is {family!r}")
+        model = get_model_family(family).loader(name, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 revision=revision, **family_options)
+        model.backend = family
+        return model
 
     if name.startswith("local-dir:"):  # open_clip's schema for local folders
         folder = Path(name[len("local-dir:"):]).expanduser()
@@ -208,6 +217,7 @@ def load_model(
     kps: dict[str, Any] | None = None,
     revision: str | None = None,
     backend: str = "auto",
+    family_options: dict[str, Any] | None = None,
 ) -> DualEncoder:
     """Load a :class:`DualEncoder` (DESIGN 4).
 
@@ -234,6 +244,8 @@ def load_model(
         kps: KPS settings ``{"keep": 20, "ratio": None, "freeze_kept": True}`` (any subset).
         revision: hub revision.
         backend: deprecated alias of ``family``, used while ``family`` is ``"auto"``.
+        family_options: more keywords for the family's loader (``vision_text``: ``vision``, ``text``,
+            ``projection_dim``, which build a new model from two towers).
 
     Returns:
         the model; ``model.backend`` is the name of the family that loaded it.
@@ -250,7 +262,7 @@ def load_model(
     if backend not in (None, "auto"):
         warnings.warn("load_model(backend=...) is deprecated: use family=...", DeprecationWarning, stacklevel=2)
     name, _ = resolve_family_setting(family, backend)
-    model = _load(str(name_or_path), name, _torch_dtype(dtype), trust_remote_code, revision)
+    model = _load(str(name_or_path), name, _torch_dtype(dtype), trust_remote_code, revision, family_options)
     if max_text_len is not None:
         apply_text_length(model, int(max_text_len), kps)
     return model

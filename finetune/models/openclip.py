@@ -342,6 +342,7 @@ class OpenCLIPDualEncoder(DualEncoder):
             "mean": [float(v) for v in pp.get("mean")],
             "std": [float(v) for v in pp.get("std")],
             "patch_size": self.patch_size,
+            "crop_offset": "round",  # torchvision's CenterCrop rounds the cut half (transformers floors it)
         }
 
     # -- the rest of the contract -----------------------------------------------------------------

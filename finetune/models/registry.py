@@ -150,6 +150,18 @@ def _tiny_openclip_siglip() -> DualEncoder:
     return build_open_clip(cfg, tokenizer, name_or_path="tiny-openclip-siglip", preprocess_cfg=pp)
 
 
+def _flair(config: str, name: str, pool_heads: int = 8) -> DualEncoder:
+    from finetune.models import flair
+
+    return flair.build_flair(getattr(flair, config)(), pool_heads=pool_heads, name_or_path=name)
+
+
+def _tiny_vision_text(vision_type: str) -> DualEncoder:
+    from finetune.models.vision_text import build_tiny
+
+    return build_tiny(vision_type)
+
+
 # -- the table ----------------------------------------------------------------------------------------
 def _entries() -> list[RegistryEntry]:
     tiny_v = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -187,6 +199,18 @@ def _entries() -> list[RegistryEntry]:
                       lambda: _hf_siglip(_word_text(768, 3072, 12, 12, vocab=256000, layer_norm_eps=1e-6,
                                                     hidden_act="gelu_pytorch_tanh"),
                                          sig_v, "siglip2-base-patch16-224", family="siglip2")),
+        RegistryEntry("tiny-flair", "flair", "clip", "FLAIR (open_clip ViT + attention pool), 2 layers, width 64, 32 px",
+                      lambda: _flair("tiny_flair_config", "tiny-flair")),
+        RegistryEntry("small-flair", "flair", "clip", "FLAIR for the CPU recipe: 2 layers, width 64, 64 px, patch 8",
+                      lambda: _flair("small_flair_config", "small-flair")),
+        RegistryEntry("flair-vit-b-16", "flair", "clip", "FLAIR ViT-B/16 (paper), random weights",
+                      lambda: _flair("flair_vit_b16_config", "flair-vit-b-16")),
+        RegistryEntry("tiny-vision-text-vit", "vision_text", "clip",
+                      "transformers VisionTextDualEncoder: ViT (2 layers, width 32, 32 px, patch 8) + BERT (2 layers, "
+                      "width 32), projections to 16", lambda: _tiny_vision_text("vit")),
+        RegistryEntry("tiny-vision-text-swin", "vision_text", "clip",
+                      "transformers VisionTextDualEncoder: Swin (2 stages, 32 px, patch 2) + BERT (2 layers, width "
+                      "32), projections to 16", lambda: _tiny_vision_text("swin")),
     ]
 
 

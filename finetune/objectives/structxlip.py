@@ -164,6 +164,10 @@ class RegionOptions:
     """Regions of the local loss (paper 3.2, D.3).
 
     Attributes:
+        source: ``segmenter`` (the paper: FastSAM masks, or the default regions, each chunk's top-K under the
+            frozen model) or ``dataset`` (boxes and sentence-to-region links the dataset provides: columns
+            ``sentences`` and ``objects[{box, sentence_index}]``, as the synthetic scenes have; a chunk's
+            positives are the regions of its sentence, ``finetune.preprocess.regions.DatasetRegionLinks``).
         checkpoint: FastSAM checkpoint (``FastSAM-s.pt`` / ``FastSAM-x.pt`` from the ultralytics assets);
             ``null`` gives every image the default regions (4 quadrants + centre), counted and logged.
         k: K, the positives of each chunk (paper: 3).
@@ -176,6 +180,7 @@ class RegionOptions:
         match_on: top-K measured on ``edges`` crops (the structure-centric regions) or ``image`` crops.
     """
 
+    source: Literal["segmenter", "dataset"] = "segmenter"
     checkpoint: str | None = None
     k: int = field(default=3, metadata={"check": _at_least_one})
     per_image: int | None = field(default=3, metadata={"check": _at_least_one})
@@ -381,6 +386,9 @@ class StructXLIPTerm(Term):
                 f"objective.terms.structxlip.regions.checkpoint: {r.checkpoint!r} not found: {FASTSAM_DOWNLOAD_HINT}"
                 " (or set it to null to use the default regions)"
             )
+        if r.source == "dataset" and r.checkpoint is not None:
+            raise ValueError("objective.terms.structxlip.regions: checkpoint (FastSAM) is not used with source: "
+                             "dataset, whose regions come from the data; set checkpoint: null or source: segmenter")
         if r.min_area > r.max_area:
             raise ValueError(f"objective.terms.structxlip.regions: min_area ({r.min_area}) must not exceed max_area "
                              f"({r.max_area})")
@@ -496,11 +504,12 @@ class StructXLIPTerm(Term):
         return out
 
     def _preprocess_regions(self, dataset: Any, model: Any, root: Path | None, log: Any) -> Any:
-        import datasets
-
-        from finetune.preprocess.regions import RegionMatcher, compute_regions, region_features
+        from finetune.preprocess.regions import RegionMatcher, compute_regions
 
         r = self.options.regions
+        if r.source == "dataset":
+            regions = self._dataset_regions(dataset, root, log)
+            return self._add_region_columns(dataset, regions, log)
         segmenter = self.segmenter()
         if r.checkpoint is None:
             log.warning("structxlip: regions.checkpoint is not set, so every image uses the default regions (4 "
@@ -520,6 +529,34 @@ class StructXLIPTerm(Term):
                                       code_version=CODE_VERSION)
         finally:
             model.train(was_training)
+        return self._add_region_columns(dataset, regions, log)
+
+    def _dataset_regions(self, dataset: Any, root: Path | None, log: Any) -> Any:
+        """``regions.source: dataset``: the dataset's boxes and sentence links (:class:`DatasetRegionLinks`)."""
+        from finetune.preprocess.cache import cached_map
+        from finetune.preprocess.regions import DatasetRegionLinks, region_features
+
+        missing = [c for c in ("sentences", "objects") if c not in dataset.column_names]
+        if missing:
+            raise ValueError(
+                f"objective.terms.structxlip.regions.source: dataset needs the columns 'sentences' (the caption's "
+                f"sentences) and 'objects' (a list of {{box: [x1, y1, x2, y2], sentence_index}}), which the "
+                f"training set lacks ({', '.join(missing)}; it has {dataset.column_names}); use a dataset that "
+                "provides them (e.g. synthetic) or regions.source: segmenter")
+        links = DatasetRegionLinks(k=self.options.regions.k, chunker=self.chunker())
+        log.info("structxlip regions: from the dataset (its objects' boxes, each chunk linked to the objects of "
+                 "its sentence), not FastSAM + frozen matching")
+        return cached_map(dataset.select_columns(["filtered_caption", "sentences", "objects"]), links,
+                          params=links.params(), name="regions", cache_dir=root, code_version=CODE_VERSION,
+                          batched=True, batch_size=256, features=region_features(),
+                          desc="StructXLIP regions from the dataset")
+
+    def _add_region_columns(self, dataset: Any, regions: Any, log: Any) -> Any:
+        import datasets
+
+        from finetune.preprocess.regions import region_features
+
+        r = self.options.regions
         names = list(region_features())
         fallback = regions["region_fallback"]
         n_regions = [len(b) for b in regions["region_boxes"]]
@@ -532,7 +569,8 @@ class StructXLIPTerm(Term):
             "regions_per_image": sum(n_regions) / n,
             "chunks_per_caption": sum(n_chunks) / n,
             "captions_without_chunks": sum(1 for c in n_chunks if c == 0),
-            "segmenter": "fastsam" if r.checkpoint else "default_regions",
+            "segmenter": "dataset" if r.source == "dataset" else "fastsam" if r.checkpoint else "default_regions",
+            "source": r.source,
         }
         st = self.stats["regions"]
         log.info("structxlip regions: %d images, %d use the default regions, %.2f regions and %.2f chunks per "
@@ -840,7 +878,16 @@ class StructXLIPTerm(Term):
                 "",
             ]
         reg = self.stats.get("regions")
-        if reg:
+        if reg and reg.get("source") == "dataset":
+            lines += [
+                f"Regions from the dataset (`regions.source: dataset`: its objects' boxes, each chunk's positives "
+                f"the objects its sentence describes; no FastSAM, no frozen matching): {reg['regions_per_image']:.2f} "
+                f"per image; {reg['chunks_per_caption']:.2f} linked chunks per caption, "
+                f"{reg['captions_without_chunks']} captions without one; encoded as "
+                f"`{self.options.regions.encode}`.",
+                "",
+            ]
+        elif reg:
             lines += [
                 f"Regions ({reg['segmenter']}): {reg['regions_per_image']:.2f} per image, "
                 f"{reg['fallback_images']} of {reg['images']} images on the default regions; "

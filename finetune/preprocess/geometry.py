@@ -3,7 +3,8 @@ processor's exact resize and centre crop, and which patches of the input it cove
 
 Used by StructXLIP's pooled regions (``regions.encode: pool``) and FAST-GOAL's TSL box pooling. The transform
 is described by ``DualEncoder.image_transform_params()``: ``mode`` (``shortest_center_crop``, ``shortest``,
-``squash``, ``longest_pad`` or ``naflex``), ``size``, ``crop`` and ``patch_size``.
+``squash``, ``longest_pad`` or ``naflex``), ``size``, ``crop``, ``patch_size`` and ``crop_offset`` (how the
+centre crop rounds: ``floor``, transformers, the default; ``round``, torchvision / open_clip).
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ def resize_shortest(width: int, height: int, size: int) -> tuple[int, int]:
     if width <= height:
         return size, int(size * height / width)
     return int(size * width / height), size
+
+
+def _crop_offset(excess: int, params: dict[str, Any]) -> int:
+    """Pixels a centre crop cuts before the kept part, out of ``excess`` cut in all: transformers
+    processors floor the half (``excess // 2``), torchvision's ``CenterCrop`` (open_clip) rounds it
+    (``int(round(excess / 2))``, half to even); ``params["crop_offset"]`` names which (default floor)."""
+    rule = params.get("crop_offset", "floor")
+    if rule == "floor":
+        return excess // 2
+    if rule == "round":
+        return int(round(excess / 2.0))
+    raise ValueError(f"input_geometry: crop_offset must be 'floor' or 'round', got {rule!r}")
 
 
 def input_geometry(
@@ -50,7 +63,7 @@ def input_geometry(
     if mode in ("shortest_center_crop", "shortest"):
         new_w, new_h = resize_shortest(width, height, int(size))
         in_h, in_w = (int(crop[0]), int(crop[1])) if crop else (new_h, new_w)
-        off_x, off_y = (new_w - in_w) // 2, (new_h - in_h) // 2
+        off_x, off_y = _crop_offset(new_w - in_w, params), _crop_offset(new_h - in_h, params)
         return new_w / width, new_h / height, float(off_x), float(off_y), in_w, in_h
     if mode == "squash":
         in_h, in_w = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))

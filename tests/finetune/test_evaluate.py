@@ -491,3 +491,54 @@ def test_two_processes_give_the_single_process_embeddings(tiny_clip, tmp_path):
     torch.testing.assert_close(got["image_embeds"], ref.image_embeds, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got["text_embeds"], ref.text_embeds, atol=1e-5, rtol=1e-4)
     assert got["truncated"] == ref.truncated
+
+
+# -- rSum and the 5-fold COCO 1K protocol (GRM, LAPS, VSE++) -----------------------------------------
+def test_recall_sum_and_its_table_row():
+    from finetune.evaluate import recall_sum
+
+    metrics = {"t2i": {"R@1": 1.0, "R@5": 2.0, "R@10": 3.0, "R@50": 90.0}, "i2t": {"R@1": 4.0, "R@5": 5.0, "R@10": 6.0}}
+    assert recall_sum(metrics) == 21.0
+    assert recall_sum({"t2i": {"R@1": 1.0}, "i2t": {"R@1": 1.0}}) is None
+    before, after = _result(10.0, 20.0), _result(30.0, 40.0)
+    before["rsum"], after["rsum"] = 100.0, 250.5
+    lines = format_table({"s": before}, {"s": after}).splitlines()
+    assert lines[-1] == "| s | 10 / 50 | rSum (R@1+5+10, both) | 100.0 → 250.5 | |"
+
+
+def test_fold_recall_averages_blocks_that_see_only_their_own_captions():
+    from finetune.evaluate import fold_recall
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(6, 8, generator=g)
+    owner = torch.arange(12) // 2
+    texts = images[owner] + 0.9 * torch.randn(12, 8, generator=g)
+    got = fold_recall({"embeds": images}, {"embeds": texts}, owner, (1, 2), 3)
+    parts = [recall_at_k(images[2 * f:2 * f + 2], texts[4 * f:4 * f + 4], owner[4 * f:4 * f + 4] - 2 * f, (1, 2))
+             for f in range(3)]
+    for d in ("t2i", "i2t"):
+        for k in ("R@1", "R@2"):
+            assert got[d][k] == pytest.approx(sum(p[d][k] for p in parts) / 3)
+    assert got["t2i"]["R@2"] == 100.0  # two images per fold
+    assert got != recall_at_k(images, texts, owner, (1, 2))
+    with pytest.raises(ValueError, match="cannot be split into 4 folds"):
+        fold_recall({"embeds": images}, {"embeds": texts}, owner, (1,), 4)
+
+
+def test_coco_karpathy_1k_is_evaluated_as_five_folds(tmp_path):
+    from finetune import load_model
+    from finetune.evaluate import evaluate_sets, fold_recall, encode_for_retrieval
+    from finetune.data.sources import load_source
+    from tests.finetune.data.fixtures import write_coco_fixture
+
+    folder = write_coco_fixture(tmp_path / "coco", 0, karpathy=(0, 0, 10))
+    model = load_model("tiny-clip")
+    spec = {"name": "coco", "protocol": "karpathy_1k", "path": str(folder)}
+    with pytest.warns(UserWarning, match="has 10 images here"):
+        result = evaluate_sets(model, [spec], ks=(1, 5, 10), progress=False)["coco:karpathy_1k"]
+    assert result["folds"] == 5 and result["n_images"] == 10 and result["n_texts"] == 50
+    with pytest.warns(UserWarning):
+        emb = encode_for_retrieval(model, load_source(spec).dataset, batch_size=4)
+    want = fold_recall(emb.image_payload, emb.text_payload, emb.text_to_image, (1, 5, 10), 5)
+    assert result["t2i"] == want["t2i"] and result["i2t"] == want["i2t"]
+    assert result["rsum"] == pytest.approx(sum(want[d][f"R@{k}"] for d in ("t2i", "i2t") for k in (1, 5, 10)))

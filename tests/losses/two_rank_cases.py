@@ -37,6 +37,7 @@ from losses import (
     longclip_loss,
     should_gather,
     siglip_loss,
+    tsl_loss,
     world_info,
 )
 from losses.distributed import sum_over_ranks
@@ -251,6 +252,29 @@ def _structxlip(inputs: Tensors, params: Tensors, gather: bool | None) -> torch.
     return out["loss"] + out["structure"] + 2 * out["consistency"] + 3 * out["local"]
 
 
+# --- FAST-GOAL TSL ------------------------------------------------------------------------
+
+
+def _make_tsl(rank: int | None, *, span_valid: list[bool] | None = None, weights: bool = False):
+    rows = _even_rows(rank, 3)
+    inputs = {
+        "box": _leaf(_randn(6, 4, seed=15)[rows]),
+        "crop": _leaf(_randn(6, 4, seed=16)[rows]),
+        "span": _leaf(_randn(6, 4, seed=17)[rows]),
+        "sentence": _leaf(_randn(6, 4, seed=18)[rows]),
+    }
+    if span_valid is not None:
+        inputs["span_valid"] = torch.tensor(span_valid)[rows]
+    if weights:
+        inputs["weights"] = torch.tensor([1.0, 0.5, 2.0, 1.5, 1.0, 0.25], dtype=torch.float64)[rows]
+    return inputs, {}, dict.fromkeys(("box", "crop", "span", "sentence"), rows)
+
+
+def _tsl(inputs: Tensors, params: Tensors, gather: bool | None, form: str = "matrix") -> torch.Tensor:
+    return tsl_loss(inputs["box"], inputs["crop"], inputs["span"], inputs["sentence"], form=form,
+                    span_valid=inputs.get("span_valid"), weights=inputs.get("weights"), gather=gather)
+
+
 CASES: dict[str, Case] = {
     "clip": Case(_make_clip, _clip),
     "clip_valid": Case(lambda r: _make_clip(r, [True, False, True, True, False, True, False, False]), _clip),
@@ -265,6 +289,11 @@ CASES: dict[str, Case] = {
     "local_empty_rank": Case(lambda r: _make_local(r, empty_rank0=True), _local),
     "structxlip": Case(_make_structxlip, _structxlip),
     "structxlip_official": Case(lambda r: _make_structxlip(r, "official"), _structxlip),
+    "tsl_matrix": Case(_make_tsl, _tsl),
+    "tsl_diagonal": Case(_make_tsl, lambda i, p, g: _tsl(i, p, g, "diagonal")),
+    # rank 0 keeps one sentence of three, rank 1 two of three
+    "tsl_valid_weighted": Case(lambda r: _make_tsl(r, span_valid=[False, True, False, True, False, True],
+                                                   weights=True), _tsl),
 }
 
 

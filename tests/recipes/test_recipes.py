@@ -22,6 +22,7 @@ from tests.finetune.data.fixtures import (
     write_flickr30k_fixture,
     write_urban1k_fixture,
 )
+from tests.finetune.objectives.test_flair import DREAMLIP_FIELDS, write_dreamlip_shards
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -65,10 +66,19 @@ def fixtures(tmp_path_factory):
         "docci": write_docci_fixture(root / "docci", n_train=8, n_test=6, n_qual_test=2),
         "dci": write_dci_fixture(root / "dci", n_train=3, n_valid=2, n_test=2),
         "urban1k": write_urban1k_fixture(root / "urban1k", 6),
-        "coco": write_coco_fixture(root / "coco", 4, karpathy=(2, 1, 4)),
-        "flickr30k": write_flickr30k_fixture(root / "flickr30k", 2, 1, 4),
+        "tiny-flair": save_tiny("tiny-flair", root / "tiny-flair"),
+        "dreamlip": write_dreamlip_shards(root / "dreamlip", fields=DREAMLIP_FIELDS),
+        "flickr30k": write_flickr30k_fixture(root / "flickr30k", n_train=4, n_val=1, n_test=5),
+        "coco": write_coco_fixture(root / "coco", 0, karpathy=(4, 1, 10)),
+        "towers": _tiny_towers(root / "towers"),
         **_detector_fixtures(root),
     }
+
+
+def _tiny_towers(folder):
+    from finetune.models.vision_text import save_tiny_towers
+
+    return save_tiny_towers(folder)
 
 
 def _detector_fixtures(root: Path) -> dict:
@@ -90,7 +100,11 @@ def _detector_fixtures(root: Path) -> dict:
 def _fixture_set(entry, fixtures) -> dict:
     spec = {"name": entry} if isinstance(entry, str) else dict(entry)
     name = spec["name"]
-    if name in ("docci", "dci", "urban1k", "coco", "flickr30k"):
+    if name == "docci_fg":
+        spec["path"] = str(fixtures["docci"])
+    elif name == "webdataset":  # FLAIR's DreamLIP shards: local ones with the same json fields
+        spec["urls"] = fixtures["dreamlip"]
+    elif name in ("docci", "dci", "urban1k", "flickr30k", "coco"):
         spec["path"] = str(fixtures[name])
         if name == "docci" and spec.get("protocol") not in (None, "test", "goal"):
             spec.pop("protocol")
@@ -105,6 +119,15 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path, *, detector: str =
     raw = yaml.safe_load(path.read_text())
     model_name = str(raw.get("model", {}).get("name_or_path", ""))
     tiny = fixtures["tiny-siglip"] if "siglip" in model_name.lower() else fixtures["tiny-clip"]
+    if "flair" in model_name.lower():
+        tiny = fixtures["tiny-flair"]
+    model = [f"model.name_or_path={tiny}"]
+    if raw.get("model", {}).get("family") == "vision_text":  # GRM's ViT / Swin + BERT: tiny towers as hub ids
+        swin = "swin" in str(raw["model"].get("vision", "")).lower()
+        model = [f"model.vision={fixtures['towers']['swin' if swin else 'vit']}",
+                 f"model.text={fixtures['towers']['bert']}"]
+    if raw.get("model", {}).get("family") == "fcast":  # F-CAST: the tiny registry model of its own family
+        model = ["model.name_or_path=fcast-tiny"]
     train = _fixture_set(raw.get("data", {}).get("train", {"name": "synthetic"}), fixtures)
     if train["name"] == "synthetic":
         train["size"] = 16
@@ -119,7 +142,7 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path, *, detector: str =
         extra += [f"objective.terms.structxlip.regions.checkpoint={fixtures['fastsam']}",
                   "objective.terms.structxlip.regions.imgsz=64"]
     return extra + [
-        f"model.name_or_path={tiny}",
+        *model,
         "model.dtype=null",
         f"data.train={json.dumps(train)}",
         f"eval.sets={json.dumps(sets)}",
@@ -132,7 +155,20 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path, *, detector: str =
         "train.checkpoint_every=0",
         "train.trackers=[]",
         f"output.dir={out_dir}",
-    ]
+        "model.init_from=null",  # a start from another recipe: tests/finetune/test_prerequisites.py
+        "eval.compare_with=[]",
+    ] + _fcast_overrides(raw)
+
+
+def _fcast_overrides(raw: dict) -> list[str]:
+    """F-CAST recipes: the fixtures' plain captions, SLIC superpixels (no SFCN weights in tests)."""
+    if "fcast" not in (raw.get("objective", {}).get("terms") or {}):
+        return []
+    out = ["objective.terms.fcast.caption_fields=null", "objective.terms.fcast.long_fields=null",
+           "objective.terms.fcast.superpixels=null", "objective.terms.fcast.report_images=2"]
+    if raw.get("data", {}).get("train", {}).get("name") in ("webdataset", "parquet", "hub"):  # shards: scenes
+        out.append('data.train={"name": "synthetic", "size": 16, "options": {"image_size": 32}}')
+    return out
 
 
 def _reset_accelerate() -> None:
@@ -164,6 +200,11 @@ def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
     assert (out / "report.md").is_file() and (out / "plots" / "loss.png").is_file()
     assert (out / "final" / "xlipkit.json").is_file()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["max_steps"] == 2
+    if "fcast" in recipe.objective.terms:
+        assert (out / "plots" / "fcast_hierarchy.png").is_file() and (out / "plots" / "fcast_attention.png").is_file()
+    if "grm" in recipe.objective.terms:  # the GRM head is saved with the model; rSum is reported
+        assert (out / "final" / "xlipkit_inference.json").is_file()
+        assert all(r["rsum"] >= 0 for r in metrics["after"].values())
 
 
 @pytest.mark.slow

@@ -45,6 +45,8 @@ class Protocol:
         used_by: papers / code that report on it.
         captions_per_image: positives per image where fixed (5 for COCO and Flickr30k).
         needs_ids_file: the selection exists only as an id list the user must supply.
+        folds: evaluated as this many consecutive blocks of images (dataset order), each against its
+            own captions only, and Recall@K averaged over the blocks (COCO 1K: 5 folds of 1,000).
     """
 
     benchmark: str
@@ -54,6 +56,7 @@ class Protocol:
     used_by: str
     captions_per_image: int | None = None
     needs_ids_file: bool = False
+    folds: int | None = None
 
 
 #: Benchmark name -> its protocols, the default first.
@@ -89,7 +92,10 @@ PROTOCOLS: dict[str, tuple[Protocol, ...]] = {
         Protocol("coco", "val2017", 5000, "captions_val2017.json, the first 5 captions of each "
                  "image", "Long-CLIP, FLAIR", captions_per_image=5),
         Protocol("coco", "karpathy", 5000, "Karpathy dataset_coco.json split == 'test', "
-                 "5 captions per image", "CLIP_benchmark, FAST-GOAL", captions_per_image=5),
+                 "5 captions per image", "CLIP_benchmark, FAST-GOAL, VSE++, LAPS, GRM (5K)", captions_per_image=5),
+        Protocol("coco", "karpathy_1k", 5000, "the karpathy test images as 5 folds of 1,000 images "
+                 "(in id order), each with its own 5,000 captions; Recall@K averaged over the folds",
+                 "VSE++, LAPS, GRM (COCO 1K)", captions_per_image=5, folds=5),
     ),
     "docci_fg": (
         Protocol("docci_fg", "test", 5000, "DOCCI test images, every sentence of the description "

@@ -50,7 +50,7 @@ def test_every_benchmark_is_registered_with_its_protocols():
     assert available_protocols("dci") == ["all", "goal"]
     assert available_protocols("sharegpt4v") == ["1k", "10k"]
     assert available_protocols("flickr30k") == ["test", "full"]
-    assert available_protocols("coco") == ["val2017", "karpathy"]
+    assert available_protocols("coco") == ["val2017", "karpathy", "karpathy_1k"]
     assert benchmarks.available_protocols is available_protocols
 
 

@@ -30,7 +30,7 @@ def test_protocol_sizes_are_the_published_ones():
         ("urban1k", "all"): 1000,
         ("sharegpt4v", "1k"): 1000, ("sharegpt4v", "10k"): 10000,
         ("flickr30k", "test"): 1000, ("flickr30k", "full"): 31783,
-        ("coco", "val2017"): 5000, ("coco", "karpathy"): 5000,
+        ("coco", "val2017"): 5000, ("coco", "karpathy"): 5000, ("coco", "karpathy_1k"): 5000,
         ("docci_fg", "test"): 5000,
     }
     assert get_protocol("coco", "karpathy").captions_per_image == 5

@@ -364,7 +364,8 @@ def _stream_recipe(tiny: Path, urls: str, out: Path, *extra: str):
         f"data.train={{name: webdataset, urls: '{urls}', seed: 5}}",
         "objective.terms.structxlip.weights.local=0",  # edge maps and lexicon per example; no regions
         "eval.sets=[]", "eval.compare_base_length=false", "train.batch_size=4", "train.trackers=[]",
-        "train.mixed_precision=no", "train.log_every=1", "train.warmup_steps=2", f"output.dir={out}", *extra,
+        "train.mixed_precision=no", "train.log_every=1", "train.warmup_steps=2", f"output.dir={out}",
+        "model.init_from=null", "eval.compare_with=[]", *extra,
     ])
 
 

@@ -591,6 +591,7 @@ def _tiny_overrides(path: Path, fx: dict, out: Path) -> list[str]:
 
     raw = yaml.safe_load(path.read_text())
     tiny = fx["tiny-siglip"] if "siglip" in raw["model"]["name_or_path"] else fx["tiny-clip"]
+    regions = raw["objective"]["terms"]["structxlip"].get("regions") or {}
 
     def local(entry: dict) -> dict:
         entry = dict(entry)
@@ -606,9 +607,11 @@ def _tiny_overrides(path: Path, fx: dict, out: Path) -> list[str]:
         f"eval.sets={json.dumps(sets)}", f"data.cache_dir={fx['cache']}", "data.num_workers=0",
         "eval.batch_size=8", "train.max_steps=2", "train.batch_size=4", "train.mixed_precision=no",
         "train.checkpoint_every=0", "train.trackers=[]", f"output.dir={out}",
+        "model.init_from=null", "eval.compare_with=[]",  # the start and comparisons: tests/finetune/test_prerequisites.py
+    ] + ([] if regions.get("source") == "dataset" else [  # the dataset's regions need no FastSAM
         f"objective.terms.structxlip.regions.checkpoint={fx['checkpoint']}",
         "objective.terms.structxlip.regions.imgsz=64",
-    ]
+    ])
 
 
 STRUCTXLIP_RECIPES = sorted((REPO / "recipes").glob("structxlip_*.yaml")) + [REPO / "recipes" / "quickstart.yaml"]
@@ -651,3 +654,61 @@ def test_structxlip_alone_with_base_none_encodes_the_colour_images_itself(model,
     expected = (0.25 * values["structxlip/structure"] + 0.1 * values["structxlip/consistency"]
                 + 0.1 * values["structxlip/local"])
     assert float(values["loss"]) == pytest.approx(float(expected), rel=1e-6)
+
+
+# -- regions.source: dataset ---------------------------------------------------------------------------
+@pytest.mark.parametrize("encode", ["pool", "crop"])
+def test_dataset_regions_make_the_ground_truth_links_the_positives(model, scenes, tmp_path, encode):
+    """regions.source: dataset on the synthetic scenes: the regions are the objects' boxes and each chunk's
+    positives are exactly the object its sentence describes (no segmenter, no frozen matching)."""
+    term = StructXLIPTerm(_options(encode=encode, source="dataset", per_image=None))
+    data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    assert term.stats["regions"]["source"] == "dataset"
+    rows = (0, 1, 2, 3)
+    batch = _batch(term, model, data, rows)
+    objective = _objective(term)
+    with torch.no_grad():
+        feats = objective.encode(model, batch)
+    positives = term.positives(feats)
+
+    expected_rows, chunk_texts = [], []
+    region_index = {}  # (sample, object) -> column of the batch's regions
+    for i, row in enumerate(rows):
+        for j, _ in enumerate(scenes[row]["objects"]):
+            region_index[(i, j)] = len(region_index)
+    for i, row in enumerate(rows):
+        scene = scenes[row]
+        for j, obj in sorted(enumerate(scene["objects"]), key=lambda t: t[1]["sentence_index"]):
+            line = torch.zeros(len(region_index), dtype=torch.bool)
+            line[region_index[(i, j)]] = True
+            expected_rows.append(line)
+            # the chunk is the object's own sentence, lexicon-filtered
+            chunk_texts.append(split_chunks(term.lexicon.filter(scene["sentences"][obj["sentence_index"]]).text)[0])
+    assert torch.equal(positives, torch.stack(expected_rows))
+    assert [c for i in rows for c in data[i]["chunks"]] == chunk_texts
+    boxes = [list(map(float, o["box"])) for i in rows for o in scenes[i]["objects"]]
+    assert [list(b) for i in rows for b in data[i]["region_boxes"]] == boxes
+    assert feats["region"].shape == (len(boxes), feats["image"].shape[1])
+    with torch.no_grad():
+        values = objective.loss(model, feats)
+    assert math.isfinite(float(values["structxlip/local"]))
+
+
+def test_dataset_regions_need_the_dataset_columns_and_no_checkpoint(model, tmp_path):
+    plain = datasets.Dataset.from_dict({"image": load_source({"name": "synthetic", "size": 2}).dataset["image"],
+                                        "caption": ["A red cat.", "A dog."]})
+    term = StructXLIPTerm(_options(encode="pool", source="dataset"))
+    with pytest.raises(ValueError, match=r"regions.source: dataset needs the columns 'sentences' .* 'objects'"):
+        term.preprocess(plain, model, cache_dir=str(tmp_path))
+    fake = tmp_path / "FastSAM-s.pt"
+    fake.write_bytes(b"x")
+    with pytest.raises(ValueError, match="checkpoint .* is not used with source: dataset"):
+        StructXLIPTerm(_options(encode="pool", source="dataset", checkpoint=str(fake)))
+
+
+def test_dataset_regions_are_reported(model, scenes, tmp_path):
+    term = StructXLIPTerm(_options(encode="pool", source="dataset"))
+    data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    (section,) = term.report_sections(tmp_path, data, n=0)
+    assert "Regions from the dataset (`regions.source: dataset`" in section
+    assert "FastSAM" not in term.summary()["regions"]["segmenter"] and term.summary()["regions"]["source"] == "dataset"

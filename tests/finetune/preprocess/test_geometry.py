@@ -44,3 +44,50 @@ def test_input_geometry_of_longest_pad_centres_the_image():
 def test_patch_count_of_fixed_inputs():
     assert patch_count({"mode": "shortest_center_crop", "size": 224, "crop": (224, 224), "patch_size": 16}) == 196
     assert patch_count({"mode": "squash", "size": 64, "crop": None, "patch_size": 8}) == 64
+
+
+def test_box_patch_mask_overlap_takes_every_patch_the_box_touches():
+    """FAST-GOAL appendix C: floor of the top-left corner, ceil of the bottom-right one, in patch units."""
+    params = {"mode": "shortest_center_crop", "size": 32, "crop": (32, 32), "patch_size": 8}
+    # 128 x 64 -> 64 x 32, crop offset 16: (60, 16, 70, 20) -> (14, 8)-(19, 10): columns 1-2 of row 1
+    straddles = (60, 16, 70, 20)
+    assert box_patch_mask(straddles, (128, 64), params, cover="overlap").nonzero().flatten().tolist() == [5, 6]
+    assert box_patch_mask(straddles, (128, 64), params).nonzero().flatten().tolist() == [6]  # centre rule
+    inside = (64, 16, 80, 32)  # -> (16, 8)-(24, 16): exactly the patch at row 1, col 2
+    assert box_patch_mask(inside, (128, 64), params, cover="overlap").nonzero().flatten().tolist() == [6]
+    # partly cut by the crop: (0, 0, 40, 20) -> (-16, 0)-(4, 10), clipped to (0, 0)-(4, 10): column 0, rows 0-1
+    assert box_patch_mask((0, 0, 40, 20), (128, 64), params, cover="overlap").nonzero().flatten().tolist() == [0, 4]
+    assert box_patch_mask((0, 0, 32, 64), (128, 64), params, cover="overlap") is None  # all cut away
+    # 200 px -> 224: x = 100 lands on 112.00000000000001, the boundary of column 7, which it must not take
+    squash = {"mode": "squash", "size": (224, 224), "crop": None, "patch_size": 16}
+    left = box_patch_mask((0, 0, 100, 200), (200, 200), squash, cover="overlap").view(14, 14)
+    assert left[:, :7].all() and not left[:, 7:].any()
+    with pytest.raises(ValueError, match="cover must be 'centre' or 'overlap'"):
+        box_patch_mask(inside, (128, 64), params, cover="any")
+
+
+def test_crop_offset_floors_or_rounds_the_cut_half():
+    floor = {"mode": "shortest_center_crop", "size": 32, "crop": (32, 32), "patch_size": 8}
+    # 67 x 32: nothing to resize, the crop cuts 35 columns: 17 before the kept part (floor), 18 (round)
+    assert input_geometry(67, 32, floor)[2] == 17.0
+    assert input_geometry(67, 32, {**floor, "crop_offset": "round"})[2] == 18.0
+    assert input_geometry(69, 32, {**floor, "crop_offset": "round"})[2] == 18.0  # round(18.5): half to even
+    with pytest.raises(ValueError, match="crop_offset must be 'floor' or 'round'"):
+        input_geometry(67, 32, {**floor, "crop_offset": "ceil"})
+
+
+@pytest.mark.parametrize("name", ["tiny-clip", "tiny-openclip"])  # transformers floors, torchvision rounds
+@pytest.mark.parametrize("width", [67, 69])
+def test_geometry_matches_the_processors_own_centre_crop(name, width):
+    import numpy as np
+    from PIL import Image
+
+    from finetune.models.registry import build_model
+
+    model = build_model(name)
+    pixels = np.full((32, width, 3), 255, dtype=np.uint8)
+    pixels[:, :40] = 0  # dark up to x = 40 of the original image
+    row = model.preprocess_images([Image.fromarray(pixels)])["pixel_values"][0].mean(dim=0)[16]
+    dark_until = int((row < 0).nonzero().max()) + 1
+    sx, _, ox, _, _, _ = input_geometry(width, 32, model.image_transform_params())
+    assert dark_until == 40 * sx - ox

@@ -298,3 +298,32 @@ def test_fastsam_through_compute_regions(random_seg_checkpoint, tmp_path, caplog
     assert [len(b) for b in out["region_boxes"]] == [5, 5]
     assert [len(t) for t in out["chunk_topk"][0]] == [3, 3]
     assert "2 of 2 images had no mask" in caplog.text
+
+
+# -- regions the dataset provides ------------------------------------------------------------------------
+def test_chunks_map_to_their_sentences_when_a_filtered_sentence_vanishes():
+    from finetune.preprocess.regions import chunk_sentence_indices
+
+    sentences = ["A red cat sits.", "Red.", "A blue dog runs.", "A dog sleeps."]
+    # the lexicon filter took "Red." away entirely: counting chunks would give sentence 1 to "A dog runs"
+    assert chunk_sentence_indices(["A cat sits", "A dog runs", "A dog sleeps"], sentences) == [0, 2, 3]
+    assert chunk_sentence_indices(["A cat sits", "nothing like it"], sentences) == [0, -1]
+    assert chunk_sentence_indices([], sentences) == []
+
+
+def test_dataset_region_links_keep_the_linked_chunks_and_their_objects():
+    from finetune.preprocess.regions import DatasetRegionLinks
+
+    batch = {
+        "filtered_caption": ["A picture. A cat sits on the left. A dog and a cat. A dog runs."],
+        "sentences": [["A picture.", "A red cat sits on the left.", "A dog and a cat.", "A blue dog runs."]],
+        "objects": [[{"box": [0, 0, 10, 10], "sentence_index": 3}, {"box": [5, 5, 20, 30], "sentence_index": 1}]],
+    }
+    out = DatasetRegionLinks(k=3)(batch)
+    assert out["chunks"] == [["A cat sits on the left", "A dog runs"]]  # the preamble and relation: no object
+    assert out["chunk_topk"] == [[[1], [0]]]
+    assert out["region_boxes"] == [[[0.0, 0.0, 10.0, 10.0], [5.0, 5.0, 20.0, 30.0]]]
+    assert out["region_fallback"] == [False]
+    bad = dict(batch, objects=[[{"box": [5, 5, 5, 9], "sentence_index": 1}]])
+    with pytest.raises(ValueError, match=r"box must be \[x1, y1, x2, y2\]"):
+        DatasetRegionLinks()(bad)

@@ -1,0 +1,250 @@
+"""The ``flair`` objective term: FLAIR pretraining (FLAIR section 3; public ``train.py`` / ``loss.py``).
+
+A recipe uses it with ``objective.base: none`` on a FLAIR model (``model.family: flair``)::
+
+    objective:
+      base: none
+      terms:
+        flair: {k: 8, caption_fields: null, distributed: global}
+
+Per example the data workers draw K sub-captions of 1-3 sentences (:func:`finetune.data.text.sample_subcaptions`:
+consecutive windows over every start, or sentences at random positions kept in caption order) from
+
+- ``caption_fields`` (DreamLIP re-captioned shards: the fields holding PRE-SPLIT sentence lists, concatenated
+  in the order given, as the public code does); a field holding a string is an error naming it
+  (:func:`finetune.data.text.as_sentence_list`; the public code silently samples characters);
+- else the example's ``sentences`` (the synthetic scenes; pre-split benchmark rows);
+- else the ``caption`` split into sentences (PixelProse: split on the fly), by ``splitter``.
+
+They are tokenised to the model's 77 positions (image-major, ``B*K`` rows). The loss is
+:func:`losses.flair_loss` (``(L_tcs + L_mps) / 2``) on the class token, the projected patch tokens and the
+sub-caption embeddings, with the model's attention pool, scale and bias; its two parts are logged as
+``flair/tcs`` and ``flair/mps`` (weight 0). After every optimiser step the log scale is clamped to
+``[0, ln 100]``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from losses import FLAIRLoss, sample_flair_text_indices
+from losses.distributed import world_info
+
+from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
+from .registry import register_term
+
+FIELD_SUBCAPTIONS = "flair_subcaptions"
+FIELD_IDS = "flair_input_ids"
+FIELD_MASK = "flair_attention_mask"
+FEATURE = "flair_text"
+#: the clamp of the log logit scale after every step (public ``train.py``: [0, ln 100])
+LOG_SCALE_RANGE = (0.0, math.log(100.0))
+
+
+def _positive_int(value: Any) -> str | None:
+    return None if isinstance(value, int) and value >= 1 else f"must be an integer >= 1, got {value!r}"
+
+
+def _probability(value: Any) -> str | None:
+    return None if 0.0 <= value <= 1.0 else f"must be in [0, 1], got {value!r}"
+
+
+def _distributed(value: Any) -> str | None:
+    return None if value in ("global", "ring") else f"must be 'global' (the paper's batch) or 'ring' (the public code), got {value!r}"
+
+
+def _splitter(value: Any) -> str | None:
+    return None if value in ("sentences", "flair") else f"must be 'sentences' or 'flair', got {value!r}"
+
+
+def _fields(value: Any) -> str | None:
+    if value is None or (isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)):
+        return None
+    return f"must be null or a non-empty list of field names, got {value!r}"
+
+
+@dataclass
+class FlairOptions:
+    """``objective.terms.flair`` (FLAIR section 3, implementation details; Table 12).
+
+    Attributes:
+        k: sub-captions per image (8; 10 for YFCC15M and Merged-30M in the public scripts).
+        min_sentences, max_sentences: sentences per sub-caption, s ~ U{min, max} (1 and 3).
+        consecutive: probability that a sub-caption is a consecutive window (the public code's 0.5).
+        caption_fields: fields of pre-split sentence lists (DreamLIP: ``raw_caption``, ``short_IB_captions``,
+            ...), concatenated in this order; null: ``sentences``, else the split ``caption``.
+        splitter: how a ``caption`` string is split: ``sentences`` (:func:`finetune.data.text.split_sentences`)
+            or ``flair`` (the public code's ``re.split(r'\\n|</s>|[.]')``, PixelProse).
+        add_mps: add L_mps (the paper's final loss; false: L_tcs only).
+        distributed: ``global`` (the paper's batch over all processes) or ``ring`` (the public code's per-process
+            blocks, to reproduce its runs).
+        seed: seeds the sub-caption draws (with the epoch and the example id) and the negatives of L_tcs
+            (with the step), the same on every process.
+    """
+
+    k: int = field(default=8, metadata={"check": _positive_int})
+    min_sentences: int = field(default=1, metadata={"check": _positive_int})
+    max_sentences: int = field(default=3, metadata={"check": _positive_int})
+    consecutive: float = field(default=0.5, metadata={"check": _probability})
+    caption_fields: list[str] | None = field(default=None, metadata={"check": _fields})
+    splitter: str = field(default="sentences", metadata={"check": _splitter})
+    add_mps: bool = True
+    distributed: str = field(default="global", metadata={"check": _distributed})
+    seed: int = 0
+
+
+def _split(caption: str, splitter: str) -> list[str]:
+    from finetune.data.text import split_sentences
+
+    if splitter == "flair":
+        import re
+
+        return [p.strip() for p in re.split(r"\n|</s>|[.]", caption) if p.strip()]
+    return split_sentences(caption)
+
+
+class FlairTerm(Term):
+    """FLAIR's loss as an objective term (see the module docstring).
+
+    Args:
+        options: :class:`FlairOptions`.
+    """
+
+    name = "flair"
+    needs = frozenset({FIELD_SUBCAPTIONS})
+    produces = frozenset({FIELD_SUBCAPTIONS, FIELD_IDS, FIELD_MASK})
+    requests = frozenset({"image", FEATURE})
+    uses_logit_bias = True
+
+    def __init__(self, options: FlairOptions | None = None) -> None:
+        super().__init__()
+        self.options = options or FlairOptions()
+        if self.options.max_sentences < self.options.min_sentences:
+            raise ValueError(f"objective.terms.flair: max_sentences ({self.options.max_sentences}) must be >= "
+                             f"min_sentences ({self.options.min_sentences})")
+        self.loss_fn = FLAIRLoss(add_mps=self.options.add_mps, distributed=self.options.distributed)
+        self.epoch = 0
+        self.calls = 0
+        self._scale: list[Tensor] = []  # the model's log scale, clamped after each step (not a parameter here)
+
+    # -- data ---------------------------------------------------------------------------------------
+    def sentences(self, example: dict[str, Any]) -> list[str]:
+        """The example's sentences, from ``caption_fields``, ``sentences`` or the split ``caption``.
+
+        Raises:
+            TypeError: a caption field holding a string instead of a list (naming the field).
+            ValueError: a missing field, or no sentence at all (naming the example).
+        """
+        from finetune.data.text import as_sentence_list
+
+        ident = example.get("id", "?")
+        fields = self.options.caption_fields
+        if fields:
+            sentences: list[str] = []
+            for name in fields:
+                if name not in example:
+                    raise ValueError(f"objective.terms.flair.caption_fields: example {ident!r} has no field {name!r} "
+                                     f"(fields: {sorted(k for k in example if k != 'image')}); for a stream, list it "
+                                     f"in data.train.options.fields")
+                sentences += as_sentence_list(example[name], field=name)
+        elif example.get("sentences") is not None:
+            sentences = as_sentence_list(example["sentences"], field="sentences")
+        else:
+            sentences = _split(str(example.get("caption") or ""), self.options.splitter)
+        if not sentences:
+            raise ValueError(f"objective.terms.flair: example {ident!r} has no sentence to sample sub-captions from")
+        return sentences
+
+    def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
+        """``{"flair_subcaptions": [K str]}``, drawn from a generator seeded by (seed, epoch, id)."""
+        from finetune.data.text import sample_subcaptions
+
+        o = self.options
+        key = f"{o.seed}/{self.epoch}/{example.get('id', '')}".encode()
+        rng = random.Random(zlib.crc32(key) ^ (o.seed << 32))
+        subs = sample_subcaptions(self.sentences(example), o.k, o.min_sentences, o.max_sentences, rng,
+                                  consecutive=o.consecutive)
+        return {FIELD_SUBCAPTIONS: subs}
+
+    def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
+        """Nothing is cached: sub-captions are drawn in :meth:`prepare` (also for streamed examples)."""
+        return {}
+
+    def collate(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Any]:
+        """The ``B*K`` sub-captions, image-major, tokenised to the model's text length (77)."""
+        texts = [s for e in examples for s in e[FIELD_SUBCAPTIONS]]
+        tok = model.tokenize(texts)
+        return {FIELD_IDS: tok.input_ids, FIELD_MASK: tok.attention_mask}
+
+    def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
+        return {"image": ImageRequest(batch["image_inputs"], states=True)}
+
+    def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
+        return {FEATURE: TextRequest(batch[FIELD_IDS], batch[FIELD_MASK])}
+
+    # -- loss ---------------------------------------------------------------------------------------
+    def _text_indices(self, batch_size: int, device: torch.device) -> Tensor:
+        """L_tcs's draw, seeded by (seed, call), the same on every process: ``(W*B, K+W*B-1)`` for
+        ``global``, this process's ``(B, K+B-1)`` (also seeded by its rank) for ``ring``."""
+        rank, world = world_info()
+        generator = torch.Generator(device="cpu")
+        if self.options.distributed == "global":
+            generator.manual_seed(self.options.seed * 1_000_003 + self.calls)
+            idx = sample_flair_text_indices(world * batch_size, self.options.k, generator=generator)
+        else:
+            generator.manual_seed((self.options.seed * 1_000_003 + self.calls) * 4099 + rank)
+            idx = sample_flair_text_indices(batch_size, self.options.k, generator=generator)
+        return idx.to(device)
+
+    def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
+        if not callable(getattr(model, "local_tokens", None)) or getattr(model, "logit_bias", None) is None:
+            raise ValueError(f"objective.terms.flair needs a FLAIR model (model.family: flair, e.g. tiny-flair or "
+                             f"flair-vit-b-16); {getattr(model, 'name_or_path', '?')!r} is a "
+                             f"{getattr(model, 'backend', '?')!r} model without the attention pool")
+        if not self._scale or self._scale[0] is not model.logit_scale:
+            self._scale = [model.logit_scale]
+        glob = feats["image"]
+        b, k = glob.shape[0], self.options.k
+        text = feats[FEATURE]
+        if text.shape[0] != b * k:
+            raise ValueError(f"objective.terms.flair: {text.shape[0]} sub-captions for {b} images, expected K={k} each")
+        local = model.local_tokens(feats["image_states"])
+        s = scale_of(model.logit_scale, detach_params)
+        bias = model.logit_bias.detach() if detach_params else model.logit_bias
+        indices = self._text_indices(b, glob.device)
+        self.calls += 1
+        out = self.loss_fn(text.view(b, k, -1), local, glob, model.pool, s, bias, text_indices=indices)
+        values = {"flair": out["loss"], "tcs": out["tcs"].detach()}
+        if "mps" in out:
+            values["mps"] = out["mps"].detach()
+        return values
+
+    def after_optimizer_step(self) -> None:
+        """Clamp the model's log logit scale to ``[0, ln 100]`` (public ``train.py``)."""
+        if self._scale:
+            with torch.no_grad():
+                self._scale[0].clamp_(*LOG_SCALE_RANGE)
+
+    def set_epoch(self, epoch: int) -> None:
+        """New sub-captions every epoch."""
+        self.epoch = int(epoch)
+
+    def summary(self) -> dict[str, Any]:
+        o = self.options
+        return {"k": o.k, "sentences": [o.min_sentences, o.max_sentences], "consecutive": o.consecutive,
+                "caption_fields": o.caption_fields, "splitter": o.splitter, "add_mps": o.add_mps,
+                "distributed": o.distributed, "log_scale_range": list(LOG_SCALE_RANGE)}
+
+
+@register_term("flair", FlairOptions)
+def build_flair(options: FlairOptions) -> tuple[FlairTerm, dict[str, float]]:
+    """``flair``: :class:`FlairTerm`; ``flair/tcs`` and ``flair/mps`` are logged with weight 0 (the loss is
+    ``flair``, their mean)."""
+    return FlairTerm(options), {"flair": 1.0, "tcs": 0.0, "mps": 0.0}

@@ -1,0 +1,120 @@
+"""F-CAST's two-level sigmoid losses (F-CAST, section 3.3, eqs. 6-8).
+
+- Part level (eqs. 6-7): FLAIR's text-conditioned attention pool over the 64 stage-2 segment tokens
+  ``v_fine`` of image i, queried by sub-caption k of caption j, compared with that sub-caption;
+  ``y = +1`` for the image's own K sub-captions (the first N of them its long caption's chunks),
+  -1 otherwise. This is FLAIR's L_tcs (:func:`losses.flair.flair_loss` with ``add_mps=False``) on
+  ``v_fine`` in place of the patch tokens, with the part level's own scale and bias: each image
+  sees its K sub-captions and one random sub-caption of every other image (FLAIR 3.3's
+  ``B x (K + B - 1)`` pairs), summed over images, averaged over each image's texts.
+- Whole level (eq. 8): a SigLIP loss between ``v_coarse`` (the final [CLS] token) and ``t_long`` (the
+  stage-2 [CLS] of the caption), with its own scale and bias: ``-sum_ij log sigmoid(y_ij (s cos + b)) / B``
+  (a sum over images of the mean over the B captions, FLAIR's normalisation of its sigmoid terms).
+- ``L = L_part + L_whole``.
+
+Both temperatures and biases are initialised as the paper says ("0.07 and -10 following SigLIP"), read
+as FLAIR's code reads 0.07: the scale is ``1 / 0.07`` (log scale ``log(1/0.07) = 2.659``), not SigLIP's
+``log 10``; the bias is -10.
+
+Distributed as FLAIR's loss: ``distributed="global"`` all-gathers the sub-captions (part) and the long
+captions (whole) with autograd; the mean of the per-process losses equals one process on the
+concatenated batch.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .contrastive import siglip_loss
+from .flair import Distributed, TextConditionedAttentionPool, flair_loss
+
+
+def fcast_part_loss(
+    sub_embeds: Tensor,
+    fine: Tensor,
+    pool: TextConditionedAttentionPool,
+    logit_scale: Tensor | float,
+    logit_bias: Tensor | float,
+    *,
+    fine_mask: Tensor | None = None,
+    text_indices: Tensor | None = None,
+    distributed: Distributed = "global",
+    gather: bool | None = None,
+) -> Tensor:
+    """Part-level text-grounded sigmoid loss (F-CAST eqs. 6-7).
+
+    ``L_part = sum_i mean_c -log sigmoid(y_ic (s <n(AttnPool(t_c, v_fine_i)), n(t_c)> + b))`` over the
+    ``K + B - 1`` sub-captions ``c`` of image i (its own K, one of every other image).
+
+    Args:
+        sub_embeds: ``(B, K, D)`` raw stage-1 sub-caption embeddings ``t_sub`` (the first N the chunks).
+        fine: ``(B, M, D)`` raw projected stage-2 segment tokens ``v_fine`` (M = 64).
+        pool: the attention pool (FLAIR's :class:`TextConditionedAttentionPool`).
+        logit_scale: ``tau_part`` as a multiplier (already exponentiated).
+        logit_bias: ``b_part``.
+        fine_mask: ``(B, M)`` bool, True for real segment tokens; None: all real.
+        text_indices: the draw of each image's texts (:func:`losses.flair.sample_flair_text_indices`);
+            None draws one.
+        distributed: ``"global"`` (the paper's global batch) or ``"ring"`` (FLAIR's public code).
+        gather: None works across processes when a process group of size > 1 is initialised.
+    Returns:
+        Scalar loss.
+    """
+    if fine.dim() != 3:
+        raise ValueError(f"fcast_part_loss: fine must be (B, M, D) segment tokens, got {tuple(fine.shape)}")
+    # flair_loss takes a global image for its L_mps; with add_mps=False it is not read
+    return flair_loss(sub_embeds, fine, fine[:, 0], pool, logit_scale, logit_bias, add_mps=False,
+                      text_indices=text_indices, distributed=distributed, gather=gather, local_mask=fine_mask)
+
+
+def fcast_whole_loss(
+    coarse: Tensor,
+    long_embeds: Tensor,
+    logit_scale: Tensor | float,
+    logit_bias: Tensor | float,
+    *,
+    gather: bool | None = None,
+) -> Tensor:
+    """Whole-level sigmoid loss (F-CAST eq. 8): ``-sum_ij log sigmoid(y_ij (s cos(v_coarse_i, t_long_j) + b))
+    / B`` with ``y_ij = +1`` iff ``i == j``.
+
+    Args:
+        coarse: ``(B, D)`` raw ``v_coarse``.
+        long_embeds: ``(B, D)`` raw ``t_long``.
+        logit_scale: ``tau_whole`` as a multiplier; logit_bias: ``b_whole``.
+        gather: as :func:`losses.siglip_loss` (local images against all processes' captions).
+    Returns:
+        Scalar loss.
+    """
+    return siglip_loss(coarse, long_embeds, logit_scale, logit_bias, gather=gather)
+
+
+def fcast_loss(
+    sub_embeds: Tensor,
+    fine: Tensor,
+    coarse: Tensor,
+    long_embeds: Tensor,
+    pool: TextConditionedAttentionPool,
+    part_scale: Tensor | float,
+    part_bias: Tensor | float,
+    whole_scale: Tensor | float,
+    whole_bias: Tensor | float,
+    *,
+    fine_mask: Tensor | None = None,
+    text_indices: Tensor | None = None,
+    distributed: Distributed = "global",
+    gather: bool | None = None,
+) -> dict[str, Tensor]:
+    """``L = L_part + L_whole`` (F-CAST 3.3, "Optimization").
+
+    Args: as :func:`fcast_part_loss` and :func:`fcast_whole_loss`; each level has its own scale and bias.
+    Returns:
+        ``{"part": L_part, "whole": L_whole, "loss": L_part + L_whole}``.
+    """
+    part = fcast_part_loss(sub_embeds, fine, pool, part_scale, part_bias, fine_mask=fine_mask,
+                           text_indices=text_indices, distributed=distributed, gather=gather)
+    whole = fcast_whole_loss(coarse, long_embeds, whole_scale, whole_bias, gather=gather)
+    return {"part": part, "whole": whole, "loss": part + whole}
+
+
+__all__ = ["fcast_part_loss", "fcast_whole_loss", "fcast_loss"]

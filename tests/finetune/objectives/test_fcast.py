@@ -1,0 +1,131 @@
+"""The fcast objective term (finetune/objectives/fcast.py): batch construction, features, loss, clamps, report."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from finetune import load_model
+from finetune.data.synthetic import synthetic_scenes
+from finetune.data.text import split_sentences
+from finetune.objectives.base import Objective
+from finetune.objectives.fcast import FCastOptions, FCastTerm
+from finetune.objectives.registry import build_term
+from losses import fcast_loss
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return load_model("fcast-tiny", family="fcast")
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    return synthetic_scenes(4, image_size=64)
+
+
+def _term(**options) -> FCastTerm:
+    term, weights = build_term("fcast", FCastOptions(**options))
+    assert weights == 1.0
+    return term
+
+
+def test_subcaptions_first_n_are_random_chunks_of_the_caption():
+    term = _term(k=8)
+    caption = " ".join(f"Sentence number {i} is here." for i in range(9))
+    sentences = split_sentences(caption)
+    subs = term.subcaptions(caption, "id-1")
+    assert len(subs) == 8
+    joined = " ".join(subs[:4])
+    assert joined == " ".join(sentences[: len(split_sentences(joined))])  # consecutive from the start
+    assert all(1 <= len(split_sentences(s)) <= 3 for s in subs)
+    assert all(s in caption for s in subs[4:]) or all(
+        set(split_sentences(s)) <= set(sentences) for s in subs[4:])
+    assert term.subcaptions(caption, "id-1") == subs  # reproducible per (seed, epoch, id)
+    term.set_epoch(1)
+    assert any(term.subcaptions(caption, "id-1") != subs for _ in range(1))
+
+
+def test_caption_fields_chunk_a_long_field_and_sample_all(model):
+    term = _term(caption_fields=["short", "long"], long_fields=["long"], k=6)
+    example = {"id": "x", "caption": "ignored.", "short": "A dog.",
+               "long": ["One.", "Two.", "Three.", "Four.", "Five."]}
+    subs = term.prepare(example)["fcast_subcaptions"]
+    assert " ".join(subs[:4]).split() == ["One.", "Two.", "Three.", "Four.", "Five."]
+    with pytest.raises(ValueError, match="no field 'long'"):
+        term.prepare({"id": "y", "caption": "c.", "short": "s."})
+    with pytest.raises(ValueError, match="long_fields"):
+        _term(caption_fields=["a"], long_fields=["b"])
+
+
+def test_collate_features_and_loss(model, scenes):
+    term = _term()
+    objective = Objective(None, [(term, 1.0)])
+    prepared = [objective.prepare(dict(e)) for e in scenes]
+    batch = objective.collate(prepared, model)
+    assert batch["fcast_sub_ids"].shape == (4, 8, 77)
+    batch.update(image_inputs=model.preprocess_images([e["image"] for e in scenes]),
+                 input_ids=model.tokenize([e["caption"] for e in scenes]).input_ids)
+    feats = objective.encode(model, batch)
+    assert feats["fcast_fine"].shape == (4, 16, 64) and feats["fcast_sub"].shape == (4, 8, 64)
+    ids, mask = batch["fcast_sub_ids"][:, :4], batch["fcast_sub_mask"][:, :4]
+    sub = model.encode_subcaptions(ids.reshape(16, 77), mask.reshape(16, 77)).reshape(4, 4, -1)
+    torch.testing.assert_close(feats["fcast_long"], model.encode_long(sub))  # t_long from the first N only
+    torch.manual_seed(5)
+    out = objective.loss(model, feats)
+    torch.manual_seed(5)
+    heads = model.model
+    ref = fcast_loss(feats["fcast_sub"], feats["fcast_fine"], feats["fcast_coarse"], feats["fcast_long"],
+                     heads.part_pool, heads.part_logit_scale.exp(), heads.part_logit_bias, heads.logit_scale.exp(),
+                     heads.logit_bias)
+    torch.testing.assert_close(out["fcast/part"], ref["part"])
+    torch.testing.assert_close(out["fcast/whole"], ref["whole"])
+    torch.testing.assert_close(out["loss"], ref["part"] + ref["whole"])
+    out["loss"].backward()
+    for p in (heads.part_logit_scale, heads.part_logit_bias, heads.logit_scale, heads.logit_bias,
+              heads.part_pool.attn.in_proj_weight, heads.caption.adapter.fc[0].weight, heads.visual.stem.proj[0].weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    model.zero_grad()
+
+
+def test_clamp_after_step_and_wrong_model(model, tmp_path):
+    term = _term()
+    term.preprocess([], model, cache_dir=str(tmp_path))
+    assert model.superpixel_cache_dir == str(tmp_path / "preprocess" / "superpixels")
+    with torch.no_grad():
+        model.model.part_logit_scale.fill_(7.0)
+        model.model.logit_scale.fill_(-1.0)
+    term.after_optimizer_step()
+    assert model.model.part_logit_scale.item() == pytest.approx(math.log(100))
+    assert model.model.logit_scale.item() == 0.0
+    with torch.no_grad():
+        model.model.part_logit_scale.fill_(math.log(1 / 0.07))
+        model.model.logit_scale.fill_(math.log(1 / 0.07))
+    model.superpixel_cache_dir = None
+    with pytest.raises(ValueError, match="model.family: fcast"):
+        term.preprocess([], load_model("tiny-clip"))
+
+
+def test_report_draws_the_hierarchy_and_attention(model, scenes, tmp_path):
+    term = _term(report_images=2)
+    term.preprocess([], model)
+    model.superpixel_cache_dir = None
+    sections = term.report_sections(tmp_path, scenes)
+    assert "plots/fcast_hierarchy.png" in sections[0] and "plots/fcast_attention.png" in sections[0]
+    for name in ("fcast_hierarchy.png", "fcast_attention.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_superpixel_overrides_are_applied_and_saved(tmp_path):
+    model = load_model("fcast-tiny", family="fcast")
+    term = _term(superpixels={"n_segments": 25, "compactness": 20.0})
+    term.preprocess([], model, cache_dir=str(tmp_path))
+    assert model.superpixels.n_segments == 25 and model.superpixels.method == "slic"
+    model.save_pretrained(str(tmp_path / "m"))
+    assert load_model(str(tmp_path / "m")).superpixels.compactness == 20.0
+    with pytest.raises(ValueError, match="objective.terms.fcast.superpixels"):
+        _term(superpixels={"method": "sfcn"})

@@ -1,0 +1,194 @@
+"""The ``flair`` objective term: sub-captions from the data pipeline, the loss wiring, the scale clamp, and
+training on streamed DreamLIP-style webdataset shards."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from finetune.data.collate import Collator
+from finetune.data.sources import load_source
+from finetune.models.registry import build_model
+from finetune.objectives import Objective, build_term
+from finetune.objectives.flair import FIELD_IDS, FIELD_MASK, FlairOptions, FlairTerm
+from losses import flair_loss
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny-flair", seed=0)
+
+
+def _term(**options) -> FlairTerm:
+    term, weights = build_term("flair", FlairOptions(**options))
+    assert weights == {"flair": 1.0, "tcs": 0.0, "mps": 0.0}
+    return term
+
+
+SCENE = {"id": "s0", "caption": "A red circle. A blue square. A green star. The scene is busy.",
+         "sentences": ["A red circle.", "A blue square.", "A green star.", "The scene is busy."]}
+
+
+def test_subcaptions_come_from_the_sentences_reproducibly():
+    term = _term(k=8)
+    first = term.prepare(SCENE)["flair_subcaptions"]
+    assert len(first) == 8 and first == term.prepare(dict(SCENE))["flair_subcaptions"]
+    for sub in first:  # 1-3 of the scene's sentences, in caption order
+        parts = [s for s in SCENE["sentences"] if s in sub]
+        assert 1 <= len(parts) <= 3 and " ".join(parts) == sub
+    term.set_epoch(1)
+    draws = [term.prepare({**SCENE, "id": f"s{i}"})["flair_subcaptions"] for i in range(5)]
+    assert any(d != first for d in draws)
+
+
+def test_caption_fields_are_concatenated_and_strings_are_refused_by_name():
+    term = _term(k=30, caption_fields=["raw_caption", "long_IB_captions"])
+    example = {"id": "x", "caption": "ignored", "raw_caption": ["A dog runs."],
+               "long_IB_captions": ["It is brown.", "The grass is green."]}
+    subs = term.prepare(example)["flair_subcaptions"]
+    assert {"A dog runs.", "It is brown.", "The grass is green."} <= set(subs)
+    assert "ignored" not in " ".join(subs)
+    with pytest.raises(TypeError, match="'long_IB_captions'"):
+        term.prepare({**example, "long_IB_captions": "It is brown. The grass is green."})
+    with pytest.raises(ValueError, match="no field 'long_IB_captions'.*options.fields"):
+        term.prepare({"id": "x", "raw_caption": ["A dog."]})
+
+
+def test_pixelprose_captions_are_split_on_the_fly():
+    caption = "A chart shows 3.5 percent. It is blue"
+    ours = _term(k=40, max_sentences=1).prepare({"id": "p", "caption": caption})["flair_subcaptions"]
+    assert set(ours) == {"A chart shows 3.5 percent.", "It is blue"}
+    public = _term(k=40, max_sentences=1, splitter="flair").prepare({"id": "p", "caption": caption})
+    assert set(public["flair_subcaptions"]) == {"A chart shows 3", "5 percent", "It is blue"}
+
+
+def _batch(model, term, n=4):
+    rows = load_source({"name": "synthetic", "size": n, "options": {"image_size": 32}}).dataset
+    objective = Objective(None, [(term, {"flair": 1.0, "tcs": 0.0, "mps": 0.0})])
+    return objective, Collator(model, objective)([rows[i] for i in range(n)])
+
+
+def test_loss_is_flair_loss_on_the_class_token_patch_tokens_and_subcaptions(model):
+    term = _term(k=3)
+    objective, batch = _batch(model, term)
+    assert batch[FIELD_IDS].shape[0] == 12 and batch[FIELD_IDS].shape[1] <= 77
+    feats = objective.encode(model, batch)
+    indices = term._text_indices(4, torch.device("cpu"))
+    out = objective.loss(model, feats)
+    assert set(out) == {"flair", "flair/tcs", "flair/mps", "loss"}
+    torch.testing.assert_close(out["loss"], out["flair"])
+    # by hand: the model's own outputs, texts image-major
+    glob, local = model.encode_local(batch["image_inputs"]["pixel_values"])
+    texts = model.encode_text(batch[FIELD_IDS], batch[FIELD_MASK]).embeds.view(4, 3, -1)
+    expected = flair_loss(texts, local, glob, model.pool, model.logit_scale.exp(), model.logit_bias,
+                          text_indices=indices)
+    torch.testing.assert_close(out["flair"], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["flair"], (out["flair/tcs"] + out["flair/mps"]) / 2, rtol=1e-5, atol=1e-5)
+    model.zero_grad()
+    out["loss"].backward()
+    assert model.pool.attn.in_proj_weight.grad.abs().sum() > 0 and model.logit_bias.grad is not None
+    model.zero_grad()
+
+
+def test_scale_is_clamped_to_0_and_ln100_after_a_step(model):
+    term = _term(k=2)
+    objective, batch = _batch(model, term, n=2)
+    objective.loss(model, objective.encode(model, batch))
+    with torch.no_grad():
+        model.logit_scale.fill_(5.0)
+    term.after_optimizer_step()
+    assert model.logit_scale.item() == pytest.approx(math.log(100))
+    with torch.no_grad():
+        model.logit_scale.fill_(-1.0)
+    term.after_optimizer_step()
+    assert model.logit_scale.item() == 0.0
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(1 / 0.07))
+    assert "logit_scale" not in dict(term.named_parameters())
+
+
+def test_a_model_without_the_pool_is_refused():
+    clip = build_model("tiny-openclip")
+    term = _term(k=2)
+    objective, batch = _batch(clip, term, n=2)
+    feats = objective.encode(clip, batch)
+    with pytest.raises(ValueError, match="needs a FLAIR model"):
+        objective.loss(clip, feats)
+
+
+DREAMLIP_FIELDS = ("raw_caption", "shortIB_captions", "longIB_captions", "shortSV_captions", "longSV_captions",
+                   "shortLLA_captions", "longLLA_captions")
+
+
+def write_dreamlip_shards(folder, *, shards: int = 2, per_shard: int = 6, string_field: bool = False,
+                          fields: tuple[str, ...] = ("raw_caption", "long_IB_captions")) -> str:
+    """Webdataset shards as DreamLIP's re-captioned CC3M after pre-splitting: KEY.jpg + KEY.json with sentence
+    lists per caption field (the last field a string with ``string_field``). Returns the brace pattern of
+    their urls."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    colours = ["red", "green", "blue", "yellow", "white", "black"]
+    for s in range(shards):
+        with tarfile.open(folder / f"{s:05d}.tar", "w") as tar:
+            for j in range(per_shard):
+                key = f"{s:05d}{j:04d}"
+                colour = colours[(s * per_shard + j) % len(colours)]
+                buf = io.BytesIO()
+                Image.new("RGB", (40, 40), colour).save(buf, format="JPEG")
+                long_ib = f"The {colour} square fills the picture. Nothing else is there."
+                meta = {name: [f"A {colour} picture, {name}."] for name in fields[:-1]}
+                meta[fields[-1]] = long_ib if string_field else long_ib.replace(". ", ".|").split("|")
+                for name, data in ((f"{key}.jpg", buf.getvalue()), (f"{key}.json", json.dumps(meta).encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return str(folder / ("{00000..%05d}.tar" % (shards - 1)))
+
+
+def _stream_recipe(urls, out):
+    from finetune.config import load_recipe
+
+    return load_recipe("recipes/flair_cc3m_recap.yaml", [
+        "model.name_or_path=tiny-flair", "model.dtype=null",
+        "data.train=" + json.dumps({"name": "webdataset", "urls": urls, "caption_column": "json.raw_caption",
+                                    "options": {"fields": ["json.raw_caption", "json.long_IB_captions"]},
+                                    "shuffle_buffer": 0}),
+        "data.num_workers=0", "objective.terms.flair.caption_fields=[raw_caption, long_IB_captions]",
+        "objective.terms.flair.k=3", "eval.sets=[]", "eval.rerank_top_k=null", "train.max_steps=2",
+        "train.batch_size=4", "train.warmup_steps=1", "train.mixed_precision=no", "train.checkpoint_every=0",
+        "train.trackers=[]", f"output.dir={out}"])
+
+
+@pytest.mark.slow
+def test_streaming_recipe_trains_on_local_webdataset_shards(tmp_path):
+    from tests.recipes.test_recipes import _reset_accelerate
+
+    from finetune.run import run
+
+    urls = write_dreamlip_shards(tmp_path / "shards")
+    recipe = _stream_recipe(urls, tmp_path / "run")
+    _reset_accelerate()
+    assert run(recipe) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and math.isfinite(metrics["final_losses"]["flair"])
+    assert {"flair/tcs", "flair/mps"} <= set(metrics["final_losses"])
+    assert (tmp_path / "run" / "final" / "flair_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_string_caption_field_in_the_shards_stops_the_run_naming_it(tmp_path):
+    from tests.recipes.test_recipes import _reset_accelerate
+
+    from finetune.run import run
+
+    urls = write_dreamlip_shards(tmp_path / "shards", string_field=True)
+    _reset_accelerate()
+    with pytest.raises(TypeError, match="long_IB_captions"):
+        run(_stream_recipe(urls, tmp_path / "run"))

@@ -1,0 +1,148 @@
+"""The ``grm`` objective term: GRM's loss on the model's projected token states, the head as an inference
+module (saved, restored), positives of multi-caption data, LAPS's warm-up switch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune import load_finetuned, load_model
+from finetune.config import ObjectiveConfig
+from finetune.data.collate import Collator
+from finetune.data.sources import load_source
+from finetune.models.adapters import apply_adapter, save_finetuned
+from finetune.objectives import build_objective
+from finetune.objectives.grm import HEAD_KEY, GRMOptions, GRMTerm, image_key, install_head
+from losses import GRMHead, grm_loss
+from tests.finetune.data.fixtures import write_flickr30k_fixture
+
+
+def _objective(base: str = "none", **options):
+    return build_objective(ObjectiveConfig(base=base, terms={"grm": options}))
+
+
+def _scenes(n: int = 8):
+    return load_source({"name": "synthetic", "size": n, "seed": 0, "options": {"image_size": 32}}).dataset
+
+
+def _batch(model, objective, rows):
+    return Collator(model, objective)([rows[i] for i in range(len(rows))])
+
+
+def test_term_installs_the_head_and_computes_grm_loss_on_projected_states() -> None:
+    model = load_model("tiny-clip")
+    objective = _objective()
+    rows = objective.preprocess(_scenes(), model)
+    head = model.inference_modules[HEAD_KEY]
+    assert isinstance(head, GRMHead) and head.dim == 32 and head.num_regions == 5
+    model.eval()  # deterministic gates and regions: the same values twice
+    batch = _batch(model, objective, [rows[i] for i in range(4)])
+    feats = objective.encode(model, batch)
+    out = objective.loss(model, feats)
+
+    img = model.encode_image(**batch["image_inputs"], states=True)
+    txt = model.encode_text(batch["input_ids"], batch["attention_mask"], states=True)
+    vm = model.model.vision_model
+    tokens = model.model.visual_projection(vm.post_layernorm(img.states))  # CLIP's own norm and projection
+    text_tokens = model.model.text_projection(model.model.text_model.final_layer_norm(txt.states))
+    want = grm_loss(head.encode_image(tokens), head.encode_text(text_tokens, batch["attention_mask"]))
+    for key in ("ori", "key", "unc", "con", "recon", "kl", "ent", "reg"):
+        torch.testing.assert_close(out[f"grm/{key}"], want[key])
+    torch.testing.assert_close(out["loss"], want["con"] + want["recon"] + want["reg"])
+    assert "clip" not in out
+
+
+def test_gradients_reach_both_adapters_the_prompts_and_the_towers_and_clip_sits_beside() -> None:
+    model = load_model("tiny-clip")
+    objective = _objective(base="clip", reg_weight=0.5)
+    rows = objective.preprocess(_scenes(), model)
+    model.train()
+    out = objective.loss(model, objective.encode(model, _batch(model, objective, [rows[i] for i in range(4)])))
+    assert {"clip", "grm/con", "grm/recon", "grm/reg"} <= set(out)
+    torch.testing.assert_close(out["loss"], out["clip"] + out["grm/con"] + out["grm/recon"] + 0.5 * out["grm/reg"])
+    out["loss"].backward()
+    head = model.inference_modules[HEAD_KEY]
+    for p in (head.vision_adapter.fc1.weight, head.text_adapter.fc1.weight, head.prompts, head.phi.weight,
+              model.model.visual_projection.weight, model.model.text_projection.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_captions_of_one_image_are_positives_not_negatives(tmp_path: Path) -> None:
+    folder = write_flickr30k_fixture(tmp_path / "f30k", n_train=3, n_val=0, n_test=0)
+    rows = load_source({"name": "flickr30k", "split": "train", "path": str(folder)}).dataset
+    model = load_model("tiny-clip")
+    objective = _objective(margin=0.5)
+    expanded = objective.preprocess(rows, model)
+    assert len(expanded) == 15 and objective.all_terms[0].expanded == (3, 15)
+    assert [expanded[i]["caption"] for i in range(5)] == rows[0]["captions"]
+    assert {expanded[i]["grm_image"] for i in range(5)} == {rows[0]["id"]}
+    # two captions of image 0 and two of image 1 in one batch
+    batch = _batch(model, objective, [expanded[0], expanded[1], expanded[5], expanded[6]])
+    keys = batch["grm_image_key"]
+    assert keys[0] == keys[1] == image_key(rows[0]["id"]) and keys[2] == keys[3] != keys[0]
+    model.eval()
+    out = objective.loss(model, objective.encode(model, batch))
+    head = model.inference_modules[HEAD_KEY]
+    feats = objective.encode(model, batch)
+    image = head.encode_image(model.project_image_states(feats["image_states"]))
+    text = head.encode_text(model.project_text_states(feats["text_states"]), feats["text_mask"])
+    same = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    torch.testing.assert_close(out["grm/ori"], grm_loss(image, text, margin=0.5, positives=same)["ori"])
+    diagonal = grm_loss(image, text, margin=0.5)["ori"]
+    assert not torch.allclose(out["grm/ori"], diagonal)
+
+
+def test_warmup_sum_epochs_sums_over_negatives_first() -> None:
+    term = GRMTerm(GRMOptions(warmup_sum_epochs=1))
+    term.set_epoch(0)
+    assert term.max_violation is False
+    term.set_epoch(1)
+    assert term.max_violation is True
+    assert GRMTerm(GRMOptions()).max_violation is True
+    model = load_model("tiny-clip")
+    objective = _objective(warmup_sum_epochs=2)
+    rows = objective.preprocess(_scenes(), model)
+    model.eval()
+    feats = objective.encode(model, _batch(model, objective, [rows[i] for i in range(6)]))
+    term = objective.all_terms[0]
+    summed = objective.loss(model, feats)["grm/ori"]
+    term.set_epoch(2)
+    hardest = objective.loss(model, feats)["grm/ori"]
+    assert summed > hardest > 0
+
+
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_head_is_saved_with_the_model_and_restored(tmp_path: Path, adapter: str) -> None:
+    base = tmp_path / "base"
+    load_model("tiny-clip").save_pretrained(str(base))
+    model = apply_adapter(load_model(str(base)), {"type": adapter, "r": 2, "alpha": 4})
+    objective = _objective(num_regions=3)
+    objective.preprocess(_scenes(4), model)
+    head = model.inference_modules[HEAD_KEY]
+    assert head.prompts.requires_grad and head.num_regions == 3
+    with torch.no_grad():
+        head.prompts.add_(1.0)
+    folder = save_finetuned(model, tmp_path / "final")
+    assert (folder / "xlipkit_inference.json").is_file()
+    loaded = load_finetuned(folder)
+    restored = loaded.inference_modules[HEAD_KEY]
+    assert isinstance(restored, GRMHead) and restored.num_regions == 3
+    for (name, a), (_, b) in zip(head.state_dict().items(), restored.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    # a second run on the saved model keeps its head; a head of another K is refused
+    assert install_head(loaded, GRMOptions(num_regions=3)) is restored
+    with pytest.raises(ValueError, match="set num_regions to the head's K"):
+        install_head(loaded, GRMOptions(num_regions=5))
+
+
+def test_streams_and_models_without_a_head_get_clear_errors() -> None:
+    term = GRMTerm()
+    with pytest.raises(ValueError, match="cannot train on a stream"):
+        term.check_stream()
+    model = load_model("tiny-clip")
+    objective = _objective()
+    batch = _batch(model, objective, [_scenes(2)[i] for i in range(2)])
+    with pytest.raises(RuntimeError, match="has no GRM head"):
+        objective.loss(model, objective.encode(model, batch))
