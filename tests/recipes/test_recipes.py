@@ -71,6 +71,7 @@ def fixtures(tmp_path_factory):
         "flickr30k": write_flickr30k_fixture(root / "flickr30k", n_train=4, n_val=1, n_test=5),
         "coco": write_coco_fixture(root / "coco", 0, karpathy=(4, 1, 10)),
         "towers": _tiny_towers(root / "towers"),
+        **_detector_fixtures(root),
     }
 
 
@@ -78,6 +79,22 @@ def _tiny_towers(folder):
     from finetune.models.vision_text import save_tiny_towers
 
     return save_tiny_towers(folder)
+
+
+def _detector_fixtures(root: Path) -> dict:
+    """Tiny random-weight detectors saved like real checkpoints: YOLOS (FAST-GOAL's FLISM), an ultralytics YOLO
+    and a FastSAM-style segmenter (StructXLIP's regions)."""
+    import torch
+    from ultralytics import YOLO
+
+    from finetune.preprocess.regions import preserve_thread_settings
+    from tests.finetune.preprocess.tiny_detectors import save_tiny_yolo, save_tiny_yolos
+
+    torch.manual_seed(0)
+    with preserve_thread_settings():
+        YOLO("yolov8n-seg.yaml").save(str(root / "fastsam-random.pt"))
+    return {"yolos": save_tiny_yolos(root / "yolos"), "yolo": save_tiny_yolo(root / "yolo.pt"),
+            "fastsam": root / "fastsam-random.pt"}
 
 
 def _fixture_set(entry, fixtures) -> dict:
@@ -96,9 +113,9 @@ def _fixture_set(entry, fixtures) -> dict:
     return spec
 
 
-def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
+def tiny_overrides(path: Path, fixtures: dict, out_dir: Path, *, detector: str = "yolos") -> list[str]:
     """Overrides that keep a recipe's method, objective and adapter but swap in a tiny saved model, fixture
-    data and a few steps."""
+    data and a few steps (and FAST-GOAL's detector: the tiny YOLOS, or the tiny ultralytics YOLO)."""
     raw = yaml.safe_load(path.read_text())
     model_name = str(raw.get("model", {}).get("name_or_path", ""))
     tiny = fixtures["tiny-siglip"] if "siglip" in model_name.lower() else fixtures["tiny-clip"]
@@ -115,7 +132,16 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
     if train["name"] == "synthetic":
         train["size"] = 16
     sets = [_fixture_set(s, fixtures) for s in raw.get("eval", {}).get("sets", [])]
-    return [
+    terms = (raw.get("objective") or {}).get("terms") or {}
+    extra = []
+    regions = (terms.get("fastgoal") or {}).get("regions") or {}
+    if "fastgoal" in terms and regions.get("method", "detector") == "detector":
+        extra += [f"objective.terms.fastgoal.regions.detector={fixtures[detector]}",
+                  "objective.terms.fastgoal.regions.threshold=0.0", "objective.terms.fastgoal.regions.imgsz=64"]
+    if "structxlip" in terms and "fastgoal" in terms:
+        extra += [f"objective.terms.structxlip.regions.checkpoint={fixtures['fastsam']}",
+                  "objective.terms.structxlip.regions.imgsz=64"]
+    return extra + [
         *model,
         "model.dtype=null",
         f"data.train={json.dumps(train)}",
@@ -123,7 +149,7 @@ def tiny_overrides(path: Path, fixtures: dict, out_dir: Path) -> list[str]:
         "eval.batch_size=8",
         "data.num_workers=0",
         "train.max_steps=2",
-        "train.batch_size=4",
+        f"train.batch_size={2 if train['name'] == 'dci' else 4}",  # the DCI fixture has 3 training images
         "train.accumulation_steps=1",
         "train.mixed_precision=no",
         "train.checkpoint_every=0",
@@ -157,13 +183,16 @@ def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
 
     out = tmp_path / "run"
     recipe = load_recipe(path, tiny_overrides(path, fixtures, out))
-    if recipe.objective.terms.get("structxlip") is not None:
+    terms = recipe.objective.terms
+    if terms.get("structxlip") is not None and terms.get("fastgoal") is None:
         pytest.skip("StructXLIP recipes run end to end in tests/finetune/objectives/test_structxlip.py")
     _reset_accelerate()
     assert run(recipe) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 2
     assert metrics["final_losses"] and all(math.isfinite(v) for v in metrics["final_losses"].values())
+    if terms.get("fastgoal") is not None:
+        assert {"fastgoal/local", "fastgoal/tsl"} <= set(metrics["final_losses"])
     assert len(metrics["after"]) == len(recipe.eval.sets)
     if recipe.eval.compare_base_length:
         assert set(metrics["after_at_base_length"]) == set(metrics["after"])
@@ -176,6 +205,22 @@ def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
     if "grm" in recipe.objective.terms:  # the GRM head is saved with the model; rSum is reported
         assert (out / "final" / "xlipkit_inference.json").is_file()
         assert all(r["rsum"] >= 0 for r in metrics["after"].values())
+
+
+@pytest.mark.slow
+def test_fastgoal_recipe_with_an_ultralytics_yolo_detector(fixtures, tmp_path):
+    """FAST-GOAL's FLISM with `regions.detector: <a .pt file>` (the ultralytics path) runs a recipe end to end."""
+    from finetune.run import run
+
+    path = ROOT / "recipes" / "fastgoal_docci.yaml"
+    out = tmp_path / "run"
+    recipe = load_recipe(path, tiny_overrides(path, fixtures, out, detector="yolo"))
+    assert str(recipe.objective.terms["fastgoal"].regions.detector).endswith("yolo.pt")
+    _reset_accelerate()
+    assert run(recipe) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {"fastgoal/local", "fastgoal/tsl"} <= set(metrics["final_losses"])
+    assert metrics["terms"]["fastgoal"]["flism"]["images"] == 8
 
 
 @pytest.mark.slow

@@ -1,0 +1,495 @@
+"""The ``fastgoal`` objective term: FAST-GOAL's local contrastive loss and Token Similarity-based Learning.
+
+FAST-GOAL (Choi, Jang, Eom; paper III) trains on the global pair (image I_g, caption T_g) and one local pair
+(I_l, T_l) per image found by FLISM (:mod:`finetune.preprocess.flism`):
+
+    L_total = l_global L_global + l_local L_local + l_TSL L_TSL                            (eq. 11)
+
+- ``L_global`` (eq. 12) is the recipe's base term (``objective.base: clip``), weight 1;
+- ``local`` L_local (eq. 13): symmetric InfoNCE between the crop embeddings v_l^cls and the sentence embeddings
+  t_l^cls, with the model's logit scale (as the GOAL code), weight 0.5 (IV);
+- ``tsl`` L_TSL (eq. 14, :func:`losses.tsl.tsl_loss`): the global image's patch states inside the pair's box,
+  mean-pooled (eq. 9) and projected by psi_v (eq. 10), against v_l^cls, plus the caption's token states in the
+  sentence's span, mean-pooled (eq. 7) and projected by psi_t (eq. 8), against t_l^cls; n x n cosine matrices
+  against I (``tsl_form: matrix``, the paper) or the GOAL code's ``MSE(diag, 1)`` (``tsl_form: diagonal``);
+  weight 1 (IV). psi are the model's own final norm + projection (``heads: own``, as the GOAL code) or separate
+  heads initialised from them and saved with the model (``heads: new``, :class:`losses.tsl.TSLHeads`).
+
+Sentences that truncation to ``model.max_text_len`` cut have no span in the global caption: they leave the text
+half of TSL (their pair stays in L_local and in the image half) and are counted (:meth:`FastGoalTerm.summary`).
+
+The colour image and the caption are the base term's requests (``image``, ``text``) asked for again with states:
+the objective encodes each once, with states, also when ``structxlip`` sits on the same model. Crops and
+sentences are encoded beside them (``fastgoal_crop`` in the same image pass, ``fastgoal_sentence`` in the causal
+text buckets).
+
+With ``regions.pairs: 3`` (Table VIII) every image brings three pairs (padded by repeating its last one, the
+repeats marked invalid); ``regions.weighting: weighted`` scales each pair's rows of the TSL errors by its
+similarity share times the image's pair count (``uniform``: all 1); L_local treats every valid pair as one row.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from finetune.models.frozen import FrozenEncoders, model_fingerprint
+from losses import clip_loss
+
+from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
+from .registry import register_term
+
+__all__ = ["FastGoalOptions", "FastGoalTerm", "FastGoalWeights", "FlismOptions", "build_fastgoal"]
+
+logger = logging.getLogger("xlipkit")
+
+TERM_NAME = "fastgoal"
+#: columns of a pairs file written by ``python -m finetune.preprocess.flism`` (``regions.method: pairs``)
+PAIR_COLUMNS = ("box", "sentence_index")
+
+
+def _positive(value: Any) -> str | None:
+    return None if value is None or value > 0 else f"must be > 0, got {value!r}"
+
+
+def _non_negative(value: Any) -> str | None:
+    return None if value is None or value >= 0 else f"must be >= 0, got {value!r}"
+
+
+def _at_least_one(value: Any) -> str | None:
+    return None if value is None or value >= 1 else f"must be >= 1, got {value!r}"
+
+
+def _unit(value: Any) -> str | None:
+    return None if value is None or 0 <= value <= 1 else f"must be in [0, 1], got {value!r}"
+
+
+@dataclass
+class FastGoalWeights:
+    """lambda_local and lambda_TSL of eq. 11 (IV: 0.5 and 1; lambda_global is the base term's weight, 1)."""
+
+    local: float = field(default=0.5, metadata={"check": _non_negative})
+    tsl: float = field(default=1.0, metadata={"check": _non_negative})
+
+
+@dataclass
+class FlismOptions:
+    """FLISM (paper III-A): where the local pairs come from.
+
+    Attributes:
+        method: ``detector`` (FLISM: ``detector`` boxes + the default regions), ``sam`` (GOAL's LISM: SAM masks
+            covering ``min_area``-``max_area`` of the image), ``dataset`` (the data's ``objects[].box``, e.g. the
+            synthetic scenes; with ``links`` their ``sentence_index`` fixes the sentence) or ``pairs`` (the
+            ``box`` / ``sentence_index`` columns of a pairs file from ``python -m finetune.preprocess.flism``).
+        default: add the four quadrants and the centre box (III-A); false is Table VII's "YOLO only".
+        detector: a transformers YOLOS hub id or folder (the paper's ``hustvl/yolos-base``) or an ultralytics
+            ``.pt`` checkpoint (``yolov8x.pt``); null: the default regions only.
+        threshold: detection score threshold (null: 0.9 for YOLOS, as its model card; 0.25 for ultralytics).
+        classes: keep only these detector classes (names or ids); null: all.
+        max_boxes: most detector / SAM boxes per image, by score (null: all).
+        imgsz: ultralytics inference size.
+        sam_checkpoint, min_area, max_area, points_per_side: ``method: sam`` (GOAL: the pipeline's default SAM,
+            1-80 % of the image, 64 points per side).
+        links: ``method: dataset``: pair each object's box with its own sentence (false: match like detections).
+        pairs: pairs kept per image (paper: 1; Table VIII: 3).
+        weighting: ``uniform`` or ``weighted`` (similarity-proportional) weights of the pairs (Table VIII).
+        batch_size: images per matching batch; encode_batch_size: crops / sentences per encoder call.
+        device: where the detector runs (null: CUDA when available).
+    """
+
+    method: Literal["detector", "sam", "dataset", "pairs"] = "detector"
+    default: bool = True
+    detector: str | None = "hustvl/yolos-base"
+    threshold: float | None = field(default=None, metadata={"check": _unit})
+    classes: list[str | int] | None = None
+    max_boxes: int | None = field(default=None, metadata={"check": _at_least_one})
+    imgsz: int = field(default=640, metadata={"check": _at_least_one})
+    sam_checkpoint: str = "facebook/sam-vit-huge"
+    min_area: float = field(default=0.01, metadata={"check": _unit})
+    max_area: float = field(default=0.8, metadata={"check": _unit})
+    points_per_side: int = field(default=64, metadata={"check": _at_least_one})
+    links: bool = True
+    pairs: int = field(default=1, metadata={"check": _at_least_one})
+    weighting: Literal["uniform", "weighted"] = "uniform"
+    batch_size: int = field(default=16, metadata={"check": _at_least_one})
+    encode_batch_size: int = field(default=64, metadata={"check": _at_least_one})
+    device: str | None = None
+
+
+@dataclass
+class FastGoalOptions:
+    """``objective.terms.fastgoal`` of a recipe.
+
+    Attributes:
+        weights: lambda_local, lambda_TSL (:class:`FastGoalWeights`, IV: 0.5 / 1).
+        tsl_form: ``matrix`` (eq. 14: n x n cosine matrices against I) or ``diagonal`` (the GOAL code).
+        heads: psi_v / psi_t: ``own`` (the model's final norm + projection, as the GOAL code) or ``new``
+            (separate heads initialised from them, trained and saved with the model).
+        box_cover: which patches a box pools: ``overlap`` (every patch it touches) or ``centre`` (patches whose
+            centre lies inside, as StructXLIP's pooled regions).
+        regions: FLISM (:class:`FlismOptions`).
+    """
+
+    weights: FastGoalWeights = field(default_factory=FastGoalWeights)
+    tsl_form: Literal["matrix", "diagonal"] = "matrix"
+    heads: Literal["own", "new"] = "own"
+    box_cover: Literal["overlap", "centre"] = "overlap"
+    regions: FlismOptions = field(default_factory=FlismOptions)
+
+
+def _stack_inputs(parts: dict[str, Tensor], batch: int, k: int) -> dict[str, Tensor]:
+    """Processor outputs of ``batch * k`` crops -> ``(batch, k, ...)`` so that micro-batch splits slice them."""
+    return {name: t.reshape(batch, k, *t.shape[1:]) for name, t in parts.items()}
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+class FastGoalTerm(Term):
+    """FAST-GOAL's L_local (eq. 13) and L_TSL (eq. 14) as an objective term on any CLIP-like base.
+
+    ``loss`` returns the unweighted ``{"local": L_local, "tsl": L_TSL}``; :attr:`weights` (0.5 / 1) are applied
+    by the ``Objective``. The base term provides L_global.
+
+    Args:
+        options: :class:`FastGoalOptions` (a recipe's ``objective.terms.fastgoal``).
+
+    Raises:
+        FileNotFoundError: an ultralytics ``regions.detector`` file that does not exist.
+        ValueError: inconsistent region options.
+    """
+
+    name = TERM_NAME
+    needs = frozenset({"flism"})
+    produces = frozenset({"fg_caption", "fg_crops", "fg_sentences", "fg_sentence_index", "fg_boxes", "fg_size", "fg_valid",
+                          "fg_weight", "fastgoal"})
+    requests = frozenset({"image", "text", "fastgoal_crop", "fastgoal_sentence"})
+    features = frozenset({"fastgoal_box", "fastgoal_span", "fastgoal_pair_valid", "fastgoal_span_valid",
+                          "fastgoal_weight"})
+
+    def __init__(self, options: FastGoalOptions | None = None) -> None:
+        super().__init__()
+        self.options = opts = options or FastGoalOptions()
+        r = opts.regions
+        if r.min_area > r.max_area:
+            raise ValueError(f"objective.terms.fastgoal.regions: min_area ({r.min_area}) must not exceed max_area "
+                             f"({r.max_area})")
+        if r.method == "detector" and r.detector and str(r.detector).endswith(".pt") \
+                and not Path(r.detector).expanduser().is_file():
+            raise FileNotFoundError(
+                f"objective.terms.fastgoal.regions.detector: {r.detector!r} not found; download it from the "
+                "ultralytics assets (https://github.com/ultralytics/assets/releases), use a YOLOS model (the paper's "
+                "hustvl/yolos-base) or set it to null for the default regions only")
+        if r.method == "detector" and not r.detector and not r.default:
+            raise ValueError("objective.terms.fastgoal.regions: no detector and default: false leaves no candidate "
+                             "region; set regions.detector or regions.default: true")
+        self.weights: dict[str, float] = {"local": float(opts.weights.local), "tsl": float(opts.weights.tsl)}
+        self.k = int(r.pairs)
+        self.stats: dict[str, Any] = {}
+        self.truncated_sentences = 0
+        self.tsl_pairs = 0
+
+    # -- preprocessing (once per dataset, cached) ------------------------------------------------
+    def proposer(self) -> Any:
+        """The candidate generator of ``regions.method`` (:func:`finetune.preprocess.flism.build_proposer`)."""
+        from finetune.preprocess.flism import build_proposer
+
+        r = self.options.regions
+        return build_proposer(r.method, detector=r.detector, threshold=r.threshold, classes=r.classes,
+                              max_boxes=r.max_boxes, imgsz=r.imgsz, sam_checkpoint=r.sam_checkpoint,
+                              min_area=r.min_area, max_area=r.max_area, points_per_side=r.points_per_side,
+                              links=r.links, device=r.device)
+
+    def attach_heads(self, model: Any) -> None:
+        """``heads: new``: put :class:`losses.tsl.TSLHeads` into ``model.inference_modules`` (trained and saved
+        with the model); must run before the optimiser is built (``preprocess`` does)."""
+        if self.options.heads == "new":
+            from losses.tsl import attach_tsl_heads
+
+            attach_tsl_heads(model)
+
+    def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
+        """Add FLISM's pairs to ``dataset`` (paper III-A), computed once with the frozen model as loaded and cached
+        (``finetune.preprocess.cache``); fills :attr:`stats` (:func:`finetune.preprocess.flism.flism_stats`).
+
+        ``regions.method: pairs`` reads the pairs of a file written by ``python -m finetune.preprocess.flism``
+        (columns ``box`` and ``sentence_index``) instead.
+
+        Args:
+            dataset: a ``datasets.Dataset`` with ``image`` and ``caption`` columns.
+            model: the DualEncoder as loaded (before training).
+            cache_dir: the recipe's ``data.cache_dir`` (steps go to ``<cache_dir>/preprocess``).
+            log: a logger.
+        """
+        from finetune.preprocess.flism import FLISMMatcher, compute_flism, flism_stats
+
+        log = log or logger
+        self.attach_heads(model)
+        for column in ("image", "caption"):
+            if column not in dataset.column_names:
+                raise ValueError(f"fastgoal preprocessing needs a {column!r} column; the dataset has "
+                                 f"{dataset.column_names}")
+        r = self.options.regions
+        if r.method == "pairs":
+            missing = [c for c in PAIR_COLUMNS if c not in dataset.column_names]
+            if missing:
+                raise ValueError(f"objective.terms.fastgoal.regions.method: pairs reads the columns {PAIR_COLUMNS} of "
+                                 f"a pairs file (python -m finetune.preprocess.flism IMAGES OUT); data.train has no "
+                                 f"{missing}: point data.train at such a file or use regions.method: detector")
+            self.stats = {"flism": {"images": len(dataset), "source": "pairs file"}}
+            return dataset
+        if r.method == "detector" and not r.detector:
+            log.warning("fastgoal: regions.detector is null, so the candidates are the default regions only (4 "
+                        "quadrants + centre); set it to hustvl/yolos-base (the paper's) or an ultralytics .pt file")
+        root = Path(cache_dir) / "preprocess" if cache_dir else None
+        encoders = FrozenEncoders(model)
+        was_training = model.training
+        model.eval()
+        try:
+            matcher = FLISMMatcher(self.proposer(), encoders.images, encoders.texts, model_id=model_fingerprint(model),
+                                   default=r.default, pairs=r.pairs, weighting=r.weighting,
+                                   encode_batch_size=r.encode_batch_size)
+            columns = [c for c in ("image", "caption", "objects", "sentences") if c in dataset.column_names]
+            pairs = compute_flism(dataset.select_columns(columns), matcher, cache_dir=root, batch_size=r.batch_size)
+        finally:
+            model.train(was_training)
+        import datasets
+
+        from finetune.preprocess.flism import flism_features
+
+        names = list(flism_features())
+        self.stats = {"flism": flism_stats(pairs)}
+        s = self.stats["flism"]
+        log.info("fastgoal FLISM: %d images, %.2f candidates per image (%.0f%% found, %.0f%% default), kept boxes "
+                 "%.0f%% found; %d images without a pair; mean similarity %s", s["images"], s["candidates_per_image"],
+                 100 * s["found_share"], 100 * s["default_share"], 100 * s["kept_found_share"],
+                 s["images_without_pairs"], f"{s['mean_similarity']:.3f}" if s["mean_similarity"] is not None else "-")
+        base = dataset.remove_columns([c for c in dataset.column_names if c in names])
+        return datasets.concatenate_datasets([base, pairs.select_columns(names)], axis=1)
+
+    def check_stream(self) -> None:
+        """FLISM matches over the whole dataset with the frozen model before training: not on a stream."""
+        raise ValueError("objective.terms.fastgoal: FLISM matches sentences to regions with the frozen model before "
+                         "training, which a streamed data.train cannot do; write the pairs first (python -m "
+                         "finetune.preprocess.flism IMAGES OUT) and train on that file (data.train: {name: jsonl, "
+                         "path: OUT}, regions.method: pairs)")
+
+    # -- data workers ----------------------------------------------------------------------------
+    def _pairs_of(self, example: dict[str, Any]) -> tuple[list[list[float]], list[int], list[bool], list[float]]:
+        """Boxes, sentence indices, validity and TSL weights of the example's ``k`` pairs."""
+        k = self.k
+        if self.options.regions.method == "pairs":
+            box = [float(v) for v in example["box"]]
+            return [box] * k, [int(example["sentence_index"])] * k, [True] + [False] * (k - 1), [1.0] * k
+        if "flism_pair_box" not in example:
+            raise KeyError("the example has no FLISM pairs ('flism_pair_box'): run the objective's "
+                           "preprocess(dataset, model) before batching")
+        m = int(example["flism_num_pairs"])
+        if m == 0:
+            w, h = example["image"].size
+            return [[0.0, 0.0, float(w), float(h)]] * k, [0] * k, [False] * k, [0.0] * k
+        boxes = [list(map(float, b)) for b in example["flism_pair_box"][:k]]
+        sentences = [int(s) for s in example["flism_pair_sentence"][:k]]
+        # TSL weights: the pairs' weight shares times the image's pair count (uniform: all 1)
+        weights = [float(w) * m for w in example["flism_pair_weight"][:k]]
+        return boxes, sentences, [j < m for j in range(k)], weights
+
+    def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
+        """Per example: the ``k`` pairs' crops (of the original image), sentences, sentence indices, boxes, the
+        image size, which pairs are real and their TSL weights."""
+        from finetune.data.text import split_sentences
+        from finetune.preprocess.regions import crop_box
+
+        image = example["image"]
+        boxes, index, valid, weights = self._pairs_of(example)
+        sentences = split_sentences(example["caption"] or "")
+        texts = []
+        for b, i in enumerate(index):
+            if valid[b] and not 0 <= i < len(sentences):
+                raise ValueError(f"example {example.get('id', '?')!r}: its FLISM pair names sentence {i}, but the "
+                                 f"caption has {len(sentences)} sentences (split_sentences); the cached pairs do not "
+                                 "belong to this caption: clear the preprocessing cache")
+            texts.append(sentences[i] if 0 <= i < len(sentences) else "")
+        return {"fg_crops": [crop_box(image, b) for b in boxes], "fg_sentences": texts, "fg_sentence_index": index,
+                "fg_boxes": boxes, "fg_size": image.size, "fg_valid": valid, "fg_weight": weights,
+                "fg_caption": example["caption"]}
+
+    def collate(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Any]:
+        """Batch the prepared fields into ``batch["fastgoal"]`` (every tensor ``(B, k, ...)`` or ``(B, ...)``):
+
+        - ``crop_inputs``: the ``B * k`` crops through ``model.preprocess_images``, as ``(B, k, ...)``;
+        - ``sentence_input_ids`` / ``sentence_attention_mask``: ``(B, k, Ls)``, the sentences alone, Ls the
+          longest of the batch (causal towers);
+        - ``boxes`` ``(B, k, 4)`` in original pixels, ``image_size`` ``(B, 2)`` (width, height);
+        - ``spans`` ``(B, k, 2)`` and ``span_valid`` ``(B, k)``: each sentence's tokens in the caption's row of
+          ``model.tokenize(captions)`` (:func:`losses.tsl.tsl_sentence_spans`), invalid where truncation cut it;
+        - ``pair_valid`` ``(B, k)`` (padded repeats and images without a pair: False), ``weight`` ``(B, k)``.
+        """
+        from losses.tsl import tsl_sentence_spans
+
+        from .structxlip import _trim
+
+        b, k = len(examples), self.k
+        crops = [c for e in examples for c in e["fg_crops"]]
+        crop_inputs = _stack_inputs(dict(model.preprocess_images(crops)), b, k)
+        tok = model.tokenize([s for e in examples for s in e["fg_sentences"]])
+        ids, mask = _trim(tok.input_ids, tok.attention_mask, model)
+        captions = [e["fg_caption"] for e in examples]
+        pair_valid = torch.tensor([e["fg_valid"] for e in examples], dtype=torch.bool)
+        spans = torch.zeros(b, k, 2, dtype=torch.long)
+        span_valid = torch.zeros(b, k, dtype=torch.bool)
+        truncated = torch.zeros(b, k, dtype=torch.bool)
+        for j in range(k):
+            index = [e["fg_sentence_index"][j] if e["fg_valid"][j] else None for e in examples]
+            sel = tsl_sentence_spans(model, captions, index)
+            spans[:, j] = sel.spans
+            span_valid[:, j] = sel.valid
+            truncated[:, j] = pair_valid[:, j] & ~sel.valid
+        return {"fastgoal": {
+            "crop_inputs": crop_inputs,
+            "sentence_input_ids": ids.reshape(b, k, -1),
+            "sentence_attention_mask": mask.reshape(b, k, -1),
+            "boxes": torch.tensor([e["fg_boxes"] for e in examples], dtype=torch.float64),
+            "image_size": torch.tensor([list(e["fg_size"]) for e in examples], dtype=torch.long),
+            "spans": spans,
+            "span_valid": span_valid,
+            "span_truncated": truncated,
+            "pair_valid": pair_valid,
+            "weight": torch.tensor([e["fg_weight"] for e in examples], dtype=torch.float32),
+        }}
+
+    # -- model side ------------------------------------------------------------------------------
+    def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
+        """``image`` (the global images, with patch states; merged with the base term's request: encoded once)
+        and ``fastgoal_crop`` (the ``B * k`` crops, embeddings only)."""
+        fg = batch["fastgoal"]
+        return {"image": ImageRequest(batch["image_inputs"], states=True),
+                "fastgoal_crop": ImageRequest({n: _flat(t) for n, t in fg["crop_inputs"].items()})}
+
+    def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
+        """``text`` (the captions, with token states; merged with the base term's request) and
+        ``fastgoal_sentence`` (the ``B * k`` sentences alone)."""
+        fg = batch["fastgoal"]
+        return {"text": TextRequest(batch["input_ids"], batch["attention_mask"], states=True),
+                "fastgoal_sentence": TextRequest(_flat(fg["sentence_input_ids"]), _flat(fg["sentence_attention_mask"]))}
+
+    def _heads(self, model: Any) -> Any:
+        if self.options.heads == "own":
+            return model
+        from losses.tsl import TSL_HEADS_NAME
+
+        if TSL_HEADS_NAME not in model.inference_modules:
+            raise RuntimeError("objective.terms.fastgoal.heads: new needs the TSL heads on the model: run the "
+                               "objective's preprocess(dataset, model) (or FastGoalTerm.attach_heads(model)) before "
+                               "building the optimiser")
+        return model.inference_modules[TSL_HEADS_NAME]
+
+    def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
+        """The projected pooled states P_l (eqs. 9-10) and S_l (eqs. 7-8) of every pair, ``(B * k, D)``, with the
+        pairs' validity and TSL weights. The global states are dropped from the features afterwards."""
+        from losses.tsl import BoxGeometry, box_patch_masks, pool_patch_states, pool_span_states
+
+        fg = batch["fastgoal"]
+        k = self.k
+        image_states = feats.pop("image_states")
+        text_states = feats.pop("text_states")
+        feats.pop("text_mask", None)
+        device = image_states.device
+        pair_valid = _flat(fg["pair_valid"]).to(device)
+        span_valid = _flat(fg["span_valid"]).to(device)
+        shapes = batch["image_inputs"].get("spatial_shapes")
+        sizes = fg["image_size"].repeat_interleave(k, dim=0)
+        geometry = BoxGeometry.from_model(
+            model, sizes, spatial_shapes=shapes.repeat_interleave(k, dim=0) if shapes is not None else None,
+            cover=self.options.box_cover)
+        masks = box_patch_masks(_flat(fg["boxes"]), geometry, image_states.shape[1], valid=pair_valid.cpu())
+        heads = self._heads(model)
+        pooled_image = pool_patch_states(image_states.repeat_interleave(k, dim=0), masks, valid=pair_valid)
+        pooled_text = pool_span_states(text_states.repeat_interleave(k, dim=0), _flat(fg["spans"]), valid=span_valid)
+        feats["fastgoal_box"] = heads.project_image_states(pooled_image)
+        feats["fastgoal_span"] = heads.project_text_states(pooled_text)
+        feats["fastgoal_pair_valid"] = pair_valid
+        feats["fastgoal_span_valid"] = span_valid
+        feats["fastgoal_weight"] = _flat(fg["weight"]).to(device)
+        self.truncated_sentences += int(fg["span_truncated"].sum())
+        self.tsl_pairs += int(fg["pair_valid"].sum())
+
+    def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
+        """The unweighted L_local (eq. 13) and L_TSL (eq. 14) from possibly merged features."""
+        from losses.tsl import tsl_loss
+
+        valid = feats["fastgoal_pair_valid"]
+        out: dict[str, Tensor] = {}
+        if self.weights["local"]:
+            scale = scale_of(model.logit_scale, detach_params)
+            out["local"] = clip_loss(feats["fastgoal_crop"], feats["fastgoal_sentence"], scale, valid=valid)
+        if self.weights["tsl"]:
+            weights = feats["fastgoal_weight"] if self.options.regions.weighting == "weighted" else None
+            out["tsl"] = tsl_loss(feats["fastgoal_box"], feats["fastgoal_crop"], feats["fastgoal_span"],
+                                  feats["fastgoal_sentence"], form=self.options.tsl_form, box_valid=valid,
+                                  span_valid=feats["fastgoal_span_valid"] & valid, weights=weights)
+        return out
+
+    # -- report ----------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """What a run's ``metrics.json`` records: options, weights, FLISM statistics and the pairs whose sentence
+        truncation cut (dropped from TSL's text half; counted on this process)."""
+        return {"options": asdict(self.options), "weights": dict(self.weights), **self.stats,
+                "tsl_pairs_seen": self.tsl_pairs, "tsl_sentences_cut_by_truncation": self.truncated_sentences}
+
+    def report_sections(self, run_dir: str | Path, dataset: Any, *, n: int = 6) -> list[str]:
+        """The FLISM statistics (candidates per image, found vs default boxes, similarity histogram) and a
+        preview of ``n`` training examples (``<run_dir>/plots/fastgoal_flism.png``)."""
+        from finetune.preprocess.flism import render_flism_preview
+
+        s = self.stats.get("flism")
+        lines = ["## FAST-GOAL local pairs (FLISM)", ""]
+        if not s or "candidates_per_image" not in s:
+            lines.append(f"Local pairs read from a pairs file ({s['images'] if s else '?'} rows).")
+            return ["\n".join(lines)]
+        r = self.options.regions
+        hist = s["similarity_histogram"]
+        lines += [
+            f"Candidates: {r.method}"
+            + (f" ({r.detector})" if r.method == "detector" and r.detector else "")
+            + (" + 4 quadrants + centre" if r.default else "") + f"; {r.pairs} pair(s) per image ({r.weighting}).", "",
+            "| statistic | value |", "|---|---|",
+            f"| images | {s['images']} |",
+            f"| candidates per image | {s['candidates_per_image']:.2f} |",
+            f"| found (detector / SAM / dataset) vs default boxes | {100 * s['found_share']:.1f}% / "
+            f"{100 * s['default_share']:.1f}% |",
+            f"| kept pairs on found vs default boxes | {100 * s['kept_found_share']:.1f}% / "
+            f"{100 * s['kept_default_share']:.1f}% |",
+            f"| images without a found box | {s['images_without_found_boxes']} |",
+            f"| images without a pair | {s['images_without_pairs']} |",
+            f"| mean similarity of kept pairs | "
+            f"{s['mean_similarity']:.3f} |" if s["mean_similarity"] is not None else "| mean similarity | - |",
+            "",
+            "Similarity of the kept pairs: " + ", ".join(
+                f"[{lo:.1f}, {hi:.1f}): {c}" for lo, hi, c in zip(hist["edges"], hist["edges"][1:], hist["counts"]) if c),
+            "",
+        ]
+        n = min(n, len(dataset))
+        if n and "flism_candidates" in dataset.column_names:
+            path = Path(run_dir) / "plots" / "fastgoal_flism.png"
+            render_flism_preview([dataset[i] for i in range(n)], path, title="FLISM: candidates and kept pairs")
+            lines += ["![FLISM preview: candidate boxes, the kept box and its sentence](plots/fastgoal_flism.png)", ""]
+        return ["\n".join(lines).rstrip()]
+
+    def extra_repr(self) -> str:
+        r = self.options.regions
+        return (f"weights={self.weights}, tsl_form={self.options.tsl_form!r}, heads={self.options.heads!r}, "
+                f"method={r.method!r}, default={r.default}, pairs={r.pairs}")
+
+
+@register_term(TERM_NAME, FastGoalOptions)
+def build_fastgoal(options: FastGoalOptions | None) -> tuple[FastGoalTerm, dict[str, float]]:
+    """Build the term of ``objective.terms.fastgoal`` and its weights (the Objective applies them)."""
+    term = FastGoalTerm(options or FastGoalOptions())
+    return term, term.weights

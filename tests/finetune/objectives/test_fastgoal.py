@@ -1,0 +1,308 @@
+"""The ``fastgoal`` objective term: options, collate (crops, sentences, spans), the colour image and caption
+encoded once with states, L_local (eq. 13) and L_TSL (eq. 14) against hand computation, truncated sentences
+dropped and counted, heads own/new, top-3 weights, composition with structxlip, accumulation, pairs files."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+
+from finetune import load_model
+from finetune.config import RecipeError, load_recipe
+from finetune.data.collate import Collator
+from finetune.data.sources import load_source
+from finetune.data.text import split_sentences
+from finetune.models.registry import save_tiny
+from finetune.objectives import Objective, build_objective, merge_features
+from finetune.objectives.contrastive import ClipTerm
+from finetune.objectives.fastgoal import FastGoalOptions, FastGoalTerm, FastGoalWeights, FlismOptions
+from finetune.preprocess.geometry import box_patch_mask
+from finetune.train import _split
+from losses import clip_loss
+from losses.tsl import TSL_HEADS_NAME, TSLHeads
+
+
+@pytest.fixture(autouse=True)
+def _quiet_datasets():
+    datasets.disable_progress_bars()
+    yield
+    datasets.enable_progress_bars()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny("tiny-clip", tmp_path_factory.mktemp("models") / "tiny-clip")
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    """tiny-clip saved with save_pretrained, loaded like a hub id, stretched to 248 positions."""
+    return load_model(str(folder), max_text_len=248)
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    return load_source({"name": "synthetic", "size": 6, "seed": 0}).dataset
+
+
+def _term(**regions) -> FastGoalTerm:
+    heads = regions.pop("heads", "own")
+    form = regions.pop("tsl_form", "matrix")
+    return FastGoalTerm(FastGoalOptions(regions=FlismOptions(**{"method": "dataset", **regions}), heads=heads,
+                                        tsl_form=form))
+
+
+def _objective(*terms) -> Objective:
+    return Objective(ClipTerm(), [(t, t.weights) for t in terms])
+
+
+@pytest.fixture(scope="module")
+def setup(model, scenes, tmp_path_factory):
+    term = _term()
+    data = term.preprocess(scenes, model, cache_dir=str(tmp_path_factory.mktemp("cache")))
+    return term, data
+
+
+def _counting(model):
+    """Record the rows (and whether states were asked) of every image encoder call."""
+    calls = []
+    encode_image = model.encode_image
+
+    def image(pixel_values, **kwargs):
+        calls.append((pixel_values.shape[0], kwargs.get("states", False), kwargs.get("states_rows")))
+        return encode_image(pixel_values, **kwargs)
+
+    model.encode_image = image
+    return calls
+
+
+# -- options ------------------------------------------------------------------------------------------
+def test_recipe_section_is_validated_and_builds_the_term(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("# t\nmodel: {name_or_path: tiny-clip}\nobjective:\n  base: clip\n  terms:\n    fastgoal:\n"
+                    "      tsl_form: diagonal\n      regions: {method: dataset, pairs: 3, weighting: weighted}\n")
+    objective = build_objective(load_recipe(path).objective)
+    (term,) = objective.terms
+    assert isinstance(term, FastGoalTerm) and term.weights == {"local": 0.5, "tsl": 1.0}
+    assert term.options.tsl_form == "diagonal" and term.k == 3
+    path.write_text("# t\nobjective:\n  terms:\n    fastgoal: {tsl_form: matrx}\n")
+    with pytest.raises(RecipeError, match="tsl_form"):
+        load_recipe(path)
+    path.write_text("# t\nobjective:\n  terms:\n    fastgoal: {regions: {pairs: 0}}\n")
+    with pytest.raises(RecipeError, match="pairs"):
+        load_recipe(path)
+    with pytest.raises(FileNotFoundError, match="ultralytics assets"):
+        FastGoalTerm(FastGoalOptions(regions=FlismOptions(detector=str(tmp_path / "yolov8x.pt"))))
+    with pytest.raises(ValueError, match="no candidate"):
+        FastGoalTerm(FastGoalOptions(regions=FlismOptions(detector=None, default=False)))
+    with pytest.raises(ValueError, match="stream"):
+        FastGoalTerm().check_stream()
+
+
+# -- collate ------------------------------------------------------------------------------------------
+def test_collate_gives_each_pair_its_crop_sentence_and_span(setup, model):
+    term, data = setup
+    batch = Collator(model, _objective(term))([data[i] for i in range(4)])
+    fg = batch["fastgoal"]
+    assert fg["crop_inputs"]["pixel_values"].shape == (4, 1, 3, 32, 32)
+    assert fg["boxes"].shape == (4, 1, 4) and fg["pair_valid"].all()
+    for b in range(4):
+        row = data[b]
+        s = row["flism_pair_sentence"][0]
+        sentence = split_sentences(row["caption"])[s]
+        start, end = fg["spans"][b, 0].tolist()
+        alone = model.tokenize([sentence]).input_ids[0]
+        n = int(model.tokenize([sentence]).attention_mask[0].sum())
+        # the caption's tokens in the span are the sentence's own tokens (no start / end token)
+        assert batch["input_ids"][b, start:end].tolist() == alone[1:n - 1].tolist()
+        ids = fg["sentence_input_ids"][b, 0]
+        assert ids[: n].tolist() == alone[:n].tolist()
+        # the pair's box is the described object's (dataset links), in original pixels
+        obj = next(o for o in row["objects"] if o["sentence_index"] == s)
+        assert fg["boxes"][b, 0].tolist() == [float(v) for v in obj["box"]]
+
+
+# -- the losses ---------------------------------------------------------------------------------------
+def _hand_tsl(model, batch, form="matrix", span_valid=None):
+    """eq. 14 computed here from the model's own pieces: pooled box / span states, own heads, n x n matrices."""
+    fg = batch["fastgoal"]
+    params = model.image_transform_params()
+    out = model.encode_image(**batch["image_inputs"], states=True)
+    text = model.encode_text(batch["input_ids"], batch["attention_mask"], states=True)
+    crops = model.encode_image(fg["crop_inputs"]["pixel_values"][:, 0]).embeds
+    sentences = model.encode_text(fg["sentence_input_ids"][:, 0], fg["sentence_attention_mask"][:, 0]).embeds
+    pooled_p, pooled_s = [], []
+    for b in range(len(batch["ids"])):
+        size = tuple(fg["image_size"][b].tolist())
+        mask = box_patch_mask(fg["boxes"][b, 0].tolist(), size, params, cover="overlap")
+        pooled_p.append(out.states[b][mask].mean(0))
+        start, end = fg["spans"][b, 0].tolist()
+        pooled_s.append(text.states[b, start:end].mean(0) if end > start else text.states[b, 0] * 0)
+    p = model.project_image_states(torch.stack(pooled_p))
+    s = model.project_text_states(torch.stack(pooled_s))
+
+    def mse(a, t, keep):
+        a, t = F.normalize(a[keep], dim=-1), F.normalize(t[keep], dim=-1)
+        if form == "diagonal":
+            return (((a * t).sum(-1) - 1) ** 2).mean()
+        return ((a @ t.T - torch.eye(len(a))) ** 2).mean()
+
+    keep_all = torch.ones(len(p), dtype=torch.bool)
+    keep_text = keep_all if span_valid is None else span_valid
+    return mse(p, crops, keep_all) + mse(s, sentences, keep_text), crops, sentences
+
+
+@pytest.mark.parametrize("form", ["matrix", "diagonal"])
+def test_losses_match_the_papers_equations_and_the_image_is_encoded_once(setup, model, form):
+    term, data = setup
+    term = copy.copy(term)
+    term.options = copy.deepcopy(term.options)
+    term.options.tsl_form = form
+    objective = _objective(term)
+    batch = Collator(model, objective)([data[i] for i in range(4)])
+    trained = copy.deepcopy(model)
+    calls = _counting(trained)
+    with torch.no_grad():
+        values = objective.loss(trained, objective.encode(trained, batch))
+    # one image pass: the 4 colour images (with states, shared with the base) and the 4 crops
+    assert calls == [(8, True, 4)]
+    with torch.no_grad():
+        tsl, crops, sentences = _hand_tsl(model, batch, form)
+        scale = model.logit_scale.exp()
+        local = clip_loss(crops, sentences, scale)
+        glob = clip_loss(model.encode_image(**batch["image_inputs"]).embeds,
+                         model.encode_text(batch["input_ids"], batch["attention_mask"]).embeds, scale)
+    assert float(values["fastgoal/tsl"]) == pytest.approx(float(tsl), rel=1e-4)
+    assert float(values["fastgoal/local"]) == pytest.approx(float(local), rel=1e-4)
+    assert float(values["clip"]) == pytest.approx(float(glob), rel=1e-4)
+    assert float(values["loss"]) == pytest.approx(float(glob + 0.5 * local + tsl), rel=1e-4)
+
+
+def test_sentences_cut_by_truncation_leave_tsl_and_are_counted(folder, scenes, tmp_path):
+    model = load_model(str(folder))  # 77 positions: the late sentences of the synthetic captions are cut
+    term = _term()
+    data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    rows = []
+    for i in range(6):  # pairs on the first object (an early sentence) or on the last one (past token 77)
+        row = dict(data[i])
+        obj = row["objects"][0 if i < 3 else -1]
+        row.update(flism_pair_sentence=[obj["sentence_index"]], flism_pair_box=[[float(v) for v in obj["box"]]])
+        rows.append(row)
+    batch = Collator(model, _objective(term))(rows)
+    spans = model.sentence_spans([r["caption"] for r in rows])
+    cut = torch.tensor([spans[i][rows[i]["flism_pair_sentence"][0]] is None for i in range(6)])
+    assert cut.any() and not cut.all(), "the fixture should have pairs on both sides of token 77"
+    assert batch["fastgoal"]["span_valid"][:, 0].tolist() == (~cut).tolist()
+    assert batch["fastgoal"]["pair_valid"].all()  # the pair stays in L_local and the image half of TSL
+    objective = _objective(term)
+    with torch.no_grad():
+        values = objective.loss(model, objective.encode(model, batch))
+        tsl, _, _ = _hand_tsl(model, batch, span_valid=~cut)
+    assert float(values["fastgoal/tsl"]) == pytest.approx(float(tsl), rel=1e-4)
+    assert term.summary()["tsl_sentences_cut_by_truncation"] == int(cut.sum())
+
+
+def test_new_heads_start_as_the_models_own_and_train_on_their_own(model, scenes, tmp_path):
+    own, new = _term(), _term(heads="new")
+    trained = copy.deepcopy(model)
+    data = own.preprocess(scenes, trained, cache_dir=str(tmp_path))
+    new.preprocess(scenes, trained, cache_dir=str(tmp_path))
+    heads = trained.inference_modules[TSL_HEADS_NAME]
+    assert isinstance(heads, TSLHeads)
+    rows = [data[i] for i in range(4)]
+    values = {}
+    for name, term in (("own", own), ("new", new)):
+        objective = _objective(term)
+        values[name] = objective.loss(trained, objective.encode(trained, Collator(trained, objective)(rows)))
+    assert float(values["new"]["fastgoal/tsl"]) == pytest.approx(float(values["own"]["fastgoal/tsl"]), rel=1e-5)
+    trained.zero_grad()
+    values["new"]["fastgoal/tsl"].backward()
+    assert heads.image.proj.weight.grad.abs().sum() > 0 and heads.text.proj.weight.grad.abs().sum() > 0
+    assert trained.model.visual_projection.weight.grad is None or \
+        float(trained.model.visual_projection.weight.grad.abs().sum()) > 0  # v_l (the crops) goes through it
+
+
+def test_top3_weighted_pairs_weigh_the_tsl_rows(model, scenes, tmp_path):
+    term = _term(links=False, pairs=3, weighting="weighted")
+    data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
+    batch = Collator(model, _objective(term))([data[i] for i in range(4)])
+    fg = batch["fastgoal"]
+    assert fg["crop_inputs"]["pixel_values"].shape[:2] == (4, 3)
+    for b in range(4):
+        m = data[b]["flism_num_pairs"]
+        assert fg["pair_valid"][b].tolist() == [j < m for j in range(3)]
+        expected = [w * m for w in data[b]["flism_pair_weight"]]
+        assert fg["weight"][b].tolist() == pytest.approx(expected)
+    objective = _objective(term)
+    feats = objective.encode(model, batch)
+    assert feats["fastgoal_box"].shape[0] == 12
+    with torch.no_grad():
+        weighted = objective.loss(model, feats)["fastgoal/tsl"]
+        term.options.regions.weighting = "uniform"
+        uniform = objective.loss(model, feats)["fastgoal/tsl"]
+    assert math.isfinite(float(weighted)) and float(weighted) != pytest.approx(float(uniform))
+
+
+def test_composes_with_structxlip_on_one_model(model, scenes, tmp_path):
+    from finetune.objectives.structxlip import RegionOptions, StructXLIPOptions, StructXLIPTerm
+
+    sx = StructXLIPTerm(StructXLIPOptions(regions=RegionOptions(encode="crop")))
+    fg = _term()
+    objective = _objective(sx, fg)
+    data = objective.preprocess(scenes, model, cache_dir=str(tmp_path))
+    batch = Collator(model, objective)([data[i] for i in range(4)])
+    trained = copy.deepcopy(model)
+    calls = _counting(trained)
+    values = objective.loss(trained, objective.encode(trained, batch))
+    assert len(calls) == 1 and calls[0][1] is True  # colour images once, with states (and edges, regions, crops)
+    assert calls[0][2] == 4
+    for key in ("clip", "structxlip/structure", "structxlip/consistency", "structxlip/local", "fastgoal/local",
+                "fastgoal/tsl", "loss"):
+        assert math.isfinite(float(values[key])), key
+    values["loss"].backward()
+    assert trained.model.vision_model.encoder.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_merged_micro_batches_give_the_loss_of_one_batch(setup, model):
+    term, data = setup
+    objective = _objective(term)
+    batch = Collator(model, objective)([data[i] for i in range(4)])
+    with torch.no_grad():
+        whole = objective.loss(model, objective.encode(model, batch))
+        merged = objective.loss(model, merge_features([objective.encode(model, mb) for mb in _split(batch, 2)]))
+    for key in whole:
+        assert float(merged[key]) == pytest.approx(float(whole[key]), rel=1e-4, abs=1e-6), key
+
+
+def test_report_section_has_the_flism_statistics_and_preview(setup, tmp_path):
+    term, data = setup
+    (section,) = term.report_sections(tmp_path, data)
+    assert "candidates per image | 4.50" in section or "candidates per image |" in section
+    assert "plots/fastgoal_flism.png" in section and (tmp_path / "plots" / "fastgoal_flism.png").is_file()
+    stats = term.summary()["flism"]
+    assert stats["images"] == 6 and stats["found_share"] == 1.0  # dataset links: the objects' boxes only
+
+
+def test_a_pairs_file_trains_without_a_detector(model, folder, tmp_path):
+    from finetune.preprocess.flism import write_pairs
+
+    out = tmp_path / "pairs.jsonl"
+    write_pairs({"name": "synthetic", "size": 4, "seed": 0}, out, model, progress=False)
+    rows = load_source({"name": "jsonl", "path": str(out)}).dataset
+    term = _term(method="pairs")
+    data = term.preprocess(rows, model)
+    batch = Collator(model, _objective(term))([data[i] for i in range(4)])
+    expected = [json.loads(line)["box"] for line in out.read_text().splitlines()]
+    assert batch["fastgoal"]["boxes"][:, 0].tolist() == expected
+    objective = _objective(term)
+    values = objective.loss(model, objective.encode(model, batch))
+    assert all(math.isfinite(float(v)) for v in values.values())
+    with pytest.raises(ValueError, match="box"):
+        term.preprocess(load_source({"name": "synthetic", "size": 2}).dataset, model)
