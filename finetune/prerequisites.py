@@ -139,6 +139,18 @@ def chain_hash(recipe: Any, chain: tuple[str, ...] = ()) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def _with_current_defaults(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
+    """``run_dir``'s recipe resolved by today's schema, so that keys added to the toolkit since that run
+    (at their defaults) do not count as changes; the recipe as written when it no longer validates."""
+    from finetune.config import RecipeError, load_recipe, recipe_to_dict
+    from finetune.run_folder import RECIPE_NAME
+
+    try:
+        return recipe_to_dict(load_recipe(run_dir / RECIPE_NAME))
+    except (RecipeError, OSError, ValueError):
+        return previous
+
+
 def _current(run_dir: Path, recipe: Any, expected_init: str | None) -> tuple[bool, str]:
     """Whether ``run_dir`` holds a finished run of ``recipe`` trained from ``expected_init``; and why not."""
     from finetune.config import recipe_to_dict
@@ -152,6 +164,7 @@ def _current(run_dir: Path, recipe: Any, expected_init: str | None) -> tuple[boo
         return False, str(exc)
     if previous is None:
         return False, f"{run_dir} has no recipe.yaml"
+    previous = _with_current_defaults(run_dir, previous)
     now = recipe_to_dict(recipe)
     if recipe_hash(previous) != recipe_hash(now):
         changes = differing_keys(comparable_recipe(previous), comparable_recipe(now))

@@ -199,3 +199,25 @@ def test_two_processes_train_the_start_together_then_fine_tune_from_it(tiny, tmp
     assert pre_metrics["num_processes"] == fine_metrics["num_processes"] == 2
     assert fine_metrics["init_from"]["status"] == "trained"
     assert fine_metrics["before"]["synthetic"] == pre_metrics["after"]["synthetic"]
+
+
+def test_keys_added_to_the_toolkit_since_a_run_do_not_make_it_stale(tiny, tmp_path):
+    """A run folder written before a recipe key existed (the key absent from its recipe.yaml) is still current
+    when the key is at its default; a real change still makes it stale."""
+    from finetune.config import dump_recipe
+    from finetune.prerequisites import _current
+
+    path = _recipe(tmp_path / "pre.yaml", tiny, tmp_path / "runs" / "pre")
+    recipe = load_recipe(path)
+    run_dir = tmp_path / "runs" / "pre"
+    (run_dir / "final").mkdir(parents=True)
+    (run_dir / "metrics.json").write_text("{}")
+    dump_recipe(recipe, run_dir / "recipe.yaml")
+    written = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    assert written["model"].pop("projection_dim", "absent") is None  # as a run from before the key
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(written))
+
+    assert _current(run_dir, recipe, None) == (True, "")
+    changed = load_recipe(path, ["train.lr=0.5"])
+    current, why = _current(run_dir, changed, None)
+    assert not current and "train.lr" in why
