@@ -406,7 +406,7 @@ def _norm_and_projection(model: Any, side: str) -> tuple[nn.Module, Tensor, Tens
             return visual.ln_post, visual.proj.T, None
         raise ValueError(f"heads: new copies the image tower's final norm + linear projection, and "
                          f"{type(model).__name__}'s image head is not one (e.g. SigLIP's attention-pooling head); "
-                         "use the model's own head (heads: model)")
+                         "use the model's own head (heads: own)")
     tm = getattr(inner, "text_model", None)
     if tm is not None:
         lin = getattr(inner, "text_projection", None) or getattr(tm, "head", None)
@@ -419,7 +419,7 @@ def _norm_and_projection(model: Any, side: str) -> tuple[nn.Module, Tensor, Tens
     if ln is not None and isinstance(proj, Tensor):
         return ln, proj.T, None
     raise ValueError(f"heads: new copies the text tower's final norm + linear projection, and "
-                     f"{type(model).__name__}'s text head is not one; use the model's own head (heads: model)")
+                     f"{type(model).__name__}'s text head is not one; use the model's own head (heads: own)")
 
 
 class _NormLinear(nn.Module):

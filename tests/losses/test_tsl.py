@@ -299,7 +299,7 @@ def test_new_heads_start_as_the_models_own_projections(tiny_folder, name):
 
 def test_new_heads_need_a_norm_and_linear_head(tiny_folder):
     model = load_model(str(tiny_folder("tiny-siglip2")))  # SigLIP2's image head is attention pooling
-    with pytest.raises(ValueError, match="image head is not one .*\\(heads: model\\)"):
+    with pytest.raises(ValueError, match="image head is not one .*\\(heads: own\\)"):
         TSLHeads.from_model(model)
 
 
