@@ -134,6 +134,20 @@ def test_head_text_gate_eq1_with_padding() -> None:
     torch.testing.assert_close(out.keep_ratio(), _t(0.5))
 
 
+def test_keep_bias_initialises_both_adapters_to_keep_and_default_is_pytorch_init() -> None:
+    torch.manual_seed(0)
+    default = TokenAdapter(8)
+    assert default.fc2.bias.abs().max() < 1 / math.sqrt(8)  # nn.Linear's uniform(-1/sqrt(in), 1/sqrt(in))
+    head = GRMHead(8, num_regions=3, keep_bias=20.0).eval()
+    for adapter in (head.vision_adapter, head.text_adapter):
+        assert adapter.fc2.bias.tolist() == [0.0, 20.0]
+    tokens = torch.randn(4, 6, 8)
+    # keep - drop = (w_keep - w_drop) . h + 20 > 0 for these tokens: every gate is 1 at evaluation.
+    assert head.encode_image(tokens).gate.eq(1).all()
+    assert head.encode_text(tokens).gate.eq(1).all()
+    assert GRMHead(8, num_regions=3).vision_adapter.fc2.bias.abs().max() < 1
+
+
 def test_head_has_two_adapter_instances_and_rejects_bad_arguments() -> None:
     head = GRMHead(4, num_regions=3)
     assert isinstance(head.vision_adapter, TokenAdapter) and isinstance(head.text_adapter, TokenAdapter)
