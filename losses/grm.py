@@ -142,9 +142,14 @@ class TokenAdapter(nn.Module):
     Args:
         dim: token width d.
         hidden_dim: width of ``W1`` (the paper does not give it); default ``dim``.
+        keep_bias: initial bias of the keep logit minus the drop logit (``W2``'s bias is set to
+            ``(0, keep_bias)``; the paper does not give the initialisation). 0: PyTorch's default
+            initialisation; > 0 starts with the tokens kept (the gate is ``sigmoid(keep_bias)`` in
+            expectation at a zero ``W2`` row difference), so that the regularisers, which are
+            smallest when every token is dropped, do not close the gates before the hinge uses them.
     """
 
-    def __init__(self, dim: int, hidden_dim: int | None = None) -> None:
+    def __init__(self, dim: int, hidden_dim: int | None = None, *, keep_bias: float = 0.0) -> None:
         super().__init__()
         hidden_dim = dim if hidden_dim is None else hidden_dim
         if dim < 1 or hidden_dim < 1:
@@ -152,6 +157,9 @@ class TokenAdapter(nn.Module):
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = nn.GELU()
         self.fc2 = nn.Linear(hidden_dim, 2)
+        if keep_bias:
+            with torch.no_grad():
+                self.fc2.bias.copy_(torch.tensor([0.0, float(keep_bias)]))
 
     def forward(self, tokens: Tensor) -> Tensor:
         """``(B, L, d)`` tokens -> ``(B, L, 2)`` logits D (column 1: keep)."""
@@ -290,6 +298,8 @@ class GRMHead(nn.Module):
         hard: straight-through hard gate (default; a soft gate cancels under the normalisation of
             eq. 7, see the module docstring).
         hidden_dim: width of each adapter's ``W1`` (not given: ``dim``).
+        keep_bias: initial keep-minus-drop bias of both adapters (not given: 0, PyTorch's
+            initialisation), see :class:`TokenAdapter`.
     """
 
     def __init__(
@@ -300,6 +310,7 @@ class GRMHead(nn.Module):
         tau: float = 1.0,
         hard: bool = True,
         hidden_dim: int | None = None,
+        keep_bias: float = 0.0,
     ) -> None:
         super().__init__()
         if dim < 1:
@@ -309,8 +320,8 @@ class GRMHead(nn.Module):
         if tau <= 0:
             raise ValueError(f"GRMHead: tau must be > 0, got {tau}")
         self.dim, self.num_regions, self.tau, self.hard = dim, num_regions, float(tau), bool(hard)
-        self.vision_adapter = TokenAdapter(dim, hidden_dim)
-        self.text_adapter = TokenAdapter(dim, hidden_dim)
+        self.vision_adapter = TokenAdapter(dim, hidden_dim, keep_bias=keep_bias)
+        self.text_adapter = TokenAdapter(dim, hidden_dim, keep_bias=keep_bias)
         # Directions uniform on the sphere (only the normalised prompts are used).
         self.prompts = nn.Parameter(torch.randn(num_regions, dim))
         self.phi = nn.Linear(dim, dim)

@@ -80,6 +80,8 @@ class GRMOptions:
         tau: Gumbel-softmax temperature of eq. 1 (not in the paper: 1.0).
         hard: straight-through hard gate (a soft gate cancels under eq. 7's normalisation).
         hidden_dim: width of each adapter's W1 (not in the paper: null = d).
+        keep_bias: initial keep-minus-drop bias of both adapters' W2 (not in the paper: 0 =
+            PyTorch's initialisation; > 0 starts with the tokens kept, see :class:`losses.TokenAdapter`).
         level_weights: a, b, c of eq. 9 (0.4, 0.4, 0.2).
         margin: alpha of eq. 8 (0.2).
         max_violation: hardest negative per row and column (VSE++) after the warm-up epochs.
@@ -95,6 +97,7 @@ class GRMOptions:
     tau: float = field(default=1.0, metadata={"check": _positive})
     hard: bool = True
     hidden_dim: int | None = field(default=None, metadata={"check": _at_least_one})
+    keep_bias: float = 0.0
     level_weights: list[float] = field(default_factory=lambda: list(PAPER_LEVEL_WEIGHTS),
                                        metadata={"check": _level_weights})
     margin: float = field(default=PAPER_MARGIN, metadata={"check": _non_negative})
@@ -140,7 +143,7 @@ def install_head(model: Any, options: GRMOptions) -> GRMHead:
         head.train()
         return head
     head = GRMHead(dim, num_regions=options.num_regions, tau=options.tau, hard=options.hard,
-                   hidden_dim=options.hidden_dim)
+                   hidden_dim=options.hidden_dim, keep_bias=options.keep_bias)
     head.to(device=model.device, dtype=model.dtype)
     model.inference_modules[HEAD_KEY] = head
     return head

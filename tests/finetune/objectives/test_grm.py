@@ -54,6 +54,15 @@ def test_term_installs_the_head_and_computes_grm_loss_on_projected_states() -> N
     assert "clip" not in out
 
 
+def test_keep_bias_option_initialises_the_installed_head() -> None:
+    model = load_model("tiny-clip")
+    head = install_head(model, GRMOptions(num_regions=3, keep_bias=2.5))
+    for adapter in (head.vision_adapter, head.text_adapter):
+        assert adapter.fc2.bias.tolist() == [0.0, 2.5]
+    with pytest.raises(ValueError, match="keep_bias"):
+        ObjectiveConfig(base="none", terms={"grm": {"keep_bias": "many"}})
+
+
 def test_gradients_reach_both_adapters_the_prompts_and_the_towers_and_clip_sits_beside() -> None:
     model = load_model("tiny-clip")
     objective = _objective(base="clip", reg_weight=0.5)
