@@ -168,14 +168,14 @@ def build_flair(model_cfg: dict[str, Any], *, pool_heads: int = POOL_HEADS, name
     from open_clip.transform import PreprocessCfg, merge_preprocess_dict
 
     cfg = deepcopy(model_cfg)
-    cfg.pop("init_logit_bias", None)
+    bias = float(cfg.pop("init_logit_bias", INIT_LOGIT_BIAS))
     cfg.pop("init_logit_scale", None)
-    model = CLIP(**cfg, init_logit_scale=INIT_LOGIT_SCALE, init_logit_bias=INIT_LOGIT_BIAS)
+    model = CLIP(**cfg, init_logit_scale=INIT_LOGIT_SCALE, init_logit_bias=bias)
     pp = merge_preprocess_dict(PreprocessCfg(), {"size": model.visual.image_size, **(preprocess_cfg or {})})
     set_model_preprocess_cfg(model, pp)
     n = context_length or int(cfg.get("text_cfg", {}).get("context_length", 77))
     return FlairDualEncoder(model.eval(), SimpleTokenizer(context_length=n),
-                            {**cfg, "init_logit_bias": INIT_LOGIT_BIAS}, pool_heads=pool_heads,
+                            {**cfg, "init_logit_bias": bias}, pool_heads=pool_heads,
                             name_or_path=name_or_path)
 
 
