@@ -11,7 +11,8 @@ text-conditioned attention pool (:class:`losses.flair.TextConditionedAttentionPo
   ``text_projection``);
 - the pool, ``visual_proj`` in the authors' checkpoints (submodules ``attn``, ``ln_q``, ``ln_k``, ``ln_v``);
 - ``logit_scale`` initialised to ``log(1 / 0.07)`` (CLIP's, as the authors' code) and ``logit_bias`` to
-  -10; the objective term clamps the scale to ``[0, ln 100]`` after every step.
+  -10 (a config's ``init_logit_bias`` overrides it: ``small-flair``, the CPU recipe's model, starts at -4);
+  the objective term clamps the scale to ``[0, ln 100]`` after every step.
 
 Folders of this family hold ``flair_config.json`` (the open_clip model config, the pool's heads, the
 preprocessing) and ``flair_model.safetensors`` whose tensors carry the AUTHORS' parameter names
