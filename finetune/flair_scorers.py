@@ -100,16 +100,17 @@ def candidate_scores(pool: Any, texts: Tensor, local: Tensor, candidates: Tensor
     """``(Q, K)`` text-conditioned scores of ``Q`` texts against their ``K`` candidate images each (the top-k
     prefilter, public ``--inference-with-flair-topk``), grouped by image.
 
-    The candidate pairs are sorted by image, and the images are taken in blocks: each image's keys and values
-    (``ln_k`` / ``ln_v`` and their projections) are computed ONCE per block for all the texts that have it as a
-    candidate, and the texts' queries once in all, instead of once per (text, candidate) pair.
+    The candidate pairs are grouped by image and the images taken in blocks: each image's keys and values
+    (``ln_k`` / ``ln_v`` and their projections) are computed ONCE, and attended by all the texts that have it as
+    a candidate in one batched call (the texts' queries, projected once in all, padded to the largest group),
+    instead of once per (text, candidate) pair.
 
     Args:
         pool: the model's :class:`losses.flair.TextConditionedAttentionPool`.
         texts: ``(Q, D)`` raw global text embeddings (the queries).
         local: ``(Ti, N, D)`` the local tokens of all images.
         candidates: ``(Q, K)`` long, indices into ``local``.
-        max_elements: bound on the gathered keys / values held at once (pairs x ``(N + 1) x D``).
+        max_elements: bound on the padded queries / keys held at once (images x ``max(group, N + 1) x D``).
 
     Returns:
         ``score[q, c] = <n(pool(t_q, v_loc_{candidates[q, c]})), n(t_q)>``.
@@ -118,6 +119,28 @@ def candidate_scores(pool: Any, texts: Tensor, local: Tensor, candidates: Tensor
     out = texts.new_zeros(n_q * n_k)
     if out.numel() == 0:
         return out.view(n_q, n_k)
+    q = _queries(pool, texts).transpose(0, 1)  # (Q, H, dh), once for all texts
+    unit = F.normalize(texts, dim=-1)
+    flat = candidates.reshape(-1).to(local.device)
+    images, inverse = torch.unique(flat, return_inverse=True)  # (U,), (Q*K,)
+    order = torch.argsort(inverse, stable=True)  # the pairs grouped by image
+    pair_query = torch.div(order, n_k, rounding_mode="floor")
+    pair_image = inverse[order]
+    counts = torch.bincount(inverse, minlength=len(images))
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(len(order), device=flat.device) - starts[pair_image]  # the pair's row in its image's queries
+    width = int(counts.max())
+    # each image's texts padded to `width` queries: (ub, H, width, dh) against its own keys / values
+    step = max(1, max_elements // (max(width, local.shape[1] + 1) * local.shape[2]))
+    for b0 in range(0, len(images), step):
+        k, v = _keys_values(pool, local[images[b0:b0 + step]])  # (ub, H, N+1, dh), once per image
+        lo, hi = int(starts[b0]), int(starts[min(b0 + step, len(images)) - 1] + counts[min(b0 + step, len(images)) - 1])
+        rows, which, at = pair_query[lo:hi], pair_image[lo:hi] - b0, slot[lo:hi]
+        padded = q.new_zeros(k.shape[0], width, *q.shape[1:])  # (ub, width, H, dh)
+        padded[which, at] = q[rows]
+        tc = _attend(pool, padded.transpose(1, 2), k, v)[which, at]  # (P, D)
+        out[order[lo:hi]] = (F.normalize(tc, dim=-1) * unit[rows]).sum(-1)
+    return out.view(n_q, n_k)
     q = _queries(pool, texts)  # (H, Q, dh)
     unit = F.normalize(texts, dim=-1)
     flat = candidates.reshape(-1).to(local.device)
