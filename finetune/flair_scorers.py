@@ -22,7 +22,7 @@ from torch import Tensor
 
 from finetune.scorers import CosineScorer, Payload, Scorer, payload_len, register_scorer
 
-__all__ = ["FlairGlobalScorer", "FlairScorer", "conditioned_scores", "public_code_scores"]
+__all__ = ["FlairGlobalScorer", "FlairScorer", "candidate_scores", "conditioned_scores", "public_code_scores"]
 
 
 def conditioned_scores(pool: Any, texts: Tensor, local: Tensor, *, max_elements: int = 2 ** 24) -> Tensor:
@@ -43,31 +43,123 @@ def conditioned_scores(pool: Any, texts: Tensor, local: Tensor, *, max_elements:
     Returns:
         ``score[j, i] = <n(pool(t_j, v_loc_i)), n(t_j)>``.
     """
-    attn = pool.attn
-    if attn.bias_k is not None or not attn._qkv_same_embed_dim or not attn.batch_first:
-        raise ValueError("conditioned_scores expects FLAIR's pool: packed in-projection, batch_first, no bias_k/v")
     n_texts, dim = texts.shape
-    n_images, n_local = local.shape[:2]
-    heads = attn.num_heads
-    w, b = attn.in_proj_weight, attn.in_proj_bias
-    bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
-    wq, wk, wv = w.chunk(3)
-    q = F.linear(pool.ln_q(texts), wq, bq).view(n_texts, heads, -1).transpose(0, 1)  # (H, Tt, dh)
+    n_images = local.shape[0]
+    q = _queries(pool, texts)  # (H, Tt, dh)
     unit = F.normalize(texts, dim=-1)
     step = max(1, max_elements // max(1, n_texts * dim))
     out = []
     for i0 in range(0, n_images, step):
-        chunk = local[i0:i0 + step]
-        ti = chunk.shape[0]
-        zero = chunk.new_zeros(ti, 1, dim)
-        k = torch.cat([F.linear(pool.ln_k(chunk), wk, bk), zero], 1).view(ti, n_local + 1, heads, -1).transpose(1, 2)
-        v = torch.cat([F.linear(pool.ln_v(chunk), wv, bv), zero], 1).view(ti, n_local + 1, heads, -1).transpose(1, 2)
-        tc = F.scaled_dot_product_attention(q.unsqueeze(0).expand(ti, -1, -1, -1), k, v)  # (ti, H, Tt, dh)
-        tc = attn.out_proj(tc.transpose(1, 2).reshape(ti, n_texts, dim))
+        k, v = _keys_values(pool, local[i0:i0 + step])  # (ti, H, N+1, dh)
+        tc = _attend(pool, q.unsqueeze(0).expand(k.shape[0], -1, -1, -1), k, v)  # (ti, Tt, D)
         out.append((F.normalize(tc, dim=-1) * unit.unsqueeze(0)).sum(-1))  # (ti, Tt)
     if not out:
         return texts.new_zeros((n_texts, 0))
     return torch.cat(out).T
+
+
+def _check_pool(pool: Any) -> None:
+    attn = pool.attn
+    if attn.bias_k is not None or not attn._qkv_same_embed_dim or not attn.batch_first:
+        raise ValueError("conditioned_scores expects FLAIR's pool: packed in-projection, batch_first, no bias_k/v")
+
+
+def _queries(pool: Any, texts: Tensor) -> Tensor:
+    """``(T, D)`` texts -> ``(H, T, dh)`` the pool's projected queries (``ln_q`` and the query projection)."""
+    _check_pool(pool)
+    attn = pool.attn
+    b = attn.in_proj_bias
+    q = F.linear(pool.ln_q(texts), attn.in_proj_weight.chunk(3)[0], None if b is None else b.chunk(3)[0])
+    return q.view(texts.shape[0], attn.num_heads, -1).transpose(0, 1)
+
+
+def _keys_values(pool: Any, local: Tensor) -> tuple[Tensor, Tensor]:
+    """``(B, N, D)`` local tokens -> keys and values ``(B, H, N + 1, dh)`` each, with the pool's empty slot
+    (a zero key and value after the in-projection, :class:`losses.flair.TextConditionedAttentionPool`)."""
+    _check_pool(pool)
+    attn = pool.attn
+    n_images, n_local, dim = local.shape
+    _, wk, wv = attn.in_proj_weight.chunk(3)
+    b = attn.in_proj_bias
+    _, bk, bv = (None, None, None) if b is None else b.chunk(3)
+    zero = local.new_zeros(n_images, 1, dim)
+    k = torch.cat([F.linear(pool.ln_k(local), wk, bk), zero], 1)
+    v = torch.cat([F.linear(pool.ln_v(local), wv, bv), zero], 1)
+    shape = (n_images, n_local + 1, attn.num_heads, -1)
+    return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+
+
+def _attend(pool: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Queries ``(B, H, T, dh)`` on keys / values ``(B, H, N + 1, dh)`` -> ``(B, T, D)`` after ``out_proj``."""
+    tc = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, dh)
+    return pool.attn.out_proj(tc.transpose(1, 2).flatten(2))
+
+
+def candidate_scores(pool: Any, texts: Tensor, local: Tensor, candidates: Tensor, *,
+                     max_elements: int = 2 ** 24) -> Tensor:
+    """``(Q, K)`` text-conditioned scores of ``Q`` texts against their ``K`` candidate images each (the top-k
+    prefilter, public ``--inference-with-flair-topk``), grouped by image.
+
+    The candidate pairs are grouped by image and the images taken in blocks: each image's keys and values
+    (``ln_k`` / ``ln_v`` and their projections) are computed ONCE, and attended by all the texts that have it as
+    a candidate in one batched call (the texts' queries, projected once in all, padded to the largest group),
+    instead of once per (text, candidate) pair.
+
+    Args:
+        pool: the model's :class:`losses.flair.TextConditionedAttentionPool`.
+        texts: ``(Q, D)`` raw global text embeddings (the queries).
+        local: ``(Ti, N, D)`` the local tokens of all images.
+        candidates: ``(Q, K)`` long, indices into ``local``.
+        max_elements: bound on the padded queries / keys held at once (images x ``max(group, N + 1) x D``).
+
+    Returns:
+        ``score[q, c] = <n(pool(t_q, v_loc_{candidates[q, c]})), n(t_q)>``.
+    """
+    n_q, n_k = candidates.shape
+    out = texts.new_zeros(n_q * n_k)
+    if out.numel() == 0:
+        return out.view(n_q, n_k)
+    q = _queries(pool, texts).transpose(0, 1)  # (Q, H, dh), once for all texts
+    unit = F.normalize(texts, dim=-1)
+    flat = candidates.reshape(-1).to(local.device)
+    images, inverse = torch.unique(flat, return_inverse=True)  # (U,), (Q*K,)
+    order = torch.argsort(inverse, stable=True)  # the pairs grouped by image
+    pair_query = torch.div(order, n_k, rounding_mode="floor")
+    pair_image = inverse[order]
+    counts = torch.bincount(inverse, minlength=len(images))
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(len(order), device=flat.device) - starts[pair_image]  # the pair's row in its image's queries
+    width = int(counts.max())
+    # each image's texts padded to `width` queries: (ub, H, width, dh) against its own keys / values
+    step = max(1, max_elements // (max(width, local.shape[1] + 1) * local.shape[2]))
+    for b0 in range(0, len(images), step):
+        k, v = _keys_values(pool, local[images[b0:b0 + step]])  # (ub, H, N+1, dh), once per image
+        lo, hi = int(starts[b0]), int(starts[min(b0 + step, len(images)) - 1] + counts[min(b0 + step, len(images)) - 1])
+        rows, which, at = pair_query[lo:hi], pair_image[lo:hi] - b0, slot[lo:hi]
+        padded = q.new_zeros(k.shape[0], width, *q.shape[1:])  # (ub, width, H, dh)
+        padded[which, at] = q[rows]
+        tc = _attend(pool, padded.transpose(1, 2), k, v)[which, at]  # (P, D)
+        out[order[lo:hi]] = (F.normalize(tc, dim=-1) * unit[rows]).sum(-1)
+    return out.view(n_q, n_k)
+    q = _queries(pool, texts)  # (H, Q, dh)
+    unit = F.normalize(texts, dim=-1)
+    flat = candidates.reshape(-1).to(local.device)
+    images, inverse = torch.unique(flat, return_inverse=True)  # (U,), (Q*K,)
+    order = torch.argsort(inverse, stable=True)  # pairs grouped by image
+    pair_query = torch.div(order, n_k, rounding_mode="floor")
+    sorted_image = inverse[order]
+    per_pair = (local.shape[1] + 1) * local.shape[2]
+    step = max(1, max_elements // per_pair)
+    bounds = torch.searchsorted(sorted_image, torch.arange(0, len(images) + step, step, device=flat.device))
+    for b0 in range(0, len(images), step):
+        k, v = _keys_values(pool, local[images[b0:b0 + step]])  # (ub, H, N+1, dh), once per image
+        lo, hi = int(bounds[b0 // step]), int(bounds[b0 // step + 1])
+        for p0 in range(lo, hi, step):
+            p1 = min(hi, p0 + step)
+            rows, which = pair_query[p0:p1], sorted_image[p0:p1] - b0
+            tc = _attend(pool, q[:, rows].transpose(0, 1).unsqueeze(2), k[which], v[which])[:, 0]  # (P, D)
+            out[order[p0:p1]] = (F.normalize(tc, dim=-1) * unit[rows]).sum(-1)
+    return out.view(n_q, n_k)
 
 
 def public_code_scores(pool: Any, texts: Tensor, local: Tensor) -> Tensor:
@@ -147,17 +239,15 @@ class FlairScorer(Scorer):
         conditioned on its K candidate texts in one pool call."""
         if query_side not in ("text", "image"):
             raise ValueError(f"score_candidates: query_side must be 'text' or 'image', got {query_side!r}")
-        q, k = candidates.shape
 
         def run(pool: Any, t: Tensor, v: Tensor) -> Tensor:
-            if query_side == "text":  # t: (Q, D) queries, v: (Q, K, N, D) their candidate images
-                tc = pool(t.repeat_interleave(k, 0).unsqueeze(1), v.flatten(0, 1)).view(q, k, -1)
-                return (F.normalize(tc, dim=-1) * F.normalize(t, dim=-1).unsqueeze(1)).sum(-1)
+            if query_side == "text":  # t: (Q, D) queries, v: (Ti, N, D) all images, grouped by candidate image
+                return candidate_scores(pool, t, v, candidates.to(v.device), max_elements=self.max_elements)
             tc = pool(t, v)  # t: (Q, K, D) candidate texts, v: (Q, N, D) the query images
             return (F.normalize(tc, dim=-1) * F.normalize(t, dim=-1)).sum(-1)
 
         if query_side == "text":
-            return self._run(run, queries["embeds"], items["local"][candidates.to(items["local"].device)])
+            return self._run(run, queries["embeds"], items["local"])
         return self._run(run, items["embeds"][candidates.to(items["embeds"].device)], queries["local"])
 
     def tie_tolerance(self, texts: Payload, images: Payload) -> float:

@@ -11,7 +11,8 @@ text-conditioned attention pool (:class:`losses.flair.TextConditionedAttentionPo
   ``text_projection``);
 - the pool, ``visual_proj`` in the authors' checkpoints (submodules ``attn``, ``ln_q``, ``ln_k``, ``ln_v``);
 - ``logit_scale`` initialised to ``log(1 / 0.07)`` (CLIP's, as the authors' code) and ``logit_bias`` to
-  -10; the objective term clamps the scale to ``[0, ln 100]`` after every step.
+  -10 (a config's ``init_logit_bias`` overrides it: ``small-flair``, the CPU recipe's model, starts at -4);
+  the objective term clamps the scale to ``[0, ln 100]`` after every step.
 
 Folders of this family hold ``flair_config.json`` (the open_clip model config, the pool's heads, the
 preprocessing) and ``flair_model.safetensors`` whose tensors carry the AUTHORS' parameter names
@@ -163,19 +164,20 @@ class FlairDualEncoder(OpenCLIPDualEncoder):
 def build_flair(model_cfg: dict[str, Any], *, pool_heads: int = POOL_HEADS, name_or_path: str = "flair",
                 preprocess_cfg: dict[str, Any] | None = None, context_length: int | None = None) -> FlairDualEncoder:
     """A FLAIR model with random weights from an open_clip model config (``embed_dim``, ``vision_cfg``,
-    ``text_cfg``), logit scale ``log(1/0.07)``, bias -10, the pool with ``pool_heads`` heads."""
+    ``text_cfg``), logit scale ``log(1/0.07)``, bias ``model_cfg["init_logit_bias"]`` (default -10, the paper's),
+    the pool with ``pool_heads`` heads."""
     from open_clip import CLIP, SimpleTokenizer, set_model_preprocess_cfg
     from open_clip.transform import PreprocessCfg, merge_preprocess_dict
 
     cfg = deepcopy(model_cfg)
-    cfg.pop("init_logit_bias", None)
+    bias = float(cfg.pop("init_logit_bias", INIT_LOGIT_BIAS))
     cfg.pop("init_logit_scale", None)
-    model = CLIP(**cfg, init_logit_scale=INIT_LOGIT_SCALE, init_logit_bias=INIT_LOGIT_BIAS)
+    model = CLIP(**cfg, init_logit_scale=INIT_LOGIT_SCALE, init_logit_bias=bias)
     pp = merge_preprocess_dict(PreprocessCfg(), {"size": model.visual.image_size, **(preprocess_cfg or {})})
     set_model_preprocess_cfg(model, pp)
     n = context_length or int(cfg.get("text_cfg", {}).get("context_length", 77))
     return FlairDualEncoder(model.eval(), SimpleTokenizer(context_length=n),
-                            {**cfg, "init_logit_bias": INIT_LOGIT_BIAS}, pool_heads=pool_heads,
+                            {**cfg, "init_logit_bias": bias}, pool_heads=pool_heads,
                             name_or_path=name_or_path)
 
 
@@ -352,10 +354,16 @@ def tiny_flair_config() -> dict[str, Any]:
             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 1, "layers": 2}}
 
 
+#: the CPU recipe's initial logit bias: about -ln(32), the batch (a choice; the paper gives only -10). From
+#: -10, AdamW moves the bias by about lr per step, so a few hundred steps at lr 1e-3 cannot calibrate it and
+#: the towers collapse to the chance-level constant; ``flair-vit-b-16`` keeps the paper's -10.
+SMALL_INIT_LOGIT_BIAS = -4.0
+
+
 def small_flair_config() -> dict[str, Any]:
     """The CPU recipe's size (``flair_tiny_synthetic.yaml``): 2 layers, width 64 (one 64-wide head) in both
-    towers, 64-pixel images, patch 8 (64 patches)."""
-    return {"embed_dim": 64,
+    towers, 64-pixel images, patch 8 (64 patches); logit bias initialised to :data:`SMALL_INIT_LOGIT_BIAS`."""
+    return {"embed_dim": 64, "init_logit_bias": SMALL_INIT_LOGIT_BIAS,
             "vision_cfg": {"image_size": 64, "layers": 2, "width": 64, "patch_size": 8},
             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 1, "layers": 2}}
 

@@ -130,3 +130,21 @@ def test_conditioned_scores_equal_the_pool_called_per_image(model):
         for max_elements in (1, 64 * 11 * 2, 2 ** 24):
             torch.testing.assert_close(conditioned_scores(model.pool, texts, local, max_elements=max_elements),
                                        reference, rtol=0, atol=1e-5)
+
+
+def test_candidate_scores_grouped_by_image_equal_the_full_scores(model):
+    """The prefilter's grouped form (each candidate image's keys / values once per block) gives, for every
+    (text, candidate) pair, the full score matrix's entry: candidates shared by several texts, repeated,
+    in any order, in every blocking (one image and one pair per block, a few, all)."""
+    from finetune.flair_scorers import candidate_scores, conditioned_scores
+
+    torch.manual_seed(5)
+    texts, local = torch.randn(6, 64), torch.randn(9, 16, 64)
+    candidates = torch.tensor([[8, 0, 3], [3, 3, 1], [0, 8, 2], [5, 7, 8], [2, 1, 0], [4, 6, 3]])
+    with torch.no_grad():
+        full = conditioned_scores(model.pool, texts, local)
+        expected = full.gather(1, candidates)
+        for max_elements in (1, 17 * 64 * 2, 17 * 64 * 5, 2 ** 24):
+            got = candidate_scores(model.pool, texts, local, candidates, max_elements=max_elements)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        assert candidate_scores(model.pool, texts[:0], local, candidates[:0]).shape == (0, 3)

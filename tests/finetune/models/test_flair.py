@@ -49,6 +49,11 @@ def test_family_is_registered_and_registry_builds_flair(tiny):
     assert isinstance(tiny, FlairDualEncoder) and tiny.backend == "flair" and tiny.family == "clip"
     assert tiny.logit_scale.item() == pytest.approx(math.log(1 / 0.07))
     assert tiny.logit_bias.item() == -10.0
+    # the CPU recipe's model starts its bias at -4 (a documented choice); configs without the key keep -10
+    from finetune.models.flair import SMALL_INIT_LOGIT_BIAS, flair_vit_b16_config
+
+    assert build_model("small-flair").logit_bias.item() == SMALL_INIT_LOGIT_BIAS == -4.0
+    assert "init_logit_bias" not in flair_vit_b16_config()
     assert tiny.pool.attn.embed_dim == 64 and tiny.pool.attn.num_heads == 8
     assert {"attn", "ln_q", "ln_k", "ln_v"} <= set(dict(tiny.pool.named_children()))
 

@@ -192,3 +192,20 @@ def test_a_string_caption_field_in_the_shards_stops_the_run_naming_it(tmp_path):
     _reset_accelerate()
     with pytest.raises(TypeError, match="long_IB_captions"):
         run(_stream_recipe(urls, tmp_path / "run"))
+
+
+def test_class_token_gets_its_gradient_from_l_mps_only(model):
+    """The global (class-token) embedding is trained by L_mps (FLAIR eq. 3-4): with add_mps it gets a
+    gradient, without it none (L_tcs reads only the local tokens)."""
+    term = _term(k=2)
+    objective, batch = _batch(model, term, n=3)
+    with torch.no_grad():
+        glob, local = model.encode_local(batch["image_inputs"]["pixel_values"])
+        texts = model.encode_text(batch[FIELD_IDS], batch[FIELD_MASK]).embeds.view(3, 2, -1)
+    indices = term._text_indices(3, torch.device("cpu"))
+    for add_mps in (True, False):
+        leaf = glob.clone().requires_grad_()
+        loss = flair_loss(texts, local, leaf, model.pool, model.logit_scale.exp().detach(),
+                          model.logit_bias.detach(), text_indices=indices, add_mps=add_mps)
+        loss.backward()
+        assert (leaf.grad is not None and leaf.grad.abs().sum() > 0) == add_mps
