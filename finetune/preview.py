@@ -24,7 +24,7 @@ from typing import Any
 
 from finetune.models.atomic import give_user_permissions
 
-__all__ = ["main", "preview_recipe", "render_preview"]
+__all__ = ["main", "preview_recipe", "render_preview", "save_png_atomic"]
 
 log = logging.getLogger("xlipkit")
 
@@ -69,6 +69,30 @@ def _text_lines(item: dict[str, Any], width: int, max_chunks: int) -> list[tuple
     return lines
 
 
+def save_png_atomic(fig: Any, path: str | Path, *, dpi: int = 110) -> Path:
+    """Write the matplotlib figure ``fig`` to ``path`` as a PNG atomically (a temporary file beside it, then
+    ``os.replace``; the user's usual permissions), creating the folder, and close the figure. Returns ``path``."""
+    import os
+    import tempfile
+
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        give_user_permissions(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+    return path
+
+
 def render_preview(
     items: list[dict[str, Any]],
     path: str | Path,
@@ -98,9 +122,6 @@ def render_preview(
     """
     if not items:
         raise ValueError("render_preview needs at least one example")
-    import os
-    import tempfile
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,20 +165,7 @@ def render_preview(
                          **{"fontsize": _FONT, "family": "DejaVu Sans", **style})
     if title:
         fig.suptitle(title, fontsize=11, x=0.01, ha="left", y=1 - 0.15 / (sum(heights) + head))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=dpi)
-        give_user_permissions(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    finally:
-        plt.close(fig)
-    return path
+    return save_png_atomic(fig, path, dpi=dpi)
 
 
 def _structxlip_term(recipe: Any) -> Any:

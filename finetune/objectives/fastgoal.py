@@ -42,6 +42,9 @@ from finetune.models.frozen import FrozenEncoders, model_fingerprint
 from losses import clip_loss
 
 from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
+from .checks import at_least_one as _at_least_one
+from .checks import non_negative as _non_negative
+from .checks import unit as _unit
 from .registry import register_term
 
 __all__ = ["FastGoalOptions", "FastGoalTerm", "FastGoalWeights", "FlismOptions", "build_fastgoal"]
@@ -51,22 +54,6 @@ logger = logging.getLogger("xlipkit")
 TERM_NAME = "fastgoal"
 #: columns of a pairs file written by ``python -m finetune.preprocess.flism`` (``regions.method: pairs``)
 PAIR_COLUMNS = ("box", "sentence_index")
-
-
-def _positive(value: Any) -> str | None:
-    return None if value is None or value > 0 else f"must be > 0, got {value!r}"
-
-
-def _non_negative(value: Any) -> str | None:
-    return None if value is None or value >= 0 else f"must be >= 0, got {value!r}"
-
-
-def _at_least_one(value: Any) -> str | None:
-    return None if value is None or value >= 1 else f"must be >= 1, got {value!r}"
-
-
-def _unit(value: Any) -> str | None:
-    return None if value is None or 0 <= value <= 1 else f"must be in [0, 1], got {value!r}"
 
 
 @dataclass

@@ -66,6 +66,10 @@ from losses.structxlip import (
     official_weight_decay,
 )
 
+from .checks import at_least_one as _at_least_one
+from .checks import non_negative as _non_negative
+from .checks import positive as _positive
+from .checks import unit as _unit
 from .registry import register_term
 from .base import Batch, Features, ImageRequest, Term, TextRequest, length_buckets, scale_of
 from .contrastive import image_request
@@ -95,22 +99,6 @@ CODE_VERSION = "2"  # 2: chunks from finetune.data.text.split_sentences
 
 
 # -- options (validated by the recipe schema) ---------------------------------------------------------
-def _positive(value: Any) -> str | None:
-    return None if value is None or value > 0 else f"must be > 0, got {value!r}"
-
-
-def _non_negative(value: Any) -> str | None:
-    return None if value is None or value >= 0 else f"must be >= 0, got {value!r}"
-
-
-def _at_least_one(value: Any) -> str | None:
-    return None if value is None or value >= 1 else f"must be >= 1, got {value!r}"
-
-
-def _unit(value: Any) -> str | None:
-    return None if value is None or 0 <= value <= 1 else f"must be in [0, 1], got {value!r}"
-
-
 @dataclass
 class StructXLIPWeights:
     """lambda_1-3 of eq. 4; ``null`` takes the ``compat`` default (paper 0.25 / 0.1 / 0.1, section 4;

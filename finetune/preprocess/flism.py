@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.metadata
 import json
 import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,15 @@ from torch import Tensor
 from finetune.data.text import split_sentences
 
 from .cache import cached_map
-from .regions import Box, crop_box, default_regions, preserve_thread_settings
+from .regions import (
+    Box,
+    _encode_in_batches,
+    _file_sha256,
+    _ultralytics_version,
+    crop_box,
+    default_regions,
+    preserve_thread_settings,
+)
 
 __all__ = [
     "DatasetBoxes",
@@ -90,14 +97,6 @@ DETECTOR_HINT = ("the detector is a transformers YOLOS folder or hub id (e.g. hu
 
 
 # -- candidate generators -----------------------------------------------------------------------------
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _folder_id(name: str) -> str:
     """A cache id of a model folder (its weights' sha256) or of a hub id (the id itself)."""
     path = Path(name).expanduser()
@@ -116,6 +115,18 @@ def _clip_box(box: Sequence[float], width: int, height: int) -> Box | None:
     if x2 - x1 < 1 or y2 - y1 < 1:
         return None
     return (x1, y1, x2, y2)
+
+
+def _best_boxes(boxes: Iterable[Sequence[float]], width: int, height: int, max_boxes: int | None) -> list[Box]:
+    """``boxes`` (best first) clipped to the image, degenerate ones and repeats dropped, at most ``max_boxes``."""
+    out: list[Box] = []
+    for raw in boxes:
+        box = _clip_box(raw, width, height)
+        if box is not None and box not in out:
+            out.append(box)
+        if max_boxes is not None and len(out) >= max_boxes:
+            break
+    return out
 
 
 def _class_filter(classes: Sequence[str | int] | None, id2label: dict[int, str], where: str) -> set[int] | None:
@@ -204,16 +215,9 @@ class YolosDetector:
                                                                      target_sizes=sizes)
             for im, res in zip(batch, results):
                 order = res["scores"].argsort(descending=True).tolist()
-                boxes: list[Box] = []
-                for j in order:
-                    if self._ids is not None and int(res["labels"][j]) not in self._ids:
-                        continue
-                    box = _clip_box(res["boxes"][j].tolist(), im.width, im.height)
-                    if box is not None and box not in boxes:
-                        boxes.append(box)
-                    if self.max_boxes is not None and len(boxes) >= self.max_boxes:
-                        break
-                out.append(boxes)
+                kept = [j for j in order if self._ids is None or int(res["labels"][j]) in self._ids]
+                out.append(_best_boxes((res["boxes"][j].tolist() for j in kept), im.width, im.height,
+                                       self.max_boxes))
         return out
 
 
@@ -258,10 +262,9 @@ class UltralyticsDetector:
         """Cache-key parameters (the checkpoint by content)."""
         if self._sha256 is None:
             self._sha256 = _file_sha256(self.checkpoint)
-        version = importlib.metadata.version("ultralytics")  # importing it would drop OpenCV's threads
         return {"detector": "ultralytics", "checkpoint_sha256": self._sha256, "threshold": self.threshold,
                 "classes": self.classes, "max_boxes": self.max_boxes, "imgsz": self.imgsz,
-                "ultralytics": ".".join(version.split(".")[:2])}
+                "ultralytics": _ultralytics_version()}
 
     def _load(self) -> Any:
         if self._model is None:
@@ -293,14 +296,7 @@ class UltralyticsDetector:
                 for im, res in zip(batch, results):
                     xyxy = res.boxes.xyxy.float().cpu()
                     order = res.boxes.conf.float().cpu().argsort(descending=True).tolist()
-                    boxes: list[Box] = []
-                    for j in order:
-                        box = _clip_box(xyxy[j].tolist(), im.width, im.height)
-                        if box is not None and box not in boxes:
-                            boxes.append(box)
-                        if self.max_boxes is not None and len(boxes) >= self.max_boxes:
-                            break
-                    out.append(boxes)
+                    out.append(_best_boxes((xyxy[j].tolist() for j in order), im.width, im.height, self.max_boxes))
         return out
 
 
@@ -552,14 +548,6 @@ def flism_features() -> datasets.Features:
     })
 
 
-def _encode_in_batches(encode: Callable[[list[Any]], Tensor], items: list[Any], batch_size: int) -> Tensor | None:
-    if not items:
-        return None
-    with torch.no_grad():
-        parts = [encode(items[i: i + batch_size]).detach().float().cpu() for i in range(0, len(items), batch_size)]
-    return torch.cat(parts)
-
-
 def _linked(objects: list[dict[str, Any]] | None, sentences: list[str], dataset_sentences: list[str] | None
             ) -> list[tuple[int, int]]:
     """``(sentence index into sentences, object index)`` of each object whose ``sentence_index`` (into the
@@ -722,8 +710,6 @@ def flism_stats(dataset: datasets.Dataset, *, bins: int = 10) -> dict[str, Any]:
 def render_flism_preview(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "FLISM pairs") -> Path:
     """Draw each example (image with its candidate boxes dashed, found boxes in blue, defaults in grey, the kept
     pairs' boxes in red) beside its caption's kept sentence and similarity; written atomically as a PNG."""
-    import tempfile
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -731,7 +717,7 @@ def render_flism_preview(rows: Sequence[dict[str, Any]], path: str | Path, *, ti
     import matplotlib.pyplot as plt
 
     from finetune.data.images import read_image
-    from finetune.models.atomic import give_user_permissions
+    from finetune.preview import save_png_atomic
 
     rows = list(rows)
     fig, axes = plt.subplots(max(1, len(rows)), 2, figsize=(10, 2.6 * max(1, len(rows))), squeeze=False,
@@ -762,20 +748,7 @@ def render_flism_preview(rows: Sequence[dict[str, Any]], path: str | Path, *, ti
         ax_text.text(0, 1, "\n".join(wrapped), va="top", ha="left", fontsize=7.5, family="DejaVu Sans")
     fig.suptitle(title, fontsize=10, x=0.01, ha="left")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110)
-        give_user_permissions(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    finally:
-        plt.close(fig)
-    return path
+    return save_png_atomic(fig, path, dpi=110)
 
 
 # -- pairs as a dataset (GLIT100k-style; FAST-GOAL†† two-stage training) -------------------------------

@@ -191,6 +191,12 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _ultralytics_version() -> str:
+    """ultralytics' ``major.minor`` for cache keys, from the package metadata (importing ultralytics here would
+    drop OpenCV's threads)."""
+    return ".".join(importlib.metadata.version("ultralytics").split(".")[:2])
+
+
 class FastSAMRegions:
     """FastSAM masks of the colour image -> region boxes (paper 3.2, D.3), through ultralytics.
 
@@ -261,8 +267,6 @@ class FastSAMRegions:
         """Settings that determine the regions (the checkpoint by content), for cache keys."""
         if self._sha256 is None:
             self._sha256 = _file_sha256(self.checkpoint)
-        # The version from the package metadata: importing ultralytics here would drop OpenCV's threads.
-        version = importlib.metadata.version("ultralytics")
         return {
             "segmenter": "fastsam",
             "checkpoint_sha256": self._sha256,
@@ -272,7 +276,7 @@ class FastSAMRegions:
             "min_area": self.min_area,
             "max_area": self.max_area,
             "max_regions": self.max_regions,
-            "ultralytics": ".".join(version.split(".")[:2]),
+            "ultralytics": _ultralytics_version(),
         }
 
     def _load(self) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 
-import datasets
 import pytest
 from PIL import Image, ImageDraw
 
@@ -13,11 +12,7 @@ from finetune.models.registry import save_tiny
 from finetune.preview import main, render_preview
 
 
-@pytest.fixture(autouse=True)
-def _quiet_datasets():
-    datasets.disable_progress_bars()
-    yield
-    datasets.enable_progress_bars()
+pytestmark = pytest.mark.usefixtures("quiet_datasets")
 
 
 def _item(index: int, chunks: int = 2) -> dict:

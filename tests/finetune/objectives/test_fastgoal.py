@@ -9,7 +9,6 @@ import json
 import math
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,11 +28,7 @@ from losses import clip_loss
 from losses.tsl import TSL_HEADS_NAME, TSLHeads
 
 
-@pytest.fixture(autouse=True)
-def _quiet_datasets():
-    datasets.disable_progress_bars()
-    yield
-    datasets.enable_progress_bars()
+pytestmark = pytest.mark.usefixtures("quiet_datasets")
 
 
 @pytest.fixture(scope="module")

@@ -48,11 +48,7 @@ REPO = Path(__file__).resolve().parents[3]
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black", "grey", "pink", "cyan")
 
 
-@pytest.fixture(autouse=True)
-def _quiet_datasets():
-    datasets.disable_progress_bars()
-    yield
-    datasets.enable_progress_bars()
+pytestmark = pytest.mark.usefixtures("quiet_datasets")
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,7 @@ import pytest
 from finetune.preprocess.cache import cache_key, cached_map, default_cache_dir
 
 
-@pytest.fixture(autouse=True)
-def _quiet_datasets():
-    datasets.disable_progress_bars()
-    yield
-    datasets.enable_progress_bars()
+pytestmark = pytest.mark.usefixtures("quiet_datasets")
 
 
 def _dataset() -> datasets.Dataset:

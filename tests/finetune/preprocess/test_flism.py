@@ -39,11 +39,7 @@ from tests.finetune.preprocess.tiny_detectors import save_tiny_sam, save_tiny_yo
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_datasets():
-    datasets.disable_progress_bars()
-    yield
-    datasets.enable_progress_bars()
+pytestmark = pytest.mark.usefixtures("quiet_datasets")
 
 
 @pytest.fixture(scope="module")

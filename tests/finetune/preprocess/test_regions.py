@@ -26,11 +26,7 @@ from finetune.preprocess.regions import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _quiet_datasets():
-    datasets.disable_progress_bars()
-    yield
-    datasets.enable_progress_bars()
+pytestmark = pytest.mark.usefixtures("quiet_datasets")
 
 
 @pytest.fixture(scope="module")
