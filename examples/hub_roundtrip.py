@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     overrides = [f"output.dir={out}", f"train.max_steps={args.steps}", f"data.train.size={args.train_size}",
-                 f"eval.sets.0.size={args.eval_size}", "train.trackers=[]"]
+                 f"eval.sets.0.size={args.eval_size}", "train.trackers=[]",
+                 # the quickstart's model from its registry config, not its pretrained start (model.init_from
+                 # would train that first) nor its clip-only comparison: a round trip of a few steps
+                 "model.init_from=null", "eval.compare_with=[]"]
     if args.adapter:
         overrides.append(f"adapter.type={args.adapter}")
     try:
