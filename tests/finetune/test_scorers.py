@@ -308,7 +308,7 @@ def test_payload_helpers():
 
 # -- payloads gathered over processes -------------------------------------------------------------
 STATES_SCRIPT = """
-import sys, torch
+import os, sys, torch
 from accelerate import Accelerator
 from finetune.data.sources import load_source
 from finetune.evaluate import encode_for_retrieval
@@ -336,6 +336,10 @@ if acc.is_main_process:
     torch.save(out, sys.argv[1])
 acc.wait_for_everyone()
 acc.end_training()  # destroys the process group: a rank that exits with it alive can abort its peer
+sys.stdout.flush(); sys.stderr.flush()
+# Leave without C++ static destructors: even after the group is destroyed, torch's gloo teardown rarely
+# aborts a rank at interpreter exit ("terminate called without an active exception"; pytorch#179291).
+os._exit(0)
 """
 
 
