@@ -57,8 +57,9 @@ def _text_lines(item: dict[str, Any], width: int, max_chunks: int) -> list[tuple
     if chunks:
         kept = item.get("kept") or []
         colour_of = {slot: _PALETTE[i % len(_PALETTE)] for i, slot in enumerate(kept)}
-        lines.append((f"chunks -> positive regions (top-{len(item['chunk_topk'][0]) if item['chunk_topk'] else 0} "
-                      f"under the frozen model; encoded ones in colour)", grey))
+        how = ("linked by the dataset" if item.get("region_source") == "dataset" else
+               f"top-{len(item['chunk_topk'][0]) if item['chunk_topk'] else 0} under the frozen model")
+        lines.append((f"chunks -> positive regions ({how}; encoded ones in colour)", grey))
         for c, (chunk, topk) in enumerate(zip(chunks[:max_chunks], item["chunk_topk"])):
             positives = [s for s in topk if s in colour_of]
             target = ", ".join(f"r{s}" for s in positives) if positives else "no encoded region"
@@ -143,7 +144,8 @@ def render_preview(
         ax_edge.imshow(edges.convert("L") if hasattr(edges, "convert") else edges, cmap="gray", vmin=0, vmax=255)
         kept = item.get("kept") or []
         boxes = item.get("boxes") or []
-        source = "default regions" if item.get("fallback") else "FastSAM regions"
+        source = ("default regions" if item.get("fallback") else
+                  "the dataset's regions" if item.get("region_source") == "dataset" else "FastSAM regions")
         ax_edge.set_title(f"edge map I' + {source} ({len(kept)} of {len(boxes)} encoded)" if boxes else "edge map I'",
                           fontsize=_FONT + 0.4, loc="left")
         for slot, box in enumerate(boxes):

@@ -836,6 +836,7 @@ class StructXLIPTerm(Term):
                 "chunks": list(example["chunks"]),
                 "chunk_topk": [list(t) for t in example["chunk_topk"]],
                 "fallback": bool(example["region_fallback"]),
+                "region_source": self.options.regions.source,
             })
         return fields
 

@@ -52,6 +52,18 @@ def test_render_preview_writes_one_row_per_example(tmp_path):
     assert stat.S_IMODE(os.stat(one).st_mode) == 0o666 & ~mask  # not mkstemp's 0600
 
 
+def test_preview_names_where_the_regions_came_from():
+    """Regions from the dataset are labelled as the dataset's links, not as FastSAM's top-K."""
+    from finetune.preview import _text_lines
+
+    def header(item):
+        return [line for line, _ in _text_lines(item, 140, 12) if line.startswith("chunks ->")]
+
+    assert header(_item(0)) == ["chunks -> positive regions (top-3 under the frozen model; encoded ones in colour)"]
+    assert header({**_item(0), "region_source": "dataset"}) == [
+        "chunks -> positive regions (linked by the dataset; encoded ones in colour)"]
+
+
 def test_render_preview_needs_an_example(tmp_path):
     with pytest.raises(ValueError, match="at least one example"):
         render_preview([], tmp_path / "none.png")
