@@ -99,7 +99,7 @@ def training_steps(args: argparse.Namespace) -> dict:
 
 def retrieval(args: argparse.Namespace) -> dict:
     """Best wall-clock time of text-conditioned retrieval: public way, full, top-k prefilter."""
-    from finetune.flair_scorers import FlairScorer, public_code_scores
+    from finetune.scorers_flair import FlairScorer, public_code_scores
     from finetune.models.registry import build_model
     from finetune.scorers import CosineScorer, retrieval_ranks
 

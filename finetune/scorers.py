@@ -230,7 +230,7 @@ _SCORERS: dict[str, Callable[..., Scorer]] = {}
 #: Modules of the toolkit that register scorers when imported (GRM's token-wise, FLAIR's
 #: text-conditioned); imported on the first lookup.
 BUILTIN_SCORER_MODULES: tuple[str, ...] = (
-    "finetune.flair_scorers",
+    "finetune.scorers_flair",
     "finetune.scorers_grm",
 )
 _builtins_imported = False
