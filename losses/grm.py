@@ -170,15 +170,15 @@ class TokenAdapter(nn.Module):
 
 
 @dataclass
-class GRMTextOutput:
-    """Text side of :class:`GRMHead` (granularity-aware adapter, eq. 1).
+class GatedTokens:
+    """One side of :class:`GRMHead` after its adapter (eq. 1): the tokens, their gate and the kept tokens.
 
     Attributes:
-        tokens: ``(B, Lt, d)`` T, the input token states.
-        mask: ``(B, Lt)`` bool, True for real tokens (padding never counts).
-        logits: ``(B, Lt, 2)`` D_t of eq. 1.
-        gate: ``(B, Lt)`` A_T (0 on padding); 0/1 with a hard gate and at evaluation.
-        key_tokens: ``(B, Lt, d)`` T_hat = A_T * T (eq. 1).
+        tokens: ``(B, L, d)`` the input token states (T or V).
+        mask: ``(B, L)`` bool, True for real tokens (padding never counts).
+        logits: ``(B, L, 2)`` D of eq. 1.
+        gate: ``(B, L)`` A (0 on padding); 0/1 with a hard gate and at evaluation.
+        key_tokens: ``(B, L, d)`` the key tokens A * T (eq. 1).
     """
 
     tokens: Tensor
@@ -193,15 +193,17 @@ class GRMTextOutput:
 
 
 @dataclass
-class GRMImageOutput:
-    """Image side of :class:`GRMHead` (significance-aware adapter eq. 1, regions eqs. 2-6).
+class GRMTextOutput(GatedTokens):
+    """Text side of :class:`GRMHead` (granularity-aware adapter, eq. 1): T, D_t, A_T and T_hat = A_T * T
+    (``(B, Lt, ...)``; the fields of :class:`GatedTokens`)."""
+
+
+@dataclass
+class GRMImageOutput(GatedTokens):
+    """Image side of :class:`GRMHead` (significance-aware adapter eq. 1, regions eqs. 2-6): V, D_v, A_V and
+    V_hat = A_V * V (``(B, Lv, ...)``; the fields of :class:`GatedTokens`), then
 
     Attributes:
-        tokens: ``(B, Lv, d)`` V, the input token states.
-        mask: ``(B, Lv)`` bool, True for real tokens.
-        logits: ``(B, Lv, 2)`` D_v of eq. 1.
-        gate: ``(B, Lv)`` A_V (0 on padding).
-        key_tokens: ``(B, Lv, d)`` V_hat = A_V * V (eq. 1).
         region_scores: ``(B, Lv, K)`` A_r = sigmoid(V_hat P_hat^T) (eq. 2), 0 on padding.
         region_weights: ``(B, Lv, K)`` A_hat_r, A_r normalised over the real tokens (eq. 2).
         mu: ``(B, K, d)`` region means (eq. 3).
@@ -209,20 +211,11 @@ class GRMImageOutput:
         regions: ``(B, K, d)`` U, the uncertainty-aware regions (eqs. 5-6); ``mu`` at evaluation.
     """
 
-    tokens: Tensor
-    mask: Tensor
-    logits: Tensor
-    gate: Tensor
-    key_tokens: Tensor
     region_scores: Tensor
     region_weights: Tensor
     mu: Tensor
     log_var: Tensor
     regions: Tensor
-
-    def keep_ratio(self) -> Tensor:
-        """Fraction of real tokens the gate keeps, per sample ``(B,)`` (for reports)."""
-        return _keep_ratio(self.gate, self.mask)
 
 
 @dataclass
