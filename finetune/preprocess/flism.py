@@ -59,6 +59,7 @@ from .regions import (
     _file_sha256,
     _ultralytics_version,
     crop_box,
+    load_ultralytics,
     default_regions,
     preserve_thread_settings,
 )
@@ -268,18 +269,8 @@ class UltralyticsDetector:
 
     def _load(self) -> Any:
         if self._model is None:
-            os.environ.setdefault("YOLO_OFFLINE", "1")
-            from ultralytics import YOLO  # noqa: PLC0415 - heavy, only when detecting
-            from ultralytics.nn.tasks import DetectionModel  # noqa: PLC0415
-
-            try:
-                model = YOLO(str(self.checkpoint))
-            except Exception as err:  # ultralytics raises many kinds for a file it cannot read
-                raise ValueError(f"regions.detector: could not load {str(self.checkpoint)!r} as an ultralytics "
-                                 f"checkpoint ({err}); {DETECTOR_HINT}") from err
-            if type(model.model) is not DetectionModel:
-                raise ValueError(f"regions.detector: {str(self.checkpoint)!r} holds a {type(model.model).__name__}, "
-                                 f"not a detection model; {DETECTOR_HINT}")
+            model = load_ultralytics(self.checkpoint, "YOLO", "DetectionModel", exact=True, hint=DETECTOR_HINT,
+                                     prefix="regions.detector: ")
             self._ids = _class_filter(self.classes, dict(model.names), "regions.classes")
             self._model = model
         return self._model

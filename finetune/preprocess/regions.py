@@ -61,6 +61,7 @@ __all__ = [
     "compute_regions",
     "crop_box",
     "default_regions",
+    "load_ultralytics",
     "preserve_thread_settings",
     "region_features",
     "split_chunks",
@@ -191,6 +192,29 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def load_ultralytics(checkpoint: Path, model_class: str, task_class: str, *, exact: bool, hint: str,
+                     prefix: str = "") -> Any:
+    """An ultralytics checkpoint through its model class (``"FastSAM"``, ``"YOLO"``), checked to hold a
+    ``ultralytics.nn.tasks.<task_class>`` (``exact``: that very class, as a segmentation model is also a
+    detection model). Offline by default (``YOLO_OFFLINE``). Errors start with ``prefix`` (the recipe key)
+    and end with ``hint`` (where to get a checkpoint)."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")  # no update checks or analytics by default
+    import ultralytics  # noqa: PLC0415 - heavy import, only when a checkpoint runs
+    from ultralytics.nn import tasks  # noqa: PLC0415
+
+    try:
+        model = getattr(ultralytics, model_class)(str(checkpoint))
+    except Exception as err:  # ultralytics raises many kinds for a file it cannot read
+        raise ValueError(f"{prefix}could not load {str(checkpoint)!r} as an ultralytics checkpoint ({err}); "
+                         f"{hint}") from err
+    expected = getattr(tasks, task_class)
+    if (type(model.model) is not expected) if exact else not isinstance(model.model, expected):
+        kind = "detection" if task_class == "DetectionModel" else "segmentation"
+        raise ValueError(f"{prefix}{str(checkpoint)!r} holds a {type(model.model).__name__}, not a {kind} model; "
+                         f"{hint}")
+    return model
+
+
 def _ultralytics_version() -> str:
     """ultralytics' ``major.minor`` for cache keys, from the package metadata (importing ultralytics here would
     drop OpenCV's threads)."""
@@ -281,23 +305,8 @@ class FastSAMRegions:
 
     def _load(self) -> Any:
         if self._model is None:
-            os.environ.setdefault("YOLO_OFFLINE", "1")  # no update checks or analytics by default
-            from ultralytics import FastSAM  # noqa: PLC0415 - heavy import, only when segmenting
-            from ultralytics.nn.tasks import SegmentationModel  # noqa: PLC0415
-
-            try:
-                model = FastSAM(str(self.checkpoint))
-            except Exception as err:  # ultralytics raises many kinds for a file it cannot read
-                raise ValueError(
-                    f"could not load {str(self.checkpoint)!r} as an ultralytics checkpoint ({err}); "
-                    f"{FASTSAM_DOWNLOAD_HINT}."
-                ) from err
-            if not isinstance(model.model, SegmentationModel):
-                raise ValueError(
-                    f"{str(self.checkpoint)!r} holds a {type(model.model).__name__}, not a segmentation model; "
-                    f"regions need FastSAM: {FASTSAM_DOWNLOAD_HINT}."
-                )
-            self._model = model
+            self._model = load_ultralytics(self.checkpoint, "FastSAM", "SegmentationModel", exact=False,
+                                           hint=f"regions need FastSAM: {FASTSAM_DOWNLOAD_HINT}.")
         return self._model
 
     def __call__(self, images: Sequence[Image.Image]) -> list[RegionProposals]:

@@ -34,6 +34,7 @@ from finetune.preprocess.flism import (
     select_pairs,
     write_pairs,
 )
+from finetune.preprocess.regions import preserve_thread_settings
 from tests.finetune.preprocess.tiny_detectors import save_tiny_sam, save_tiny_yolo, save_tiny_yolos
 
 REPO = Path(__file__).resolve().parents[3]
@@ -152,6 +153,22 @@ def test_ultralytics_detector_restores_thread_counts(detectors):
     assert detector.params()["checkpoint_sha256"] and detector.params()["threshold"] == 0.0
     with pytest.raises(FileNotFoundError, match="ultralytics assets"):
         UltralyticsDetector(detectors["yolo"].parent / "yolov8x.pt")
+
+
+def test_ultralytics_detector_rejects_segmenters_and_unreadable_files(tmp_path):
+    """A segmentation checkpoint (a DetectionModel subclass) is not taken for a detector; both errors name the
+    recipe key."""
+    segmenter = tmp_path / "segmenter.pt"
+    with preserve_thread_settings():
+        from ultralytics import YOLO
+
+        YOLO("yolov8n-seg.yaml").save(str(segmenter))
+    with pytest.raises(ValueError, match=r"regions.detector: .*holds a SegmentationModel, not a detection model"):
+        UltralyticsDetector(segmenter, imgsz=64)([_image()])
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="regions.detector: could not load"):
+        UltralyticsDetector(garbage, imgsz=64)([_image()])
 
 
 def test_sam_lism_candidates_through_the_mask_generation_pipeline(detectors):
