@@ -5,12 +5,11 @@ gradients). Kept in a module of its own so that spawned processes can import it.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import run_ranks
 from losses import TextConditionedAttentionPool, fcast_loss, sample_flair_text_indices
 from two_rank_cases import WORLD, Case, _even_rows, _grad, _leaf, _randn
 
@@ -62,21 +61,15 @@ def _run(case: Case, rank: int | None) -> dict:
             "param_grads": {k: _grad(v) for k, v in params.items()}}
 
 
-def _worker(rank: int, folder: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD)
-    try:
-        out = {name: _run(case, rank) for name, case in CASES.items()}
-        out["world"] = torch.tensor(dist.get_world_size())
-        torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_results(rank: int, world: int) -> dict:
+    out = {name: _run(case, rank) for name, case in CASES.items()}
+    out["world"] = torch.tensor(dist.get_world_size())
+    return out
 
 
 def run_two_ranks(folder: str) -> list[dict]:
     """Spawn two gloo processes running every case; each rank's results."""
-    mp.spawn(_worker, args=(folder,), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=True) for r in range(WORLD)]
+    return run_ranks(_rank_results, folder, WORLD)
 
 
 def assert_matches_single_process(name: str, results: list[dict]) -> None:

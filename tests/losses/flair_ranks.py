@@ -11,12 +11,11 @@ processes can import it.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import gloo_ranks
 from losses import FLAIRLoss, TextConditionedAttentionPool, flair_loss, sample_flair_text_indices
 
 B, K, N, D, HEADS = 2, 3, 4, 8, 2
@@ -104,46 +103,33 @@ def run_case(name: str, rank: int, world: int) -> dict:
     }
 
 
-def _worker(rank: int, folder: str, world: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
-    try:
-        results = {name: run_case(name, rank, world) for name in CASES}
-        results["world_size"] = dist.get_world_size()
-        torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_results(rank: int, world: int) -> dict:
+    results = {name: run_case(name, rank, world) for name in CASES}
+    results["world_size"] = dist.get_world_size()
+    return results
 
 
 def run_ranks(folder: str, world: int) -> list[dict]:
     """Spawn ``world`` gloo processes that run every case; returns each rank's results."""
-    mp.spawn(_worker, args=(folder, world), nprocs=world, join=True)
-    return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=True) for r in range(world)]
+    return gloo_ranks.run_ranks(_rank_results, folder, world)
 
 
 # --- the ring exchange primitive -------------------------------------------------------------
 
 
-def _exchange_worker(rank: int, folder: str, world: int) -> None:
+def _exchange(rank: int, world: int) -> dict:
     from losses import ring_exchange_with_grad
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
-    try:
-        x = (torch.arange(6, dtype=torch.float64).reshape(2, 3) + 100 * rank).requires_grad_(True)
-        received = ring_exchange_with_grad(x)
-        weights = torch.arange(1, 7, dtype=torch.float64).reshape(2, 3)
-        # Distinct weights per (receiving rank, source rank): the gradient shows who used what.
-        loss = sum((10 * rank + source) * (block * weights).sum() for source, block in received)
-        loss.backward()
-        torch.save({"world_size": dist.get_world_size(), "sources": torch.tensor([s for s, _ in received]),
-                    "blocks": torch.stack([b.detach() for _, b in received]), "grad": x.grad},
-                   os.path.join(folder, f"exchange{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    x = (torch.arange(6, dtype=torch.float64).reshape(2, 3) + 100 * rank).requires_grad_(True)
+    received = ring_exchange_with_grad(x)
+    weights = torch.arange(1, 7, dtype=torch.float64).reshape(2, 3)
+    # Distinct weights per (receiving rank, source rank): the gradient shows who used what.
+    loss = sum((10 * rank + source) * (block * weights).sum() for source, block in received)
+    loss.backward()
+    return {"world_size": dist.get_world_size(), "sources": torch.tensor([s for s, _ in received]),
+            "blocks": torch.stack([b.detach() for _, b in received]), "grad": x.grad}
 
 
 def run_exchange(folder: str, world: int) -> list[dict]:
     """Spawn ``world`` gloo processes that pass a tensor around the ring and backpropagate."""
-    mp.spawn(_exchange_worker, args=(folder, world), nprocs=world, join=True)
-    return [torch.load(os.path.join(folder, f"exchange{r}.pt"), weights_only=True) for r in range(world)]
+    return gloo_ranks.run_ranks(_exchange, folder, world, name="exchange")

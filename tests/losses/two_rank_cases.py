@@ -19,14 +19,12 @@ The rank-side code lives here (not in a test module) so that spawned processes c
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import run_ranks
 from losses import (
     StructXLIPLoss,
     clip_loss,
@@ -347,23 +345,15 @@ def _primitives(rank: int) -> dict:
     return out
 
 
-def _worker(rank: int, folder: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD
-    )
-    try:
-        results = {name: _run_case(case, rank) for name, case in CASES.items()}
-        results["primitives"] = _primitives(rank)
-        torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_results(rank: int, world: int) -> dict:
+    results = {name: _run_case(case, rank) for name, case in CASES.items()}
+    results["primitives"] = _primitives(rank)
+    return results
 
 
 def run_two_ranks(folder: str) -> list[dict]:
     """Spawn two gloo processes that run every case; returns each rank's results."""
-    mp.spawn(_worker, args=(folder,), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=True) for r in range(WORLD)]
+    return run_ranks(_rank_results, folder, WORLD)
 
 
 def assert_matches_single_process(name: str, results: list[dict]) -> None:

@@ -8,13 +8,12 @@ untouched. Rank-side code lives here so that spawned processes can import it.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import two_rank_cases
+from gloo_ranks import run_ranks
 from losses import GRMHead, gather_with_grad, grm_loss, token_wise_similarity, vse_hinge_loss
 from two_rank_cases import WORLD, Case, Tensors, _even_rows, _leaf, _randn, _run_case
 
@@ -95,21 +94,15 @@ GRM_CASES: dict[str, Case] = {
 two_rank_cases.CASES.update(GRM_CASES)
 
 
-def _worker(rank: int, folder: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD)
-    try:
-        results = {name: _run_case(case, rank) for name, case in GRM_CASES.items()}
-        results["world_size"] = dist.get_world_size()
-        torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_results(rank: int, world: int) -> dict:
+    results = {name: _run_case(case, rank) for name, case in GRM_CASES.items()}
+    results["world_size"] = dist.get_world_size()
+    return results
 
 
 def run_two_ranks(folder: str) -> list[dict]:
     """Spawn two gloo processes that run every GRM case; returns each rank's results."""
-    mp.spawn(_worker, args=(folder,), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=True) for r in range(WORLD)]
+    return run_ranks(_rank_results, folder, WORLD)
 
 
 assert_matches_single_process = two_rank_cases.assert_matches_single_process
