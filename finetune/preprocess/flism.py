@@ -55,12 +55,13 @@ from finetune.data.text import split_sentences
 from .cache import cached_map
 from .regions import (
     Box,
+    UltralyticsCheckpoint,
     _encode_in_batches,
     _file_sha256,
     _ultralytics_version,
     crop_box,
-    load_ultralytics,
     default_regions,
+    load_ultralytics,
     preserve_thread_settings,
 )
 
@@ -222,7 +223,7 @@ class YolosDetector:
         return out
 
 
-class UltralyticsDetector:
+class UltralyticsDetector(UltralyticsCheckpoint):
     """Object boxes from an ultralytics YOLO checkpoint (``detector: yolov8x.pt``), an option to YOLOS.
 
     torch's and OpenCV's thread counts are restored after every call (DESIGN 8).
@@ -250,20 +251,11 @@ class UltralyticsDetector:
         self.imgsz = imgsz
         self.device = device
         self.batch_size = batch_size
-        self._model: Any = None
         self._ids: set[int] | None = None
-        self._sha256: str | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_model"] = None
-        return state
 
     def params(self) -> dict[str, Any]:
         """Cache-key parameters (the checkpoint by content)."""
-        if self._sha256 is None:
-            self._sha256 = _file_sha256(self.checkpoint)
-        return {"detector": "ultralytics", "checkpoint_sha256": self._sha256, "threshold": self.threshold,
+        return {"detector": "ultralytics", "checkpoint_sha256": self.checkpoint_sha256(), "threshold": self.threshold,
                 "classes": self.classes, "max_boxes": self.max_boxes, "imgsz": self.imgsz,
                 "ultralytics": _ultralytics_version()}
 

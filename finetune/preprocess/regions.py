@@ -57,6 +57,7 @@ __all__ = [
     "FastSAMRegions",
     "RegionMatcher",
     "RegionProposals",
+    "UltralyticsCheckpoint",
     "chunk_sentence_indices",
     "compute_regions",
     "crop_box",
@@ -215,13 +216,34 @@ def load_ultralytics(checkpoint: Path, model_class: str, task_class: str, *, exa
     return model
 
 
+class UltralyticsCheckpoint:
+    """Shared by the proposers that run an ultralytics checkpoint (FastSAM here, YOLO in FLISM): the model is
+    loaded lazily into ``_model`` and dropped when pickled (``datasets.map`` worker processes load their own),
+    and the checkpoint is identified by content for cache keys."""
+
+    checkpoint: Path
+    _model: Any = None
+    _sha256: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_model"] = None
+        return state
+
+    def checkpoint_sha256(self) -> str:
+        """The checkpoint file's sha256 (computed once)."""
+        if self._sha256 is None:
+            self._sha256 = _file_sha256(self.checkpoint)
+        return self._sha256
+
+
 def _ultralytics_version() -> str:
     """ultralytics' ``major.minor`` for cache keys, from the package metadata (importing ultralytics here would
     drop OpenCV's threads)."""
     return ".".join(importlib.metadata.version("ultralytics").split(".")[:2])
 
 
-class FastSAMRegions:
+class FastSAMRegions(UltralyticsCheckpoint):
     """FastSAM masks of the colour image -> region boxes (paper 3.2, D.3), through ultralytics.
 
     Args:
@@ -278,22 +300,12 @@ class FastSAMRegions:
         self.batch_size = batch_size
         self.images = 0
         self.fallbacks = 0
-        self._model: Any = None
-        self._sha256: str | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Worker processes (datasets.map num_proc) load their own model.
-        state = self.__dict__.copy()
-        state["_model"] = None
-        return state
 
     def params(self) -> dict[str, Any]:
         """Settings that determine the regions (the checkpoint by content), for cache keys."""
-        if self._sha256 is None:
-            self._sha256 = _file_sha256(self.checkpoint)
         return {
             "segmenter": "fastsam",
-            "checkpoint_sha256": self._sha256,
+            "checkpoint_sha256": self.checkpoint_sha256(),
             "imgsz": self.imgsz,
             "conf": self.conf,
             "iou": self.iou,

@@ -323,3 +323,20 @@ def test_dataset_region_links_keep_the_linked_chunks_and_their_objects():
     bad = dict(batch, objects=[[{"box": [5, 5, 5, 9], "sentence_index": 1}]])
     with pytest.raises(ValueError, match=r"box must be \[x1, y1, x2, y2\]"):
         DatasetRegionLinks()(bad)
+
+
+def test_ultralytics_proposers_pickle_without_their_model(tmp_path):
+    """datasets.map workers get the settings, not the loaded model; the cache key is the checkpoint's content."""
+    import hashlib
+    import pickle
+
+    from finetune.preprocess.flism import UltralyticsDetector
+
+    checkpoint = tmp_path / "weights.pt"
+    checkpoint.write_bytes(b"weights")
+    for proposer in (FastSAMRegions(checkpoint), UltralyticsDetector(checkpoint)):
+        proposer._model = {"loaded": True}
+        back = pickle.loads(pickle.dumps(proposer))
+        assert back._model is None and proposer._model == {"loaded": True}
+        assert back.checkpoint == proposer.checkpoint
+        assert back.params()["checkpoint_sha256"] == hashlib.sha256(b"weights").hexdigest()
