@@ -315,7 +315,7 @@ def test_dci_complete_caption_is_dcis_complete_description(dci_masks):
         assert row["sentences"][obj["sentence_index"]].startswith(obj["label"])
 
 
-def test_dci_complete_mask_min_size_zero_keeps_the_small_mask(dci_masks):
+def test_dci_complete_mask_min_size_zero_keeps_the_small_mask_and_both_sides_count(dci_masks):
     row = _complete(load("dci", dci_masks, split="test",
                          options={"caption": "complete", "mask_min_size": 0}), 3)
     assert row["caption"].endswith("A wooden table: Its legs are thin. It holds a cup.\nChair\n"
@@ -324,10 +324,28 @@ def test_dci_complete_mask_min_size_zero_keeps_the_small_mask(dci_masks):
     small = row["objects"][2]
     assert small["box"] == [100, 100, 150, 140]
     assert row["sentences"][small["sentence_index"]] == "Small cup: It is white."
-    # a size between the small mask (50 x 40) and the others keeps it out again
-    row = _complete(load("dci", dci_masks, split="test",
-                         options={"caption": "complete", "mask_min_size": 100}), 3)
-    assert [o["label"] for o in row["objects"]] == ["A wooden table", "Chair"]
+
+    def labels(size: int) -> list[str]:
+        row = _complete(load("dci", dci_masks, split="test",
+                             options={"caption": "complete", "mask_min_size": size}), 3)
+        return [o["label"] for o in row["objects"]]
+
+    # both sides count, and a side equal to the size is kept (DCI: width >= min_width and
+    # height >= min_height); the chair is 250 x 240, the table 300 x 260
+    assert labels(240) == ["A wooden table", "Chair"]
+    assert labels(250) == ["A wooden table"]
+
+
+def test_dci_complete_columns_follow_a_pinned_id_list(dci_masks, tmp_path):
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text("sa_1001\nsa_1003\n")
+    with pytest.warns(UserWarning, match="dci:goal has 2 images"):
+        loaded = load("dci", dci_masks, protocol="goal",
+                      options={"ids_file": str(ids_file), "caption": "complete"})
+    assert ids(loaded) == ["sa_1001", "sa_1003"]
+    for row in loaded.dataset:
+        assert row["sentences"][0] == f"Short caption {int(row['id'][3:]) - 1000}."
+        assert [o["label"] for o in row["objects"]] == ["A wooden table", "Chair"]
 
 
 def test_dci_complete_without_mask_lines_is_short_and_extra_on_two_lines(dci):
