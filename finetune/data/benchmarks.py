@@ -523,7 +523,7 @@ def _dci_masks(annotation: dict) -> list[_DciMask]:
 
 
 def _dci_complete(annotation: dict, min_size: int) -> tuple[str, list[str], list[dict]]:
-    """DCI's complete description (``get_formatted_description_min_size(min_size, min_size)`` in
+    r"""DCI's complete description (``get_formatted_description_min_size(min_size, min_size)`` in
     DCI's ``dense_image.py``) with its sentences and one object per mask line.
 
     The caption is ``f"{short}\n{extra}"``, then, when any mask line remains, ``"\nThe following
