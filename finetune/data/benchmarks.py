@@ -26,6 +26,7 @@ import re
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from finetune.data.sources import (
     register_source,
     source_cache_dir,
 )
-from finetune.data.text import split_sentences
+from finetune.data.text import sentence_offsets, split_sentences
 
 __all__ = [
     "available_protocols",
@@ -94,33 +95,52 @@ _FEATURES = {
 
 
 class _Rows:
-    """Columns under construction; problem records become rows the data layer skips or raises on."""
+    """Columns under construction; problem records become rows the data layer skips or raises on.
 
-    def __init__(self, multi: bool = False) -> None:
+    Fixed columns ``id``, ``image``, ``caption`` (and ``captions`` with ``multi``); a loader may
+    declare extra per-row list columns with their ``datasets`` feature (``extra``, e.g. DCI's
+    ``sentences`` and ``objects``), given to every :meth:`add` and empty on problem rows.
+    """
+
+    def __init__(self, multi: bool = False, extra: dict[str, datasets.List] | None = None) -> None:
         self.multi = multi
         self.ids: list[str] = []
         self.images: list[str | None] = []
         self.captions: list[str] = []
         self.caption_lists: list[list[str]] = []
         self.is_problem: list[bool] = []
+        self.extra_features: dict[str, datasets.List] = dict(extra or {})
+        self.extra_columns: dict[str, list[list]] = {name: [] for name in self.extra_features}
 
     def add(
-        self, id_: str, image: Path | None, caption: str, captions: list[str] | None = None
+        self,
+        id_: str,
+        image: Path | None,
+        caption: str,
+        captions: list[str] | None = None,
+        extra: dict[str, list] | None = None,
     ) -> None:
+        extra = extra or {}
+        if set(extra) != set(self.extra_features):
+            raise ValueError(f"_Rows.add: extra columns {sorted(extra)} given, "
+                             f"{sorted(self.extra_features)} declared")
         self.ids.append(str(id_))
         self.images.append(str(image) if image is not None else None)
         self.captions.append(caption)
         self.is_problem.append(False)
         if self.multi:
             self.caption_lists.append(list(captions if captions is not None else [caption]))
+        for name, values in self.extra_columns.items():
+            values.append(list(extra[name]))
 
     def problem(self, where: str, what: str) -> None:
-        """A record that cannot become an example: an id naming it, no image, no caption.
+        """A record that cannot become an example: an id naming it, no image, no caption (and
+        empty extra columns).
 
         Not logged one by one: ``load_source`` reports the skipped count and the first ids.
         """
         logger.debug("%s: %s", where, what)
-        self.add(f"{where} ({what})", None, "", [])
+        self.add(f"{where} ({what})", None, "", [], {name: [] for name in self.extra_features})
         self.is_problem[-1] = True
 
     @property
@@ -139,6 +159,8 @@ class _Rows:
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         if self.multi:
             self.caption_lists = [self.caption_lists[i] for i in keep]
+        for name, values in self.extra_columns.items():
+            self.extra_columns[name] = [values[i] for i in keep]
 
     def to_dataset(self) -> datasets.Dataset:
         order = sorted(range(len(self.ids)), key=self.ids.__getitem__)
@@ -151,6 +173,9 @@ class _Rows:
         if self.multi:
             columns["captions"] = [self.caption_lists[i] for i in order]
             features["captions"] = datasets.List(datasets.Value("string"))
+        for name, values in self.extra_columns.items():
+            columns[name] = [values[i] for i in order]
+            features[name] = self.extra_features[name]
         return datasets.Dataset.from_dict(columns, features=datasets.Features(features))
 
 
@@ -405,6 +430,11 @@ _DCI_HOW = (
 )
 
 
+_DCI_MODES = ("short+extra", "short", "extra", "complete")
+_DCI_MASK_MIN_SIZE = 224  # DCI's get_formatted_description_min_size(min_height=224, min_width=224)
+_DCI_MASKS_INTRO = "The following can also be seen in the image:"
+
+
 def _dci_caption(annotation: dict, mode: str) -> str:
     short = annotation.get("short_caption") or ""
     extra = annotation.get("extra_caption") or ""
@@ -413,6 +443,151 @@ def _dci_caption(annotation: dict, mode: str) -> str:
     if mode == "extra":
         return extra.strip()
     return " ".join(part.strip() for part in (short, extra) if part.strip())
+
+
+class _DciMaskError(ValueError):
+    """A mask of ``mask_data`` that cannot be read; the annotation becomes a problem record."""
+
+
+@dataclass(frozen=True)
+class _DciMask:
+    """One entry of DCI's ``mask_data`` (``MaskDataEntry`` in DCI's ``dense_image.py``)."""
+
+    key: str
+    idx: int
+    box: tuple[int, int, int, int]  # x1, y1, x2, y2 from bounds.topLeft / bounds.bottomRight
+    quality: int  # 0 fine, 1 low quality, 2 unusable
+    label: str
+    caption: str
+
+    @property
+    def width(self) -> int:
+        return self.box[2] - self.box[0]
+
+    @property
+    def height(self) -> int:
+        return self.box[3] - self.box[1]
+
+    def line(self) -> str | None:
+        """The mask's line of the complete description (DCI ``_extract_caption``): ``"label:
+        caption"`` for quality 0, the label for quality 1, ``None`` (left out) for quality 2."""
+        if self.quality == 2:
+            return None
+        if self.quality == 1:
+            return self.label
+        return f"{self.label}: {self.caption}"
+
+
+def _pixel(value: Any) -> int | None:
+    """An integral pixel coordinate as an int, or ``None`` for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        return None
+    return int(value)
+
+
+def _dci_mask(key: str, entry: Any) -> _DciMask:
+    """Read one ``mask_data`` entry; :class:`_DciMaskError` names the key and the bad field."""
+    where = f"mask_data[{key!r}]"
+    if not isinstance(entry, dict):
+        raise _DciMaskError(f"{where} is not a JSON object")
+    bounds = entry.get("bounds")
+    corners = [bounds.get(corner) if isinstance(bounds, dict) else None
+               for corner in ("topLeft", "bottomRight")]
+    box = [_pixel(c.get(axis)) if isinstance(c, dict) else None
+           for c in corners for axis in ("x", "y")]
+    if any(v is None for v in box):
+        raise _DciMaskError(f"{where}: bounds must be {{topLeft: {{x, y}}, bottomRight: {{x, y}}}} "
+                            f"in integer pixels, got {bounds!r}")
+    idx, quality = entry.get("idx"), entry.get("mask_quality")
+    if isinstance(idx, bool) or not isinstance(idx, int):
+        raise _DciMaskError(f"{where}: idx must be an integer, got {idx!r}")
+    if quality not in (0, 1, 2) or isinstance(quality, bool):
+        raise _DciMaskError(f"{where}: mask_quality must be 0, 1 or 2, got {quality!r}")
+    label, caption = entry.get("label"), entry.get("caption")
+    if (quality < 2 and not isinstance(label, str)) or (quality == 0 and not isinstance(caption, str)):
+        raise _DciMaskError(f"{where}: label (mask_quality 0 and 1) and caption (mask_quality 0) "
+                            f"must be strings, got {type(label).__name__} and {type(caption).__name__}")
+    x1, y1, x2, y2 = box
+    return _DciMask(str(key), idx, (x1, y1, x2, y2), quality,
+                    label if quality < 2 else "", caption if quality == 0 else "")
+
+
+def _dci_masks(annotation: dict) -> list[_DciMask]:
+    """Every mask of ``mask_data``, ordered by ``idx`` (DCI keeps the dict's order; its keys are
+    the ``idx`` values, so the order is the same, and deterministic here)."""
+    mask_data = annotation.get("mask_data")
+    if not isinstance(mask_data, dict):
+        raise _DciMaskError("mask_data must be a JSON object (mask key -> mask), "
+                            f"got {type(mask_data).__name__}")
+    return sorted((_dci_mask(key, entry) for key, entry in mask_data.items()), key=lambda m: (m.idx, m.key))
+
+
+def _dci_complete(annotation: dict, min_size: int) -> tuple[str, list[str], list[dict]]:
+    r"""DCI's complete description (``get_formatted_description_min_size(min_size, min_size)`` in
+    DCI's ``dense_image.py``) with its sentences and one object per mask line.
+
+    The caption is ``f"{short}\n{extra}"``, then, when any mask line remains, ``"\nThe following
+    can also be seen in the image:\n"`` and the mask lines joined by ``"\n"``. Masks whose bounds
+    are narrower or lower than ``min_size`` are left out (0 keeps every mask), and so are quality-2
+    masks. Each mask line gives ``{"box": [x1, y1, x2, y2], "sentence_index": the first sentence of
+    the line, "label"}``; a line without a sentence (an empty label) gives no object.
+
+    Raises:
+        _DciMaskError: a mask without readable bounds, idx, quality or label, or a kept mask whose
+            box has no area.
+    """
+    head = f"{annotation.get('short_caption') or ''}\n{annotation.get('extra_caption') or ''}"
+    lines: list[tuple[_DciMask, str]] = []
+    for mask in _dci_masks(annotation):
+        line = mask.line()
+        if line is None or (min_size > 0 and (mask.width < min_size or mask.height < min_size)):
+            continue
+        if mask.width <= 0 or mask.height <= 0:
+            raise _DciMaskError(f"mask_data[{mask.key!r}]: bounds {list(mask.box)} have no area "
+                                "(bottomRight must be right of and below topLeft)")
+        lines.append((mask, line))
+    if not lines:
+        return head, split_sentences(head), []
+    caption = f"{head}\n{_DCI_MASKS_INTRO}\n"
+    spans = []
+    for k, (_, line) in enumerate(lines):
+        caption += "\n" if k else ""
+        spans.append((len(caption), len(caption) + len(line)))
+        caption += line
+    offsets = sentence_offsets(caption)
+    objects = []
+    for (mask, _), (begin, end) in zip(lines, spans):
+        first = next((i for i, (start, _) in enumerate(offsets) if begin <= start < end), None)
+        if first is not None:
+            objects.append({"box": list(mask.box), "sentence_index": first, "label": mask.label})
+    return caption, [caption[start:end] for start, end in offsets], objects
+
+
+def _dci_features() -> dict[str, datasets.List]:
+    """The extra columns of ``caption: complete`` (the objects schema of
+    ``finetune.data.synthetic``, with DCI's label instead of shape/colour/size)."""
+    return {
+        "sentences": datasets.List(datasets.Value("string")),
+        "objects": datasets.List({
+            "box": datasets.List(datasets.Value("int32"), length=4),
+            "sentence_index": datasets.Value("int32"),
+            "label": datasets.Value("string"),
+        }),
+    }
+
+
+def _dci_mask_min_size(spec: SourceSpec, mode: str) -> int:
+    """``options.mask_min_size``: DCI's 224 unless set; only ``caption: complete`` reads masks."""
+    if "mask_min_size" not in spec.options:
+        return _DCI_MASK_MIN_SIZE
+    size = spec.options["mask_min_size"]
+    if mode != "complete":
+        raise DataError(f"dci: options.mask_min_size applies to caption: complete only (caption is "
+                        f"{mode!r}): set caption: complete or remove mask_min_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise DataError(f"dci: options.mask_min_size must be an integer >= 0 (pixels, both sides of "
+                        f"a mask's bounds; 0 keeps every mask), got {size!r}")
+    return size
 
 
 @register_source(
@@ -429,12 +604,20 @@ def build_dci(spec: SourceSpec) -> datasets.Dataset:
     Protocol ``all`` (default): every image of every split, 7,805, caption = short_caption + " " +
     extra_caption (LoTLIP, FLAIR). ``goal``: GOAL's 1,999 test images, whose list is not part of
     DCI: give it as ``options.ids_file`` (GOAL's ``DCI_test.json`` or one id per line). Ids are
-    image file stems (``sa_1234``). ``options.caption``: ``short+extra`` (default), ``short`` or
-    ``extra``.
+    image file stems (``sa_1234``). ``options.caption``: ``short+extra`` (default), ``short``,
+    ``extra`` or ``complete``.
+
+    ``complete``: DCI's complete description (:func:`_dci_complete`: short and extra caption, then
+    one line per mask, "label: caption"), and the columns ``sentences`` and ``objects`` (each mask
+    line's box and first sentence), the ground-truth regions of StructXLIP's
+    ``regions.source: dataset``. ``options.mask_min_size`` (default 224, DCI's; 0 keeps every
+    mask) leaves out masks whose bounds are smaller. An unreadable mask makes the annotation a
+    problem record naming the file and the mask key.
     """
     mode = spec.options.get("caption", "short+extra")
-    if mode not in ("short+extra", "short", "extra"):
-        raise DataError(f"dci: options.caption must be short+extra, short or extra, got {mode!r}")
+    if mode not in _DCI_MODES:
+        raise DataError(f"dci: options.caption must be one of {', '.join(_DCI_MODES)}, got {mode!r}")
+    min_size = _dci_mask_min_size(spec, mode)
     protocol = _selection(spec, "dci")
     root = _find(_local_root(spec, "dci", _DCI_HOW), "splits.json", "dci", _DCI_HOW).parent
     splits = _read_json(root / "splits.json", "dci")
@@ -449,7 +632,7 @@ def build_dci(spec: SourceSpec) -> datasets.Dataset:
         if protocol.name == "goal":
             pinned_ids(protocol, spec.options.get("ids_file"))  # fail before reading 7,805 files
         files = [name for split in splits.values() for name in split]
-    rows = _Rows()
+    rows = _Rows(extra=_dci_features() if mode == "complete" else None)
     for name in files:
         path = root / "annotations" / name
         if not path.is_file():
@@ -466,7 +649,16 @@ def build_dci(spec: SourceSpec) -> datasets.Dataset:
             rows.problem(f"annotations/{name}", absent)
             continue
         image = annotation["image"]
-        rows.add(normalise_id(image), root / "photos" / image, _dci_caption(annotation, mode))
+        if mode != "complete":
+            rows.add(normalise_id(image), root / "photos" / image, _dci_caption(annotation, mode))
+            continue
+        try:
+            caption, sentences, objects = _dci_complete(annotation, min_size)
+        except _DciMaskError as error:
+            rows.problem(f"annotations/{name}", str(error))
+            continue
+        rows.add(normalise_id(image), root / "photos" / image, caption,
+                 extra={"sentences": sentences, "objects": objects})
     return _finish(rows, spec, protocol)
 
 

@@ -530,7 +530,7 @@ class StructXLIPTerm(Term):
                 f"objective.terms.structxlip.regions.source: dataset needs the columns 'sentences' (the caption's "
                 f"sentences) and 'objects' (a list of {{box: [x1, y1, x2, y2], sentence_index}}), which the "
                 f"training set lacks ({', '.join(missing)}; it has {dataset.column_names}); use a dataset that "
-                "provides them (e.g. synthetic) or regions.source: segmenter")
+                "provides them (synthetic, or dci with options: {caption: complete}) or regions.source: segmenter")
         links = DatasetRegionLinks(k=self.options.regions.k, chunker=self.chunker())
         log.info("structxlip regions: from the dataset (its objects' boxes, each chunk linked to the objects of "
                  "its sentence), not FastSAM + frozen matching")

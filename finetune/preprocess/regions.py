@@ -577,12 +577,13 @@ class DatasetRegionLinks:
     ground truth as R_m^K).
 
     The dataset gives, per example, ``sentences`` (the caption's sentences, ``" ".join(sentences)`` being
-    the caption) and ``objects``, a list of ``{"box": [x1, y1, x2, y2], "sentence_index": i}`` (the
-    synthetic scenes, ``finetune.data.synthetic``; a loader of DCI's masks and their captions fits the same
-    schema). Every object's box is a region; the chunks of the filtered caption (``chunker``) are mapped to
-    their sentence (:func:`chunk_sentence_indices`) and a chunk's positives are the objects of that
-    sentence (at most ``k``, in object order). Chunks that describe no object (a preamble, a relation, the
-    scene) have no positive and are left out, as eq. 1 has nothing to pull them to.
+    the caption up to whitespace) and ``objects``, a list of ``{"box": [x1, y1, x2, y2], "sentence_index":
+    i}`` (the synthetic scenes, ``finetune.data.synthetic``; DCI with ``options.caption: complete``, its
+    masks' bounds linked to the first sentence of their mask's line). Every object's box is a region; the
+    chunks of the filtered caption (``chunker``) are mapped to their sentence (:func:`chunk_sentence_indices`)
+    and a chunk's positives are the objects of that sentence (at most ``k``, in object order). Chunks that
+    describe no object (a preamble, a relation, the scene) have no positive and are left out, as eq. 1 has
+    nothing to pull them to.
 
     Returns the columns of :func:`region_features`: ``region_boxes`` ``(R, 4)``, ``region_fallback``
     (False), ``chunks`` (the linked chunks), ``chunk_topk`` ``(M, <=k)`` region indices and

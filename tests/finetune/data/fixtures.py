@@ -14,7 +14,8 @@ Layouts (see ``finetune/data/benchmarks.py`` for what each loader reads):
 - DOCCI: ``docci_descriptions.jsonlines`` (``example_id``, ``split``, ``image_file``,
   ``description``) and ``images/<image_file>``.
 - DCI: ``densely_captioned_images/{splits.json, annotations/<name>.json, photos/<image>}``, each
-  annotation with ``image``, ``short_caption``, ``extra_caption``.
+  annotation with ``image``, ``short_caption``, ``extra_caption``, ``mask_data`` (optionally
+  :data:`DCI_MASKS`).
 - Urban-1k: ``image/<N>.jpg`` and ``caption/<N>.txt``.
 - ShareGPT4V: ``share-captioner_coco_lcs_sam_1246k_1107.json`` (a list of ``{id, image,
   conversations: [{from: human, value}, {from: gpt, value}]}``) and images under ``coco/`` and
@@ -38,10 +39,10 @@ DOCCI_SPLITS = ("train", "test", "qual_dev", "qual_test")
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black", "grey", "pink")
 
 
-def _write_image(path: Path, index: int) -> None:
+def _write_image(path: Path, index: int, size: tuple[int, int] = (16, 16)) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     colour = ((37 * index) % 256, (91 * index + 40) % 256, (151 * index + 80) % 256)
-    Image.new("RGB", (16, 16), colour).save(path, format="JPEG")
+    Image.new("RGB", size, colour).save(path, format="JPEG")
 
 
 def long_caption(tag: str, index: int) -> str:
@@ -87,12 +88,35 @@ def write_docci_fixture(
     return folder
 
 
-def write_dci_fixture(folder: str | Path, n_train: int, n_valid: int, n_test: int) -> Path:
+#: The masks ``write_dci_fixture(..., masks=True)`` gives every image (``mask_data`` in DCI's
+#: format, keys deliberately out of ``idx`` order): a fine mask with a two-sentence caption, a
+#: low-quality one (its label only), an unusable one (left out) and one smaller than DCI's
+#: 224 x 224 (left out unless ``mask_min_size`` allows it). Bounds are pixels of a 400 x 300 image.
+DCI_MASKS: dict[str, dict] = {
+    "3": {"idx": 3, "bounds": {"topLeft": {"x": 100, "y": 100}, "bottomRight": {"x": 150, "y": 140}},
+          "area": 1500, "label": "Small cup", "caption": "It is white.", "mask_quality": 0,
+          "parent": 0, "requirements": [], "outer_mask": ""},
+    "0": {"idx": 0, "bounds": {"topLeft": {"x": 10, "y": 20}, "bottomRight": {"x": 310, "y": 280}},
+          "area": 60000, "label": "A wooden table", "caption": "Its legs are thin. It holds a cup.",
+          "mask_quality": 0, "parent": -1, "requirements": [3], "outer_mask": ""},
+    "2": {"idx": 2, "bounds": {"topLeft": {"x": 0, "y": 0}, "bottomRight": {"x": 400, "y": 300}},
+          "area": 90000, "label": "Blurry thing", "caption": "Hard to tell.", "mask_quality": 2,
+          "parent": -1, "requirements": [], "outer_mask": ""},
+    "1": {"idx": 1, "bounds": {"topLeft": {"x": 150, "y": 50}, "bottomRight": {"x": 400, "y": 290}},
+          "area": 40000, "label": "Chair", "caption": "", "mask_quality": 1,
+          "parent": -1, "requirements": [], "outer_mask": ""},
+}
+
+
+def write_dci_fixture(
+    folder: str | Path, n_train: int, n_valid: int, n_test: int, *, masks: bool = False
+) -> Path:
     """Write a DCI release under ``folder/densely_captioned_images``.
 
     Image ``sa_<1000+i>.jpg`` has annotation ``sa_<1000+i>.json`` with ``short_caption`` ``"Short
     caption i."`` and ``extra_caption`` :func:`long_caption` (``"dci"``, i); ``splits.json`` lists
-    the annotation files per split (train, valid, test).
+    the annotation files per split (train, valid, test). ``mask_data`` is empty, or, with
+    ``masks``, :data:`DCI_MASKS` (the images are then 400 x 300, the size the bounds refer to).
 
     Returns:
         ``folder`` (the parent of ``densely_captioned_images``).
@@ -105,13 +129,13 @@ def write_dci_fixture(folder: str | Path, n_train: int, n_valid: int, n_test: in
     for split, count in (("train", n_train), ("valid", n_valid), ("test", n_test)):
         for _ in range(count):
             stem = f"sa_{1000 + index}"
-            _write_image(root / "photos" / f"{stem}.jpg", index)
+            _write_image(root / "photos" / f"{stem}.jpg", index, (400, 300) if masks else (16, 16))
             annotation = {
                 "image": f"{stem}.jpg",
                 "short_caption": f"Short caption {index}.",
                 "extra_caption": long_caption("dci", index),
-                "mask_data": {},
-                "mask_keys": [],
+                "mask_data": DCI_MASKS if masks else {},
+                "mask_keys": list(DCI_MASKS) if masks else [],
             }
             (root / "annotations" / f"{stem}.json").write_text(json.dumps(annotation))
             splits[split].append(f"{stem}.json")

@@ -690,6 +690,32 @@ def test_dataset_regions_make_the_ground_truth_links_the_positives(model, scenes
     assert math.isfinite(float(values["structxlip/local"]))
 
 
+def test_dci_masks_are_the_ground_truth_regions_of_their_chunks(model, tmp_path):
+    """DCI with caption: complete under regions.source: dataset: each mask line's chunk has that mask's
+    box (from DCI's bounds) as its one positive; the short and extra caption's chunks have none."""
+    from tests.finetune.data.fixtures import DCI_MASKS, write_dci_fixture
+
+    folder = write_dci_fixture(tmp_path / "dci", 2, 0, 0, masks=True)
+    dci = load_source({"name": "dci", "path": str(folder), "split": "train",
+                       "options": {"caption": "complete", "mask_min_size": 0}}).dataset
+    term = StructXLIPTerm(_options(encode="pool", source="dataset", per_image=None))
+    data = term.preprocess(dci, model, cache_dir=str(tmp_path / "cache"))
+    bounds = {m["label"]: m["bounds"] for m in DCI_MASKS.values()}
+    for row in data:
+        boxes = [[float(b["topLeft"]["x"]), float(b["topLeft"]["y"]), float(b["bottomRight"]["x"]),
+                  float(b["bottomRight"]["y"])] for b in (bounds[o["label"]] for o in row["objects"])]
+        assert [list(b) for b in row["region_boxes"]] == boxes
+        linked = {chunk: [list(row["region_boxes"][r]) for r in regions]
+                  for chunk, regions in zip(row["chunks"], row["chunk_topk"])}
+        # the lexicon filter takes colour words ("white") away; each mask line's first sentence is one chunk
+        assert linked == {"A wooden table: Its legs are thin": [boxes[0]], "Chair": [boxes[1]],
+                          "Small cup: It is": [boxes[2]]}
+    batch = _batch(term, model, data, rows=(0, 1))
+    with torch.no_grad():
+        feats = _objective(term).encode(model, batch)
+    assert torch.equal(term.positives(feats), torch.eye(6, dtype=torch.bool))
+
+
 def test_dataset_regions_need_the_dataset_columns_and_no_checkpoint(model, tmp_path):
     plain = datasets.Dataset.from_dict({"image": load_source({"name": "synthetic", "size": 2}).dataset["image"],
                                         "caption": ["A red cat.", "A dog."]})
