@@ -311,6 +311,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         # an unused parameter breaks DDP (open_clip #1076): InfoNCE on a SigLIP model leaves the bias alone
         model.logit_bias.requires_grad_(False)
     model.to(accelerator.device)
+    objective.prepare_model(model)  # heads the terms add (GRM's) exist before the count and the optimiser
     n_total = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad) + sum(
         p.numel() for p in objective.parameters() if p.requires_grad)

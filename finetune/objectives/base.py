@@ -114,6 +114,11 @@ class Term(nn.Module):
     #: model parameters this term's loss reads directly (e.g. "logit_scale"); see ``detach_params``
     uses_logit_bias: bool = False
 
+    def prepare_model(self, model: Any) -> None:
+        """Add what the term needs to ``model`` (a head in ``model.inference_modules``, a model option), once,
+        before training on either data path (map-style or stream). The run calls it after the adapter and
+        before it counts parameters and builds the optimiser, so anything added here is trained and saved."""
+
     def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
         """Add this term's cached per-example fields to ``dataset`` (runs once, before training)."""
         return dataset
@@ -262,6 +267,11 @@ class Objective(nn.Module):
         return frozenset(out)
 
     # -- data side --------------------------------------------------------------------------------
+    def prepare_model(self, model: Any) -> None:
+        """Every term's :meth:`Term.prepare_model`, in term order."""
+        for t in self.all_terms:
+            t.prepare_model(model)
+
     def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
         for t in self.all_terms:
             dataset = t.preprocess(dataset, model, cache_dir=cache_dir, log=log)

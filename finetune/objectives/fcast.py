@@ -135,6 +135,10 @@ class FCastTerm(Term):
         return model
 
     # -- data ---------------------------------------------------------------------------------------
+    def prepare_model(self, model: Any) -> None:
+        """Check that the model is an F-CAST model and apply ``superpixels`` to it, on either data path."""
+        self._attach(model)
+
     def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
         """Point the model's superpixels at an on-disk cache (map-style data: each image once)."""
         self._attach(model)
@@ -149,8 +153,8 @@ class FCastTerm(Term):
         return dataset
 
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
-        """Streams: nothing to add (superpixels are computed with the pixels, uncached)."""
-        self._attach(model)
+        """Streams: nothing to add (superpixels are computed with the pixels, uncached; the model got its
+        settings in :meth:`prepare_model`)."""
         return {}
 
     def set_epoch(self, epoch: int) -> None:

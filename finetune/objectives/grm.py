@@ -193,10 +193,12 @@ class GRMTerm(Term):
         self.expanded: tuple[int, int] | None = None
 
     # -- data ---------------------------------------------------------------------------------------
-    def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
-        """Install the GRM head in the model (:func:`install_head`) and, with ``expand_captions``, turn
-        multi-caption rows into one example per caption."""
+    def prepare_model(self, model: Any) -> None:
+        """Install the GRM head in the model (:func:`install_head`), or keep the one a GRM model holds."""
         install_head(model, self.options)
+
+    def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
+        """With ``expand_captions``, turn multi-caption rows into one example per caption."""
         if not self.options.expand_captions:
             return dataset
         before = len(dataset)
@@ -207,11 +209,17 @@ class GRMTerm(Term):
                 log.info("grm: %d images -> %d training examples (one per caption)", before, len(out))
         return out
 
+    def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
+        """Streams: nothing to add; each streamed example is one image with one caption (its id keys the
+        image for the positives)."""
+        return {}
+
     def check_stream(self) -> None:
-        """The head is installed while the map-style training set is preprocessed: no streams."""
-        raise ValueError("objective term 'grm' installs its head in the model when a map-style training set is "
-                         "preprocessed, so it cannot train on a stream (data.train: webdataset/parquet/hub "
-                         "stream); use a map-style data.train")
+        """``expand_captions`` turns one row into several, which a stream cannot do."""
+        if self.options.expand_captions:
+            raise ValueError("objective.terms.grm.expand_captions: true makes one training example per caption "
+                             "of each row, which a streamed data.train cannot do; set expand_captions: false to "
+                             "train on a stream (one caption per example)")
 
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
         return {"grm_image_key": image_key(example.get("grm_image") or example.get("id", ""))}

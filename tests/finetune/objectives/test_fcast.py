@@ -125,6 +125,10 @@ def test_superpixel_overrides_are_applied_and_saved(tmp_path):
     term = _term(superpixels={"n_segments": 25, "compactness": 20.0})
     term.preprocess([], model, cache_dir=str(tmp_path))
     assert model.superpixels.n_segments == 25 and model.superpixels.method == "slic"
+    streamed = load_model("fcast-tiny", family="fcast")  # a stream has no preprocess: the run's prepare_model
+    assert streamed.superpixels.n_segments == 36  # fcast-tiny's own
+    _term(superpixels={"n_segments": 49}).prepare_model(streamed)
+    assert streamed.superpixels.n_segments == 49 and streamed.superpixel_cache_dir is None
     model.save_pretrained(str(tmp_path / "m"))
     assert load_model(str(tmp_path / "m")).superpixels.compactness == 20.0
     with pytest.raises(ValueError, match="objective.terms.fcast.superpixels"):

@@ -34,6 +34,7 @@ def _batch(model, objective, rows):
 def test_term_installs_the_head_and_computes_grm_loss_on_projected_states() -> None:
     model = load_model("tiny-clip")
     objective = _objective()
+    objective.prepare_model(model)
     rows = objective.preprocess(_scenes(), model)
     head = model.inference_modules[HEAD_KEY]
     assert isinstance(head, GRMHead) and head.dim == 32 and head.num_regions == 5
@@ -66,6 +67,7 @@ def test_keep_bias_option_initialises_the_installed_head() -> None:
 def test_gradients_reach_both_adapters_the_prompts_and_the_towers_and_clip_sits_beside() -> None:
     model = load_model("tiny-clip")
     objective = _objective(base="clip", reg_weight=0.5)
+    objective.prepare_model(model)
     rows = objective.preprocess(_scenes(), model)
     model.train()
     out = objective.loss(model, objective.encode(model, _batch(model, objective, [rows[i] for i in range(4)])))
@@ -83,6 +85,7 @@ def test_captions_of_one_image_are_positives_not_negatives(tmp_path: Path) -> No
     rows = load_source({"name": "flickr30k", "split": "train", "path": str(folder)}).dataset
     model = load_model("tiny-clip")
     objective = _objective(margin=0.5)
+    objective.prepare_model(model)
     expanded = objective.preprocess(rows, model)
     assert len(expanded) == 15 and objective.all_terms[0].expanded == (3, 15)
     assert [expanded[i]["caption"] for i in range(5)] == rows[0]["captions"]
@@ -112,6 +115,7 @@ def test_warmup_sum_epochs_sums_over_negatives_first() -> None:
     assert GRMTerm(GRMOptions()).max_violation is True
     model = load_model("tiny-clip")
     objective = _objective(warmup_sum_epochs=2)
+    objective.prepare_model(model)
     rows = objective.preprocess(_scenes(), model)
     model.eval()
     feats = objective.encode(model, _batch(model, objective, [rows[i] for i in range(6)]))
@@ -128,7 +132,7 @@ def test_head_is_saved_with_the_model_and_restored(tmp_path: Path, adapter: str)
     load_model("tiny-clip").save_pretrained(str(base))
     model = apply_adapter(load_model(str(base)), {"type": adapter, "r": 2, "alpha": 4})
     objective = _objective(num_regions=3)
-    objective.preprocess(_scenes(4), model)
+    objective.prepare_model(model)
     head = model.inference_modules[HEAD_KEY]
     assert head.prompts.requires_grad and head.num_regions == 3
     with torch.no_grad():
@@ -146,12 +150,56 @@ def test_head_is_saved_with_the_model_and_restored(tmp_path: Path, adapter: str)
         install_head(loaded, GRMOptions(num_regions=5))
 
 
-def test_streams_and_models_without_a_head_get_clear_errors() -> None:
-    term = GRMTerm()
-    with pytest.raises(ValueError, match="cannot train on a stream"):
-        term.check_stream()
+def test_streams_need_one_caption_per_example_and_models_without_a_head_get_clear_errors() -> None:
+    with pytest.raises(ValueError, match="set expand_captions: false to train on a stream"):
+        GRMTerm().check_stream()
+    GRMTerm(GRMOptions(expand_captions=False)).check_stream()
     model = load_model("tiny-clip")
     objective = _objective()
     batch = _batch(model, objective, [_scenes(2)[i] for i in range(2)])
     with pytest.raises(RuntimeError, match="has no GRM head"):
         objective.loss(model, objective.encode(model, batch))
+
+
+@pytest.mark.slow
+def test_grm_trains_on_a_stream_and_saves_its_head(tmp_path: Path, monkeypatch) -> None:
+    """On a stream (no whole-dataset preprocessing) the run installs the head before the optimiser: its
+    parameters train and are saved in final/."""
+    import json
+
+    from finetune.config import load_recipe
+    from finetune.models.registry import save_tiny
+    from finetune.run import run
+    from tests.finetune.data.test_streams import _scenes as stream_scenes
+    from tests.finetune.data.test_streams import write_webdataset
+    from tests.recipes.test_recipes import _reset_accelerate
+
+    write_webdataset(tmp_path / "shards", stream_scenes(12), 4)
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny-clip")
+    out = tmp_path / "run"
+    recipe = load_recipe(Path(__file__).resolve().parents[3] / "recipes" / "grm_tiny_synthetic.yaml", [
+        f"model.name_or_path={tiny}", "model.init_from=null", "model.max_text_len=null",
+        f"data.train={{name: webdataset, urls: '{tmp_path / 'shards'}/shard-{{00000..00002}}.tar'}}",
+        "objective.terms.grm.expand_captions=false", "objective.terms.grm.num_regions=3",
+        "eval.sets=[]", "train.max_steps=3", "train.epochs=null", "train.batch_size=4", "train.warmup_steps=1",
+        "train.mixed_precision=no", "train.trackers=[]", f"output.dir={out}"])
+    installed = {}
+    prepare = GRMTerm.prepare_model
+
+    def recording(self, model):
+        prepare(self, model)
+        installed["head"] = model.inference_modules[HEAD_KEY]
+        installed["prompts"] = installed["head"].prompts.detach().clone()
+
+    monkeypatch.setattr(GRMTerm, "prepare_model", recording)
+    _reset_accelerate()
+    assert run(recipe) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 3 and {"grm/con", "grm/reg"} <= set(metrics["final_losses"])
+    head_size = sum(p.numel() for p in installed["head"].parameters())
+    assert metrics["trainable_parameters"] == metrics["total_parameters"]  # the head is counted and trained
+    assert metrics["total_parameters"] == sum(p.numel() for p in load_model(str(tiny)).parameters()) + head_size
+    saved = load_finetuned(out / "final").inference_modules[HEAD_KEY]
+    assert saved.num_regions == 3
+    torch.testing.assert_close(saved.prompts, installed["head"].prompts.detach())  # the trained head was saved
+    assert not torch.allclose(saved.prompts, installed["prompts"])  # and the optimiser moved it
