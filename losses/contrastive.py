@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .distributed import gather_with_grad, should_gather, world_info
+from .distributed import gather_with_grad, ring_exchange_with_grad, should_gather, world_info
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ def siglip_loss(
     *,
     positives: Tensor | None = None,
     gather: bool | None = None,
+    exchange: str = "gather",
 ) -> Tensor:
     """Pairwise sigmoid loss of SigLIP (Zhai et al. 2023, section 3.2 and Algorithm 1).
 
@@ -162,11 +163,15 @@ def siglip_loss(
         positives: ``(B_image, B_text)`` bool, True where text j describes image i (several
             captions per image); default the identity (then ``B_image == B_text``). With a gather
             it indexes this rank's texts; other ranks' texts are negatives.
-        gather: ``None`` gathers when a process group of size > 1 is initialised. Distributed,
-            local images are scored against all ranks' texts gathered with autograd (the simple
-            exact scheme; open_clip's ring exchange of text blocks gives the same value with less
-            memory and is a possible optimisation). The mean over ranks equals the
-            single-process loss on the concatenated batch; every rank must pass the same shapes.
+        gather: ``None`` goes distributed when a process group of size > 1 is initialised. The
+            mean over ranks equals the single-process loss on the concatenated batch; every rank must
+            pass the same shapes.
+        exchange: how texts reach the other ranks when distributed: ``"gather"`` all-gathers them
+            with autograd and scores one ``(B_image, W * B_text)`` matrix; ``"ring"`` passes each
+            rank's text block around the ring by neighbour exchange
+            (:func:`losses.distributed.ring_exchange_with_grad`; SigLIP section 3.3's chunked
+            implementation, as open_clip's ``SigLipLoss``) and scores one ``(B_image, B_text)`` block
+            at a time, all negatives. Same value and gradients.
 
     Returns:
         Scalar loss.
@@ -181,9 +186,17 @@ def siglip_loss(
             )
         positives = torch.eye(n_image, dtype=torch.bool, device=image_embeds.device)
     _check_mask("positives", positives, (n_image, n_text))
+    if exchange not in ("gather", "ring"):
+        raise ValueError(f"siglip_loss: exchange must be 'gather' or 'ring', got {exchange!r}")
     image = F.normalize(image_embeds, dim=-1)
     text = F.normalize(text_embeds, dim=-1)
     rank, world = world_info() if should_gather(gather) else (0, 1)
+    if world > 1 and exchange == "ring":
+        own = logit_scale * image @ text.T + logit_bias
+        loss = -F.logsigmoid((positives.to(own.dtype) * 2 - 1) * own).sum()
+        for _, block in ring_exchange_with_grad(text):  # other ranks' texts: negatives only
+            loss = loss - F.logsigmoid(-(logit_scale * image @ block.T + logit_bias)).sum()
+        return loss / n_image
     if world > 1:
         text = gather_with_grad(text)
         block = positives

@@ -33,9 +33,17 @@ class ClipOptions:
     label_smoothing: float = field(default=0.0, metadata={"check": _smoothing})
 
 
+def _exchange(value: Any) -> str | None:
+    return None if value in ("gather", "ring") else f"must be 'gather' or 'ring', got {value!r}"
+
+
 @dataclass
 class SiglipOptions:
-    """``siglip`` has no options: the scale and bias are the model's ``logit_scale`` / ``logit_bias``."""
+    """``siglip``: the scale and bias are the model's ``logit_scale`` / ``logit_bias``; ``exchange`` is how
+    texts reach the other processes (``gather``: one all-gather; ``ring``: SigLIP 3.3's chunked neighbour
+    exchange, one ``(B, B)`` block at a time; same loss and gradients, see :func:`losses.siglip_loss`)."""
+
+    exchange: str = field(default="gather", metadata={"check": _exchange})
 
 
 @dataclass
@@ -84,6 +92,10 @@ class SiglipTerm(Term):
     requests = frozenset({"image", "text"})
     uses_logit_bias = True
 
+    def __init__(self, exchange: str = "gather") -> None:
+        super().__init__()
+        self.exchange = exchange
+
     def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
         return {"image": image_request(batch)}
 
@@ -98,7 +110,7 @@ class SiglipTerm(Term):
             )
         s = scale_of(model.logit_scale, detach_params)
         b = model.logit_bias.detach() if detach_params else model.logit_bias
-        return {"siglip": siglip_loss(feats["image"], feats["text"], s, b)}
+        return {"siglip": siglip_loss(feats["image"], feats["text"], s, b, exchange=self.exchange)}
 
 
 class LongClipTerm(Term):
@@ -154,7 +166,7 @@ def build_clip(options: ClipOptions) -> tuple[ClipTerm, float]:
 @register_term("siglip", SiglipOptions)
 def build_siglip(options: SiglipOptions) -> tuple[SiglipTerm, float]:
     """``siglip``: :class:`SiglipTerm` with weight 1."""
-    return SiglipTerm(), 1.0
+    return SiglipTerm(exchange=options.exchange), 1.0
 
 
 @register_term("longclip", LongClipOptions)

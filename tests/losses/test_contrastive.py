@@ -239,6 +239,24 @@ def test_longclip_loss_gradcheck_through_pca() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["clip", "clip_valid", "clip_valid_empty_rank", "siglip", "longclip"])
+@pytest.mark.parametrize("case", ["clip", "clip_valid", "clip_valid_empty_rank", "siglip", "siglip_ring", "longclip"])
 def test_two_ranks_match_one_process_on_the_concatenated_batch(two_ranks: list[dict], case: str) -> None:
     two_rank_cases.assert_matches_single_process(case, two_ranks)
+
+
+@pytest.mark.slow
+def test_siglip_ring_exchange_equals_the_gather_on_three_ranks(tmp_path) -> None:
+    """SigLIP's chunked ring (section 3.3) scores the same pairs as the all-gather: equal loss and
+    gradients on every rank of 3, and their mean is the one-process loss of the whole batch."""
+    import gloo_ranks
+
+    results = gloo_ranks.run_ranks(two_rank_cases.siglip_exchanges, str(tmp_path), 3)
+    assert [r["world"] for r in results] == [3, 3, 3]
+    for r in results:
+        for key in ("loss", "image", "text"):
+            torch.testing.assert_close(r["ring"][key], r["gather"][key], rtol=1e-12, atol=1e-12)
+    image, text = two_rank_cases._randn(9, 5, seed=11), two_rank_cases._randn(9, 5, seed=12)
+    whole = siglip_loss(image, text, torch.tensor(10.0, dtype=torch.float64), torch.tensor(-4.0, dtype=torch.float64))
+    torch.testing.assert_close(sum(r["ring"]["loss"] for r in results) / 3, whole, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="exchange must be 'gather' or 'ring'"):
+        siglip_loss(image, text, 10.0, -4.0, exchange="all")

@@ -112,7 +112,7 @@ def _make_siglip(rank: int | None):
     return inputs, params, {"image": image_rows, "text": text_rows}
 
 
-def _siglip(inputs: Tensors, params: Tensors, gather: bool | None) -> torch.Tensor:
+def _siglip(inputs: Tensors, params: Tensors, gather: bool | None, exchange: str = "gather") -> torch.Tensor:
     return siglip_loss(
         inputs["image"],
         inputs["text"],
@@ -120,6 +120,7 @@ def _siglip(inputs: Tensors, params: Tensors, gather: bool | None) -> torch.Tens
         params["bias"],
         positives=inputs["positives"],
         gather=gather,
+        exchange=exchange,
     )
 
 
@@ -280,6 +281,7 @@ CASES: dict[str, Case] = {
         lambda r: _make_clip(r, [True, False, True, True, False, False, False, False]), _clip
     ),
     "siglip": Case(_make_siglip, _siglip),
+    "siglip_ring": Case(_make_siglip, lambda i, p, g: _siglip(i, p, g, "ring")),
     "longclip": Case(_make_longclip, _longclip),
     "consistency": Case(_make_consistency, _consistency),
     "local": Case(_make_local, _local),
@@ -378,3 +380,17 @@ def assert_matches_single_process(name: str, results: list[dict]) -> None:
         assert full.abs().sum() > 0, f"{name}: reference gradient of {key} is zero"
         ddp_grad = sum(r[name]["param_grads"][key] for r in results) / WORLD
         torch.testing.assert_close(ddp_grad, full, rtol=1e-9, atol=1e-12)
+
+
+def siglip_exchanges(rank: int, world: int) -> dict:
+    """One rank of ``world``: SigLIP's loss and input gradients with ``exchange="gather"`` and ``"ring"`` on
+    its 3 image-text pairs of a ``3 * world`` batch (identity positives); run by ``gloo_ranks.run_ranks``."""
+    out = {"world": world}
+    rows = slice(3 * rank, 3 * rank + 3)
+    for exchange in ("gather", "ring"):
+        image, text = _leaf(_randn(3 * world, 5, seed=11)[rows]), _leaf(_randn(3 * world, 5, seed=12)[rows])
+        loss = siglip_loss(image, text, torch.tensor(10.0, dtype=torch.float64),
+                           torch.tensor(-4.0, dtype=torch.float64), exchange=exchange)
+        loss.backward()
+        out[exchange] = {"loss": loss.detach(), "image": image.grad, "text": text.grad}
+    return out

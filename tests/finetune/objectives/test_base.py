@@ -116,6 +116,23 @@ def test_label_smoothing_reaches_the_base_and_options_build_a_term(tmp_path):
         build_objective(types.SimpleNamespace(base="nope", terms={}, label_smoothing=None, imports=[]))
 
 
+def test_siglip_exchange_option_reaches_the_loss(monkeypatch):
+    """``objective.terms.siglip.exchange: ring`` is passed to ``siglip_loss`` (one process: the same value)."""
+    from finetune.config import ObjectiveConfig
+    from finetune.objectives import contrastive
+
+    seen = []
+    real = contrastive.siglip_loss
+    monkeypatch.setattr(contrastive, "siglip_loss", lambda *a, **k: seen.append(k["exchange"]) or real(*a, **k))
+    model = types.SimpleNamespace(logit_scale=torch.tensor(2.0), logit_bias=torch.tensor(-3.0))
+    feats = {"image": torch.randn(4, 8), "text": torch.randn(4, 8)}
+    values = [build_objective(ObjectiveConfig(base="none", terms={"siglip": {"exchange": e}})).all_terms[0]
+              .loss(model, feats)["siglip"] for e in ("gather", "ring")]
+    assert seen == ["gather", "ring"] and torch.equal(values[0], values[1])
+    with pytest.raises(ValueError, match="objective.terms.siglip.exchange.*'gather' or 'ring'"):
+        ObjectiveConfig(base="none", terms={"siglip": {"exchange": "all"}})
+
+
 def test_reserved_and_repeated_names_are_refused():
     with pytest.raises(ValueError, match="cannot name a term"):
         register_term("loss", ClipOptions)
