@@ -327,6 +327,15 @@ class GRMHead(nn.Module):
         if tokens.shape[-1] != self.dim:
             raise ValueError(f"GRMHead(dim={self.dim}): {name} has width {tokens.shape[-1]}")
 
+    def _gated(self, side: str, adapter: nn.Module, tokens: Tensor, mask: Tensor | None, stochastic: bool,
+               generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Eq. 1 on one side: the checked mask, the adapter's logits D and the gate A (0 on padding)."""
+        self._check_dim(f"{side} tokens", tokens)
+        mask = _token_mask(f"{side} mask", mask, tokens)
+        logits = adapter(tokens)
+        gate = gumbel_gate(logits, tau=self.tau, hard=self.hard, stochastic=stochastic, generator=generator) * mask
+        return mask, logits, gate
+
     def encode_text(
         self,
         tokens: Tensor,
@@ -346,12 +355,8 @@ class GRMHead(nn.Module):
         Returns:
             :class:`GRMTextOutput` (gate 0 on padding).
         """
-        self._check_dim("text tokens", tokens)
-        mask = _token_mask("text mask", mask, tokens)
-        logits = self.text_adapter(tokens)
-        gate = gumbel_gate(
-            logits, tau=self.tau, hard=self.hard, stochastic=self._stochastic(stochastic), generator=generator
-        ) * mask
+        mask, logits, gate = self._gated("text", self.text_adapter, tokens, mask, self._stochastic(stochastic),
+                                         generator)
         return GRMTextOutput(tokens, mask, logits, gate, tokens * gate[..., None])
 
     def encode_image(
@@ -377,13 +382,8 @@ class GRMHead(nn.Module):
             :class:`GRMImageOutput`; padding has gate 0 and region weight 0, and each region's
             weights sum to 1 over the real tokens (also when K exceeds their number).
         """
-        self._check_dim("image tokens", tokens)
-        mask = _token_mask("image mask", mask, tokens)
         stochastic = self._stochastic(stochastic)
-        logits = self.vision_adapter(tokens)
-        gate = gumbel_gate(
-            logits, tau=self.tau, hard=self.hard, stochastic=stochastic, generator=generator
-        ) * mask
+        mask, logits, gate = self._gated("image", self.vision_adapter, tokens, mask, stochastic, generator)
         key_tokens = tokens * gate[..., None]
         prompts = F.normalize(self.prompts, dim=-1).to(key_tokens.dtype)
         region_scores = torch.sigmoid(key_tokens @ prompts.T) * mask[..., None]

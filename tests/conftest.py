@@ -1,6 +1,8 @@
 """Test-wide settings: no test touches a hub or the network."""
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -19,3 +21,20 @@ def quiet_datasets():
     datasets.disable_progress_bars()
     yield
     datasets.enable_progress_bars()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_dir(name)``: the folder tiny registry model ``name`` was saved to (once per session), read by any test
+    that loads a saved model the way a user's local folder or hub id is loaded."""
+    from finetune.models.registry import save_tiny
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    saved: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in saved:
+            saved[name] = save_tiny(name, root / name)
+        return saved[name]
+
+    return get

@@ -17,7 +17,6 @@ import yaml
 from finetune import load_finetuned, load_model
 from finetune.hub import HubPushError, export, main, push, read_run, stage_upload
 from finetune.model_card import read_front_matter
-from finetune.models.registry import save_tiny
 from tests.finetune.hub_runs import AFTER, CAPTIONS, FAKE_TOKEN, embeddings, images, make_run, snapshot
 
 REPO_ID = "me/tiny-clip-long"
@@ -26,20 +25,6 @@ ADAPTER_FILES = {"README.md", "adapter_config.json", "adapter_model.safetensors"
                  "preprocessor_config.json"}
 FULL_HF_FILES = {"README.md", "config.json", "model.safetensors", "xlipkit.json", "recipe.yaml", "metrics.json",
                  "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"}
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory: pytest.TempPathFactory):
-    """``tiny_base(name)``: a tiny registry model saved as a local folder (a local base model)."""
-    root = tmp_path_factory.mktemp("bases")
-    saved: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in saved:
-            saved[name] = save_tiny(name, root / name)
-        return saved[name]
-
-    return get
 
 
 @pytest.fixture(scope="module")
@@ -229,10 +214,10 @@ def test_push_stops_when_the_token_is_left_in_a_run_file(tmp_path: Path, monkeyp
     assert hub.calls == []
 
 
-def test_adapter_over_a_local_base_needs_merge_or_a_hub_base_id(tiny_base, tmp_path: Path) -> None:
+def test_adapter_over_a_local_base_needs_merge_or_a_hub_base_id(tiny_dir, tmp_path: Path) -> None:
     from transformers import CLIPModel
 
-    run = make_run(tmp_path / "run", str(tiny_base("tiny-clip")), "lora")
+    run = make_run(tmp_path / "run", str(tiny_dir("tiny-clip")), "lora")
     with pytest.raises(ValueError, match=r"local base model .*--merge.*--base-model"):
         stage_upload(run, tmp_path / "refused", repo_id=REPO_ID)
     assert not (tmp_path / "refused").exists()
@@ -296,11 +281,11 @@ def test_cli_stage_only_writes_the_upload_folder(clip_run: Path, tmp_path: Path,
 # -- export ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("adapter", ["lora", "dora"])
 @pytest.mark.parametrize("name", ["tiny-clip", "tiny-siglip"])
-def test_export_loads_with_plain_transformers_and_matches_the_run(tiny_base, tmp_path: Path, name: str,
+def test_export_loads_with_plain_transformers_and_matches_the_run(tiny_dir, tmp_path: Path, name: str,
                                                                    adapter: str) -> None:
     from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel, SiglipModel
 
-    run = make_run(tmp_path / "run", str(tiny_base(name)), adapter)
+    run = make_run(tmp_path / "run", str(tiny_dir(name)), adapter)
     out = export(run, tmp_path / "export")
     cls = CLIPModel if name == "tiny-clip" else SiglipModel
     plain, loading = cls.from_pretrained(out, output_loading_info=True)
@@ -326,8 +311,8 @@ def test_export_loads_with_plain_transformers_and_matches_the_run(tiny_base, tmp
 
 
 @pytest.mark.slow
-def test_exported_folder_loads_where_xlipkit_cannot_be_imported(tiny_base, tmp_path: Path) -> None:
-    run = make_run(tmp_path / "run", str(tiny_base("tiny-clip")), "lora")
+def test_exported_folder_loads_where_xlipkit_cannot_be_imported(tiny_dir, tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", str(tiny_dir("tiny-clip")), "lora")
     out = export(run, tmp_path / "export")
     ours = load_finetuned(run / "final")
     ids = ours.tokenize(CAPTIONS)
@@ -348,10 +333,10 @@ def test_exported_folder_loads_where_xlipkit_cannot_be_imported(tiny_base, tmp_p
     _assert_close((torch.load(tmp_path / "text.pt", weights_only=True),), (embeddings(ours)[0],))
 
 
-def test_export_of_an_open_clip_run_loads_with_open_clip(tiny_base, tmp_path: Path) -> None:
+def test_export_of_an_open_clip_run_loads_with_open_clip(tiny_dir, tmp_path: Path) -> None:
     import open_clip
 
-    run = make_run(tmp_path / "run", str(tiny_base("tiny-openclip")), "lora")
+    run = make_run(tmp_path / "run", str(tiny_dir("tiny-openclip")), "lora")
     out = export(run, tmp_path / "export")
     assert {p.name for p in out.iterdir()} == {"open_clip_config.json", "open_clip_model.safetensors", "xlipkit.json"}
     assert json.loads((out / "open_clip_config.json").read_text())["model_cfg"]["text_cfg"]["context_length"] == 248
@@ -369,9 +354,9 @@ def test_export_of_an_open_clip_run_loads_with_open_clip(tiny_base, tmp_path: Pa
     _assert_close(plain, mine)
 
 
-def test_export_rejects_other_formats_and_busy_folders(tiny_base, tmp_path: Path,
+def test_export_rejects_other_formats_and_busy_folders(tiny_dir, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture) -> None:
-    run = make_run(tmp_path / "run", str(tiny_base("tiny-openclip")), "lora")
+    run = make_run(tmp_path / "run", str(tiny_dir("tiny-openclip")), "lora")
     with pytest.raises(ValueError, match="exports to format 'open_clip' only"):
         export(run, tmp_path / "a", format="transformers")
     with pytest.raises(ValueError, match="is not one of"):

@@ -17,7 +17,6 @@ from PIL import Image
 import two_rank_cases
 from finetune import load_model
 from finetune.models.longclip import apply_kps
-from finetune.models.registry import save_tiny
 from losses import (
     BoxGeometry,
     TSLHeads,
@@ -39,20 +38,6 @@ CAPTION_SPANS = [(1, 19), (19, 23)]
 SENTENCE = "A red circle is here."  # 6 CLIP tokens: a red circle is here .
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
-    """``tiny_folder(name)``: tiny registry model saved with save_pretrained (once per module)."""
-    root = tmp_path_factory.mktemp("tsl-tiny")
-    saved: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in saved:
-            saved[name] = save_tiny(name, root / name)
-        return saved[name]
-
-    return get
-
-
 def _ramp_states(batch: int, length: int, width: int = 3) -> torch.Tensor:
     """states[b, l, w] = 100 b + l + w / 10: the mean over positions is read off by hand."""
     b = torch.arange(batch, dtype=torch.float64)[:, None, None]
@@ -65,8 +50,8 @@ def _ramp_states(batch: int, length: int, width: int = 3) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["tiny-clip", "tiny-openclip"])  # HF fast tokenizer / open_clip's own BPE
-def test_spans_of_a_caption_with_a_decimal_and_an_abbreviation(tiny_folder, name):
-    model = load_model(str(tiny_folder(name)))
+def test_spans_of_a_caption_with_a_decimal_and_an_abbreviation(tiny_dir, name):
+    model = load_model(str(tiny_dir(name)))
     captions = [CAPTION, CAPTION, "Only one sentence."]
     selected = tsl_sentence_spans(model, captions, [0, 1, 0])
     assert selected.spans.tolist() == [[1, 19], [19, 23], [1, 5]]  # only one sentence .
@@ -80,8 +65,8 @@ def test_spans_of_a_caption_with_a_decimal_and_an_abbreviation(tiny_folder, name
 
 
 @pytest.mark.parametrize("name", ["tiny-clip", "tiny-openclip"])
-def test_a_sentence_past_token_248_is_dropped_and_counted(tiny_folder, name):
-    model = apply_kps(load_model(str(tiny_folder(name))), 248, keep=20)
+def test_a_sentence_past_token_248_is_dropped_and_counted(tiny_dir, name):
+    model = apply_kps(load_model(str(tiny_dir(name))), 248, keep=20)
     # "a dog ." sits at 1-3, repeat k of SENTENCE at 4 + 6k .. 10 + 6k: repeat 39 (sentence 40) ends at 244,
     # repeat 40 (sentence 41) would cover 244-249 and is cut (position 247 holds the end token).
     straddles = "A dog. " + " ".join([SENTENCE] * 41)
@@ -255,8 +240,8 @@ def test_geometry_must_fit_the_states():
         pool_patch_states(torch.zeros(1, 4, 2), torch.zeros(1, 4, dtype=torch.bool))
 
 
-def test_naflex_boxes_follow_each_images_grid(tiny_folder):
-    model = load_model(str(tiny_folder("tiny-siglip2")))  # NaFlex, at most 16 patches of 8 px
+def test_naflex_boxes_follow_each_images_grid(tiny_dir):
+    model = load_model(str(tiny_dir("tiny-siglip2")))  # NaFlex, at most 16 patches of 8 px
     rng = np.random.RandomState(0)
     images = [Image.fromarray(rng.randint(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in [(50, 30), (40, 40)]]
     inputs = model.preprocess_images(images)
@@ -279,8 +264,8 @@ def test_naflex_boxes_follow_each_images_grid(tiny_folder):
 
 
 @pytest.mark.parametrize("name", ["tiny-clip", "tiny-openclip"])
-def test_new_heads_start_as_the_models_own_projections(tiny_folder, name):
-    model = load_model(str(tiny_folder(name)))
+def test_new_heads_start_as_the_models_own_projections(tiny_dir, name):
+    model = load_model(str(tiny_dir(name)))
     torch.manual_seed(1)
     with torch.no_grad():  # as after training: norms that are not the identity, projections with a bias
         for key, p in model.named_parameters():
@@ -297,16 +282,16 @@ def test_new_heads_start_as_the_models_own_projections(tiny_folder, name):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_new_heads_need_a_norm_and_linear_head(tiny_folder):
-    model = load_model(str(tiny_folder("tiny-siglip2")))  # SigLIP2's image head is attention pooling
+def test_new_heads_need_a_norm_and_linear_head(tiny_dir):
+    model = load_model(str(tiny_dir("tiny-siglip2")))  # SigLIP2's image head is attention pooling
     with pytest.raises(ValueError, match="image head is not one .*\\(heads: own\\)"):
         TSLHeads.from_model(model)
 
 
-def test_attached_heads_are_saved_and_restored_with_the_model(tiny_folder, tmp_path):
+def test_attached_heads_are_saved_and_restored_with_the_model(tiny_dir, tmp_path):
     from finetune.models.adapters import load_finetuned, save_finetuned
 
-    model = load_model(str(tiny_folder("tiny-clip")))
+    model = load_model(str(tiny_dir("tiny-clip")))
     heads = attach_tsl_heads(model)
     assert attach_tsl_heads(model) is heads and model.inference_modules["tsl_heads"] is heads
     with torch.no_grad():
@@ -322,13 +307,13 @@ def test_attached_heads_are_saved_and_restored_with_the_model(tiny_folder, tmp_p
 
 
 @pytest.mark.slow
-def test_a_model_with_heads_loads_in_a_fresh_process_without_importing_losses(tiny_folder, tmp_path):
+def test_a_model_with_heads_loads_in_a_fresh_process_without_importing_losses(tiny_dir, tmp_path):
     import subprocess
     import sys
 
     from finetune.models.adapters import save_finetuned
 
-    model = load_model(str(tiny_folder("tiny-clip")))
+    model = load_model(str(tiny_dir("tiny-clip")))
     with torch.no_grad():
         attach_tsl_heads(model).image.proj.weight.mul_(3)
     save_finetuned(model, tmp_path / "final")

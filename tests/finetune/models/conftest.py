@@ -15,21 +15,7 @@ import pytest
 from PIL import Image
 
 from finetune.models.encoder import DualEncoder
-from finetune.models.registry import TINY_NAMES, save_tiny
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``tiny_dir(name)``: the folder tiny registry model ``name`` was saved to (once per session)."""
-    root = tmp_path_factory.mktemp("tiny-models")
-    saved: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in saved:
-            saved[name] = save_tiny(name, root / name)
-        return saved[name]
-
-    return get
+from finetune.models.registry import TINY_NAMES
 
 
 @pytest.fixture

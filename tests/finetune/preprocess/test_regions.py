@@ -326,9 +326,10 @@ def test_dataset_region_links_keep_the_linked_chunks_and_their_objects():
 
 
 def test_ultralytics_proposers_pickle_without_their_model(tmp_path):
-    """datasets.map workers get the settings, not the loaded model; the cache key is the checkpoint's content."""
+    """datasets.map workers get the settings, not the loaded model; the cache key is the checkpoint's content.
+    ``copy.deepcopy`` goes through the same ``__getstate__`` as the pickling of worker processes."""
+    import copy
     import hashlib
-    import pickle
 
     from finetune.preprocess.flism import UltralyticsDetector
 
@@ -336,7 +337,7 @@ def test_ultralytics_proposers_pickle_without_their_model(tmp_path):
     checkpoint.write_bytes(b"weights")
     for proposer in (FastSAMRegions(checkpoint), UltralyticsDetector(checkpoint)):
         proposer._model = {"loaded": True}
-        back = pickle.loads(pickle.dumps(proposer))
+        back = copy.deepcopy(proposer)
         assert back._model is None and proposer._model == {"loaded": True}
         assert back.checkpoint == proposer.checkpoint
         assert back.params()["checkpoint_sha256"] == hashlib.sha256(b"weights").hexdigest()
