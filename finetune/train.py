@@ -151,6 +151,12 @@ class TrainState:
     skipped_steps: int = 0
     samples_seen: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    #: per-term sums and counts over the steps since the last history entry (an entry holds the interval's
+    #: mean, as transformers' Trainer logs its loss); kept here so a resumed run logs what a straight one does
+    interval_sums: dict[str, float] = field(default_factory=dict)
+    interval_counts: dict[str, int] = field(default_factory=dict)
+    #: every logged value of the last finished step
+    last_values: dict[str, float] = field(default_factory=dict)
     skipped_examples: list[dict[str, str]] = field(default_factory=list)
     #: seconds spent training up to ``step`` (over every resumed part)
     train_time_s: float = 0.0
@@ -431,6 +437,22 @@ class Trainer:
             return None
         return bad or "(another process)"
 
+    def _add_to_interval(self, losses: dict[str, float]) -> None:
+        """Add one step's loss terms to the running sums of the current logging interval."""
+        sums, counts = self.state.interval_sums, self.state.interval_counts
+        for key, value in losses.items():
+            sums[key] = sums.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+
+    def _close_interval(self, values: dict[str, float]) -> dict[str, float]:
+        """The history entry of a logging step: each loss term's mean over the steps since the last
+        entry (every step counts, not one in ``log_every``), the learning rate and logit scale of this
+        step; starts the next interval."""
+        sums, counts = self.state.interval_sums, self.state.interval_counts
+        entry = {key: sums[key] / counts[key] if counts.get(key) else value for key, value in values.items()}
+        self.state.interval_sums, self.state.interval_counts = {}, {}
+        return entry
+
     def train(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
         """Run until ``total_steps``; returns the history and the final per-term losses."""
         from tqdm.auto import tqdm
@@ -481,12 +503,14 @@ class Trainer:
                 self.state.samples_seen += cfg.batch_size
                 values = {k: float(v.detach()) for k, v in out.items()}
                 values = self._mean_over_processes(values)
+                self._add_to_interval(values)
                 values["lr"] = self.scheduler.get_last_lr()[0]
                 values["logit_scale"] = float(model.logit_scale.detach().exp())
-                last_losses = values
+                last_losses = self.state.last_values = values
                 if step % cfg.log_every == 0 or step == self.total_steps or step == 1:
-                    self.state.history.append({"step": step, **values})
-                    acc.log({f"train/{k}": v for k, v in values.items()}, step=step)
+                    entry = self._close_interval(values)
+                    self.state.history.append({"step": step, **entry})
+                    acc.log({f"train/{k}": v for k, v in entry.items()}, step=step)
                 elapsed = time.perf_counter() - start
                 rate = (self.state.samples_seen - start_samples) / max(elapsed, 1e-9)
                 # the total, then every term's value under its logged name (``clip``, ``structxlip/local``)
@@ -505,8 +529,9 @@ class Trainer:
         bar.close()
         wall = self._time_before + time.perf_counter() - start
         self.state.train_time_s = wall
-        if not last_losses and self.state.history:  # resumed at the end: the run's own last values
-            last_losses = {k: v for k, v in self.state.history[-1].items() if k != "step"}
+        if not last_losses:  # resumed at the end: the run's own last values
+            last_losses = dict(self.state.last_values) or (
+                {k: v for k, v in self.state.history[-1].items() if k != "step"} if self.state.history else {})
         return TrainResult(
             steps=self.state.step,
             history=self.state.history,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,28 @@ def test_loop_runs_and_logs_every_term(tmp_path, scenes):
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
     state = json.loads((ckpts[0] / "train_state.json").read_text())
     assert state["step"] == 4
+
+
+def test_history_holds_each_interval_mean_and_a_resume_logs_the_same(tmp_path, scenes):
+    steps: list[dict[str, float]] = []
+    straight = _trainer(tmp_path / "a", scenes, max_steps=5, log_every=2, checkpoint_every=3)
+    result = straight.train(on_step=lambda step, values: steps.append(dict(values)))
+    assert [h["step"] for h in result.history] == [1, 2, 4, 5]
+    # every step counts: step 1 alone, then steps 2, 3-4, 5; lr and logit_scale are the logging step's
+    for entry, members in zip(result.history, ([0], [1], [2, 3], [4])):
+        for key in ("loss", "clip"):
+            assert entry[key] == pytest.approx(sum(steps[i][key] for i in members) / len(members), rel=1e-6)
+        assert entry["lr"] == steps[members[-1]]["lr"]
+        assert entry["logit_scale"] == steps[members[-1]]["logit_scale"]
+    assert result.final_losses["loss"] == steps[-1]["loss"]
+    # resumed from step 3 (mid-interval): the interval's sums travel in the checkpoint
+    resumed = _trainer(tmp_path / "b", scenes, max_steps=5, log_every=2, checkpoint_every=3)
+    shutil.copytree(tmp_path / "a" / "run" / "checkpoints" / "step-3", tmp_path / "b" / "run" / "checkpoints" / "step-3")
+    assert resumed.maybe_resume("latest")
+    again = resumed.train()
+    assert [h["step"] for h in again.history] == [1, 2, 4, 5]
+    for a, b in zip(result.history, again.history):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
 
 
 def test_parameter_groups_exclude_norms_biases_positions_and_scale():
