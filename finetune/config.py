@@ -474,7 +474,8 @@ class TrainConfig:
         "resume even where the recipe differs from the checkpoint's in what matters for continuation "
         "(the differences are logged)")] = False
     seed: Int = 42
-    log_every: _int(ge=1) = 10
+    log_every: Annotated[_int(ge=1), _doc(
+        "steps between loss-history entries and tracker logs; an entry holds each term's mean over those steps")] = 10
     trackers: list[Str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
     on_nonfinite: Literal["raise", "skip"] = "raise"
     fused_optimizer: Literal["auto"] | Bool = "auto"
