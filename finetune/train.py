@@ -465,7 +465,6 @@ class Trainer:
         truncated = 0
         bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not acc.is_local_main_process,
                    desc="train", dynamic_ncols=True)
-        last_losses: dict[str, float] = {}
         while self.state.step < self.total_steps:
             for batch in self._batches():
                 if self.state.step >= self.total_steps:
@@ -506,7 +505,7 @@ class Trainer:
                 self._add_to_interval(values)
                 values["lr"] = self.scheduler.get_last_lr()[0]
                 values["logit_scale"] = float(model.logit_scale.detach().exp())
-                last_losses = self.state.last_values = values
+                self.state.last_values = values
                 if step % cfg.log_every == 0 or step == self.total_steps or step == 1:
                     entry = self._close_interval(values)
                     self.state.history.append({"step": step, **entry})
@@ -529,9 +528,10 @@ class Trainer:
         bar.close()
         wall = self._time_before + time.perf_counter() - start
         self.state.train_time_s = wall
-        if not last_losses:  # resumed at the end: the run's own last values
-            last_losses = dict(self.state.last_values) or (
-                {k: v for k, v in self.state.history[-1].items() if k != "step"} if self.state.history else {})
+        # the last step's values, saved in the checkpoint (a run resumed at its end trains no step); checkpoints
+        # written before ``last_values`` existed give their last history entry
+        last_losses = self.state.last_values or (
+            {k: v for k, v in self.state.history[-1].items() if k != "step"} if self.state.history else {})
         return TrainResult(
             steps=self.state.step,
             history=self.state.history,

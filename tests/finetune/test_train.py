@@ -87,24 +87,30 @@ def test_loop_runs_and_logs_every_term(tmp_path, scenes):
 
 def test_history_holds_each_interval_mean_and_a_resume_logs_the_same(tmp_path, scenes):
     steps: list[dict[str, float]] = []
-    straight = _trainer(tmp_path / "a", scenes, max_steps=5, log_every=2, checkpoint_every=3)
+    straight = _trainer(tmp_path / "a", scenes, max_steps=6, log_every=4, checkpoint_every=3, keep_checkpoints=2)
     result = straight.train(on_step=lambda step, values: steps.append(dict(values)))
-    assert [h["step"] for h in result.history] == [1, 2, 4, 5]
-    # every step counts: step 1 alone, then steps 2, 3-4, 5; lr and logit_scale are the logging step's
-    for entry, members in zip(result.history, ([0], [1], [2, 3], [4])):
+    assert [h["step"] for h in result.history] == [1, 4, 6]
+    # every step counts: step 1 alone, then steps 2-4, 5-6; lr and logit_scale are the logging step's
+    for entry, members in zip(result.history, ([0], [1, 2, 3], [4, 5])):
         for key in ("loss", "clip"):
             assert entry[key] == pytest.approx(sum(steps[i][key] for i in members) / len(members), rel=1e-6)
         assert entry["lr"] == steps[members[-1]]["lr"]
         assert entry["logit_scale"] == steps[members[-1]]["logit_scale"]
-    assert result.final_losses["loss"] == steps[-1]["loss"]
+    assert result.final_losses["loss"] == steps[-1]["loss"] != result.history[-1]["loss"]
+    checkpoints = tmp_path / "a" / "run" / "checkpoints"
     # resumed from step 3 (mid-interval): the interval's sums travel in the checkpoint
-    resumed = _trainer(tmp_path / "b", scenes, max_steps=5, log_every=2, checkpoint_every=3)
-    shutil.copytree(tmp_path / "a" / "run" / "checkpoints" / "step-3", tmp_path / "b" / "run" / "checkpoints" / "step-3")
+    resumed = _trainer(tmp_path / "b", scenes, max_steps=6, log_every=4, checkpoint_every=3)
+    shutil.copytree(checkpoints / "step-3", tmp_path / "b" / "run" / "checkpoints" / "step-3")
     assert resumed.maybe_resume("latest")
     again = resumed.train()
-    assert [h["step"] for h in again.history] == [1, 2, 4, 5]
+    assert [h["step"] for h in again.history] == [1, 4, 6]
     for a, b in zip(result.history, again.history):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    # resumed at the end: no step runs, the final losses are the last step's, not the last interval's mean
+    done = _trainer(tmp_path / "c", scenes, max_steps=6, log_every=4, checkpoint_every=3)
+    shutil.copytree(checkpoints / "step-6", tmp_path / "c" / "run" / "checkpoints" / "step-6")
+    assert done.maybe_resume("latest")
+    assert done.train().final_losses["loss"] == steps[-1]["loss"]
 
 
 def test_parameter_groups_exclude_norms_biases_positions_and_scale():

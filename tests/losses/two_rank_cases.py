@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from gloo_ranks import run_ranks
 from losses import (
@@ -385,7 +386,7 @@ def assert_matches_single_process(name: str, results: list[dict]) -> None:
 def siglip_exchanges(rank: int, world: int) -> dict:
     """One rank of ``world``: SigLIP's loss and input gradients with ``exchange="gather"`` and ``"ring"`` on
     its 3 image-text pairs of a ``3 * world`` batch (identity positives); run by ``gloo_ranks.run_ranks``."""
-    out = {"world": world}
+    out = {"world": dist.get_world_size()}  # the process group as it ran, not the argument
     rows = slice(3 * rank, 3 * rank + 3)
     for exchange in ("gather", "ring"):
         image, text = _leaf(_randn(3 * world, 5, seed=11)[rows]), _leaf(_randn(3 * world, 5, seed=12)[rows])
