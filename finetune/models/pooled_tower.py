@@ -31,6 +31,9 @@ try:  # transformers >= 5: the mask builder the CLIP text tower itself calls
     from transformers.masking_utils import create_causal_mask
 except ImportError:  # pragma: no cover - older transformers take the transformers forward
     create_causal_mask = None
+# transformers 5.24 renamed its cache argument from ``past_key_values`` (deprecated, removed in 5.40) to ``cache``
+_MASK_CACHE_KWARG = ("cache" if create_causal_mask is not None
+                     and "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values")
 
 __all__ = ["clip_text_forward", "clip_vision_forward", "fast_path_kwargs_ok", "fast_path_ok"]
 
@@ -175,7 +178,7 @@ def clip_text_forward(
         attention_mask = None
     # layers 1 .. L-1 get the mask transformers builds (None without padding under SDPA: its causal kernel)
     mask = create_causal_mask(config=text_model.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              past_key_values=None)
+                              **{_MASK_CACHE_KWARG: None})
     layers = text_model.encoder.layers
     for layer in layers[:-1]:
         hidden = layer(hidden, mask, is_causal=True)
