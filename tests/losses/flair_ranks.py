@@ -65,7 +65,14 @@ def ring_indices(world: int) -> list[torch.Tensor]:
 
 
 CASES = ("global", "global_public_mps", "global_no_mps", "global_seeded", "global_keyed", "ring", "ring_public_mps",
-         "ring_no_mps", "ring_module", "local")
+         "ring_no_mps", "ring_module", "ring_keyed", "local")
+
+
+def ring_keyed_indices(world: int) -> list[torch.Tensor]:
+    """Each rank's own draw under ``distributed="ring"`` with ``seed=DRAW_KEY``: keyed by (key, rank)."""
+    from losses import flair_draw_seed
+
+    return [sample_flair_text_indices(B, K, seed=flair_draw_seed(DRAW_KEY, r)) for r in range(world)]
 
 
 def mps_form(name: str) -> str:
@@ -90,6 +97,8 @@ def run_case(name: str, rank: int, world: int) -> dict:
         kwargs.update(gather=False, text_indices=ring_indices(world)[rank])
     elif name == "global_keyed":  # each rank draws only its own rows, keyed by DRAW_KEY
         kwargs.update(distributed="global", seed=DRAW_KEY)
+    elif name == "ring_keyed":  # each rank its own matrix, keyed by (DRAW_KEY, rank)
+        kwargs.update(distributed="ring", seed=DRAW_KEY)
     elif name.startswith("global"):
         kwargs.update(distributed="global", text_indices=None if name == "global_seeded" else global_indices(world))
     else:

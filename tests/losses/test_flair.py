@@ -460,13 +460,14 @@ def test_global_semantics_equal_one_process_on_the_concatenated_batch(flair_worl
             _assert_close(sum(r[case]["grads"][name] for r in results) / world, full, f"{case} grad {name}")
 
 
-@pytest.mark.parametrize("case", ["ring", "ring_public_mps", "ring_no_mps", "ring_module"])
+@pytest.mark.parametrize("case", ["ring", "ring_public_mps", "ring_no_mps", "ring_module", "ring_keyed"])
 def test_ring_semantics_equal_the_public_codes_per_rank_loss(flair_world, case: str) -> None:
     world, results = flair_world
     assert [r["world_size"] for r in results] == [world] * world
     leaves, mask, pool = _leaves(world)
     losses, parts = _hand_ring(pool, leaves["text"], leaves["local"], leaves["global"], leaves["log_scale"].exp(),
-                               leaves["bias"], flair_ranks.ring_indices(world), mask, world,
+                               leaves["bias"], flair_ranks.ring_keyed_indices(world) if case == "ring_keyed"
+                               else flair_ranks.ring_indices(world), mask, world,
                                add_mps=case != "ring_no_mps", mps=flair_ranks.mps_form(case))
     for rank, r in enumerate(results):
         _assert_close(r[case]["loss"], losses[rank], f"{case} loss rank {rank}")
