@@ -304,7 +304,8 @@ class FlairTerm(Term):
         o = self.options
         return {"k": o.k, "sentences": [o.min_sentences, o.max_sentences], "consecutive": o.consecutive,
                 "caption_fields": o.caption_fields, "splitter": o.splitter, "join": o.join, "add_mps": o.add_mps,
-                "mps_negatives": o.mps_negatives, "distributed": o.distributed, "log_scale_range": list(LOG_SCALE_RANGE)}
+                "mps_negatives": o.mps_negatives, "distributed": o.distributed,
+                "log_scale_range": list(LOG_SCALE_RANGE)}
 
 
 @register_term("flair", FlairOptions)

@@ -356,3 +356,12 @@ def test_a_resumed_flair_run_draws_the_negatives_of_the_uninterrupted_run(tmp_pa
     rows = load_source({"name": "synthetic", "size": 16, "seed": 0, "options": {"image_size": 32}}).dataset
     assert_resume_draws_what_the_straight_run_draws(tmp_path, rows, lambda: build_model("tiny-flair", seed=0),
                                                     lambda: _term(k=3))
+
+
+def test_a_bad_mps_negatives_or_join_is_refused_naming_the_recipe_key():
+    from finetune.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"objective\.terms\.flair\.mps_negatives` must be 'paper'.*'public_code'"):
+        load_recipe("recipes/flair_cc3m_recap.yaml", ["objective.terms.flair.mps_negatives=all"])
+    with pytest.raises(RecipeError, match=r"objective\.terms\.flair\.join` must be 'public_code'"):
+        load_recipe("recipes/flair_cc3m_recap.yaml", ["objective.terms.flair.join=comma"])
