@@ -2,6 +2,7 @@
 
     python bench/flair.py [--model small-flair] [--batch 32] [--k 8] [--rounds 3] [--threads N]
                           [--images 256] [--texts 1280] [--top-k 128]
+                          [--draw-batch 6144] [--draw-world 32] [--sections train,retrieval,draws]
 
 Training step, on one FLAIR model from the registry (random weights) and one batch of ``--batch`` synthetic
 scenes with ``--k`` sub-captions each (forward, backward, AdamW step):
@@ -21,6 +22,16 @@ shapes, scored with its pool; five texts per image):
   chunks);
 - ``topk``: the same with the global-cosine top-k prefilter (``rerank_top_k = --top-k``).
 
+The negative draw of one training step at a real global batch (``--draw-batch`` images on ``--draw-world``
+processes, ``--k`` sub-captions each), on the CPU:
+
+- ``whole``: what each process did before (issue 22): the whole global ``(B, K + B - 1)`` int64 index
+  matrix drawn with a seeded generator (a ``(B, B)`` byte matrix of picks first), of which it used its rows;
+- ``own``: now: :func:`losses.sample_flair_text_indices` with ``rows`` = the process's own images (a
+  counter-based draw), ``B / W`` rows.
+
+Each reports its best time and the largest single CPU allocation (the profiler's memory events).
+
 Modes run interleaved in rounds (after a warm-up), each keeping its best time, so that load from other
 processes on a shared machine hits every mode alike. Results go to ``bench/results/flair.json``; ratios
 compare numbers of this run only.
@@ -29,6 +40,7 @@ compare numbers of this run only.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import time
@@ -155,6 +167,54 @@ def retrieval(args: argparse.Namespace) -> dict:
             "public_over_topk": best["public"] / best["topk"], "full_over_topk": best["full"] / best["topk"]}
 
 
+def _whole_draw_before(num_images: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """The draw every process made before: the whole global matrix (the former
+    ``sample_flair_text_indices`` without ``rows``, as ``FlairTerm._text_indices`` called it)."""
+    offsets = torch.randint(0, k, (num_images, num_images), generator=generator, dtype=torch.uint8).long()
+    image = torch.arange(num_images).unsqueeze(1)
+    column = torch.arange(k + num_images - 1).unsqueeze(0)
+    own = (column >= image) & (column < image + k)
+    other = torch.where(column < image, column, column - k + 1).clamp(0, num_images - 1)
+    negatives = other * k + offsets.gather(1, other.expand(num_images, -1))
+    return torch.where(own, image * k + column - image, negatives)
+
+
+def negative_draws(args: argparse.Namespace) -> dict:
+    """Best time and largest allocation of one step's negative draw, the whole matrix vs own rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from losses import flair_draw_seed, sample_flair_text_indices
+
+    n, k, world = args.draw_batch, args.k, args.draw_world
+    per = n // world
+    rank = world - 1  # the last process: its rows are the longest to reach in the whole matrix
+    generator = torch.Generator()
+
+    def whole() -> torch.Tensor:
+        generator.manual_seed(0)
+        return _whole_draw_before(n, k, generator)[rank * per:(rank + 1) * per]
+
+    def own() -> torch.Tensor:
+        return sample_flair_text_indices(n, k, rows=slice(rank * per, (rank + 1) * per), seed=flair_draw_seed(0, 1))
+
+    modes = {"whole": whole, "own": own}
+    largest, held = {}, {}
+    for name, fn in modes.items():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+        largest[name] = max((e.cpu_memory_usage for e in prof.events()), default=0)
+        held[name] = out.numel() * out.element_size()
+    best = {name: float("inf") for name in modes}
+    for _ in range(args.rounds):
+        for name, fn in modes.items():
+            best[name] = min(best[name], _timed(fn))
+    whole_matrix = n * (k + n - 1) * 8
+    return {"global_batch": n, "processes": world, "rows_per_process": per, "k": k, "seconds": best,
+            "largest_allocation_bytes": largest, "result_bytes": held, "whole_matrix_bytes": whole_matrix,
+            "whole_over_own_seconds": best["whole"] / best["own"],
+            "whole_over_own_largest_allocation": largest["whole"] / largest["own"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small-flair", help="a FLAIR registry config (flair-vit-b-16 for the paper's)")
@@ -165,22 +225,42 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--images", type=int, default=256)
     ap.add_argument("--texts", type=int, default=1280)
     ap.add_argument("--top-k", type=int, default=128)
+    ap.add_argument("--draw-batch", type=int, default=6144, help="global batch of the negative-draw bench")
+    ap.add_argument("--draw-world", type=int, default=32, help="processes of the negative-draw bench")
+    ap.add_argument("--sections", default="train,retrieval,draws", help="comma-separated: train, retrieval, draws")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from finetune.report import write_json_atomic
 
-    result = {"machine": {"platform": platform.platform(), "torch": torch.__version__,
-                          "threads": torch.get_num_threads()},
-              "train_step": training_steps(args), "retrieval": retrieval(args)}
-    write_json_atomic(Path(args.out), result)
-    step, ret = result["train_step"], result["retrieval"]
-    print(f"train step ({args.model}, B={step['batch']}, K={step['k']}): flair {step['seconds']['flair']:.3f} s, "
-          f"siglip {step['seconds']['siglip']:.3f} s, ratio {step['flair_over_siglip']:.2f}")
-    print(f"retrieval {ret['images']} x {ret['texts']}: public {ret['seconds']['public']:.3f} s, full "
-          f"{ret['seconds']['full']:.3f} s, top-{ret['top_k']} {ret['seconds']['topk']:.3f} s; public/full "
-          f"{ret['public_over_full']:.2f}, public/top-k {ret['public_over_topk']:.2f}")
+    sections = {name.strip() for name in args.sections.split(",") if name.strip()}
+    unknown = sections - {"train", "retrieval", "draws"}
+    if unknown:
+        ap.error(f"--sections: unknown {sorted(unknown)}; choose among train, retrieval, draws")
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.is_file() else {}  # sections not run keep their last numbers
+    machine = {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if sections & {"train", "retrieval"}:
+        result["machine"] = machine  # of the train step and retrieval numbers
+    if "train" in sections:
+        result["train_step"] = step = training_steps(args)
+        print(f"train step ({args.model}, B={step['batch']}, K={step['k']}): flair {step['seconds']['flair']:.3f} s, "
+              f"siglip {step['seconds']['siglip']:.3f} s, ratio {step['flair_over_siglip']:.2f}")
+    if "retrieval" in sections:
+        result["retrieval"] = ret = retrieval(args)
+        print(f"retrieval {ret['images']} x {ret['texts']}: public {ret['seconds']['public']:.3f} s, full "
+              f"{ret['seconds']['full']:.3f} s, top-{ret['top_k']} {ret['seconds']['topk']:.3f} s; public/full "
+              f"{ret['public_over_full']:.2f}, public/top-k {ret['public_over_topk']:.2f}")
+    if "draws" in sections:
+        result["negative_draws"] = draw = {**negative_draws(args), "machine": machine}
+        mb = 1 / 2 ** 20
+        print(f"negative draw, global batch {draw['global_batch']} on {draw['processes']} processes, K={draw['k']}: "
+              f"whole matrix {draw['seconds']['whole']:.3f} s, largest allocation "
+              f"{draw['largest_allocation_bytes']['whole'] * mb:.1f} MiB; own rows {draw['seconds']['own']:.4f} s, "
+              f"{draw['largest_allocation_bytes']['own'] * mb:.1f} MiB; ratios {draw['whole_over_own_seconds']:.1f}x "
+              f"time, {draw['whole_over_own_largest_allocation']:.1f}x largest allocation")
+    write_json_atomic(out, result)
     print(f"wrote {args.out}")
     return result
 

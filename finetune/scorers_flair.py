@@ -3,9 +3,10 @@
 
 - ``flair``: the text-conditioned score ``<n(pool(t_j, v_loc_i)), n(t_j)>``: every image is conditioned on
   every text (the image's local tokens attended by the text's global embedding), in chunks of images so
-  that memory stays bounded. With ``eval.rerank_top_k: 128`` (the public ``--inference-with-flair-topk``)
-  the global-cosine pass of :func:`finetune.scorers.retrieval_ranks` picks each query's top-k and only
-  those are conditioned (:meth:`FlairScorer.score_candidates`).
+  that memory stays bounded: the paper's inference (section 4, "Inference with FLAIR"), the number the
+  recipes report. ``eval.rerank_top_k: 128`` is the public code's shortcut (``--inference-with-flair-topk``,
+  not in the paper): the global-cosine pass of :func:`finetune.scorers.retrieval_ranks` picks each query's
+  top-k and only those are conditioned (:meth:`FlairScorer.score_candidates`), the rest ranked below them.
 - ``flair_global``: the class token against the text (FLAIR-CLIP, the public ``--direct-global-matching``),
   the cosine of the global embeddings.
 
@@ -140,25 +141,6 @@ def candidate_scores(pool: Any, texts: Tensor, local: Tensor, candidates: Tensor
         padded[which, at] = q[rows]
         tc = _attend(pool, padded.transpose(1, 2), k, v)[which, at]  # (P, D)
         out[order[lo:hi]] = (F.normalize(tc, dim=-1) * unit[rows]).sum(-1)
-    return out.view(n_q, n_k)
-    q = _queries(pool, texts)  # (H, Q, dh)
-    unit = F.normalize(texts, dim=-1)
-    flat = candidates.reshape(-1).to(local.device)
-    images, inverse = torch.unique(flat, return_inverse=True)  # (U,), (Q*K,)
-    order = torch.argsort(inverse, stable=True)  # pairs grouped by image
-    pair_query = torch.div(order, n_k, rounding_mode="floor")
-    sorted_image = inverse[order]
-    per_pair = (local.shape[1] + 1) * local.shape[2]
-    step = max(1, max_elements // per_pair)
-    bounds = torch.searchsorted(sorted_image, torch.arange(0, len(images) + step, step, device=flat.device))
-    for b0 in range(0, len(images), step):
-        k, v = _keys_values(pool, local[images[b0:b0 + step]])  # (ub, H, N+1, dh), once per image
-        lo, hi = int(bounds[b0 // step]), int(bounds[b0 // step + 1])
-        for p0 in range(lo, hi, step):
-            p1 = min(hi, p0 + step)
-            rows, which = pair_query[p0:p1], sorted_image[p0:p1] - b0
-            tc = _attend(pool, q[:, rows].transpose(0, 1).unsqueeze(2), k[which], v[which])[:, 0]  # (P, D)
-            out[order[p0:p1]] = (F.normalize(tc, dim=-1) * unit[rows]).sum(-1)
     return out.view(n_q, n_k)
 
 

@@ -15,7 +15,7 @@ from .distributed import (
     world_info,
 )
 from .fcast import fcast_loss, fcast_part_loss, fcast_whole_loss
-from .flair import FLAIRLoss, TextConditionedAttentionPool, flair_loss, sample_flair_text_indices
+from .flair import FLAIRLoss, TextConditionedAttentionPool, flair_draw_seed, flair_loss, sample_flair_text_indices
 from .grm import (
     GRMHead,
     GRMImageOutput,
@@ -71,6 +71,7 @@ __all__ = [
     "flair_loss",
     "FLAIRLoss",
     "sample_flair_text_indices",
+    "flair_draw_seed",
     "fcast_part_loss",
     "fcast_whole_loss",
     "fcast_loss",

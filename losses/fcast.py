@@ -12,13 +12,21 @@
   (a sum over images of the mean over the B captions, FLAIR's normalisation of its sigmoid terms).
 - ``L = L_part + L_whole``.
 
+Eqs. 7-8 give the loss of one pair; how pairs are summed is not in the paper. The part level is reduced
+as FLAIR's public code reduces L_tcs (a sum over images of a mean over each image's ``K + B - 1`` texts),
+the whole level as a SigLIP loss (a sum over all ``B x B`` pairs divided by B). Both are this
+implementation's choices, and they set the balance of ``L = L_part + L_whole``: at initialisation (bias
+-10, every positive costing about 10, negatives about 0) ``L_part ~ B K 10 / (K + B - 1)`` and
+``L_whole ~ 10``, about ``K : 1`` = 8 : 1 for ``B >> K``.
+
 Both temperatures and biases are initialised as the paper says ("0.07 and -10 following SigLIP"), read
 as FLAIR's code reads 0.07: the scale is ``1 / 0.07`` (log scale ``log(1/0.07) = 2.659``), not SigLIP's
-``log 10``; the bias is -10.
+``log 10``; the bias is -10. (The clamp of the log scales to ``[0, ln 100]`` after each step is FLAIR's
+public code, not F-CAST's text: ``finetune.objectives.fcast``.)
 
 Distributed as FLAIR's loss: ``distributed="global"`` all-gathers the sub-captions (part) and the long
-captions (whole) with autograd; the mean of the per-process losses equals one process on the
-concatenated batch.
+captions (whole) with autograd, each process draws only its own images' negatives (keyed by ``seed``),
+and the mean of the per-process losses equals one process on the concatenated batch with the same draw.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ def fcast_part_loss(
     *,
     fine_mask: Tensor | None = None,
     text_indices: Tensor | None = None,
+    seed: int | None = None,
     distributed: Distributed = "global",
     gather: bool | None = None,
 ) -> Tensor:
@@ -53,8 +62,10 @@ def fcast_part_loss(
         logit_scale: ``tau_part`` as a multiplier (already exponentiated).
         logit_bias: ``b_part``.
         fine_mask: ``(B, M)`` bool, True for real segment tokens; None: all real.
-        text_indices: the draw of each image's texts (:func:`losses.flair.sample_flair_text_indices`);
-            None draws one.
+        text_indices: a fixed draw of each image's texts (:func:`losses.flair.sample_flair_text_indices`),
+            for tests; None draws one.
+        seed: the draw's key (as :func:`losses.flair_loss`: a training loop passes one per step); None: a
+            seed from torch's default CPU generator.
         distributed: ``"global"`` (the paper's global batch) or ``"ring"`` (FLAIR's public code).
         gather: None works across processes when a process group of size > 1 is initialised.
     Returns:
@@ -64,7 +75,8 @@ def fcast_part_loss(
         raise ValueError(f"fcast_part_loss: fine must be (B, M, D) segment tokens, got {tuple(fine.shape)}")
     # flair_loss takes a global image for its L_mps; with add_mps=False it is not read
     return flair_loss(sub_embeds, fine, fine[:, 0], pool, logit_scale, logit_bias, add_mps=False,
-                      text_indices=text_indices, distributed=distributed, gather=gather, local_mask=fine_mask)
+                      text_indices=text_indices, seed=seed, distributed=distributed, gather=gather,
+                      local_mask=fine_mask)
 
 
 def fcast_whole_loss(
@@ -102,17 +114,20 @@ def fcast_loss(
     *,
     fine_mask: Tensor | None = None,
     text_indices: Tensor | None = None,
+    seed: int | None = None,
     distributed: Distributed = "global",
     gather: bool | None = None,
 ) -> dict[str, Tensor]:
-    """``L = L_part + L_whole`` (F-CAST 3.3, "Optimization").
+    """``L = L_part + L_whole`` (F-CAST 3.3, "Optimization"), unweighted as the paper writes it; the
+    reductions of the two levels are the implementation's (module docstring: about 8 : 1 at
+    initialisation).
 
     Args: as :func:`fcast_part_loss` and :func:`fcast_whole_loss`; each level has its own scale and bias.
     Returns:
         ``{"part": L_part, "whole": L_whole, "loss": L_part + L_whole}``.
     """
     part = fcast_part_loss(sub_embeds, fine, pool, part_scale, part_bias, fine_mask=fine_mask,
-                           text_indices=text_indices, distributed=distributed, gather=gather)
+                           text_indices=text_indices, seed=seed, distributed=distributed, gather=gather)
     whole = fcast_whole_loss(coarse, long_embeds, whole_scale, whole_bias, gather=gather)
     return {"part": part, "whole": whole, "loss": part + whole}
 

@@ -18,6 +18,9 @@ from torch import Tensor, nn
 from .distributed import gather_with_grad, ring_exchange_with_grad, should_gather, world_info
 
 Distributed = Literal["global", "ring"]
+MpsNegatives = Literal["paper", "public_code"]
+#: the negatives of L_mps: the paper's (section 3.4) or the public code's (``loss.py``)
+MPS_NEGATIVES = ("paper", "public_code")
 
 
 class TextConditionedAttentionPool(nn.Module):
@@ -90,48 +93,102 @@ class TextConditionedAttentionPool(nn.Module):
         return (out, weights) if return_weights else out
 
 
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function on a Python int (Steele et al. 2014): neighbouring seeds give
+    unrelated 64-bit keys."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``(x * c) mod 2**32`` for int64 tensors holding 32-bit values, in two 16-bit halves of ``c`` so
+    that no int64 product overflows (every device computes the same bits)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _fmix32(x: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finaliser, a bijection of 32-bit values with full avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _negative_offsets(seed: int, images: Tensor, others: Tensor, k: int) -> Tensor:
+    """Which of image ``others``' K sub-captions image ``images`` gets as its negative: a hash of
+    (seed, image, other image) mod K, a pure function of its three arguments (a counter-based
+    draw), so any block of rows is computed alone and equals those rows of the whole matrix.
+    ``images`` ``(R, 1)`` and ``others`` ``(R, C)`` or ``(1, C)`` int64; returns ``(R, C)`` in [0, K)."""
+    key = _splitmix64(seed)
+    row = _fmix32(_fmix32(images ^ (key & _MASK32)) ^ (key >> 32))
+    return _fmix32(row ^ _mul32(others, 0x9E3779B9)) % k
+
+
+def flair_draw_seed(*parts: int) -> int:
+    """One 64-bit draw seed from integers (a run's seed, the training step, ...): SplitMix64 chained
+    over ``parts``. :class:`finetune.objectives.flair.FlairTerm` keys each step's draw this way."""
+    h = 0
+    for part in parts:
+        h = _splitmix64(h ^ (int(part) & _MASK64))
+    return h
+
+
 def sample_flair_text_indices(
     num_images: int,
     k: int,
     *,
     rows: slice | None = None,
+    seed: int | None = None,
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
 ) -> Tensor:
     """Draw the texts of L_tcs: each image's K positives and one random sub-caption of every other
     image (FLAIR, section 3.3: ``B x (K + B - 1)`` pairs instead of ``B x BK``).
 
-    As the public code (``downsample_text_features``), the offset of each negative sub-caption is
-    drawn independently for every (image, other image) pair and each row is sorted, so image i's
-    own sub-captions sit at columns ``i .. i + K - 1``. The whole ``(B, B)`` matrix of offsets
-    is always drawn (one byte each), so that ``rows`` of it are the same rows whoever draws them:
-    processes seeded alike each build only their own images' rows of one global draw.
+    As the public code (``downsample_text_features``), the sub-caption taken from each other image
+    is drawn independently for every (image, other image) pair, and each row is ordered by image,
+    so image i's own sub-captions sit at columns ``i .. i + K - 1``. Unlike the public code's
+    ``torch.randint`` over the whole batch, the draw is counter-based: the pick of image i from image
+    j is a hash of (``seed``, i, j) (MurmurHash3's finaliser on the device), so a process computes
+    only its own ``rows`` (``R x (K + B - 1)`` integers, nothing of size ``B x B``), on the texts'
+    device, without a host read, and gets exactly those rows of the whole draw.
 
     Args:
         num_images: B, images in the batch (the global batch for ``flair_loss(distributed="global")``).
-        k: K, sub-captions per image (at most 256).
+        k: K, sub-captions per image.
         rows: the images whose rows to return (a step-1 slice); None: all.
-        generator: a ``torch.Generator`` on ``device``; None uses torch's default generator.
+        seed: the draw's key (any int; :func:`flair_draw_seed` makes one from a run's seed and step);
+            None: drawn from ``generator``.
+        generator: a CPU ``torch.Generator`` to draw ``seed`` from (one CPU draw, no device read);
+            None uses torch's default CPU generator, so processes seeded alike share one draw.
         device: where the indices are made (the texts' device).
 
     Returns:
         ``(R, K + B - 1)`` int64 indices into the image-major ``B * K`` sub-captions
         (sub-caption k of image j is ``j * K + k``), R = B or the length of ``rows``.
     """
-    if num_images < 1 or not 1 <= k <= 256:
-        raise ValueError(f"sample_flair_text_indices needs num_images >= 1 and 1 <= k <= 256, got "
-                         f"{num_images} and {k}")
+    if num_images < 1 or k < 1:
+        raise ValueError(f"sample_flair_text_indices needs num_images >= 1 and k >= 1, got {num_images} and {k}")
     first, stop, step = (rows or slice(None)).indices(num_images)
     if step != 1 or stop <= first:
         raise ValueError(f"sample_flair_text_indices: rows must be a non-empty step-1 slice of "
                          f"range({num_images}), got {rows}")
-    offsets = torch.randint(0, k, (num_images, num_images), generator=generator, device=device,
-                            dtype=torch.uint8)[first:stop].long()
-    image = torch.arange(first, stop, device=offsets.device).unsqueeze(1)
-    column = torch.arange(k + num_images - 1, device=offsets.device).unsqueeze(0)
+    if seed is None:
+        seed = int(torch.randint(0, 2 ** 62, (), generator=generator))
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"sample_flair_text_indices: seed must be an int, got {seed!r}")
+    image = torch.arange(first, stop, device=device).unsqueeze(1)
+    column = torch.arange(k + num_images - 1, device=device).unsqueeze(0)
     own = (column >= image) & (column < image + k)
     other = torch.where(column < image, column, column - k + 1).clamp(0, num_images - 1)
-    negatives = other * k + offsets.gather(1, other.expand(stop - first, -1))
+    negatives = other * k + _negative_offsets(seed, image, other, k)
     return torch.where(own, image * k + column - image, negatives)
 
 
@@ -200,19 +257,24 @@ def _sigmoid_sum(image: Tensor, text: Tensor, positive: Tensor | None, logit_sca
     return -F.logsigmoid(signs * logits).sum()
 
 
-def _tcs_sum(texts: Tensor, rows: Tensor, positive: Tensor | None, local_image: Tensor,
-             local_mask: Tensor | None, pool: TextConditionedAttentionPool,
-             logit_scale: Tensor | float, logit_bias: Tensor | float) -> Tensor:
-    """L_tcs summed over pairs: image i conditioned on text ``texts[rows[i, c]]`` and compared with
-    that same text (FLAIR eq. 2). ``texts`` ``(T, D)``, ``rows`` ``(B, C)``."""
+def _pair_sums(texts: Tensor, rows: Tensor, positive: Tensor | None, local_image: Tensor,
+               local_mask: Tensor | None, global_image: Tensor | None, pool: TextConditionedAttentionPool,
+               logit_scale: Tensor | float, logit_bias: Tensor | float) -> tuple[Tensor, Tensor | None]:
+    """Over the pairs (image i, text ``texts[rows[i, c]]``), ``texts`` ``(T, D)``, ``rows`` ``(B, C)``:
+    L_tcs summed (image i conditioned on the text and compared with that same text, FLAIR eq. 2) and,
+    with ``global_image``, the paper's L_mps summed (the global image against the same texts, eq. 3
+    with "1 caption from every K negative sub-captions")."""
     chosen = texts[rows]
     conditioned = pool(chosen, local_image, local_mask)
-    return _sigmoid_sum(conditioned, chosen, positive, logit_scale, logit_bias)
+    tcs = _sigmoid_sum(conditioned, chosen, positive, logit_scale, logit_bias)
+    if global_image is None:
+        return tcs, None
+    return tcs, _sigmoid_sum(global_image.unsqueeze(1), chosen, positive, logit_scale, logit_bias)
 
 
 def _mps_sum(global_image: Tensor, texts: Tensor, positive: Tensor | None,
              logit_scale: Tensor | float, logit_bias: Tensor | float) -> Tensor:
-    """L_mps summed over all (image, text) pairs (FLAIR eq. 3): ``(B, D)`` x ``(T, D)``."""
+    """L_mps summed over all (image, text) pairs, the public code's form: ``(B, D)`` x ``(T, D)``."""
     cos = F.normalize(global_image, dim=-1) @ F.normalize(texts, dim=-1).T
     logits = logit_scale * _at_least_float32(cos) + logit_bias
     signs = -torch.ones_like(logits) if positive is None else positive.to(logits.dtype) * 2 - 1
@@ -221,26 +283,29 @@ def _mps_sum(global_image: Tensor, texts: Tensor, positive: Tensor | None,
 
 def _global_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
                   pool: TextConditionedAttentionPool, logit_scale: Tensor | float,
-                  logit_bias: Tensor | float, add_mps: bool, text_indices: Tensor | None,
-                  gather: bool | None, local_mask: Tensor | None) -> dict[str, Tensor]:
+                  logit_bias: Tensor | float, add_mps: bool, mps_negatives: str, text_indices: Tensor | None,
+                  seed: int | None, gather: bool | None, local_mask: Tensor | None) -> dict[str, Tensor]:
     b, k, d = text_embeds.shape
     rank, world = world_info() if should_gather(gather) else (0, 1)
     total = b * world
     texts = gather_with_grad(text_embeds.reshape(b * k, d)) if world > 1 else text_embeds.reshape(b * k, d)
     mine = slice(rank * b, (rank + 1) * b)
-    if text_indices is None:
-        rows = sample_flair_text_indices(total, k, rows=mine, device=text_embeds.device)
+    if text_indices is None:  # this process's rows only, on the device
+        rows = sample_flair_text_indices(total, k, rows=mine, seed=seed, device=text_embeds.device)
     else:  # each process checks its own rows
         _check_text_indices(text_indices, total, k, "the global batch, the same on every process")
         rows = text_indices[mine].to(text_embeds.device).long()
         _check_rows(rows, rank * b, total, k)
     owner = torch.arange(rank * b, (rank + 1) * b, device=text_embeds.device).unsqueeze(1)
+    paper_mps = add_mps and mps_negatives == "paper"
+    tcs, mps = _pair_sums(texts, rows, rows // k == owner, local_image, local_mask,
+                          global_image if paper_mps else None, pool, logit_scale, logit_bias)
     # Each process holds B of the W*B images: W x its share makes the mean over processes (and
     # DDP's averaged gradients) equal the loss of one process on the global batch.
-    tcs = _tcs_sum(texts, rows, rows // k == owner, local_image, local_mask, pool, logit_scale,
-                   logit_bias) * (world / (k + total - 1))
-    parts = {"tcs": tcs}
-    if add_mps:
+    parts = {"tcs": tcs * (world / (k + total - 1))}
+    if paper_mps:
+        parts["mps"] = mps * (world / (k + total - 1))
+    elif add_mps:
         text_owner = torch.arange(total * k, device=text_embeds.device).unsqueeze(0) // k
         parts["mps"] = _mps_sum(global_image, texts, text_owner == owner, logit_scale,
                                 logit_bias) * (world / (total * k))
@@ -249,49 +314,66 @@ def _global_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor
 
 def _ring_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
                 pool: TextConditionedAttentionPool, logit_scale: Tensor | float,
-                logit_bias: Tensor | float, add_mps: bool, text_indices: Tensor | None,
-                gather: bool | None, local_mask: Tensor | None) -> dict[str, Tensor]:
+                logit_bias: Tensor | float, add_mps: bool, mps_negatives: str, text_indices: Tensor | None,
+                seed: int | None, gather: bool | None, local_mask: Tensor | None) -> dict[str, Tensor]:
     b, k, d = text_embeds.shape
     texts = text_embeds.reshape(b * k, d)
-    if text_indices is None:
-        rows = sample_flair_text_indices(b, k, device=text_embeds.device)
+    distributed = should_gather(gather) and world_info()[1] > 1
+    if text_indices is None:  # each process its own draw (the public code seeds each rank apart)
+        if seed is not None and distributed:
+            seed = flair_draw_seed(seed, world_info()[0])
+        rows = sample_flair_text_indices(b, k, seed=seed, device=text_embeds.device)
     else:
         _check_text_indices(text_indices, b, k, "this process's batch")
         rows = text_indices.to(text_embeds.device).long()
         _check_rows(rows, 0, b, k)
     owner = torch.arange(b, device=text_embeds.device).unsqueeze(1)
-    tcs = _tcs_sum(texts, rows, rows // k == owner, local_image, local_mask, pool, logit_scale, logit_bias)
-    mps = None
-    if add_mps:
+    paper_mps = add_mps and mps_negatives == "paper"
+    tcs, mps = _pair_sums(texts, rows, rows // k == owner, local_image, local_mask,
+                          global_image if paper_mps else None, pool, logit_scale, logit_bias)
+    if add_mps and not paper_mps:
         mps = _mps_sum(global_image, texts, (torch.arange(b * k, device=owner.device) // k) == owner,
                        logit_scale, logit_bias)
-    if should_gather(gather) and world_info()[1] > 1:
+    if distributed:
         # Only the (B*K, D) texts travel; each process's sampled rows are small integers.
         all_rows = gather_with_grad(rows)
         for source, foreign in ring_exchange_with_grad(texts):
             foreign_rows = all_rows[source * b : (source + 1) * b]
-            tcs = tcs + _tcs_sum(foreign, foreign_rows, None, local_image, local_mask, pool,
-                                 logit_scale, logit_bias)
-            if add_mps:
+            tcs_q, mps_q = _pair_sums(foreign, foreign_rows, None, local_image, local_mask,
+                                      global_image if paper_mps else None, pool, logit_scale, logit_bias)
+            tcs = tcs + tcs_q
+            if paper_mps:
+                mps = mps + mps_q
+            elif add_mps:
                 mps = mps + _mps_sum(global_image, foreign, None, logit_scale, logit_bias)
     parts = {"tcs": tcs / (k + b - 1)}
     if add_mps:
-        parts["mps"] = mps / (b * k)
+        parts["mps"] = mps / ((k + b - 1) if paper_mps else (b * k))
     return parts
 
 
 def _flair_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
                  pool: TextConditionedAttentionPool, logit_scale: Tensor | float,
-                 logit_bias: Tensor | float, *, add_mps: bool, text_indices: Tensor | None,
-                 distributed: str, gather: bool | None, local_mask: Tensor | None) -> dict[str, Tensor]:
+                 logit_bias: Tensor | float, *, add_mps: bool, mps_negatives: str, text_indices: Tensor | None,
+                 seed: int | None, distributed: str, gather: bool | None,
+                 local_mask: Tensor | None) -> dict[str, Tensor]:
     if distributed not in ("global", "ring"):
         raise ValueError(f"flair_loss: distributed must be 'global' or 'ring', got {distributed!r}")
+    _check_mps_negatives(mps_negatives, "flair_loss")
+    if text_indices is not None and seed is not None:
+        raise ValueError("flair_loss: give text_indices (a fixed draw) or seed (the draw's key), not both")
     _check_inputs(text_embeds, local_image, global_image, local_mask)
     compute = _global_parts if distributed == "global" else _ring_parts
     parts = compute(text_embeds, local_image, global_image, pool, logit_scale, logit_bias, add_mps,
-                    text_indices, gather, local_mask)
+                    mps_negatives, text_indices, seed, gather, local_mask)
     parts["loss"] = (parts["tcs"] + parts["mps"]) / 2 if add_mps else parts["tcs"]
     return parts
+
+
+def _check_mps_negatives(value: str, where: str) -> None:
+    if value not in MPS_NEGATIVES:
+        raise ValueError(f"{where}: mps_negatives must be 'paper' (one sub-caption of every other image, FLAIR "
+                         f"3.4) or 'public_code' (all B*K sub-captions, the public loss.py), got {value!r}")
 
 
 def flair_loss(
@@ -303,7 +385,9 @@ def flair_loss(
     logit_bias: Tensor | float,
     *,
     add_mps: bool = True,
+    mps_negatives: MpsNegatives = "paper",
     text_indices: Tensor | None = None,
+    seed: int | None = None,
     distributed: Distributed = "global",
     gather: bool | None = None,
     local_mask: Tensor | None = None,
@@ -311,14 +395,17 @@ def flair_loss(
     """FLAIR's loss ``L = (L_tcs + L_mps) / 2`` (FLAIR, sections 3.3-3.4, eqs. 2-4).
 
     With ``s`` = ``logit_scale``, ``b`` = ``logit_bias``, ``n`` the L2 normalisation and
-    ``y = +1`` for an image's own sub-captions, -1 otherwise:
+    ``y = +1`` for an image's own sub-captions, -1 otherwise, and row i of the draw holding image
+    i's K sub-captions and one random sub-caption of every other image (``K + B - 1`` texts c):
 
-    * ``L_tcs = sum_i mean_c -log sigmoid(y_ic (s <n(pool(t_c, v_loc_i)), n(t_c)> + b))`` over the
-      ``K + B - 1`` texts ``c`` of row i of ``text_indices`` (image i's K sub-captions and one
-      sub-caption of every other image): the image is conditioned on each text and compared with
-      that same text (eq. 2, the negatives ``<v_{i,j_k}^tc, t_{j_k}>``);
-    * ``L_mps = sum_i mean_c -log sigmoid(y_ic (s <n(v_g_i), n(t_c)> + b))`` over all ``B * K``
-      sub-captions (eq. 3; K positives per image);
+    * ``L_tcs = sum_i mean_c -log sigmoid(y_ic (s <n(pool(t_c, v_loc_i)), n(t_c)> + b))`` over
+      row i: the image is conditioned on each text and compared with that same text (eq. 2, the
+      negatives ``<v_{i,j_k}^tc, t_{j_k}>``; section 3.3's ``B x (K + B - 1)`` pairs);
+    * ``L_mps = sum_i mean_c -log sigmoid(y_ic (s <n(v_g_i), n(t_c)> + b))`` (eq. 3) over, with
+      ``mps_negatives="paper"``, the same row i ("all K positive pairs per image and 1 caption from
+      every K negative sub-captions", section 3.4; the paper does not say whether L_mps draws its
+      own negatives: here it shares L_tcs's draw), or with ``"public_code"`` all ``B * K``
+      sub-captions (the public ``loss.py``);
     * ``L = (L_tcs + L_mps) / 2`` with ``add_mps`` (eq. 4), else ``L_tcs``.
 
     The normalisation is the public code's: a sum over images of a mean over each image's texts
@@ -328,17 +415,17 @@ def flair_loss(
     Image tokens never leave their process. Across processes (``gather``):
 
     * ``distributed="global"`` (default, the paper's batch of W*B images): texts are all-gathered
-      with autograd; each process scores its own images against the global draw (each image's K
-      positives and one sub-caption of every other image of the global batch) and returns
-      ``W x`` its images' share, so the mean over processes and DDP's averaged gradients equal
-      one process on the concatenated batch, whatever W.
+      with autograd; each process draws and scores only its own images' rows of the global draw
+      and returns ``W x`` its images' share, so the mean over processes and DDP's averaged
+      gradients equal one process on the concatenated batch with the same draw, whatever W.
     * ``distributed="ring"`` (the public code, to reproduce its runs): per process the sum over the
-      W process blocks of ``(L_tcs + L_mps) / 2``, each normalised by the local ``K + B - 1`` and
-      ``B * K``: its own block as above, and for a foreign block local image i conditioned on row
-      i of that process's sampled ``(B, K + B - 1)`` rows, all negatives, plus the global image
-      against all that process's ``B * K`` texts, all negatives. The ``(B*K, D)`` texts travel by
-      bidirectional neighbour exchange with autograd (:func:`losses.distributed.ring_exchange_with_grad`),
-      so a process's text gradients include the other processes' losses.
+      W process blocks of ``(L_tcs + L_mps) / 2``, each normalised by the local ``K + B - 1`` (and
+      ``B * K`` for the public L_mps): its own block as above, and for a foreign block local image
+      i conditioned on row i of that process's drawn ``(B, K + B - 1)`` rows, all negatives, plus
+      the global image against that process's texts (the same row, or all its ``B * K``), all
+      negatives. The ``(B*K, D)`` texts travel by bidirectional neighbour exchange with autograd
+      (:func:`losses.distributed.ring_exchange_with_grad`), so a process's text gradients include
+      the other processes' losses.
 
     Args:
         text_embeds: ``(B, K, D)`` raw global text embeddings, K sub-captions per image.
@@ -348,15 +435,17 @@ def flair_loss(
         logit_scale: ``s``, the multiplier (already exponentiated).
         logit_bias: ``b`` (FLAIR initialises it to -10).
         add_mps: add L_mps (the paper's and the public code's final loss).
-        text_indices: fixes the draw of L_tcs's texts for tests and reproducibility: integer
-            indices into the image-major sub-captions, row i for image i (see
-            :func:`sample_flair_text_indices`). ``"global"``: ``(W*B, K + W*B - 1)`` over the
-            global batch, the same on every process; ``"ring"``: ``(B, K + B - 1)``, this
-            process's own draw. None draws with torch's default generator on the texts' device;
-            under ``"global"`` each process builds its own images' rows of one global draw (the
-            one a single process seeded alike would make; see :func:`sample_flair_text_indices`),
-            so processes seeded alike share one draw and processes seeded apart draw
-            independent rows.
+        mps_negatives: ``"paper"`` or ``"public_code"`` (above).
+        text_indices: a fixed draw, for tests: integer indices into the image-major sub-captions,
+            row i for image i (see :func:`sample_flair_text_indices`). ``"global"``:
+            ``(W*B, K + W*B - 1)`` over the global batch, the same on every process; ``"ring"``:
+            ``(B, K + B - 1)``, this process's own draw. Checked (a host read): leave it None in
+            a training step.
+        seed: the draw's key (:func:`sample_flair_text_indices`; a training loop passes one per
+            step, :func:`flair_draw_seed`): ``"global"`` draws this process's rows of the global
+            draw keyed by ``seed``, the same rows a single process would draw on the concatenated
+            batch; ``"ring"`` draws this process's own matrix keyed by (``seed``, rank). None:
+            a seed from torch's default CPU generator, so processes seeded alike share one draw.
         distributed: ``"global"`` or ``"ring"`` (above).
         gather: ``None`` works across processes when a process group of size > 1 is
             initialised; ``False`` keeps each process's loss on its own batch.
@@ -366,8 +455,8 @@ def flair_loss(
         Scalar loss. Every process must pass the same B, K and D (N may differ).
     """
     return _flair_parts(text_embeds, local_image, global_image, pool, logit_scale, logit_bias,
-                        add_mps=add_mps, text_indices=text_indices, distributed=distributed,
-                        gather=gather, local_mask=local_mask)["loss"]
+                        add_mps=add_mps, mps_negatives=mps_negatives, text_indices=text_indices, seed=seed,
+                        distributed=distributed, gather=gather, local_mask=local_mask)["loss"]
 
 
 class FLAIRLoss(nn.Module):
@@ -376,16 +465,20 @@ class FLAIRLoss(nn.Module):
 
     Args:
         add_mps: add the multi-positive sigmoid loss L_mps (FLAIR 3.4; the paper's final loss).
+        mps_negatives: ``"paper"`` (one sub-caption of every other image, FLAIR 3.4) or
+            ``"public_code"`` (all ``B * K`` sub-captions, the public ``loss.py``).
         distributed: ``"global"`` (the paper's batch) or ``"ring"`` (the public code).
         gather: see :func:`flair_loss`.
     """
 
-    def __init__(self, *, add_mps: bool = True, distributed: Distributed = "global",
-                 gather: bool | None = None) -> None:
+    def __init__(self, *, add_mps: bool = True, mps_negatives: MpsNegatives = "paper",
+                 distributed: Distributed = "global", gather: bool | None = None) -> None:
         super().__init__()
         if distributed not in ("global", "ring"):
             raise ValueError(f"FLAIRLoss: distributed must be 'global' or 'ring', got {distributed!r}")
-        self.add_mps, self.distributed, self.gather = add_mps, distributed, gather
+        _check_mps_negatives(mps_negatives, "FLAIRLoss")
+        self.add_mps, self.mps_negatives = add_mps, mps_negatives
+        self.distributed, self.gather = distributed, gather
 
     def forward(
         self,
@@ -397,6 +490,7 @@ class FLAIRLoss(nn.Module):
         logit_bias: Tensor | float,
         *,
         text_indices: Tensor | None = None,
+        seed: int | None = None,
         local_mask: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """The loss and its terms.
@@ -408,11 +502,12 @@ class FLAIRLoss(nn.Module):
             backpropagate, the terms (normalised as in the loss) for logging.
         """
         return _flair_parts(text_embeds, local_image, global_image, pool, logit_scale, logit_bias,
-                            add_mps=self.add_mps, text_indices=text_indices,
-                            distributed=self.distributed, gather=self.gather, local_mask=local_mask)
+                            add_mps=self.add_mps, mps_negatives=self.mps_negatives, text_indices=text_indices,
+                            seed=seed, distributed=self.distributed, gather=self.gather, local_mask=local_mask)
 
     def extra_repr(self) -> str:  # noqa: D102
-        return f"add_mps={self.add_mps}, distributed={self.distributed!r}"
+        return f"add_mps={self.add_mps}, mps_negatives={self.mps_negatives!r}, distributed={self.distributed!r}"
 
 
-__all__ = ["TextConditionedAttentionPool", "flair_loss", "FLAIRLoss", "sample_flair_text_indices"]
+__all__ = ["TextConditionedAttentionPool", "flair_loss", "FLAIRLoss", "sample_flair_text_indices", "flair_draw_seed",
+           "MPS_NEGATIVES"]

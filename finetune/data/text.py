@@ -184,6 +184,7 @@ def sample_subcaptions(
     rng: random.Random | int | None = None,
     *,
     consecutive: float = 0.5,
+    join: Callable[[list[str]], str] | None = None,
 ) -> list[str]:
     """Sample FLAIR's K diverse sub-captions of a long caption (FLAIR paper, section 3).
 
@@ -206,8 +207,10 @@ def sample_subcaptions(
         min_s, max_s: the range of sentences per sub-caption (FLAIR: 1 and 3).
         rng: a ``random.Random`` (for reproducible sampling in a data loader), a seed, or None.
         consecutive: probability that a sub-caption is a consecutive window.
+        join: turns a sub-caption's sentences into its text; None: joined by a space
+            (``finetune.objectives.flair.join_public_code`` is the FLAIR code's ``". "``).
     Returns:
-        ``k`` sub-captions, each the space-joined sentences it holds.
+        ``k`` sub-captions, each the joined sentences it holds.
     """
     if isinstance(sentences, str):
         raise TypeError("sample_subcaptions expects a list of sentences, got a str (it would sample "
@@ -233,7 +236,7 @@ def sample_subcaptions(
             chosen = items[start : start + s]
         else:
             chosen = [items[i] for i in sorted(generator.sample(range(n), s))]
-        result.append(" ".join(chosen))
+        result.append(join(list(chosen)) if join is not None else " ".join(chosen))
     return result
 
 

@@ -12,8 +12,15 @@ superpixels are computed once.
 Per batch: the CAST encoder gives ``v_fine`` and ``v_coarse``, stage 1 encodes all K sub-captions, the
 adapter and stage 2 turn the first N into ``t_long``; the loss is
 :func:`losses.fcast_loss` (``fcast/part`` + ``fcast/whole``) with the model's part-level and whole-level
-scales and biases. After every optimiser step both log scales are clamped to ``[0, ln 100]`` (FLAIR's
-clamp, which F-CAST follows).
+scales and biases. The two levels are added unweighted as the paper writes; their reductions are the
+implementation's (L_part as FLAIR's public code, L_whole as SigLIP), which puts them at about 8 : 1 at
+initialisation (:mod:`losses.fcast`). After every optimiser step both log scales are clamped to
+``[0, ln 100]`` (``logit_scale_max``): FLAIR's public code does this; F-CAST's text does not mention a clamp
+(it says it builds on FLAIR's code).
+
+The part level's negatives are keyed by (``seed``, step) as FLAIR's (:class:`~finetune.objectives.flair.DrawCounter`
+saves the step count in the run's checkpoints): each process draws only its own rows, and a resumed run
+draws what the uninterrupted one would.
 
 The run report draws, for a few training images, the superpixels and each stage's segments (F-CAST
 Fig. 6) and the part-level attention of a few sub-captions over the 64 segments (Fig. 7).
@@ -31,9 +38,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from losses import fcast_loss
+from losses import fcast_loss, flair_draw_seed
 
 from .base import Batch, Features, Term, scale_of
+from .flair import DrawCounter
 from .registry import register_term
 
 TERM_NAME = "fcast"
@@ -57,9 +65,11 @@ class FCastOptions:
         max_sentences: most sentences in a chunk or sub-caption (3, appendix C).
         distributed: ``global`` (the paper's global batch) or ``ring`` (FLAIR's public code), for the
             part level.
-        logit_scale_max: clamp of both log scales after every step (FLAIR: ln 100); null: no clamp.
+        logit_scale_max: clamp of both log scales after every step (FLAIR's public code: ln 100; F-CAST's text
+            names none); null: no clamp.
         cache_superpixels: cache map-style data's superpixels under ``data.cache_dir``.
-        seed: seed of the chunking and sub-caption draws (with the epoch and the example id).
+        seed: seed of the chunking and sub-caption draws (with the epoch and the example id) and of the part
+            level's negatives (with the step).
         report_images: images drawn in the report (F-CAST Figs. 6-7); 0: none.
         caption_fields: example fields holding an image's captions (strings, or lists of sentences such as
             DreamLIP's re-captioned shards); null: the example's ``caption``. The K - N extra sub-captions
@@ -104,6 +114,7 @@ class FCastTerm(Term):
                              f"the first N sub-captions are the caption's chunks")
         self.options = options
         self.epoch = 0
+        self.draws = DrawCounter()
         if options.superpixels is not None:
             from finetune.preprocess.superpixels import SuperpixelSettings
 
@@ -232,11 +243,17 @@ class FCastTerm(Term):
             heads.part_logit_bias.detach() if detach_params else heads.part_logit_bias,
             scale_of(heads.logit_scale, detach_params),
             heads.logit_bias.detach() if detach_params else heads.logit_bias,
-            distributed=self.options.distributed,
+            seed=self.draw_seed(), distributed=self.options.distributed,
         )
         return {"part": out["part"], "whole": out["whole"]}
 
+    def draw_seed(self) -> int:
+        """The key of this step's part-level negatives: (``seed``, steps so far), as FLAIR's term."""
+        return flair_draw_seed(self.options.seed, self.draws.value)
+
     def after_optimizer_step(self) -> None:
+        """Clamp both log scales to ``[0, logit_scale_max]``; the next step draws new negatives."""
+        self.draws.advance()
         model = self.__dict__.get("_model")
         if model is None or self.options.logit_scale_max is None:
             return

@@ -16,15 +16,23 @@ consecutive windows over every start, or sentences at random positions kept in c
 - else the example's ``sentences`` (the synthetic scenes; pre-split benchmark rows);
 - else the ``caption`` split into sentences (PixelProse: split on the fly), by ``splitter``.
 
-They are tokenised to the model's 77 positions (image-major, ``B*K`` rows). The loss is
-:func:`losses.flair_loss` (``(L_tcs + L_mps) / 2``) on the class token, the projected patch tokens and the
-sub-caption embeddings, with the model's attention pool, scale and bias; its two parts are logged as
-``flair/tcs`` and ``flair/mps`` (weight 0). After every optimiser step the log scale is clamped to
-``[0, ln 100]``.
+A sub-caption's sentences are joined as the public code joins them (``join: public_code``: each loses a
+final period, then ``". "`` between them) and tokenised to the model's 77 positions (image-major, ``B*K``
+rows). The loss is :func:`losses.flair_loss` (``(L_tcs + L_mps) / 2``) on the class token, the projected
+patch tokens and the sub-caption embeddings, with the model's attention pool, scale and bias; its two parts
+are logged as ``flair/tcs`` and ``flair/mps`` (weight 0). L_mps takes the paper's negatives by default
+(``mps_negatives: paper``, section 3.4), the public code's all-captions form with ``public_code``.
+
+The negatives of a step are keyed by (``seed``, step) (:func:`losses.flair_draw_seed`): each process draws
+only its own rows on the device (:func:`losses.sample_flair_text_indices`), gradient-accumulation
+micro-batches share the step's draw, and the step count is a persistent buffer (:class:`DrawCounter`), so
+``accelerator.save_state`` checkpoints it and a resumed run draws what the uninterrupted one would. After
+every optimiser step the log scale is clamped to ``[0, ln 100]`` (the public ``train.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import zlib
@@ -32,10 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from losses import FLAIRLoss, sample_flair_text_indices
-from losses.distributed import world_info
+from losses import FLAIRLoss, flair_draw_seed
+from losses.flair import MPS_NEGATIVES
 
 from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
 from .registry import register_term
@@ -46,6 +54,54 @@ FIELD_MASK = "flair_attention_mask"
 FEATURE = "flair_text"
 #: the clamp of the log logit scale after every step (public ``train.py``: [0, ln 100])
 LOG_SCALE_RANGE = (0.0, math.log(100.0))
+#: how a sub-caption's sentences are joined: the public code's ``". "`` or a space
+JOINS = ("public_code", "space")
+
+log = logging.getLogger("xlipkit")
+
+
+def join_public_code(sentences: list[str]) -> str:
+    """A sub-caption's text as the FLAIR code writes it: its sentences split at periods (``re.split``
+    drops them) joined by ``". "``, without a final period. Sentences that kept their period (the
+    toolkit's splitter, the synthetic scenes) lose it first, so both give ``"A dog runs. It is brown"``;
+    a sentence ending in ``!`` or ``?`` is followed by a space only."""
+    pieces = [s[:-1].rstrip() if s.endswith(".") else s for s in sentences]
+    text = pieces[0] if pieces else ""
+    for piece in pieces[1:]:
+        text += (" " if text.endswith(("!", "?")) else ". ") + piece
+    return text
+
+
+class DrawCounter(nn.Module):
+    """The optimiser steps a term has drawn negatives for, which key its draws (FLAIR, F-CAST).
+
+    A persistent int64 buffer ``steps`` holds the count in the module's state dict, so the trainer's
+    ``accelerator.save_state`` (the model and the objective in one module) saves it and ``load_state``
+    restores it; the Python copy :attr:`value` keys the draws without reading the device in the step.
+    A checkpoint saved before the counter existed loads with a warning and the count restarts at 0.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.value = 0
+
+    def advance(self) -> None:
+        """One more step (after each optimiser step); the buffer follows without a host read."""
+        self.value += 1
+        self.steps.fill_(self.value)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        key = prefix + "steps"
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if key in state_dict:
+            self.value = int(state_dict[key])  # once, when a checkpoint loads
+        elif key in missing_keys:
+            missing_keys.remove(key)
+            log.warning("%s: the checkpoint has no negative-draw count (saved before it was checkpointed); "
+                        "draws restart at step 0", key)
 
 
 def _positive_int(value: Any) -> str | None:
@@ -58,6 +114,15 @@ def _probability(value: Any) -> str | None:
 
 def _distributed(value: Any) -> str | None:
     return None if value in ("global", "ring") else f"must be 'global' (the paper's batch) or 'ring' (the public code), got {value!r}"
+
+
+def _mps_negatives(value: Any) -> str | None:
+    return None if value in MPS_NEGATIVES else (f"must be 'paper' (one sub-caption of every other image, FLAIR 3.4) "
+                                                f"or 'public_code' (all B*K sub-captions), got {value!r}")
+
+
+def _join(value: Any) -> str | None:
+    return None if value in JOINS else f"must be 'public_code' (\". \") or 'space', got {value!r}"
 
 
 def _splitter(value: Any) -> str | None:
@@ -82,7 +147,11 @@ class FlairOptions:
             ...), concatenated in this order; null: ``sentences``, else the split ``caption``.
         splitter: how a ``caption`` string is split: ``sentences`` (:func:`finetune.data.text.split_sentences`)
             or ``flair`` (the public code's ``re.split(r'\\n|</s>|[.]')``, PixelProse).
+        join: how a sub-caption's sentences are joined: ``public_code`` (:func:`join_public_code`, ``". "``)
+            or ``space`` (as they are, joined by a space); the paper does not say.
         add_mps: add L_mps (the paper's final loss; false: L_tcs only).
+        mps_negatives: L_mps's negatives: ``paper`` (one sub-caption of every other image, section 3.4,
+            L_tcs's draw) or ``public_code`` (all ``B*K`` sub-captions, the public ``loss.py``).
         distributed: ``global`` (the paper's batch over all processes) or ``ring`` (the public code's per-process
             blocks, to reproduce its runs).
         seed: seeds the sub-caption draws (with the epoch and the example id) and the negatives of L_tcs
@@ -95,7 +164,9 @@ class FlairOptions:
     consecutive: float = field(default=0.5, metadata={"check": _probability})
     caption_fields: list[str] | None = field(default=None, metadata={"check": _fields})
     splitter: str = field(default="sentences", metadata={"check": _splitter})
+    join: str = field(default="public_code", metadata={"check": _join})
     add_mps: bool = True
+    mps_negatives: str = field(default="paper", metadata={"check": _mps_negatives})
     distributed: str = field(default="global", metadata={"check": _distributed})
     seed: int = 0
 
@@ -129,9 +200,10 @@ class FlairTerm(Term):
         if self.options.max_sentences < self.options.min_sentences:
             raise ValueError(f"objective.terms.flair: max_sentences ({self.options.max_sentences}) must be >= "
                              f"min_sentences ({self.options.min_sentences})")
-        self.loss_fn = FLAIRLoss(add_mps=self.options.add_mps, distributed=self.options.distributed)
+        self.loss_fn = FLAIRLoss(add_mps=self.options.add_mps, mps_negatives=self.options.mps_negatives,
+                                 distributed=self.options.distributed)
         self.epoch = 0
-        self.calls = 0
+        self.draws = DrawCounter()
         self._scale: list[Tensor] = []  # the model's log scale, clamped after each step (not a parameter here)
 
     # -- data ---------------------------------------------------------------------------------------
@@ -170,7 +242,7 @@ class FlairTerm(Term):
         key = f"{o.seed}/{self.epoch}/{example.get('id', '')}".encode()
         rng = random.Random(zlib.crc32(key) ^ (o.seed << 32))
         subs = sample_subcaptions(self.sentences(example), o.k, o.min_sentences, o.max_sentences, rng,
-                                  consecutive=o.consecutive)
+                                  consecutive=o.consecutive, join=join_public_code if o.join == "public_code" else None)
         return {FIELD_SUBCAPTIONS: subs}
 
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
@@ -190,18 +262,10 @@ class FlairTerm(Term):
         return {FEATURE: TextRequest(batch[FIELD_IDS], batch[FIELD_MASK])}
 
     # -- loss ---------------------------------------------------------------------------------------
-    def _text_indices(self, batch_size: int, device: torch.device) -> Tensor:
-        """L_tcs's draw, seeded by (seed, call), the same on every process: ``(W*B, K+W*B-1)`` for
-        ``global``, this process's ``(B, K+B-1)`` (also seeded by its rank) for ``ring``."""
-        rank, world = world_info()
-        generator = torch.Generator(device="cpu")
-        if self.options.distributed == "global":
-            generator.manual_seed(self.options.seed * 1_000_003 + self.calls)
-            idx = sample_flair_text_indices(world * batch_size, self.options.k, generator=generator)
-        else:
-            generator.manual_seed((self.options.seed * 1_000_003 + self.calls) * 4099 + rank)
-            idx = sample_flair_text_indices(batch_size, self.options.k, generator=generator)
-        return idx.to(device)
+    def draw_seed(self) -> int:
+        """The key of this step's negatives, (``seed``, steps so far), the same on every process
+        (:func:`losses.flair_draw_seed`; ``ring`` mixes in the rank inside the loss)."""
+        return flair_draw_seed(self.options.seed, self.draws.value)
 
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
         if not callable(getattr(model, "local_tokens", None)) or getattr(model, "logit_bias", None) is None:
@@ -218,16 +282,16 @@ class FlairTerm(Term):
         local = model.local_tokens(feats["image_states"])
         s = scale_of(model.logit_scale, detach_params)
         bias = model.logit_bias.detach() if detach_params else model.logit_bias
-        indices = self._text_indices(b, glob.device)
-        self.calls += 1
-        out = self.loss_fn(text.view(b, k, -1), local, glob, model.pool, s, bias, text_indices=indices)
+        out = self.loss_fn(text.view(b, k, -1), local, glob, model.pool, s, bias, seed=self.draw_seed())
         values = {"flair": out["loss"], "tcs": out["tcs"].detach()}
         if "mps" in out:
             values["mps"] = out["mps"].detach()
         return values
 
     def after_optimizer_step(self) -> None:
-        """Clamp the model's log logit scale to ``[0, ln 100]`` (public ``train.py``)."""
+        """Clamp the model's log logit scale to ``[0, ln 100]`` (public ``train.py``); the next step draws new
+        negatives."""
+        self.draws.advance()
         if self._scale:
             with torch.no_grad():
                 self._scale[0].clamp_(*LOG_SCALE_RANGE)
@@ -239,8 +303,9 @@ class FlairTerm(Term):
     def summary(self) -> dict[str, Any]:
         o = self.options
         return {"k": o.k, "sentences": [o.min_sentences, o.max_sentences], "consecutive": o.consecutive,
-                "caption_fields": o.caption_fields, "splitter": o.splitter, "add_mps": o.add_mps,
-                "distributed": o.distributed, "log_scale_range": list(LOG_SCALE_RANGE)}
+                "caption_fields": o.caption_fields, "splitter": o.splitter, "join": o.join, "add_mps": o.add_mps,
+                "mps_negatives": o.mps_negatives, "distributed": o.distributed,
+                "log_scale_range": list(LOG_SCALE_RANGE)}
 
 
 @register_term("flair", FlairOptions)

@@ -49,7 +49,16 @@ def _loss(inputs, params, gather):
     return out["loss"] + 2 * out["part"] + 3 * out["whole"]  # each level checked through distinct weights
 
 
-CASES = {"fcast": Case(_make, _loss)}
+def _keyed_loss(inputs, params, gather):
+    """The same with the negatives keyed by a seed: each rank draws only its own rows of the draw one
+    process makes on the whole batch."""
+    out = fcast_loss(inputs["sub"], inputs["fine"], inputs["coarse"], inputs["long"], inputs["pool"],
+                     params["part_log_scale"].exp(), params["part_bias"], params["whole_log_scale"].exp(),
+                     params["whole_bias"], fine_mask=inputs["mask"], seed=4242, gather=gather)
+    return out["loss"] + 2 * out["part"] + 3 * out["whole"]
+
+
+CASES = {"fcast": Case(_make, _loss), "fcast_keyed": Case(_make, _keyed_loss)}
 
 
 def _run(case: Case, rank: int | None) -> dict:

@@ -21,6 +21,7 @@ from losses import FLAIRLoss, TextConditionedAttentionPool, flair_loss, sample_f
 B, K, N, D, HEADS = 2, 3, 4, 8, 2
 GLOBAL_SEED = 5  # the global draw of text_indices passed explicitly
 SAMPLE_SEED = 123  # torch.manual_seed on every rank before flair_loss draws by itself
+DRAW_KEY = 987654321  # flair_loss(seed=...): every rank draws its own rows of the draw keyed by it
 
 Tensors = dict[str, torch.Tensor]
 
@@ -63,7 +64,20 @@ def ring_indices(world: int) -> list[torch.Tensor]:
     return [sample_flair_text_indices(B, K, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
 
 
-CASES = ("global", "global_no_mps", "global_seeded", "ring", "ring_no_mps", "ring_module", "local")
+CASES = ("global", "global_public_mps", "global_no_mps", "global_seeded", "global_keyed", "ring", "ring_public_mps",
+         "ring_no_mps", "ring_module", "ring_keyed", "local")
+
+
+def ring_keyed_indices(world: int) -> list[torch.Tensor]:
+    """Each rank's own draw under ``distributed="ring"`` with ``seed=DRAW_KEY``: keyed by (key, rank)."""
+    from losses import flair_draw_seed
+
+    return [sample_flair_text_indices(B, K, seed=flair_draw_seed(DRAW_KEY, r)) for r in range(world)]
+
+
+def mps_form(name: str) -> str:
+    """The L_mps negatives of case ``name``."""
+    return "public_code" if name.endswith("public_mps") else "paper"
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
@@ -77,9 +91,14 @@ def run_case(name: str, rank: int, world: int) -> dict:
     text, local, glob = (_leaf(full[k][rows]) for k in ("text", "local", "global"))
     log_scale, bias = _leaf(full["log_scale"]), _leaf(full["bias"])
     pool = make_pool()
-    kwargs = {"add_mps": not name.endswith("no_mps"), "local_mask": full["mask"][rows], "gather": True}
+    kwargs = {"add_mps": not name.endswith("no_mps"), "mps_negatives": mps_form(name), "local_mask": full["mask"][rows],
+              "gather": True}
     if name == "local":  # gather=False: each process on its own batch, its own draw
         kwargs.update(gather=False, text_indices=ring_indices(world)[rank])
+    elif name == "global_keyed":  # each rank draws only its own rows, keyed by DRAW_KEY
+        kwargs.update(distributed="global", seed=DRAW_KEY)
+    elif name == "ring_keyed":  # each rank its own matrix, keyed by (DRAW_KEY, rank)
+        kwargs.update(distributed="ring", seed=DRAW_KEY)
     elif name.startswith("global"):
         kwargs.update(distributed="global", text_indices=None if name == "global_seeded" else global_indices(world))
     else:

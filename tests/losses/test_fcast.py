@@ -88,5 +88,8 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_process_on_the_concatenated_batch(two_ranks):
-    fcast_two_rank_cases.assert_matches_single_process("fcast", two_ranks)
+@pytest.mark.parametrize("case", ["fcast", "fcast_keyed"])
+def test_two_ranks_match_one_process_on_the_concatenated_batch(two_ranks, case):
+    """A fixed draw, or one keyed by a seed (each rank drawing only its own rows): the mean loss and the
+    gradients of two ranks equal one process on the concatenated batch with that draw."""
+    fcast_two_rank_cases.assert_matches_single_process(case, two_ranks)

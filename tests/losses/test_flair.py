@@ -112,7 +112,8 @@ def test_pool_rejects_mismatched_shapes() -> None:
 
 import flair_ranks  # noqa: E402  (tests/losses is on sys.path: conftest)
 
-from losses import FLAIRLoss, flair_loss, sample_flair_text_indices  # noqa: E402
+from losses import FLAIRLoss, flair_draw_seed, flair_loss, sample_flair_text_indices  # noqa: E402
+from tests.losses.flair_probes import HostReads, as_rank, largest_cpu_allocation  # noqa: E402
 
 
 def _nls(z: torch.Tensor) -> torch.Tensor:
@@ -138,6 +139,7 @@ def _hand_tcs(pool, texts, rows, local, mask, s, b, k, first_image=0, foreign=Fa
 
 
 def _hand_mps(glob, texts, s, b, k, first_image=0, foreign=False):
+    """The public code's L_mps, summed: every image against every text."""
     total = torch.zeros((), dtype=torch.float64)
     for i in range(glob.shape[0]):
         for c in range(texts.shape[0]):
@@ -146,30 +148,47 @@ def _hand_mps(glob, texts, s, b, k, first_image=0, foreign=False):
     return total
 
 
-def _hand_flair(pool, text, local, glob, s, b, indices, mask=None, add_mps=True):
+def _hand_mps_rows(glob, texts, rows, s, b, k, first_image=0, foreign=False):
+    """The paper's L_mps, summed: image i against the texts of its row of the draw only."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(rows.shape[0]):
+        for c in range(rows.shape[1]):
+            j = int(rows[i, c])
+            y = 1.0 if not foreign and j // k == first_image + i else -1.0
+            total = total + _nls(y * (s * _cos(glob[i], texts[j]) + b))
+    return total
+
+
+def _hand_flair(pool, text, local, glob, s, b, indices, mask=None, add_mps=True, mps="paper"):
     """One process, the whole batch: (sum_i mean_c tcs + sum_i mean_c mps) / 2."""
     n_img, k, d = text.shape
     flat = text.reshape(-1, d)
     tcs = _hand_tcs(pool, flat, indices, local, mask, s, b, k) / (k + n_img - 1)
     if not add_mps:
         return tcs
+    if mps == "paper":
+        return (tcs + _hand_mps_rows(glob, flat, indices, s, b, k) / (k + n_img - 1)) / 2
     return (tcs + _hand_mps(glob, flat, s, b, k) / (n_img * k)) / 2
 
 
-def _hand_ring(pool, text, local, glob, s, b, indices, mask, world, add_mps=True):
+def _hand_ring(pool, text, local, glob, s, b, indices, mask, world, add_mps=True, mps="paper"):
     """The loss of every rank under the public code's ring: own block + all-negative foreign blocks."""
     per, k, d = text.shape[0] // world, text.shape[1], text.shape[2]
     losses, parts = [], []
     for r in range(world):
         rows = slice(r * per, (r + 1) * per)
-        tcs = mps = torch.zeros((), dtype=torch.float64)
+        tcs = mps_sum = torch.zeros((), dtype=torch.float64)
         for q in range(world):
             texts_q = text[q * per : (q + 1) * per].reshape(-1, d)
             tcs = tcs + _hand_tcs(pool, texts_q, indices[q], local[rows], mask[rows], s, b, k, foreign=q != r)
-            mps = mps + _hand_mps(glob[rows], texts_q, s, b, k, foreign=q != r)
-        tcs, mps = tcs / (k + per - 1), mps / (per * k)
-        parts.append({"tcs": tcs, "mps": mps})
-        losses.append((tcs + mps) / 2 if add_mps else tcs)
+            if mps == "paper":
+                mps_sum = mps_sum + _hand_mps_rows(glob[rows], texts_q, indices[q], s, b, k, foreign=q != r)
+            else:
+                mps_sum = mps_sum + _hand_mps(glob[rows], texts_q, s, b, k, foreign=q != r)
+        tcs = tcs / (k + per - 1)
+        mps_sum = mps_sum / ((k + per - 1) if mps == "paper" else (per * k))
+        parts.append({"tcs": tcs, "mps": mps_sum})
+        losses.append((tcs + mps_sum) / 2 if add_mps else tcs)
     return losses, parts
 
 
@@ -186,15 +205,15 @@ def _grads(loss, leaves, pool) -> dict[str, torch.Tensor]:
     return dict(zip(names, torch.autograd.grad(loss, tensors, allow_unused=True, retain_graph=True)))
 
 
-@pytest.mark.parametrize("add_mps", [True, False])
-def test_flair_loss_matches_a_hand_computation_with_gradients(add_mps: bool) -> None:
+@pytest.mark.parametrize("add_mps,mps", [(True, "paper"), (True, "public_code"), (False, "paper")])
+def test_flair_loss_matches_a_hand_computation_with_gradients(add_mps: bool, mps: str) -> None:
     leaves, mask, pool = _leaves(2)  # 4 images, K = 3, image 1 with a padded token
     mask[3] = False  # image 3: every token padded, only the empty slot is left
     indices = sample_flair_text_indices(4, 3, generator=torch.Generator().manual_seed(7))
     s, b = leaves["log_scale"].exp(), leaves["bias"]
     got = flair_loss(leaves["text"], leaves["local"], leaves["global"], pool, s, b, add_mps=add_mps,
-                     text_indices=indices, local_mask=mask)
-    want = _hand_flair(pool, leaves["text"], leaves["local"], leaves["global"], s, b, indices, mask, add_mps)
+                     mps_negatives=mps, text_indices=indices, local_mask=mask)
+    want = _hand_flair(pool, leaves["text"], leaves["local"], leaves["global"], s, b, indices, mask, add_mps, mps)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     got_grads, want_grads = _grads(got, leaves, pool), _grads(want, leaves, pool)
     for name, want_grad in want_grads.items():
@@ -214,13 +233,23 @@ def test_flair_loss_normalisation_sums_over_images_and_averages_over_each_images
     sp = F.softplus
     pos, neg = sp(torch.tensor(-bias, dtype=torch.float64)), sp(torch.tensor(bias, dtype=torch.float64))
     tcs = n_img * (k * pos + (n_img - 1) * neg) / (k + n_img - 1)
-    mps = n_img * (k * pos + (n_img - 1) * k * neg) / (n_img * k)
+    # the paper's L_mps (section 3.4): K positives and 1 of every other image's K sub-captions, as L_tcs
+    mps = n_img * (k * pos + (n_img - 1) * neg) / (k + n_img - 1)
+    # the public code's: all K sub-captions of every other image
+    mps_public = n_img * (k * pos + (n_img - 1) * k * neg) / (n_img * k)
+    assert FLAIRLoss().mps_negatives == "paper"
     parts = FLAIRLoss()(text, local, glob, pool, 0.0, bias)
     torch.testing.assert_close(parts["tcs"], tcs)
     torch.testing.assert_close(parts["mps"], mps)
     torch.testing.assert_close(parts["loss"], (tcs + mps) / 2)
+    public = FLAIRLoss(mps_negatives="public_code")(text, local, glob, pool, 0.0, bias)
+    torch.testing.assert_close(public["tcs"], tcs)
+    torch.testing.assert_close(public["mps"], mps_public)
+    assert not torch.allclose(mps, mps_public)
     torch.testing.assert_close(flair_loss(text, local, glob, pool, 0.0, bias, add_mps=False), tcs)
     assert set(FLAIRLoss(add_mps=False)(text, local, glob, pool, 0.0, bias)) == {"loss", "tcs"}
+    with pytest.raises(ValueError, match="mps_negatives must be 'paper'.*'public_code'"):
+        FLAIRLoss(mps_negatives="all")
 
 
 def test_flair_loss_conditions_each_image_on_the_text_it_is_compared_with() -> None:
@@ -273,8 +302,88 @@ def test_sample_flair_text_indices_layout_and_uniform_negatives() -> None:
     torch.testing.assert_close(part, draws[0, 2:4])
     with pytest.raises(ValueError, match="step-1 slice"):
         sample_flair_text_indices(n_img, k, rows=slice(0, 4, 2))
-    with pytest.raises(ValueError, match="k <= 256"):
+    with pytest.raises(ValueError, match="k >= 1"):
         sample_flair_text_indices(n_img, 0)
+
+
+def test_the_draw_is_a_function_of_seed_row_and_column_so_any_rows_equal_the_whole_draw() -> None:
+    n_img, k = 37, 5
+    whole = sample_flair_text_indices(n_img, k, seed=2024)
+    torch.testing.assert_close(whole, sample_flair_text_indices(n_img, k, seed=2024))
+    for first, stop in ((0, 1), (3, 11), (36, 37), (0, 37)):
+        torch.testing.assert_close(sample_flair_text_indices(n_img, k, rows=slice(first, stop), seed=2024),
+                                   whole[first:stop])
+    # neighbouring keys (a run's consecutive steps) draw unrelated negatives: agreement near 1 / K
+    others = torch.cat([whole[i, :i] for i in range(n_img)] + [whole[i, i + k:] for i in range(n_img)])
+    nxt = sample_flair_text_indices(n_img, k, seed=2025)
+    others_next = torch.cat([nxt[i, :i] for i in range(n_img)] + [nxt[i, i + k:] for i in range(n_img)])
+    assert abs((others == others_next).double().mean().item() - 1 / k) < 0.05
+    # a seed drawn from a CPU generator: the same generator state, the same draw
+    torch.testing.assert_close(sample_flair_text_indices(n_img, k, generator=torch.Generator().manual_seed(3)),
+                               sample_flair_text_indices(n_img, k, generator=torch.Generator().manual_seed(3)))
+    with pytest.raises(ValueError, match="seed must be an int"):
+        sample_flair_text_indices(n_img, k, seed=1.5)
+
+
+def test_negatives_are_uniform_and_independent_across_pairs_and_keys() -> None:
+    """Over 4,000 keys: each (image, other image) pick is uniform over the other image's K
+    sub-captions, and two cells of one draw agree as often as independent picks (1 / K)."""
+    n_img, k = 6, 4
+    draws = torch.stack([sample_flair_text_indices(n_img, k, seed=flair_draw_seed(9, step)) for step in range(4000)])
+    picks = torch.stack([torch.cat([draws[:, i, :i], draws[:, i, i + k:]], 1) % k for i in range(n_img)], 1)
+    for i in range(n_img):
+        for j in range(n_img - 1):
+            freq = torch.bincount(picks[:, i, j], minlength=k).double() / len(picks)
+            torch.testing.assert_close(freq, torch.full((k,), 1 / k, dtype=torch.float64), atol=0.03, rtol=0)
+    same_row = (picks[:, 0, 0] == picks[:, 0, 1]).double().mean().item()
+    same_column = (picks[:, 0, 0] == picks[:, 1, 0]).double().mean().item()  # images 0 and 1 picking from 2
+    assert abs(same_row - 1 / k) < 0.03 and abs(same_column - 1 / k) < 0.03
+
+
+@pytest.mark.parametrize("mps", ["paper", "public_code"])
+def test_a_process_draws_only_its_own_rows_of_the_global_negative_matrix(monkeypatch, mps: str) -> None:
+    """Issue 22: rank 3 of 1,024 processes with 2 images each (a global batch of 2,048) must not build
+    anything of the global batch's square size (2,048 x 2,048 picks: 4 MB as bytes, 33 MB as int64)."""
+    as_rank(monkeypatch, 3, 1024)
+    pool = _pool()
+    text, local, glob = _randn(2, 2, 8, seed=1), _randn(2, 4, 8, seed=2), _randn(2, 8, seed=3)
+    rows = sample_flair_text_indices(2048, 2, rows=slice(6, 8), seed=77)
+    assert rows.shape == (2, 2049)
+    torch.testing.assert_close(flair_loss(text, local, glob, pool, 3.0, -1.0, seed=77, mps_negatives=mps),
+                               flair_loss(text, local, glob, pool, 3.0, -1.0, text_indices=_whole_from_rows(
+                                   rows, 2048, 2, 6), mps_negatives=mps))
+    largest = largest_cpu_allocation(lambda: flair_loss(text, local, glob, pool, 3.0, -1.0, seed=77,
+                                                         mps_negatives=mps))
+    assert largest < 2048 * 2048 // 4, largest
+
+
+def _whole_from_rows(rows: torch.Tensor, n_img: int, k: int, first: int) -> torch.Tensor:
+    """A whole global draw whose rows ``first ..`` are ``rows`` (the others: any valid rows)."""
+    whole = sample_flair_text_indices(n_img, k, seed=0)
+    whole[first:first + rows.shape[0]] = rows
+    return whole
+
+
+@pytest.mark.parametrize("distributed", ["global", "ring"])
+def test_a_keyed_draw_reads_nothing_back_to_the_host(distributed: str) -> None:
+    pool = _pool()
+    text, local, glob = (_randn(4, 3, 8, seed=1).requires_grad_(), _randn(4, 5, 8, seed=2).requires_grad_(),
+                         _randn(4, 8, seed=3).requires_grad_())
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[1, 2] = False
+    with HostReads() as spy:
+        loss = flair_loss(text, local, glob, pool, torch.tensor(3.0), torch.tensor(-1.0), seed=flair_draw_seed(0, 5),
+                          distributed=distributed, local_mask=mask)
+        loss.backward()
+    assert spy.reads == []
+    want = flair_loss(text, local, glob, pool, 3.0, -1.0, local_mask=mask, distributed=distributed,
+                      text_indices=sample_flair_text_indices(4, 3, seed=flair_draw_seed(0, 5)))
+    torch.testing.assert_close(loss, want)
+    with HostReads() as spy:  # the check of a user's fixed draw does read (it is not the training path)
+        flair_loss(text, local, glob, pool, 3.0, -1.0, text_indices=sample_flair_text_indices(4, 3, seed=1))
+    assert spy.reads
+    with pytest.raises(ValueError, match="not both"):
+        flair_loss(text, local, glob, pool, 3.0, -1.0, seed=1, text_indices=sample_flair_text_indices(4, 3, seed=1))
 
 
 def test_flair_loss_rejects_bad_inputs() -> None:
@@ -319,18 +428,22 @@ def _assert_close(got, want, msg: str, rtol: float = 1e-9) -> None:
     torch.testing.assert_close(got, want, rtol=rtol, atol=1e-12, msg=lambda m: f"{msg}: {m}")
 
 
-@pytest.mark.parametrize("case", ["global", "global_no_mps", "global_seeded"])
+@pytest.mark.parametrize("case", ["global", "global_public_mps", "global_no_mps", "global_seeded", "global_keyed"])
 def test_global_semantics_equal_one_process_on_the_concatenated_batch(flair_world, case: str) -> None:
+    """Each rank draws only its own rows; with the same draw (a fixed one, one seeded alike, or one
+    keyed alike) the loss and gradients equal one process on the concatenated batch."""
     world, results = flair_world
     assert [r["world_size"] for r in results] == [world] * world
     leaves, mask, pool = _leaves(world)
-    if case == "global_seeded":  # every rank drew the matrix itself, from the same seed
+    if case == "global_seeded":  # every rank drew its rows itself, from the same seed
         torch.manual_seed(flair_ranks.SAMPLE_SEED)
         indices = sample_flair_text_indices(world * flair_ranks.B, flair_ranks.K)
+    elif case == "global_keyed":  # every rank drew its rows keyed by the same seed
+        indices = sample_flair_text_indices(world * flair_ranks.B, flair_ranks.K, seed=flair_ranks.DRAW_KEY)
     else:
         indices = flair_ranks.global_indices(world)
     want = _hand_flair(pool, leaves["text"], leaves["local"], leaves["global"], leaves["log_scale"].exp(),
-                       leaves["bias"], indices, mask, add_mps=case != "global_no_mps")
+                       leaves["bias"], indices, mask, add_mps=case != "global_no_mps", mps=flair_ranks.mps_form(case))
     _assert_close(sum(r[case]["loss"] for r in results) / world, want, f"{case} loss")
     want_grads = _grads(want, leaves, pool)
     per = flair_ranks.B
@@ -347,14 +460,15 @@ def test_global_semantics_equal_one_process_on_the_concatenated_batch(flair_worl
             _assert_close(sum(r[case]["grads"][name] for r in results) / world, full, f"{case} grad {name}")
 
 
-@pytest.mark.parametrize("case", ["ring", "ring_no_mps", "ring_module"])
+@pytest.mark.parametrize("case", ["ring", "ring_public_mps", "ring_no_mps", "ring_module", "ring_keyed"])
 def test_ring_semantics_equal_the_public_codes_per_rank_loss(flair_world, case: str) -> None:
     world, results = flair_world
     assert [r["world_size"] for r in results] == [world] * world
     leaves, mask, pool = _leaves(world)
     losses, parts = _hand_ring(pool, leaves["text"], leaves["local"], leaves["global"], leaves["log_scale"].exp(),
-                               leaves["bias"], flair_ranks.ring_indices(world), mask, world,
-                               add_mps=case != "ring_no_mps")
+                               leaves["bias"], flair_ranks.ring_keyed_indices(world) if case == "ring_keyed"
+                               else flair_ranks.ring_indices(world), mask, world,
+                               add_mps=case != "ring_no_mps", mps=flair_ranks.mps_form(case))
     for rank, r in enumerate(results):
         _assert_close(r[case]["loss"], losses[rank], f"{case} loss rank {rank}")
         if case == "ring_module":

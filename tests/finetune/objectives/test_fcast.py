@@ -74,13 +74,11 @@ def test_collate_features_and_loss(model, scenes):
     ids, mask = batch["fcast_sub_ids"][:, :4], batch["fcast_sub_mask"][:, :4]
     sub = model.encode_subcaptions(ids.reshape(16, 77), mask.reshape(16, 77)).reshape(4, 4, -1)
     torch.testing.assert_close(feats["fcast_long"], model.encode_long(sub))  # t_long from the first N only
-    torch.manual_seed(5)
     out = objective.loss(model, feats)
-    torch.manual_seed(5)
     heads = model.model
     ref = fcast_loss(feats["fcast_sub"], feats["fcast_fine"], feats["fcast_coarse"], feats["fcast_long"],
                      heads.part_pool, heads.part_logit_scale.exp(), heads.part_logit_bias, heads.logit_scale.exp(),
-                     heads.logit_bias)
+                     heads.logit_bias, seed=term.draw_seed())
     torch.testing.assert_close(out["fcast/part"], ref["part"])
     torch.testing.assert_close(out["fcast/whole"], ref["whole"])
     torch.testing.assert_close(out["loss"], ref["part"] + ref["whole"])
@@ -133,3 +131,69 @@ def test_superpixel_overrides_are_applied_and_saved(tmp_path):
     assert load_model(str(tmp_path / "m")).superpixels.compactness == 20.0
     with pytest.raises(ValueError, match="objective.terms.fcast.superpixels"):
         _term(superpixels={"method": "sfcn"})
+
+
+# --- issue 23 item 9 / issue 22: the part level's draws, per step and per process ---------------------
+
+
+def _features(model, scenes, term):
+    objective = Objective(None, [(term, 1.0)])
+    batch = objective.collate([objective.prepare(dict(e)) for e in scenes], model)
+    batch.update(image_inputs=model.preprocess_images([e["image"] for e in scenes]),
+                 input_ids=model.tokenize([e["caption"] for e in scenes]).input_ids)
+    with torch.no_grad():
+        return objective, objective.encode(model, batch)
+
+
+def test_part_level_draws_are_keyed_by_the_step_and_saved_in_the_state_dict(model, scenes):
+    term = _term()
+    objective, feats = _features(model, scenes, term)
+    first = objective.loss(model, feats)["fcast/part"]
+    torch.manual_seed(123)  # the process's RNG does not choose the negatives
+    torch.testing.assert_close(objective.loss(model, feats)["fcast/part"], first, rtol=0, atol=0)
+    heads = model.model
+    want = fcast_loss(feats["fcast_sub"], feats["fcast_fine"], feats["fcast_coarse"], feats["fcast_long"],
+                      heads.part_pool, heads.part_logit_scale.exp(), heads.part_logit_bias, heads.logit_scale.exp(),
+                      heads.logit_bias, seed=term.draw_seed())
+    torch.testing.assert_close(first, want["part"])
+    term.after_optimizer_step()
+    assert not torch.allclose(objective.loss(model, feats)["fcast/part"], first)
+    state = objective.state_dict()
+    fresh = _term()
+    Objective(None, [(fresh, 1.0)]).load_state_dict(state)
+    assert fresh.draws.value == 1 and fresh.draw_seed() == term.draw_seed()
+    with torch.no_grad():  # after_optimizer_step clamped the scales: put them back for the other tests
+        model.model.part_logit_scale.fill_(math.log(1 / 0.07))
+        model.model.logit_scale.fill_(math.log(1 / 0.07))
+
+
+def test_the_part_level_draws_only_its_processs_rows(model, scenes, monkeypatch):
+    """Issue 22: as rank 3 of 2,048 processes (4 images each), no allocation of the global batch's square
+    size (8,192 x 8,192 picks: 67 MB as bytes); what a process does hold grows with its own rows only
+    (its 4 x 8,195 conditioned pairs of width 64: 8 MB as float32)."""
+    from tests.losses.flair_probes import HostReads, as_rank, largest_cpu_allocation
+
+    term = _term()
+    objective, feats = _features(model, scenes, term)
+    import losses.contrastive as contrastive
+
+    as_rank(monkeypatch, 3, 2048)
+    monkeypatch.setattr(contrastive, "should_gather", lambda gather: False)  # the whole level on its own
+    largest = largest_cpu_allocation(lambda: objective.loss(model, feats))
+    assert largest < 8192 * 8192 // 2, largest
+    with HostReads() as spy:
+        objective.loss(model, feats)
+    assert spy.reads == []
+
+
+@pytest.mark.slow
+def test_a_resumed_fcast_run_draws_the_negatives_of_the_uninterrupted_run(tmp_path):
+    from tests.finetune.objectives.test_flair import assert_resume_draws_what_the_straight_run_draws
+
+    rows = synthetic_scenes(16, image_size=64)
+
+    def make_model():
+        torch.manual_seed(0)
+        return load_model("fcast-tiny", family="fcast")
+
+    assert_resume_draws_what_the_straight_run_draws(tmp_path, rows, make_model, lambda: _term(cache_superpixels=False))

@@ -13,7 +13,7 @@ from finetune.data.collate import Collator
 from finetune.data.sources import load_source
 from finetune.models.registry import build_model
 from finetune.objectives import Objective, build_term
-from finetune.objectives.flair import FIELD_IDS, FIELD_MASK, FlairOptions, FlairTerm
+from finetune.objectives.flair import FIELD_IDS, FIELD_MASK, FlairOptions, FlairTerm, join_public_code
 from losses import flair_loss
 
 
@@ -36,9 +36,9 @@ def test_subcaptions_come_from_the_sentences_reproducibly():
     term = _term(k=8)
     first = term.prepare(SCENE)["flair_subcaptions"]
     assert len(first) == 8 and first == term.prepare(dict(SCENE))["flair_subcaptions"]
-    for sub in first:  # 1-3 of the scene's sentences, in caption order
-        parts = [s for s in SCENE["sentences"] if s in sub]
-        assert 1 <= len(parts) <= 3 and " ".join(parts) == sub
+    for sub in first:  # 1-3 of the scene's sentences, in caption order, joined as the public code
+        parts = [s for s in SCENE["sentences"] if s[:-1] in sub]
+        assert 1 <= len(parts) <= 3 and ". ".join(p[:-1] for p in parts) == sub
     term.set_epoch(1)
     draws = [term.prepare({**SCENE, "id": f"s{i}"})["flair_subcaptions"] for i in range(5)]
     assert any(d != first for d in draws)
@@ -49,7 +49,7 @@ def test_caption_fields_are_concatenated_and_strings_are_refused_by_name():
     example = {"id": "x", "caption": "ignored", "raw_caption": ["A dog runs."],
                "long_IB_captions": ["It is brown.", "The grass is green."]}
     subs = term.prepare(example)["flair_subcaptions"]
-    assert {"A dog runs.", "It is brown.", "The grass is green."} <= set(subs)
+    assert {"A dog runs", "It is brown", "The grass is green"} <= set(subs)
     assert "ignored" not in " ".join(subs)
     with pytest.raises(TypeError, match="'long_IB_captions'"):
         term.prepare({**example, "long_IB_captions": "It is brown. The grass is green."})
@@ -60,7 +60,7 @@ def test_caption_fields_are_concatenated_and_strings_are_refused_by_name():
 def test_pixelprose_captions_are_split_on_the_fly():
     caption = "A chart shows 3.5 percent. It is blue"
     ours = _term(k=40, max_sentences=1).prepare({"id": "p", "caption": caption})["flair_subcaptions"]
-    assert set(ours) == {"A chart shows 3.5 percent.", "It is blue"}
+    assert set(ours) == {"A chart shows 3.5 percent", "It is blue"}
     public = _term(k=40, max_sentences=1, splitter="flair").prepare({"id": "p", "caption": caption})
     assert set(public["flair_subcaptions"]) == {"A chart shows 3", "5 percent", "It is blue"}
 
@@ -76,15 +76,14 @@ def test_loss_is_flair_loss_on_the_class_token_patch_tokens_and_subcaptions(mode
     objective, batch = _batch(model, term)
     assert batch[FIELD_IDS].shape[0] == 12 and batch[FIELD_IDS].shape[1] <= 77
     feats = objective.encode(model, batch)
-    indices = term._text_indices(4, torch.device("cpu"))
+    seed = term.draw_seed()
     out = objective.loss(model, feats)
     assert set(out) == {"flair", "flair/tcs", "flair/mps", "loss"}
     torch.testing.assert_close(out["loss"], out["flair"])
     # by hand: the model's own outputs, texts image-major
     glob, local = model.encode_local(batch["image_inputs"]["pixel_values"])
     texts = model.encode_text(batch[FIELD_IDS], batch[FIELD_MASK]).embeds.view(4, 3, -1)
-    expected = flair_loss(texts, local, glob, model.pool, model.logit_scale.exp(), model.logit_bias,
-                          text_indices=indices)
+    expected = flair_loss(texts, local, glob, model.pool, model.logit_scale.exp(), model.logit_bias, seed=seed)
     torch.testing.assert_close(out["flair"], expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["flair"], (out["flair/tcs"] + out["flair/mps"]) / 2, rtol=1e-5, atol=1e-5)
     model.zero_grad()
@@ -202,10 +201,167 @@ def test_class_token_gets_its_gradient_from_l_mps_only(model):
     with torch.no_grad():
         glob, local = model.encode_local(batch["image_inputs"]["pixel_values"])
         texts = model.encode_text(batch[FIELD_IDS], batch[FIELD_MASK]).embeds.view(3, 2, -1)
-    indices = term._text_indices(3, torch.device("cpu"))
     for add_mps in (True, False):
         leaf = glob.clone().requires_grad_()
         loss = flair_loss(texts, local, leaf, model.pool, model.logit_scale.exp().detach(),
-                          model.logit_bias.detach(), text_indices=indices, add_mps=add_mps)
+                          model.logit_bias.detach(), seed=term.draw_seed(), add_mps=add_mps)
         loss.backward()
         assert (leaf.grad is not None and leaf.grad.abs().sum() > 0) == add_mps
+
+
+# --- issue 23 item 8: the public code's sub-caption join, the paper's L_mps --------------------------
+
+
+def test_subcaptions_are_joined_as_the_public_code_joins_them():
+    """The public sampler splits at periods (dropping them) and joins with ". ": DreamLIP lists pre-split
+    by its script (no periods) and sentences that kept theirs give the same sub-caption text."""
+    assert join_public_code(["a dog on grass", "a man wears a hat"]) == "a dog on grass. a man wears a hat"
+    assert join_public_code(["A dog on grass.", "A man wears a hat."]) == "A dog on grass. A man wears a hat"
+    assert join_public_code(["Is it raining?", "No."]) == "Is it raining? No"
+    assert join_public_code(["One sentence."]) == "One sentence"
+    stripped = {"id": "d", "raw_caption": ["a dog on grass", "a man wears a hat", "the sky is blue"]}
+    kept = {"id": "d", "raw_caption": ["a dog on grass.", "a man wears a hat.", "the sky is blue."]}
+    term = _term(k=16, caption_fields=["raw_caption"])
+    subs = term.prepare(stripped)["flair_subcaptions"]
+    assert subs == term.prepare(kept)["flair_subcaptions"]
+    assert any(". " in s for s in subs) and not any(s.endswith(".") for s in subs)
+    spaced = _term(k=16, caption_fields=["raw_caption"], join="space").prepare(stripped)["flair_subcaptions"]
+    assert [s.replace(". ", " ") for s in subs] == spaced  # the same draws, joined by a space
+    assert term.summary()["join"] == "public_code"
+
+
+def test_l_mps_takes_the_papers_negatives_by_default_and_the_public_codes_as_an_option(model):
+    objective, batch = _batch(model, _term(k=3))
+    feats = objective.encode(model, batch)
+    glob, local = model.encode_local(batch["image_inputs"]["pixel_values"])
+    texts = model.encode_text(batch[FIELD_IDS], batch[FIELD_MASK]).embeds.view(4, 3, -1)
+    for form in ("paper", "public_code"):
+        term = _term(k=3) if form == "paper" else _term(k=3, mps_negatives=form)
+        assert term.summary()["mps_negatives"] == form
+        out = Objective(None, [(term, {"flair": 1.0, "tcs": 0.0, "mps": 0.0})]).loss(model, feats)
+        from losses import FLAIRLoss
+
+        want = FLAIRLoss(mps_negatives=form)(texts, local, glob, model.pool, model.logit_scale.exp(),
+                                             model.logit_bias, seed=term.draw_seed())
+        torch.testing.assert_close(out["flair/mps"], want["mps"], rtol=1e-5, atol=1e-5)
+    # at initialisation (bias -10) the paper's 1-per-image negatives weigh K times less than all B*K
+    paper = _term(k=3)
+    public = _term(k=3, mps_negatives="public_code")
+    a = Objective(None, [(paper, {"flair": 1.0, "tcs": 0.0, "mps": 0.0})]).loss(model, feats)["flair/mps"]
+    b = Objective(None, [(public, {"flair": 1.0, "tcs": 0.0, "mps": 0.0})]).loss(model, feats)["flair/mps"]
+    assert not torch.allclose(a, b)
+
+
+# --- issue 23 item 9 / issue 22: the draws of a step, per process, saved with the run ----------------
+
+
+def test_micro_batches_of_a_step_share_its_draw_and_the_count_is_in_the_state_dict(model):
+    """Gradient accumulation calls the loss once per micro-batch on the step's features: every call of a
+    step must draw the same negatives (else the accumulated gradient is no step's gradient); the next step
+    draws anew, and the step count travels in the state dict that accelerate checkpoints."""
+    term = _term(k=3)
+    objective, batch = _batch(model, term)
+    feats = objective.encode(model, batch)
+    first = objective.loss(model, feats)["flair/tcs"]
+    torch.testing.assert_close(objective.loss(model, feats)["flair/tcs"], first, rtol=0, atol=0)
+    term.after_optimizer_step()
+    assert not torch.allclose(objective.loss(model, feats)["flair/tcs"], first)
+    term.after_optimizer_step()
+    state = objective.state_dict()
+    key = next(k for k in state if k.endswith("draws.steps"))
+    assert int(state[key]) == 2
+    fresh = _term(k=3)
+    fresh_objective = Objective(None, [(fresh, {"flair": 1.0, "tcs": 0.0, "mps": 0.0})])
+    assert fresh.draw_seed() != term.draw_seed()
+    fresh_objective.load_state_dict(state)
+    assert fresh.draws.value == 2 and fresh.draw_seed() == term.draw_seed()
+    del state[key]  # a checkpoint from before the counter: loads, the count restarts at 0
+    late = _term(k=3)
+    Objective(None, [(late, {"flair": 1.0, "tcs": 0.0, "mps": 0.0})]).load_state_dict(state)
+    assert late.draws.value == 0
+
+
+def test_the_term_draws_only_its_processs_rows_and_reads_nothing_back(model, monkeypatch):
+    """Issue 22: as rank 3 of 4,096 processes with 2 images each, the term must not build the global
+    (8,192 x 8,194) negative-index matrix (537 MB of int64; 67 MB even as bytes) nor read a tensor back to
+    the host. What it does hold grows with its own rows (2 x 8,194 conditioned pairs of width 64: 4 MB)."""
+    from tests.losses.flair_probes import HostReads, as_rank, largest_cpu_allocation
+
+    term = _term(k=3)
+    objective, batch = _batch(model, term, n=2)
+    with torch.no_grad():
+        feats = objective.encode(model, batch)
+    as_rank(monkeypatch, 3, 4096)
+    largest = largest_cpu_allocation(lambda: objective.loss(model, feats))
+    assert largest < 8192 * 8192 // 2, largest
+    with HostReads() as spy:
+        objective.loss(model, feats)
+    assert spy.reads == []
+
+
+def _trainer_for(tmp_path, dataset, model, term, **train):
+    import yaml
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
+
+    from finetune.config import load_recipe
+    from finetune.train import TrainModule, Trainer
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"train": {
+        "lr": 1e-3, "batch_size": 4, "trackers": [], "log_every": 1, "seed": 0, "warmup_steps": 0, **train}}))
+    objective = Objective(None, [(term, 1.0 if term.name == "fcast" else {"flair": 1.0, "tcs": 0.0, "mps": 0.0})])
+    return Trainer(acc, TrainModule(model, objective), dataset, Collator(model, objective),
+                   load_recipe(tmp_path / "r.yaml").train, tmp_path / "run")
+
+
+class _Stop(Exception):
+    pass
+
+
+def assert_resume_draws_what_the_straight_run_draws(tmp_path, dataset, make_model, make_term) -> None:
+    """Train 5 steps straight; train again, stop after step 3, resume from the step-2 checkpoint (mid-epoch
+    of 16 examples in batches of 4) and finish: every step's losses of the resumed run equal the straight
+    run's."""
+    common = dict(max_steps=5, checkpoint_every=2, keep_checkpoints=3)
+    straight: dict[int, dict] = {}
+    torch.manual_seed(0)
+    _trainer_for(tmp_path / "straight", dataset, make_model(), make_term(), **common).train(
+        on_step=lambda step, values: straight.__setitem__(step, dict(values)))
+
+    def stop(step, values):
+        if step == 3:
+            raise _Stop
+
+    torch.manual_seed(0)
+    with pytest.raises(_Stop):
+        _trainer_for(tmp_path / "resumed", dataset, make_model(), make_term(), **common).train(on_step=stop)
+    resumed: dict[int, dict] = {}
+    torch.manual_seed(1)  # whatever the process's RNG, the draws are keyed by the run's seed and step
+    trainer = _trainer_for(tmp_path / "resumed", dataset, make_model(), make_term(), **common)
+    assert trainer.maybe_resume("latest") and trainer.state.step == 2
+    trainer.train(on_step=lambda step, values: resumed.__setitem__(step, dict(values)))
+    assert sorted(resumed) == [3, 4, 5]
+    for step in resumed:
+        assert set(resumed[step]) == set(straight[step])
+        for key, value in straight[step].items():
+            assert resumed[step][key] == pytest.approx(value, rel=1e-6, abs=1e-7), (step, key)
+
+
+@pytest.mark.slow
+def test_a_resumed_flair_run_draws_the_negatives_of_the_uninterrupted_run(tmp_path):
+    rows = load_source({"name": "synthetic", "size": 16, "seed": 0, "options": {"image_size": 32}}).dataset
+    assert_resume_draws_what_the_straight_run_draws(tmp_path, rows, lambda: build_model("tiny-flair", seed=0),
+                                                    lambda: _term(k=3))
+
+
+def test_a_bad_mps_negatives_or_join_is_refused_naming_the_recipe_key():
+    from finetune.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"objective\.terms\.flair\.mps_negatives` must be 'paper'.*'public_code'"):
+        load_recipe("recipes/flair_cc3m_recap.yaml", ["objective.terms.flair.mps_negatives=all"])
+    with pytest.raises(RecipeError, match=r"objective\.terms\.flair\.join` must be 'public_code'"):
+        load_recipe("recipes/flair_cc3m_recap.yaml", ["objective.terms.flair.join=comma"])
