@@ -114,32 +114,16 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
 
 
 def _lock_output_dir(recipe: Any) -> tuple[Any, str | None]:
-    """``(lock or None, refusal or None)``: the main process (global rank 0) takes the lock of
-    ``output.dir``; in a multi-process launch the other ranks learn whether it was refused (the launch's
-    process group, which the run's ``Accelerator`` then uses, is set up for that)."""
-    import os
-
-    from finetune.run_folder import RunFolderError, RunLock
+    """``(lock or None, refusal or None)``: the main process (global rank 0) takes the lock of ``output.dir``;
+    in a multi-process launch the other ranks learn whether it was refused."""
+    from finetune.run_folder import RunFolderError, RunLock, lock_on_main_process
 
     out_dir = Path(recipe.output.dir)
-    lock = RunLock(out_dir, what=f"output.dir {str(out_dir)!r}",
-                   command=f"finetune/run.py {recipe.source or ''}".strip())
-    refused = None
-    if int(os.environ.get("RANK") or 0) == 0:
-        try:
-            lock.acquire()
-        except RunFolderError as exc:
-            refused = str(exc)
-    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
-        from accelerate import PartialState
-        from accelerate.utils import broadcast_object_list, parse_flag_from_env
-
-        PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # what Accelerator() would set up
-        refused = broadcast_object_list([refused])[0]
-    if refused:
-        lock.release()
-        return None, refused
-    return (lock if lock.held else None), None
+    lock = RunLock(out_dir, what=f"output.dir {str(out_dir)!r}", command=f"finetune/run.py {recipe.source or ''}".strip())
+    try:
+        return lock_on_main_process(lock), None
+    except RunFolderError as exc:
+        return None, str(exc)
 
 
 def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:

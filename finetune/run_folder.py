@@ -59,6 +59,7 @@ __all__ = [
     "check_free_space",
     "estimate_run_bytes",
     "folder_bytes",
+    "lock_on_main_process",
 ]
 
 RECIPE_NAME = "recipe.yaml"
@@ -502,6 +503,39 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def lock_on_main_process(lock: RunLock | None, *checks: Any) -> RunLock | None:
+    """Take ``lock`` (if any, after ``checks``: callables that raise :class:`RunFolderError`) on the main process
+    of a launch (global rank 0, ``RANK``) only, the other ranks must not be refused; in a multi-process launch
+    every process learns the outcome (accelerate's ``PartialState`` sets up the process group that the
+    ``Accelerator`` built later uses).
+
+    Returns:
+        the held lock on the main process, None on the others.
+    Raises:
+        RunFolderError: on every process, when the main process was refused.
+    """
+    refused = None
+    if int(os.environ.get("RANK") or 0) == 0:
+        try:
+            for check in checks:
+                check()
+            if lock is not None:
+                lock.acquire()
+        except RunFolderError as exc:
+            refused = str(exc)
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        from accelerate import PartialState
+        from accelerate.utils import broadcast_object_list, parse_flag_from_env
+
+        PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # what Accelerator() would set up
+        refused = broadcast_object_list([refused])[0]
+    if refused:
+        if lock is not None:
+            lock.release()
+        raise RunFolderError(refused)
+    return lock if lock is not None and lock.held else None
 
 
 # -- room for what a run writes ---------------------------------------------------------------------------
