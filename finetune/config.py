@@ -146,8 +146,8 @@ def _yaml_word(value: Any) -> Any:
 
 def _float(**bounds: float) -> Any:
     """A finite number within ``bounds`` (``gt``, ``ge``, ``lt``, ``le``); ``1e-5`` written without a dot (a
-    string in YAML 1.1) is read as one; ``.inf`` and ``.nan`` are errors. (The bounds sit inside the YAML conversion, so that the
-    JSON schema states them as ``minimum`` / ``exclusiveMinimum`` / ...)"""
+    string in YAML 1.1) is read as one; ``.inf`` and ``.nan`` are errors. (The bounds sit inside the YAML
+    conversion, so that the JSON schema states them as ``minimum`` / ``exclusiveMinimum`` / ...)"""
     return Annotated[float, Strict(), Field(allow_inf_nan=False, **bounds), BeforeValidator(_yaml_float)]
 
 
@@ -1391,7 +1391,8 @@ def _parse_override(text: str) -> tuple[KeyPath, Any]:
                           f"(e.g. `train.lr=1e-5`, `eval.sets=[docci,urban1k]`)")
     parts = key.split(".")
     if any(not p for p in parts):
-        raise RecipeError(f"command-line override `{_mask_override(text)}`: `{key}` has an empty part; write dotted keys like `train.lr`",
+        raise RecipeError(f"command-line override `{_mask_override(text)}`: `{key}` has an empty part; write dotted "
+                          "keys like `train.lr`",
                           key=key)
     try:
         value = safe_load_yaml(raw) if raw.strip() else None
@@ -1418,13 +1419,15 @@ def _set_path(tree: dict[str, Any], path: KeyPath, value: Any, text: str) -> Non
         last = i == len(path) - 1
         if isinstance(node, list) and isinstance(part, int):
             if part >= len(node):
-                raise RecipeError(f"command-line override `{_mask_override(text)}`: `{_dotted(path[:i])}` has {len(node)} "
+                raise RecipeError(f"command-line override `{_mask_override(text)}`: `{_dotted(path[:i])}` has "
+                                  f"{len(node)} "
                                   f"entries, there is no index {part}", key=_dotted(path))
             key: Any = part
         elif isinstance(node, dict):
             key = str(part)
         else:
-            raise RecipeError(f"command-line override `{_mask_override(text)}`: `{_dotted(path[:i])}` is {node!r}, not a mapping; "
+            raise RecipeError(f"command-line override `{_mask_override(text)}`: `{_dotted(path[:i])}` is {node!r}, "
+                              "not a mapping; "
                               f"set it whole instead (e.g. `{_dotted(path[:i])}={{...}}`)", key=_dotted(path))
         if last:
             node[key] = value

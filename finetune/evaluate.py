@@ -832,7 +832,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 #: what an evaluation writes at most (metrics JSON), with room to spare
-_EVAL_OUTPUT_BYTES = 4 * 2**20
+_EVAL_OUTPUT_BYTES = 2**20
 
 
 def _claim_output(out: Path | None, run_dir: Path | None) -> Any:
@@ -849,13 +849,17 @@ def _claim_output(out: Path | None, run_dir: Path | None) -> Any:
         return None
     folder = next(p for p in [out.parent.absolute(), *out.parent.absolute().parents] if p.exists())
     what = f"the folder of {str(out)!r}" if folder == out.parent.absolute() else f"{str(folder)!r} (for {str(out)!r})"
-    room = (lambda: check_free_space(folder, _EVAL_OUTPUT_BYTES, what=what, detail="the evaluation results"))
     inside = run_dir is not None and out.absolute().is_relative_to(run_dir.absolute())
+    if inside:
+        what = f"run folder {str(run_dir)!r}"
+    checks = [lambda: check_writable(folder, what),
+              lambda: check_free_space(folder, _EVAL_OUTPUT_BYTES, what=what, detail="the evaluation results",
+                                       advice="free some space, or write the results elsewhere (--out)")]
     try:
         if inside:
-            lock = RunLock(run_dir, what=f"run folder {str(run_dir)!r}", command="python -m finetune.evaluate")
-            return lock_on_main_process(lock, room)
-        return lock_on_main_process(None, lambda: check_writable(folder, what), room)
+            lock = RunLock(run_dir, what=what, command="python -m finetune.evaluate")
+            return lock_on_main_process(lock, *checks)
+        return lock_on_main_process(None, *checks)
     except RunFolderError as exc:
         raise _UsageError(f"{exc} (nothing was evaluated)") from None
 

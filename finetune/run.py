@@ -119,7 +119,8 @@ def _lock_output_dir(recipe: Any) -> tuple[Any, str | None]:
     from finetune.run_folder import RunFolderError, RunLock, lock_on_main_process
 
     out_dir = Path(recipe.output.dir)
-    lock = RunLock(out_dir, what=f"output.dir {str(out_dir)!r}", command=f"finetune/run.py {recipe.source or ''}".strip())
+    lock = RunLock(out_dir, what=f"output.dir {str(out_dir)!r}",
+                   command=f"finetune/run.py {recipe.source or ''}".strip())
     try:
         return lock_on_main_process(lock), None
     except RunFolderError as exc:

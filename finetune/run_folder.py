@@ -588,8 +588,11 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+_RUN_ADVICE = "free some space, choose another output.dir, or keep fewer checkpoints (train.keep_checkpoints)"
+
+
 def check_free_space(folder: str | os.PathLike, need: int, *, what: str, detail: str = "",
-                     reclaimed: int = 0) -> None:
+                     reclaimed: int = 0, advice: str = _RUN_ADVICE) -> None:
     """Stop before a run or an evaluation starts when ``folder``'s file system lacks ``need`` bytes.
 
     Args:
@@ -598,15 +601,15 @@ def check_free_space(folder: str | os.PathLike, need: int, *, what: str, detail:
         what: how the message names the folder.
         detail: what ``need`` is made of, for the message.
         reclaimed: bytes already there that the run replaces (an earlier ``final/``, checkpoints).
+        advice: what the message suggests.
     Raises:
         RunFolderError: saying how much is needed and how much is free.
     """
     free = shutil.disk_usage(folder).free
     if free + reclaimed < need:
         made_of = f" ({detail})" if detail else ""
-        raise RunFolderError(f"{what} has {_size(free)} free, but this run will write about {_size(need - reclaimed)}"
-                             f"{made_of}; free some space, choose another output.dir, or keep fewer checkpoints "
-                             "(train.keep_checkpoints)")
+        raise RunFolderError(f"{what} has {_size(free)} free, but about {_size(need - reclaimed)} will be written there"
+                             f"{made_of}; {advice}")
 
 
 def check_eval_output(out: str | os.PathLike, model_dirs: list[str | os.PathLike]) -> Path:

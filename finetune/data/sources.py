@@ -722,6 +722,11 @@ def _load_table(spec: SourceSpec, builder: str, extensions: tuple[str, ...]) -> 
         raise DataError(f"data source {spec.name!r}: the files in {spec.path!r} have different columns: {error}") from error
 
 
+def _json_msg(error: json.JSONDecodeError) -> str:
+    """``json``'s message without its dangling position words (``Unterminated string starting at``)."""
+    return error.msg.removesuffix(" starting at").removesuffix(" at")
+
+
 def _json_entries(file: Path) -> tuple[list[tuple[str, Any]], bool]:
     """``(where, parsed row or the problem)`` of each row of a JSON-lines file (``"line N"``) or of a JSON
     array (``"item N"``); a row that is not UTF-8 or not JSON comes as a ``DataError`` naming the line. The
@@ -732,7 +737,8 @@ def _json_entries(file: Path) -> tuple[list[tuple[str, Any]], bool]:
         try:
             items = json.loads(decode_utf8(data, file))
         except json.JSONDecodeError as error:
-            raise DataError(f"{file}: line {error.lineno}, column {error.colno}: not valid JSON ({error.msg}); a JSON "
+            raise DataError(f"{file}: line {error.lineno}, column {error.colno}: not valid JSON ({_json_msg(error)}); "
+                            "a JSON "
                             "array is read whole, so fix it (or write one JSON object per line)") from error
         if isinstance(items, list):
             return [(f"item {i + 1}", item) for i, item in enumerate(items)], True
@@ -744,14 +750,15 @@ def _json_entries(file: Path) -> tuple[list[tuple[str, Any]], bool]:
             line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as error:
             entries.append((f"line {number}", DataError(
-                f"line {number}, column {error.start + 1}: not UTF-8 (byte 0x{raw[error.start:error.start + 1].hex()}); "
+                f"line {number}, column {error.start + 1}: not UTF-8 "
+                f"(byte 0x{raw[error.start:error.start + 1].hex()}); "
                 "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)")))
             continue
         try:
             entries.append((f"line {number}", json.loads(line)))
         except json.JSONDecodeError as error:
             entries.append((f"line {number}", DataError(f"line {number}, column {error.colno}: not valid JSON "
-                                                        f"({error.msg})")))
+                                                        f"({_json_msg(error)})")))
     if entries and all(isinstance(row, DataError) for _, row in entries) and head.startswith(b"{"):
         try:  # one JSON object over several lines
             whole = json.loads(decode_utf8(data, file))
@@ -789,7 +796,8 @@ def _clean_json(file: Path, workdir: str, spec: SourceSpec, first_id: int) -> tu
         if isinstance(row, DataError):
             problem = str(row)
         elif not isinstance(row, dict):
-            problem = f"{where}: a row must be a JSON object ({{\"image\": ..., \"{column}\": ...}}), got {type(row).__name__}"
+            problem = (f"{where}: a row must be a JSON object ({{\"image\": ..., \"{column}\": ...}}), "
+                       f"got {type(row).__name__}")
         elif has_column and column not in row:
             problem = f"{where} has no {column!r} key"
         else:
@@ -868,7 +876,7 @@ def _read_mapping(file: Path, spec: SourceSpec) -> tuple[list[str], list[Any], l
                     row = json.loads(line)
                 except json.JSONDecodeError as error:
                     report_bad_row(f"{file.name}:{number}", str(file),
-                                   f"line {number}, column {error.colno}: not valid JSON ({error.msg})")
+                                   f"line {number}, column {error.colno}: not valid JSON ({_json_msg(error)})")
                     continue
                 if not isinstance(row, dict) or "file_name" not in row:
                     raise DataError(f"{file}: line {number} needs a 'file_name' key (the image path relative to the folder)")

@@ -462,7 +462,7 @@ def test_no_room_for_the_run_exits_2_and_leaves_nothing(tmp_path, tiny_model, mo
     recipe = _recipe(tmp_path, tiny_model, out, "train.checkpoint_every=1", "train.keep_checkpoints=2")
     assert _run(recipe) == 2
     err = capsys.readouterr().err
-    assert f"recipe error: output.dir '{out}' has 5.0 MiB free, but this run will write about" in err
+    assert f"recipe error: output.dir '{out}' has 5.0 MiB free, but about" in err
     assert "(final/ " in err and " + 2 checkpoints x " in err and "Traceback" not in err
     assert not out.exists()  # nothing of the refused run stays to block the next one
 
@@ -473,7 +473,7 @@ def test_a_small_tmpfs_is_refused_and_a_large_enough_one_is_not(tmp_path, tiny_m
         require_mount(small)
         out = small.path / "run"
         assert _run(_recipe(tmp_path, tiny_model, out)) == 2
-        assert "has 8.0 MiB free, but this run will write about" in capsys.readouterr().err
+        assert "has 8.0 MiB free, but about" in capsys.readouterr().err
         assert list(small.path.iterdir()) == []
     with tmpfs(tmp_path / "large", "96m") as large:
         out = large.path / "run"
