@@ -293,7 +293,7 @@ def tag_owner(name: str) -> tuple[int, str] | None:
 def owner_alive(pid: int, host: str) -> bool:
     """Whether the process ``pid`` on ``host`` may still run: True for another host (this one cannot
     tell) and for this process; else whether a process with that PID exists here."""
-    if host != _host() or pid == os.getpid():
+    if host != _host() or pid == os.getpid() or os.name == "nt":  # Windows: os.kill(pid, 0) would kill it
         return True
     if pid <= 0:
         return False
