@@ -112,13 +112,6 @@ def _mask_override(text: str) -> str:
     return mask_secrets(text)
 
 
-class _Masked:
-    """Shown for a value under a secret-looking key."""
-
-    def __repr__(self) -> str:
-        return "***"
-
-
 # -- value types: YAML 1.1 quirks and range checks ------------------------------------------------
 _NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
@@ -1158,18 +1151,21 @@ def _recipe_error(exc: ValidationError, origins: _Origins, data: Any, root: Any,
     error = _recipe_error_shown(exc, origins, data, root, prefix)
     key = (error.key or "").rsplit(".", 1)[-1]
     if key and secret_key(key):
-        _, value, _ = _data_path(exc.errors()[0]["loc"], data)
+        _, value, _ = _data_path(_first_error(exc)["loc"], data)
         if isinstance(value, str) and len(value) >= 4:
             error = RecipeError(str(error).replace(repr(value), "***").replace(value, "***"), file=error.file,
                                 line=error.line, key=error.key)
     return error
 
 
+def _first_error(exc: ValidationError) -> Any:
+    """The problem a reader fixes first: an unknown key, else the first in schema order."""
+    return min(exc.errors(), key=lambda e: 0 if e["type"] in _KEY_ERRORS else 1)
+
+
 def _recipe_error_shown(exc: ValidationError, origins: _Origins, data: Any, root: Any,
                         prefix: KeyPath = ()) -> RecipeError:
-    errors = exc.errors()
-    errors.sort(key=lambda e: 0 if e["type"] in _KEY_ERRORS else 1)
-    e = errors[0]
+    e = _first_error(exc)
     path, value, found = _data_path(e["loc"], data)
     where = prefix + path
     kind = e["type"]
