@@ -479,3 +479,23 @@ def test_a_small_tmpfs_is_refused_and_a_large_enough_one_is_not(tmp_path, tiny_m
         out = large.path / "run"
         assert _run(_recipe(tmp_path, tiny_model, out, "train.checkpoint_every=1")) == 0
         assert (out / "final").is_dir() and (out / "metrics.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_two_process_launch_into_a_held_folder_is_refused_on_every_rank(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    holder = _hold(out)
+    try:
+        recipe = _tiny_recipe_file(tmp_path, tiny_model, out, "a", max_steps=2)
+        env = {**_env(), "ACCELERATE_USE_CPU": "true"}
+        launch = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                 str(REPO / "finetune" / "run.py"), str(recipe)], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert launch.returncode != 0
+        # the main process was refused and the other rank learnt it from the main one, without a hang (that
+        # only the main process takes the lock is what lets test_multi_process's launches run at all)
+        assert launch.stderr.count(f"is in use by another run: PID {holder.pid} on ") == 2, launch.stderr[-3000:]
+        assert not (out / "recipe.yaml").exists()
+    finally:
+        holder.kill()
+        holder.wait()
