@@ -24,6 +24,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import math
 import os
 import re
 import tempfile
@@ -77,10 +78,38 @@ class RecipeError(ValueError):
 
     def __init__(self, message: str, *, file: str | None = None, line: int | None = None,
                  key: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(mask_secrets(message))
         self.file = file
         self.line = line
         self.key = key
+
+
+# -- secrets in messages -------------------------------------------------------------------------
+#: what a hub token (or any similar access token) looks like
+_TOKEN_VALUE = re.compile(r"\b(hf_)[A-Za-z0-9]{10,}")
+_SECRET_WORDS = ("token", "secret", "password", "passwd", "apikey", "api_key", "credential", "auth")
+
+
+def secret_key(key: Any) -> bool:
+    """Whether a recipe key looks like it holds a secret: it contains ``token``, ``secret``, ``password``,
+    ... or is a near miss of one (``tokn``, ``tocken``), as a mistyped ``hub.token`` is."""
+    word = str(key).lower()
+    if any(w in word for w in _SECRET_WORDS):
+        return True
+    return bool(difflib.get_close_matches(word, ["token", "secret", "password"], n=1, cutoff=0.75))
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with every value that looks like a hub token (``hf_...``) replaced by ``***``."""
+    return _TOKEN_VALUE.sub(lambda m: m.group(1) + "***", text)
+
+
+def _mask_override(text: str) -> str:
+    """A ``key=value`` override as messages show it: the value hidden when the key looks like a secret."""
+    key, sep, value = text.partition("=")
+    if sep and value.strip() and secret_key(key.strip().rsplit(".", 1)[-1]):
+        return f"{key}=***"
+    return mask_secrets(text)
 
 
 # -- value types: YAML 1.1 quirks and range checks ------------------------------------------------
@@ -109,10 +138,10 @@ def _yaml_word(value: Any) -> Any:
 
 
 def _float(**bounds: float) -> Any:
-    """A number within ``bounds`` (``gt``, ``ge``, ``lt``, ``le``); ``1e-5`` written without a dot (a
-    string in YAML 1.1) is read as one. (The bounds sit inside the YAML conversion, so that the
-    JSON schema states them as ``minimum`` / ``exclusiveMinimum`` / ...)"""
-    return Annotated[float, Strict(), Field(**bounds), BeforeValidator(_yaml_float)]
+    """A finite number within ``bounds`` (``gt``, ``ge``, ``lt``, ``le``); ``1e-5`` written without a dot (a
+    string in YAML 1.1) is read as one; ``.inf`` and ``.nan`` are errors. (The bounds sit inside the YAML
+    conversion, so that the JSON schema states them as ``minimum`` / ``exclusiveMinimum`` / ...)"""
+    return Annotated[float, Strict(), Field(allow_inf_nan=False, **bounds), BeforeValidator(_yaml_float)]
 
 
 def _int(**bounds: int) -> Any:
@@ -645,6 +674,33 @@ def _unknown_keys(value: Any, cls: Any, loc: tuple[Any, ...] = ()) -> list[InitE
     return errors
 
 
+_NOT_FINITE = "must be a finite number (no .inf, -.inf or .nan anywhere in a recipe)"
+
+
+def _non_finite(value: Any, loc: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], float]]:
+    """``(key path, value)`` of every float that is infinite or NaN in ``value``: plain data (mappings,
+    lists), dataclasses and pydantic models, at any depth."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [(loc, value)]
+    if isinstance(value, BaseModel):
+        items: Iterable[tuple[Any, Any]] = ((k, getattr(value, k)) for k in type(value).model_fields)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    elif isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return []
+    return [hit for k, v in items for hit in _non_finite(v, loc + (k,))]
+
+
+def _finite_errors(value: Any) -> list[InitErrorDetails]:
+    """A ``recipe_value`` error for each non-finite number in ``value`` (an options instance)."""
+    return [InitErrorDetails(type=PydanticCustomError("recipe_value", f"{_NOT_FINITE}, got {bad!r}"), loc=loc,
+                             input=bad) for loc, bad in _non_finite(value)]
+
+
 def _checks(value: Any, loc: tuple[Any, ...] = ()) -> list[InitErrorDetails]:
     """The ``metadata={"check": fn}`` range checks of a dataclass and those nested in it."""
     if not dataclasses.is_dataclass(value) or isinstance(value, type):
@@ -695,7 +751,7 @@ def _build_options(cls: type, options: Any) -> Any:
             _raise_errors(_unknown_keys(options, cls), cls.__name__)
             options = _yaml_quirks(options, cls)
         instance = _adapter(cls).validate_python(options)
-    _raise_errors(_checks(instance), cls.__name__)
+    _raise_errors(_finite_errors(instance) or _checks(instance), cls.__name__)
     return instance
 
 
@@ -893,7 +949,7 @@ class _Origins:
             message = f"`{dotted}` {message}"
         text = self.overridden(path)
         if text is not None:
-            return RecipeError(f"command-line override `{text}`: {message}", key=dotted)
+            return RecipeError(f"command-line override `{_mask_override(text)}`: {message}", key=dotted)
         line = None
         probe = path
         while probe and line is None:
@@ -1090,10 +1146,26 @@ def _type_at(root: Any, path: KeyPath) -> Any:
 
 def _recipe_error(exc: ValidationError, origins: _Origins, data: Any, root: Any, prefix: KeyPath = ()) -> RecipeError:
     """The first problem of a pydantic ``ValidationError`` as a :class:`RecipeError`: unknown keys
-    first (as a reader fixes a recipe top down), then the rest in schema order."""
-    errors = exc.errors()
-    errors.sort(key=lambda e: 0 if e["type"] in _KEY_ERRORS else 1)
-    e = errors[0]
+    first (as a reader fixes a recipe top down), then the rest in schema order. The value of a key that
+    looks like a secret (``hub.tokn``) is not shown."""
+    error = _recipe_error_shown(exc, origins, data, root, prefix)
+    key = (error.key or "").rsplit(".", 1)[-1]
+    if key and secret_key(key):
+        _, value, _ = _data_path(_first_error(exc)["loc"], data)
+        if isinstance(value, str) and len(value) >= 4:
+            error = RecipeError(str(error).replace(repr(value), "***").replace(value, "***"), file=error.file,
+                                line=error.line, key=error.key)
+    return error
+
+
+def _first_error(exc: ValidationError) -> Any:
+    """The problem a reader fixes first: an unknown key, else the first in schema order."""
+    return min(exc.errors(), key=lambda e: 0 if e["type"] in _KEY_ERRORS else 1)
+
+
+def _recipe_error_shown(exc: ValidationError, origins: _Origins, data: Any, root: Any,
+                        prefix: KeyPath = ()) -> RecipeError:
+    e = _first_error(exc)
     path, value, found = _data_path(e["loc"], data)
     where = prefix + path
     kind = e["type"]
@@ -1121,6 +1193,8 @@ def _recipe_error(exc: ValidationError, origins: _Origins, data: Any, root: Any,
         return origins.error(where, f"is missing the required key `{missing}` ({need}); add it")
     if kind in ("value_error", "assertion_error"):
         return origins.error(where, str(e.get("ctx", {}).get("error", e["msg"])).removeprefix("Value error, "))
+    if kind == "finite_number":
+        return origins.error(where, f"{_NOT_FINITE}, got {value!r}")
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
     if kind in bounds:
         bound = next(iter(e.get("ctx", {}).values()))
@@ -1140,9 +1214,14 @@ def _recipe_error(exc: ValidationError, origins: _Origins, data: Any, root: Any,
 
 
 # -- loading --------------------------------------------------------------------------------------
-def _import_user_modules(tree: dict[str, Any], origins: _Origins) -> None:
+#: the packages of xlipkit itself: importing them runs no code from a recipe's folder
+_OWN_PACKAGES = ("finetune", "losses")
+
+
+def _import_user_modules(tree: dict[str, Any], origins: _Origins, trust: bool = True) -> None:
     """``objective.import: [my_pkg.my_term]``: import the modules (they register terms, scorers or
-    model families) before the rest is validated."""
+    model families) before the rest is validated. Untrusted (``trust=False``), only modules already
+    imported or of xlipkit itself are."""
     objective = tree.get("objective")
     if not isinstance(objective, dict) or "import" not in objective:
         return
@@ -1154,7 +1233,13 @@ def _import_user_modules(tree: dict[str, Any], origins: _Origins) -> None:
     if not isinstance(modules, list) or not all(isinstance(m, str) and m.strip() for m in modules):
         raise origins.error(("objective", "import"), f"expected a list of module names (e.g. `[my_pkg.my_term]`), "
                                                      f"got {modules!r}")
+    import sys
+
     for i, name in enumerate(modules):
+        if not trust and name.strip() not in sys.modules and name.strip().split(".")[0] not in _OWN_PACKAGES:
+            raise origins.error(("objective", "import", i),
+                                f"would import the module {name.strip()!r}, which runs its code; this recipe is not "
+                                f"trusted to do that (it comes from a folder, not from you)")
         try:
             importlib.import_module(name.strip())
         except ImportError as exc:
@@ -1163,15 +1248,108 @@ def _import_user_modules(tree: dict[str, Any], origins: _Origins) -> None:
                                 f"PYTHONPATH") from None
 
 
+#: the most values a YAML document may hold once its aliases are expanded (a recipe holds hundreds)
+MAX_YAML_VALUES = 100_000
+
+
+class YAMLAliasError(yaml.YAMLError):
+    """YAML aliases that expand past :data:`MAX_YAML_VALUES` values (a "billion laughs" document) or
+    refer to themselves."""
+
+    def __init__(self, problem: str, line: int | None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.problem_mark = yaml.Mark("", 0, line - 1, 0, None, None) if line else None
+
+
+class BoundedSafeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that notes where aliases are used, so that :func:`check_aliases` can bound
+    what they expand to before anything walks or copies the document."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.alias_lines: list[int] = []
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self.alias_lines.append(self.peek_event().start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
+def check_aliases(node: yaml.Node, alias_lines: Sequence[int], limit: int = MAX_YAML_VALUES) -> None:
+    """Count the values of the composed document ``node`` as its aliases expand them, in time linear in
+    the distinct nodes (each node's expanded size is computed once).
+
+    Raises:
+        YAMLAliasError: more than ``limit`` values, or an alias inside the node it refers to.
+    """
+    if not alias_lines:
+        return
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(node, False)]
+    open_: set[int] = set()
+    while stack:
+        current, done = stack.pop()
+        key = id(current)
+        children = ([n for pair in current.value for n in pair] if isinstance(current, yaml.MappingNode)
+                    else list(current.value) if isinstance(current, yaml.SequenceNode) else [])
+        if done:
+            open_.discard(key)
+            sizes[key] = min(limit + 1, 1 + sum(sizes[id(c)] for c in children))
+            continue
+        if key in sizes:
+            continue
+        if key in open_:
+            raise YAMLAliasError("a YAML alias refers to the value that contains it (a recursive document); "
+                                 "write the value out", alias_lines[0])
+        open_.add(key)
+        stack.append((current, True))
+        for child in children:
+            if id(child) in open_:
+                raise YAMLAliasError("a YAML alias refers to the value that contains it (a recursive document); "
+                                     "write the value out", alias_lines[0])
+            if id(child) not in sizes:
+                stack.append((child, False))
+    if sizes[id(node)] > limit:
+        raise YAMLAliasError(f"YAML aliases (`*name`, first on line {alias_lines[0]}) expand to more than "
+                             f"{limit:,} values, far more than any recipe holds (an alias bomb?); write the values "
+                             "out or use fewer aliases", alias_lines[0])
+
+
+def safe_load_yaml(text: str) -> Any:
+    """``yaml.safe_load(text)`` with aliases bounded (:func:`check_aliases`) before the data is built.
+
+    Raises:
+        yaml.YAMLError: invalid YAML, or a :class:`YAMLAliasError`.
+    """
+    loader = BoundedSafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        check_aliases(node, loader.alias_lines)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def _compose(text: str, file: str) -> tuple[Any, yaml.Node | None]:
-    """Parse YAML once, keeping both the node tree (for line numbers) and the safe-loaded data."""
-    loader = yaml.SafeLoader(text)
+    """Parse YAML once, keeping both the node tree (for line numbers) and the safe-loaded data; aliases
+    are bounded (:func:`check_aliases`) before anything walks or builds the document."""
+    loader = BoundedSafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None, None
+        check_aliases(node, loader.alias_lines)
         _reject_duplicates(node, file)
         data = loader.construct_document(node)
+    except RecursionError:
+        raise RecipeError(f"{file}: the YAML is nested too deeply to read; a recipe has a few levels of sections",
+                          file=file) from None
+    except YAMLAliasError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark is not None else None
+        raise RecipeError(f"{file}{f', line {line}' if line else ''}: {exc.problem}", file=file, line=line) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
@@ -1205,17 +1383,21 @@ def _parse_override(text: str) -> tuple[KeyPath, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise RecipeError(f"command-line override `{text}` is not `key.sub=value` "
+        raise RecipeError(f"command-line override `{_mask_override(text)}` is not `key.sub=value` "
                           f"(e.g. `train.lr=1e-5`, `eval.sets=[docci,urban1k]`)")
     parts = key.split(".")
     if any(not p for p in parts):
-        raise RecipeError(f"command-line override `{text}`: `{key}` has an empty part; write dotted keys like `train.lr`",
+        raise RecipeError(f"command-line override `{_mask_override(text)}`: `{key}` has an empty part; write dotted "
+                          "keys like `train.lr`",
                           key=key)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = safe_load_yaml(raw) if raw.strip() else None
+    except YAMLAliasError as exc:
+        raise RecipeError(f"command-line override `{_mask_override(text)}`: {exc.problem}",
+                          key=key) from None
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc)
-        raise RecipeError(f"command-line override `{text}`: the value is not valid YAML ({problem}); "
+        raise RecipeError(f"command-line override `{_mask_override(text)}`: the value is not valid YAML ({problem}); "
                           f"quote it, e.g. {key}='...'", key=key) from None
     return tuple(int(p) if p.isdigit() else p for p in parts), value
 
@@ -1233,13 +1415,15 @@ def _set_path(tree: dict[str, Any], path: KeyPath, value: Any, text: str) -> Non
         last = i == len(path) - 1
         if isinstance(node, list) and isinstance(part, int):
             if part >= len(node):
-                raise RecipeError(f"command-line override `{text}`: `{_dotted(path[:i])}` has {len(node)} "
+                raise RecipeError(f"command-line override `{_mask_override(text)}`: `{_dotted(path[:i])}` has "
+                                  f"{len(node)} "
                                   f"entries, there is no index {part}", key=_dotted(path))
             key: Any = part
         elif isinstance(node, dict):
             key = str(part)
         else:
-            raise RecipeError(f"command-line override `{text}`: `{_dotted(path[:i])}` is {node!r}, not a mapping; "
+            raise RecipeError(f"command-line override `{_mask_override(text)}`: `{_dotted(path[:i])}` is {node!r}, "
+                              "not a mapping; "
                               f"set it whole instead (e.g. `{_dotted(path[:i])}={{...}}`)", key=_dotted(path))
         if last:
             node[key] = value
@@ -1324,7 +1508,8 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
                                 "or set `hub.push: false`")
 
 
-def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Recipe:
+def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
+                trust_imports: bool = True) -> Recipe:
     """Read, override and validate a recipe.
 
     Args:
@@ -1332,6 +1517,9 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         overrides: ``key.sub=value`` strings applied after the file; values are YAML scalars or
             flow collections (``train.lr=1e-5``, ``eval.sets=[docci,urban1k]``,
             ``train.max_steps=null``, ``eval.sets.0.size=128``) and are validated like file values.
+        trust_imports: import the modules of ``objective.import`` (running their code). False for a
+            recipe from a folder that is not the user's own (``python -m finetune.evaluate RUN``): then a
+            module that is not imported yet and not part of xlipkit is a :class:`RecipeError`.
 
     Returns:
         the :class:`Recipe`, every section filled with its defaults where the file is silent.
@@ -1340,7 +1528,8 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         RecipeError: the file is missing, empty or not valid YAML, a key is unknown (the message
             suggests the closest valid key), a value has the wrong type or range (the message names
             the expected type), an objective term is not registered, a module of
-            ``objective.import`` does not import, or the sections disagree
+            ``objective.import`` does not import (or may not: ``trust_imports``), a number is not
+            finite (``.inf``, ``.nan``), YAML aliases expand past a bound, or the sections disagree
             (``train.batch_size`` not divisible by ``train.accumulation_steps``, ...).
     """
     file = os.fspath(path)
@@ -1372,7 +1561,10 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         if key not in sections:
             raise origins.error((key,), f"is not a recipe key: {_suggest(str(key), sections, (), True)}",
                                 key_error=True)
-    _import_user_modules(tree, origins)
+    bad = _non_finite(tree)  # anywhere, also in dataset options and term options: before any code runs
+    if bad:
+        raise origins.error(bad[0][0], f"{_NOT_FINITE}, got {bad[0][1]!r}")
+    _import_user_modules(tree, origins, trust_imports)
     try:
         recipe = _adapter(Recipe).validate_python(tree)
     except ValidationError as exc:
@@ -1444,7 +1636,10 @@ def dump_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
     if shown:
         header.append("# overrides: " + " ".join(shown))
     body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True, default_flow_style=None)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    from finetune.run_folder import process_tag
+
+    # the writer's PID@HOST in the name: another run's cleanup leaves it alone while this process lives
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{process_tag()}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write("\n".join(header) + "\n" + body)

@@ -665,6 +665,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="zero-shot prompt templates: seven (CLIP's 7 ImageNet templates, FLAIR's; default), openai "
                         "(CLIP's 80), simple, or a text file with one template per line holding {}")
     p.add_argument("--out", help="write the metrics JSON here (default for a run: RUN/metrics_eval.json)")
+    p.add_argument("--trust-recipe-imports", action="store_true",
+                   help="import the modules that the run folder's recipe.yaml lists under objective.import (this "
+                        "runs their code: only for a run folder you trust; off by default)")
     return p
 
 
@@ -772,10 +775,12 @@ def _main(args: argparse.Namespace) -> int:
                               f"(re-run it, or pass a model folder)")
         if args.max_text_len is not None:
             raise _UsageError("--max-text-len applies to models, not run folders (a run keeps its own length)")
-        try:
-            recipe = load_recipe(target / "recipe.yaml")
+        try:  # a run folder may come from anyone: its objective.import runs code only when the user says so
+            recipe = load_recipe(target / "recipe.yaml", trust_imports=args.trust_recipe_imports)
         except RecipeError as exc:
-            raise _UsageError(f"cannot read the run's recipe: {exc}") from None
+            hint = ("; pass --trust-recipe-imports to import them if you trust this run folder"
+                    if (exc.key or "").startswith("objective.import") and not args.trust_recipe_imports else "")
+            raise _UsageError(f"cannot read the run's recipe: {exc}{hint}") from None
     if args.batch_size is not None and args.batch_size < 1:
         raise _UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.sets:
@@ -815,7 +820,53 @@ def _main(args: argparse.Namespace) -> int:
             check_eval_output(args.out, [target / "final"] if recipe is not None else [target])
         except RunFolderError as exc:
             raise _UsageError(str(exc)) from None
+    out = Path(args.out) if args.out else (target / "metrics_eval.json" if recipe is not None else None)
+    lock = _claim_output(out, target if recipe is not None else None)
+    try:
+        return _evaluate_and_write(args, target, recipe, out, sets, ks=ks, batch_size=batch_size, on_error=on_error,
+                                   cache_dir=cache_dir, scorer=scorer, rerank_top_k=rerank_top_k,
+                                   block_size=block_size)
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+#: what an evaluation writes at most (metrics JSON), with room to spare
+_EVAL_OUTPUT_BYTES = 2**20
+
+
+def _claim_output(out: Path | None, run_dir: Path | None) -> Any:
+    """Before the model loads: the folder ``out`` goes to must be writable with room for the results, and a
+    run folder written into is locked (:class:`finetune.run_folder.RunLock`) so that no training replaces
+    it meanwhile. Returns the lock (None when none was taken).
+
+    Raises:
+        _UsageError: not writable, no room, or a run writes into that run folder now.
+    """
+    from finetune.run_folder import RunFolderError, RunLock, check_free_space, check_writable, lock_on_main_process
+
+    if out is None:
+        return None
+    folder = next(p for p in [out.parent.absolute(), *out.parent.absolute().parents] if p.exists())
+    what = f"the folder of {str(out)!r}" if folder == out.parent.absolute() else f"{str(folder)!r} (for {str(out)!r})"
+    inside = run_dir is not None and out.absolute().is_relative_to(run_dir.absolute())
+    if inside:
+        what = f"run folder {str(run_dir)!r}"
+    checks = [lambda: check_writable(folder, what),
+              lambda: check_free_space(folder, _EVAL_OUTPUT_BYTES, what=what, detail="the evaluation results",
+                                       advice="free some space, or write the results elsewhere (--out)")]
+    try:
+        if inside:
+            lock = RunLock(run_dir, what=what, command="python -m finetune.evaluate")
+            return lock_on_main_process(lock, *checks)
+        return lock_on_main_process(None, *checks)
+    except RunFolderError as exc:
+        raise _UsageError(f"{exc} (nothing was evaluated)") from None
+
+
+def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out: Path | None, sets: list, *,
+                        ks: list[int], batch_size: int, on_error: str, cache_dir: str | None, scorer: Any,
+                        rerank_top_k: int | None, block_size: int) -> int:
     from accelerate import Accelerator
 
     from finetune.models import load_finetuned, load_model
@@ -852,7 +903,6 @@ def _main(args: argparse.Namespace) -> int:
         if zeroshot is not None:
             print(f"zero-shot {zeroshot['folder']}: {zeroshot['n_images']} images, {zeroshot['n_classes']} classes, "
                   f"top-1 {zeroshot['top1']:.2f} %, top-5 {zeroshot['top5']:.2f} % ({zeroshot['scorer']})", flush=True)
-        out = Path(args.out) if args.out else (target / "metrics_eval.json" if recipe is not None else None)
         if out is not None:
             from finetune.report import write_json_atomic
 

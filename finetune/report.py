@@ -19,7 +19,10 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    from finetune.run_folder import process_tag
+
+    # the writer's PID@HOST in the name: another run's cleanup leaves it alone while this process lives
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{process_tag()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -94,10 +94,41 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
     first by this same function in this same process (in a multi-process launch, by every process together:
     one DDP run, see :mod:`finetune.prerequisites`).
 
+    ``output.dir`` is locked while the run lasts (:class:`finetune.run_folder.RunLock`, taken by the main
+    process of a launch): another run into the same folder is refused (exit 2) naming this one's PID, and
+    a prerequisite's folder is locked while it trains.
+
     Args:
         recipe: a loaded :class:`finetune.config.Recipe`.
         chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
     """
+    lock, refused = _lock_output_dir(recipe)
+    if refused:
+        print(f"recipe error: {refused}", file=sys.stderr)
+        return 2
+    try:
+        return _run_in_folder(recipe, chain)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_output_dir(recipe: Any) -> tuple[Any, str | None]:
+    """``(lock or None, refusal or None)``: the main process (global rank 0) takes the lock of ``output.dir``;
+    in a multi-process launch the other ranks learn whether it was refused."""
+    from finetune.run_folder import RunFolderError, RunLock, lock_on_main_process
+
+    out_dir = Path(recipe.output.dir)
+    lock = RunLock(out_dir, what=f"output.dir {str(out_dir)!r}",
+                   command=f"finetune/run.py {recipe.source or ''}".strip())
+    try:
+        return lock_on_main_process(lock), None
+    except RunFolderError as exc:
+        return None, str(exc)
+
+
+def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
+    """:func:`run` while the run folder is locked."""
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import ProjectConfiguration, set_seed
 
@@ -137,6 +168,7 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
     set_seed(recipe.train.seed)
     try:
         data = _load_data(recipe, accelerator)
+        _check_batch(recipe, data, accelerator.num_processes)
     except (DataError, RunFolderError) as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
@@ -156,8 +188,9 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
 
     try:
         return _run(recipe, recipe_dict, accelerator, out_dir, data, prerequisites)
-    except ModelNotFoundError as exc:  # an unknown model.name_or_path: the registry list, no traceback
-        print(f"recipe error: model.name_or_path: {exc}", file=sys.stderr)
+    except (ModelNotFoundError, RunFolderError) as exc:  # an unknown model (the registry list), no room
+        prefix = "model.name_or_path: " if isinstance(exc, ModelNotFoundError) else ""
+        print(f"recipe error: {prefix}{exc}", file=sys.stderr)
         if action == "new" and accelerator.is_main_process:  # leave no half-started run behind
             clear_previous_run(out_dir)
             if out_dir.is_dir() and not any(out_dir.iterdir()):
@@ -317,6 +350,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         p.numel() for p in objective.parameters() if p.requires_grad)
     log.info("model %s (%s, %s): %s parameters, %s trainable; text positions %d", m.name_or_path,
              model.backend, model.family, f"{n_total:,}", f"{n_train:,}", model.max_text_len)
+    _check_room(recipe, model, objective, out_dir, data, accelerator)  # before any preprocessing or step
 
     if streaming:
         train_src, train_ds = None, _open_train_stream(recipe, objective, model, accelerator)
@@ -429,6 +463,70 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
                 return 1
     accelerator.wait_for_everyone()
     return 0
+
+
+def _check_batch(recipe: Any, data: dict[str, Any], num_processes: int) -> None:
+    """A training set smaller than one optimiser step, or a batch that does not split over the processes,
+    is a recipe error found with the data, before the model loads or anything is written.
+
+    Raises:
+        RunFolderError: naming the keys to change.
+    """
+    from finetune.run_folder import RunFolderError
+
+    t = recipe.train
+    if t.batch_size % (num_processes * t.accumulation_steps):
+        raise RunFolderError(f"train.batch_size={t.batch_size} must be divisible by processes x "
+                             f"train.accumulation_steps = {num_processes} x {t.accumulation_steps}; change "
+                             "train.batch_size or train.accumulation_steps")
+    train = data.get("train")
+    if train is not None and len(train.dataset) < t.batch_size:
+        skipped = f" ({train.skipped} unreadable examples skipped)" if train.skipped else ""
+        raise RunFolderError(f"the training set (data.train) has {len(train.dataset)} usable examples{skipped}, "
+                             f"fewer than one batch (train.batch_size={t.batch_size}): lower train.batch_size or "
+                             "add data")
+
+
+def _check_room(recipe: Any, model: Any, objective: Any, out_dir: Path, data: dict[str, Any],
+                accelerator: Any) -> None:
+    """Stop before training when ``output.dir``'s disk cannot hold what the run will write: ``final/`` and
+    the checkpoints kept at once (:func:`finetune.run_folder.estimate_run_bytes`), less an earlier
+    ``final/`` and checkpoints that the run replaces. The main process checks; every process gets its answer.
+
+    Raises:
+        RunFolderError: how much is needed and free.
+    """
+    import itertools
+
+    from finetune.run_folder import RunFolderError, check_free_space, estimate_run_bytes, folder_bytes
+
+    t = recipe.train
+    error = None
+    if accelerator.is_main_process:
+        tensors = itertools.chain(model.state_dict().values(), objective.state_dict().values())
+        trained = [p for p in itertools.chain(model.parameters(), objective.parameters()) if p.requires_grad]
+        train = data.get("train")
+        steps = t.max_steps or (t.epochs * (len(train.dataset) // t.batch_size) if train is not None else 0)
+        written = steps // t.checkpoint_every if t.checkpoint_every else 0
+        estimate = estimate_run_bytes(
+            model_bytes=sum(x.numel() * x.element_size() for x in tensors),
+            trainable_bytes=sum(p.numel() * p.element_size() for p in trained),
+            trainable_numel=sum(p.numel() for p in trained), full=recipe.adapter.type == "full",
+            checkpoints_written=written, keep=t.keep_checkpoints)
+        detail = f"final/ {estimate['final'] / 2**20:.1f} MiB"
+        if estimate["checkpoints"]:
+            detail += f" + {estimate['checkpoints']} checkpoints x {estimate['checkpoint'] / 2**20:.1f} MiB"
+        try:
+            check_free_space(out_dir, estimate["total"], what=f"output.dir {str(out_dir)!r}", detail=detail,
+                             reclaimed=folder_bytes(out_dir / "final") + folder_bytes(out_dir / "checkpoints"))
+        except RunFolderError as exc:
+            error = str(exc)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        error = broadcast_object_list([error])[0]
+    if error:
+        raise RunFolderError(error)
 
 
 def _partial_metrics(recipe: Any, model: Any, result: Any, before: Any, after: Any, at_base: Any,

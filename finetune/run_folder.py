@@ -10,14 +10,28 @@ one) or ``train.resume`` continues the same run.
 continued run reaches (model, adapter, objective, training data, batch, optimiser and schedule).
 A checkpoint records it, and resuming with a different one is an error listing the differing keys
 (:func:`differing_keys`) unless ``train.resume_ignore_changes: true``.
+
+One process writes into a run folder at a time: :class:`RunLock` holds an OS file lock
+(``filelock.FileLock`` on ``.xlipkit.lock``, released by the kernel when the process dies) and records
+its holder (``.xlipkit.owner.json``: PID, host, command), so that a second run is refused naming that
+PID. Temporary files carry their writer's :func:`process_tag` (``PID@HOST``), and
+:func:`clean_stale_temporaries` removes only those of processes that are gone.
+:func:`check_writable` and :func:`check_free_space` stop a run whose folder cannot take what it will
+write before anything is written.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +48,18 @@ __all__ = [
     "check_run_folder",
     "clear_previous_run",
     "clean_stale_temporaries",
+    "RunFolderBusy",
+    "RunLock",
+    "LOCK_NAME",
+    "OWNER_NAME",
+    "process_tag",
+    "tag_owner",
+    "owner_alive",
+    "check_writable",
+    "check_free_space",
+    "estimate_run_bytes",
+    "folder_bytes",
+    "lock_on_main_process",
 ]
 
 RECIPE_NAME = "recipe.yaml"
@@ -122,8 +148,10 @@ def read_run_recipe(out_dir: Path) -> dict[str, Any] | None:
     path = out_dir / RECIPE_NAME
     if not path.is_file():
         return None
+    from finetune.config import safe_load_yaml  # aliases bounded: a run folder may come from anyone
+
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = safe_load_yaml(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise RunFolderError(f"{path} is not a readable recipe ({error}); choose another output.dir or set "
                              "output.overwrite: true to replace that folder's run") from error
@@ -206,7 +234,9 @@ def clean_stale_temporaries(out_dir: str | os.PathLike) -> list[str]:
     ``.final.old-*`` (an interrupted model save), ``.NAME.*.tmp`` (an interrupted atomic file
     write) and ``checkpoints/step-N.tmp`` (an interrupted checkpoint).
 
-    Only call it while no other process writes into ``out_dir``.
+    A name that carries its writer's :func:`process_tag` is removed only when that process is gone
+    (:func:`owner_alive`); an untagged one (written by an older version, or by code that does not tag its
+    names) only because the caller holds the folder's :class:`RunLock`, so no other run writes there.
 
     Returns:
         the paths removed, relative to ``out_dir``.
@@ -219,12 +249,367 @@ def clean_stale_temporaries(out_dir: str | os.PathLike) -> list[str]:
     checkpoints = folder / "checkpoints"
     if checkpoints.is_dir():
         stale += [p for p in checkpoints.iterdir() if p.name.endswith(".tmp")]
+    removed = []
     for path in stale:
+        owner = tag_owner(path.name)
+        if owner is not None and owner_alive(*owner):
+            continue  # a live process (another rank, an evaluation) is writing it
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-    return sorted(str(p.relative_to(folder)) for p in stale)
+        removed.append(path)
+    return sorted(str(p.relative_to(folder)) for p in removed)
+
+
+# -- temporary names that say who writes them ---------------------------------------------------------
+_TAG = re.compile(r"(?<![0-9])([0-9]+)@([A-Za-z0-9-]+)\.")
+#: the cache folders of older versions: ``.NAME-KEY.tmp-PID-HEX8``
+_LEGACY_PID = re.compile(r"\.tmp-([0-9]+)-[0-9a-f]{8}$")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:63] or "localhost"
+
+
+def process_tag() -> str:
+    """``PID@HOST``: what this process puts in the names of the temporary files and folders it writes
+    (followed by a ``.``), so that a cleanup can tell a live writer's files from a killed one's."""
+    return f"{os.getpid()}@{_host()}"
+
+
+def tag_owner(name: str) -> tuple[int, str] | None:
+    """``(pid, host)`` of the process whose :func:`process_tag` is in ``name`` (or an older cache folder's
+    ``.tmp-PID-HEX8``, taken as this host's); None for an untagged name."""
+    match = _TAG.search(name)
+    if match:
+        return int(match.group(1)), match.group(2)
+    match = _LEGACY_PID.search(name)
+    if match:
+        return int(match.group(1)), _host()
+    return None
+
+
+def owner_alive(pid: int, host: str) -> bool:
+    """Whether the process ``pid`` on ``host`` may still run: True for another host (this one cannot
+    tell) and for this process; else whether a process with that PID exists here."""
+    if host != _host() or pid == os.getpid() or os.name == "nt":  # Windows: os.kill(pid, 0) would kill it
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+# -- one run per folder -------------------------------------------------------------------------------
+LOCK_NAME = ".xlipkit.lock"
+OWNER_NAME = ".xlipkit.owner.json"
+
+
+class RunFolderBusy(RunFolderError):
+    """Another process holds the run folder's lock.
+
+    Attributes:
+        pid: the holder's PID (None when it has not recorded itself yet).
+        host: the holder's host name, or None.
+    """
+
+    def __init__(self, message: str, pid: int | None = None, host: str | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.host = host
+
+
+def _describe_os_error(exc: OSError) -> str:
+    if exc.errno == errno.EROFS:
+        return "it is on a read-only file system"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    if exc.errno == errno.ENOSPC:
+        return "the disk is full"
+    return exc.strerror or str(exc)
+
+
+def check_writable(folder: str | os.PathLike, what: str) -> None:
+    """Create and remove a small file in ``folder`` (an existing folder): the one test of writability that
+    a read-only mount, permissions, ACLs and a full disk all answer.
+
+    Raises:
+        RunFolderError: naming ``what`` (e.g. ``output.dir 'runs/x'``) and why.
+    """
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".xlipkit-probe.{process_tag()}.", suffix=".tmp", dir=folder)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise RunFolderError(f"{what} is not writable ({_describe_os_error(exc)}); choose a writable folder, or "
+                             "fix its permissions") from None
+
+
+def _make_folder(folder: Path, what: str) -> Path | None:
+    """``folder`` created with its missing parents; returns the topmost folder it created, or None."""
+    missing = [p for p in [folder, *folder.parents] if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RunFolderError(f"{what} or one of its parents is a file; give a folder path") from None
+    except OSError as exc:
+        raise RunFolderError(f"{what} cannot be created ({_describe_os_error(exc)}); choose a writable place, or "
+                             "fix the permissions of its parent folder") from None
+    return missing[-1] if missing else None
+
+
+def _read_owner(folder: Path, wait_s: float = 2.0) -> dict[str, Any]:
+    """The lock holder's record; the holder writes it just after it took the lock, so wait a moment."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            record = json.loads((folder / OWNER_NAME).read_text(encoding="utf-8"))
+            if isinstance(record, dict) and isinstance(record.get("pid"), int):
+                return record
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() >= deadline:
+            return {}
+        time.sleep(0.05)
+
+
+class RunLock:
+    """The exclusive lock of one run folder, held while a run (or an evaluation) writes into it.
+
+    ``filelock.FileLock`` on ``FOLDER/.xlipkit.lock`` (``flock``: the kernel drops it when the process
+    exits, even on ``kill -9``); the holder records its PID, host, command and start time in
+    ``FOLDER/.xlipkit.owner.json``, so that a second process is refused naming it. Only one process of a
+    multi-process launch takes it (the caller decides which). Usable as a context manager.
+
+    Args:
+        folder: the run folder (created with its parents when missing; removed again on release when it
+            was created here and holds nothing else).
+        what: how messages name the folder (``output.dir 'runs/x'``).
+        command: what the owner record says the holder is doing.
+    """
+
+    def __init__(self, folder: str | os.PathLike, *, what: str | None = None, command: str = "") -> None:
+        self.folder = Path(folder)
+        self.what = what or f"run folder {str(self.folder)!r}"
+        self.command = command
+        self._lock: Any = None
+        self._created: Path | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._lock is not None
+
+    def acquire(self) -> RunLock:
+        """Take the lock; returns ``self``.
+
+        Raises:
+            RunFolderBusy: another process holds it (the message names its PID, host and command).
+            RunFolderError: the folder is a file, cannot be created or is not writable.
+        """
+        from filelock import FileLock, Timeout
+
+        if self.held:
+            return self
+        if self.folder.exists() and not self.folder.is_dir():
+            raise RunFolderError(f"{self.what} is a file; give a folder path")
+        self._created = _make_folder(self.folder, self.what)
+        try:
+            check_writable(self.folder, self.what)
+            lock = FileLock(str(self.folder / LOCK_NAME))
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                raise self._busy() from None
+            except OSError as exc:
+                raise RunFolderError(f"{self.what}: cannot lock it ({_describe_os_error(exc)})") from None
+            self._lock = lock
+            try:
+                self._write_owner()
+            except OSError as exc:
+                self.release()
+                raise RunFolderError(f"{self.what} is not writable ({_describe_os_error(exc)})") from None
+        except BaseException:
+            if self._lock is None:
+                self._remove_created()
+            raise
+        return self
+
+    def _busy(self) -> RunFolderBusy:
+        owner = _read_owner(self.folder)
+        pid, host = owner.get("pid"), owner.get("host")
+        if pid == os.getpid() and host == _host():
+            return RunFolderBusy(
+                f"{self.what} is already being written by this same process: a model.init_from or eval.compare_with "
+                "recipe has the same output.dir as the run that needs it; give each its own output.dir", pid, host)
+        if pid is None:
+            holder = "another process (it has not recorded its PID yet)"
+        else:
+            doing = f", {owner['command']}" if owner.get("command") else ""
+            since = f", since {owner['started']}" if owner.get("started") else ""
+            holder = f"PID {pid} on {host}{doing}{since}"
+        return RunFolderBusy(f"{self.what} is in use by another run: {holder}. Wait for it to finish (or stop it), "
+                             "or choose another output.dir; two runs must never write into one folder", pid, host)
+
+    def _write_owner(self) -> None:
+        record = {"pid": os.getpid(), "host": _host(), "command": self.command,
+                  "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+        fd, tmp = tempfile.mkstemp(prefix=f"{OWNER_NAME}.{process_tag()}.", suffix=".tmp", dir=self.folder)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(record, fh)
+            os.replace(tmp, self.folder / OWNER_NAME)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def release(self) -> None:
+        """Drop the lock (the owner record first); a folder this lock created and nothing else wrote into is
+        removed. Safe to call twice."""
+        if self._lock is None:
+            return
+        try:
+            (self.folder / OWNER_NAME).unlink(missing_ok=True)
+        except OSError:
+            pass
+        self._lock.release()
+        self._lock = None
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        created, self._created = self._created, None
+        if created is None or not self.folder.is_dir():
+            return
+        try:
+            if {p.name for p in self.folder.iterdir()} <= {LOCK_NAME}:
+                (self.folder / LOCK_NAME).unlink(missing_ok=True)
+                for folder in [self.folder, *self.folder.parents]:
+                    folder.rmdir()  # only empty folders go
+                    if folder == created:
+                        break
+        except OSError:
+            pass
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def lock_on_main_process(lock: RunLock | None, *checks: Any) -> RunLock | None:
+    """Take ``lock`` (if any, after ``checks``: callables that raise :class:`RunFolderError`) on the main process
+    of a launch (global rank 0, ``RANK``) only, the other ranks must not be refused; in a multi-process launch
+    every process learns the outcome (accelerate's ``PartialState`` sets up the process group that the
+    ``Accelerator`` built later uses).
+
+    Returns:
+        the held lock on the main process, None on the others.
+    Raises:
+        RunFolderError: on every process, when the main process was refused.
+    """
+    refused = None
+    if int(os.environ.get("RANK") or 0) == 0:
+        try:
+            for check in checks:
+                check()
+            if lock is not None:
+                lock.acquire()
+        except RunFolderError as exc:
+            refused = str(exc)
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        from accelerate import PartialState
+        from accelerate.utils import broadcast_object_list, parse_flag_from_env
+
+        PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # what Accelerator() would set up
+        refused = broadcast_object_list([refused])[0]
+    if refused:
+        if lock is not None:
+            lock.release()
+        raise RunFolderError(refused)
+    return lock if lock is not None and lock.held else None
+
+
+# -- room for what a run writes ---------------------------------------------------------------------------
+def folder_bytes(path: str | os.PathLike) -> int:
+    """The bytes of the files under ``path`` (0 when it does not exist)."""
+    root = Path(path)
+    if root.is_file():
+        return root.stat().st_size
+    total = 0
+    for p in root.rglob("*") if root.is_dir() else ():
+        try:
+            if p.is_file() and not p.is_symlink():
+                total += p.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def estimate_run_bytes(*, model_bytes: int, trainable_bytes: int, trainable_numel: int, full: bool,
+                       checkpoints_written: int, keep: int) -> dict[str, int]:
+    """What a run will hold on disk at its peak, in bytes.
+
+    ``final`` is the whole model for full fine-tuning, else the trained parameters (adapter and extras);
+    ``checkpoint`` is one ``accelerator.save_state``: every model weight plus AdamW's two float32 moments
+    per trained parameter. A new checkpoint is written before the oldest goes, so training holds up to
+    ``keep + 1`` of them, and the final save ``keep`` of them beside ``final/``; ``checkpoints`` is the
+    larger count held, and ``total`` the peak plus 5 % and 16 MiB for logs, plots and metrics.
+
+    Args:
+        model_bytes: the bytes of every parameter and buffer of the model (and objective heads).
+        trainable_bytes, trainable_numel: those of the trained parameters.
+        full: full fine-tuning (``final/`` holds the whole model) or an adapter.
+        checkpoints_written: how many checkpoints the run writes (0 without ``train.checkpoint_every``).
+        keep: ``train.keep_checkpoints``.
+    """
+    final = model_bytes if full else trainable_bytes
+    checkpoint = model_bytes + 8 * trainable_numel
+    during = min(keep + 1, checkpoints_written)
+    at_end = min(keep, checkpoints_written)
+    peak = max(during * checkpoint, at_end * checkpoint + final)
+    return {"final": final, "checkpoint": checkpoint, "checkpoints": during,
+            "total": peak + peak // 20 + 16 * 2**20}
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+_RUN_ADVICE = "free some space, choose another output.dir, or keep fewer checkpoints (train.keep_checkpoints)"
+
+
+def check_free_space(folder: str | os.PathLike, need: int, *, what: str, detail: str = "",
+                     reclaimed: int = 0, advice: str = _RUN_ADVICE) -> None:
+    """Stop before a run or an evaluation starts when ``folder``'s file system lacks ``need`` bytes.
+
+    Args:
+        folder: an existing folder on the file system written to.
+        need: the bytes that will be written.
+        what: how the message names the folder.
+        detail: what ``need`` is made of, for the message.
+        reclaimed: bytes already there that the run replaces (an earlier ``final/``, checkpoints).
+        advice: what the message suggests.
+    Raises:
+        RunFolderError: saying how much is needed and how much is free.
+    """
+    free = shutil.disk_usage(folder).free
+    if free + reclaimed < need:
+        made_of = f" ({detail})" if detail else ""
+        raise RunFolderError(f"{what} has {_size(free)} free, but about {_size(need - reclaimed)} will be written there"
+                             f"{made_of}; {advice}")
 
 
 def check_eval_output(out: str | os.PathLike, model_dirs: list[str | os.PathLike]) -> Path:

@@ -34,8 +34,9 @@ from typing import Any
 
 import datasets
 
-from finetune.data.bad_rows import collecting, read_utf8_text, report_bad_row, utf8_jsonl
+from finetune.data.bad_rows import collecting, decode_utf8, read_utf8_text, report_bad_row, utf8_jsonl
 from finetune.data.images import IMAGE_EXTENSIONS, DataError, ImageReadError, probe_image, read_image
+from finetune.data.text import as_captions, lone_surrogate
 
 __all__ = [
     "DataError",
@@ -518,6 +519,15 @@ def _first_non_empty(captions: list | None) -> str:
     return next((c for c in (captions or []) if isinstance(c, str) and c.strip()), "")
 
 
+def _caption_problem(caption: Any) -> str:
+    """Why a caption that is not a string cannot be used (its type, not "empty caption")."""
+    try:
+        as_captions(caption)
+    except (TypeError, ValueError) as error:
+        return str(error).split(";")[0]
+    return "empty caption"
+
+
 def _where(spec: SourceSpec) -> str:
     return f" ({spec.path})" if spec.path else ""
 
@@ -535,7 +545,9 @@ def _validate(
         for id_, image, caption in zip(batch["id"], batch["image"], batch["caption"]):
             path = (image or {}).get("path") or ("<bytes>" if image and image.get("bytes") else "<none>")
             reason = None
-            if not isinstance(caption, str) or not caption.strip():
+            if not isinstance(caption, str):
+                reason = _caption_problem(caption)
+            elif not caption.strip():
                 reason = "empty caption"
             elif image is None:
                 reason = "no image"
@@ -626,17 +638,42 @@ def _resolve_image_paths(dataset: datasets.Dataset, base: Path) -> datasets.Data
     return dataset.map(resolve, input_columns=["image"], batched=True, desc="resolving image paths")
 
 
+def _error_text(error: BaseException) -> str:
+    """The most telling message of an exception and its causes (``datasets`` wraps the parser's error in
+    one that says only "An error occurred while generating the dataset")."""
+    messages = []
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error).strip()
+        if text:
+            messages.append(text)
+        error = error.__cause__ or error.__context__
+    return messages[-1] if messages else type(error).__name__
+
+
 def _load_table(spec: SourceSpec, builder: str, extensions: tuple[str, ...]) -> datasets.Dataset:
     parts = []
     offset = 0
+    empty = []
     for file in _data_files(spec, extensions):
         with tempfile.TemporaryDirectory(prefix="xlipkit-utf8-") as workdir:
-            text_file = utf8_jsonl(file, workdir) if builder in ("json", "csv") else file
+            rows = None
+            if builder == "json":  # every line checked here: the one bad line is named, and follows on_error
+                text_file, rows, first_problem = _clean_json(file, workdir, spec, offset)
+                if text_file is None:
+                    empty.append(f"{str(file)!r} (" + (f"every row unreadable; first: {first_problem}" if rows
+                                                      else "the file is empty") + ")")
+                    offset += rows
+                    continue
+            else:
+                text_file = utf8_jsonl(file, workdir) if builder == "csv" else file
             try:
                 table = datasets.load_dataset(builder, data_files=str(text_file), split="train",
                                               cache_dir=source_cache_dir())
             except Exception as error:  # datasets wraps parser errors in several types
-                raise DataError(f"data source {spec.name!r}: cannot read {str(file)!r} as {builder}: {error}") from error
+                raise DataError(f"data source {spec.name!r}: cannot read {str(file)!r} as {builder}: "
+                                f"{_error_text(error)}") from error
         columns = table.column_names
         for key in ("image_column", "caption_column"):
             column = getattr(spec, key)
@@ -671,13 +708,129 @@ def _load_table(spec: SourceSpec, builder: str, extensions: tuple[str, ...]) -> 
             table = table.cast_column("id", datasets.Value("string"))
         table = table.cast_column("image", datasets.Image(decode=False))
         parts.append(_resolve_image_paths(table, file.parent))
-        offset += len(table)
+        offset += len(table) if rows is None else rows
+    if not parts:
+        raise DataError(f"data source {spec.name!r}: no readable rows in {', '.join(empty)}; give a file with one "
+                        "JSON object per line, e.g. {\"image\": \"cat.jpg\", \"caption\": \"A cat ...\"}")
+    if empty:
+        logger.warning("data source %r: no readable rows in %s", spec.name, ", ".join(empty))
     if len(parts) == 1:
         return parts[0]
     try:
         return datasets.concatenate_datasets(parts)
     except ValueError as error:
         raise DataError(f"data source {spec.name!r}: the files in {spec.path!r} have different columns: {error}") from error
+
+
+def _json_msg(error: json.JSONDecodeError) -> str:
+    """``json``'s message without its dangling position words (``Unterminated string starting at``)."""
+    return error.msg.removesuffix(" starting at").removesuffix(" at")
+
+
+def _json_entries(file: Path) -> tuple[list[tuple[str, Any]], bool]:
+    """``(where, parsed row or the problem)`` of each row of a JSON-lines file (``"line N"``) or of a JSON
+    array (``"item N"``); a row that is not UTF-8 or not JSON comes as a ``DataError`` naming the line. The
+    flag says whether ``datasets`` reads the file as it is (False for one object written over several lines)."""
+    data = file.read_bytes()
+    head = data.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if head.startswith(b"["):
+        try:
+            items = json.loads(decode_utf8(data, file))
+        except json.JSONDecodeError as error:
+            raise DataError(f"{file}: line {error.lineno}, column {error.colno}: not valid JSON ({_json_msg(error)}); "
+                            "a JSON "
+                            "array is read whole, so fix it (or write one JSON object per line)") from error
+        if isinstance(items, list):
+            return [(f"item {i + 1}", item) for i, item in enumerate(items)], True
+    entries: list[tuple[str, Any]] = []
+    for number, raw in enumerate(data.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            entries.append((f"line {number}", DataError(
+                f"line {number}, column {error.start + 1}: not UTF-8 "
+                f"(byte 0x{raw[error.start:error.start + 1].hex()}); "
+                "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)")))
+            continue
+        try:
+            entries.append((f"line {number}", json.loads(line)))
+        except json.JSONDecodeError as error:
+            entries.append((f"line {number}", DataError(f"line {number}, column {error.colno}: not valid JSON "
+                                                        f"({_json_msg(error)})")))
+    if entries and all(isinstance(row, DataError) for _, row in entries) and head.startswith(b"{"):
+        try:  # one JSON object over several lines
+            whole = json.loads(decode_utf8(data, file))
+        except (json.JSONDecodeError, DataError):
+            return entries, True
+        return ([("item 1", whole)], False) if isinstance(whole, dict) else (entries, True)
+    return entries, True
+
+
+def _clean_json(file: Path, workdir: str, spec: SourceSpec, first_id: int) -> tuple[Path | None, int, str | None]:
+    """Check every row of a JSON-lines file (or JSON array) before ``datasets`` reads it, so that one bad row
+    is named (``FILE:LINE``) and skipped or raised per ``data.on_error`` (:func:`report_bad_row`) instead of
+    failing the whole file, and captions of another type are named for what they are.
+
+    A row is bad when it is not UTF-8 or not JSON, not an object, holds a lone surrogate (not valid text),
+    lacks the caption key, or its caption is not a string or a list of strings (:func:`as_captions`). When
+    some rows hold a list of captions and others one string, every caption becomes a list (the list rows
+    are kept: ``captions`` and ``caption``, see :func:`load_source`).
+
+    Returns:
+        the file to read (``file`` itself when nothing needs changing, else a cleaned copy under
+        ``workdir``, with an ``id`` per row when the rows have none, so that ids stay the row numbers the
+        file would give), or None when no row is left; the number of rows read (for the next file's ids); the
+        first bad row's problem, or None.
+    """
+    entries, readable = _json_entries(file)
+    column = spec.caption_column
+    has_column = any(isinstance(row, dict) and column in row for _, row in entries)
+    kept: list[tuple[int, dict]] = []
+    dropped = 0
+    first_problem = None
+    kinds = set()
+    for index, (where, row) in enumerate(entries):
+        problem = None
+        if isinstance(row, DataError):
+            problem = str(row)
+        elif not isinstance(row, dict):
+            problem = (f"{where}: a row must be a JSON object ({{\"image\": ..., \"{column}\": ...}}), "
+                       f"got {type(row).__name__}")
+        elif has_column and column not in row:
+            problem = f"{where} has no {column!r} key"
+        else:
+            try:
+                if has_column:
+                    as_captions(row[column])
+                    kinds.add(type(row[column]).__name__)
+                bad = lone_surrogate(row)
+                if bad:
+                    raise ValueError(f"holds a lone surrogate ({bad}, an unpaired \\u escape), which is not valid text")
+            except (TypeError, ValueError) as error:
+                problem = f"{where}: {str(error).split('; ')[0]}"
+        if problem is None:
+            kept.append((index, row))
+        else:
+            dropped += 1
+            first_problem = first_problem or problem
+            report_bad_row(f"{file.name}:{where.split()[-1]}", str(file), problem)
+    if not kept:
+        return None, len(entries), first_problem
+    mixed = {"str", "list"} <= kinds
+    if not dropped and not mixed and readable:
+        return file, len(entries), None
+    give_ids = spec.id_column is None and not any("id" in row for _, row in kept)
+    handle, name = tempfile.mkstemp(prefix=file.stem + ".checked-", suffix=".jsonl", dir=workdir)
+    with os.fdopen(handle, "w", encoding="utf-8") as out:
+        for index, row in kept:
+            if mixed and isinstance(row[column], str):
+                row = {**row, column: [row[column]]}
+            if give_ids:
+                row = {**row, "id": str(first_id + index)}
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return Path(name), len(entries), first_problem
 
 
 @register_source("jsonl", description="JSON lines file(s): an image path (relative to the file) or bytes, and a caption")
@@ -722,7 +875,9 @@ def _read_mapping(file: Path, spec: SourceSpec) -> tuple[list[str], list[Any], l
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise DataError(f"{file}: line {number} is not valid JSON ({error})") from error
+                    report_bad_row(f"{file.name}:{number}", str(file),
+                                   f"line {number}, column {error.colno}: not valid JSON ({_json_msg(error)})")
+                    continue
                 if not isinstance(row, dict) or "file_name" not in row:
                     raise DataError(f"{file}: line {number} needs a 'file_name' key (the image path relative to the folder)")
                 if spec.caption_column not in row:
@@ -730,6 +885,10 @@ def _read_mapping(file: Path, spec: SourceSpec) -> tuple[list[str], list[Any], l
                         f"{file}: line {number} has no {spec.caption_column!r} key{_closest(spec.caption_column, list(row))}; "
                         "set caption_column to the key that holds the caption"
                     )
+                problem = _row_problem(row, spec.caption_column)
+                if problem:
+                    report_bad_row(f"{file.name}:{number}", str(file), f"line {number}: {problem}")
+                    continue
                 names.append(str(row["file_name"]))
                 captions.append(row[spec.caption_column])
                 ids.append(str(row[spec.id_column]) if spec.id_column and spec.id_column in row else None)
@@ -741,10 +900,26 @@ def _read_mapping(file: Path, spec: SourceSpec) -> tuple[list[str], list[Any], l
     if not isinstance(mapping, dict):
         raise DataError(f"{file} must map image file names to captions, e.g. {{\"cat.jpg\": \"A cat ...\"}}")
     for name, caption in mapping.items():
+        problem = _row_problem({"name": name, "caption": caption}, "caption")
+        if problem:
+            report_bad_row(str(name), str(file), f"entry {name!r}: {problem}")
+            continue
         names.append(str(name))
         captions.append(caption)
         ids.append(None)
     return names, captions, ids
+
+
+def _row_problem(row: dict, column: str) -> str | None:
+    """Why a mapping row cannot be used (a caption that is not text, a lone surrogate), or None."""
+    try:
+        as_captions(row[column])
+        bad = lone_surrogate(row)
+        if bad:
+            raise ValueError(f"holds a lone surrogate ({bad}, an unpaired \\u escape), which is not valid text")
+    except (TypeError, ValueError) as error:
+        return str(error).split("; ")[0]
+    return None
 
 
 def _find_image(root: Path, name: str) -> Path:
@@ -815,5 +990,5 @@ def build_imagefolder(spec: SourceSpec) -> datasets.Dataset:
         columns["captions"] = [c if isinstance(c, list) else [c] for c in captions]
         columns["caption"] = [_first_non_empty(c) for c in columns["captions"]]
     else:
-        columns["caption"] = ["" if c is None else str(c) for c in captions]
+        columns["caption"] = list(captions)
     return datasets.Dataset.from_dict(columns)

@@ -19,6 +19,8 @@ __all__ = [
     "chunk_sentences",
     "sample_subcaptions",
     "as_sentence_list",
+    "as_captions",
+    "lone_surrogate",
     "first_sentence",
     "balanced_chunks",
     "random_chunks",
@@ -277,6 +279,66 @@ def as_sentence_list(value: object, *, field: str) -> list[str]:
         if sentence.strip():
             sentences.append(sentence.strip())
     return sentences
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def lone_surrogate(value: object) -> str | None:
+    """The first lone surrogate (``"\\ud800"``, a JSON escape with no pair) in a string, or in the strings
+    of a list / mapping, as ``"U+D800"``; None when there is none. Such a string is not valid text: it
+    cannot be written as UTF-8 (Arrow, tokenizers and files all refuse it)."""
+    if isinstance(value, str):
+        match = _SURROGATE.search(value)
+        return f"U+{ord(match.group()):04X}" if match else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for item in [*(value.keys() if isinstance(value, dict) else ()), *items]:
+        found = lone_surrogate(item)
+        if found:
+            return found
+    return None
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"a {type(value).__name__}"
+
+
+def as_captions(value: object) -> list[str]:
+    """The captions of one example as a list, wherever one caption is accepted: a string is one caption,
+    a list (tuple, numpy array) of strings is several (DOCCI-style multi-caption rows).
+
+    Args:
+        value: a caption field's value.
+    Returns:
+        the captions, as given (possibly empty strings: emptiness is the caller's check).
+    Raises:
+        TypeError: the value is null, a number, a boolean or a mapping, or a list holds one of those
+            (the message names what it is, and the list item).
+        ValueError: a caption holds a lone surrogate (:func:`lone_surrogate`).
+    """
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple, str, bytes)):
+        value = value.tolist()  # numpy arrays
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f"the caption is {_kind(value)}, not text; write it as a string (or a list of strings for "
+                        "several captions)")
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise TypeError(f"caption {i} of the list is {_kind(item)}, not text; a caption list holds strings")
+        bad = lone_surrogate(item)
+        if bad:
+            where = "the caption" if isinstance(value, str) else f"caption {i} of the list"
+            raise ValueError(f"{where} holds a lone surrogate ({bad}, an unpaired \\u escape), which is not valid "
+                             "text; fix the escape")
+    return list(items)
 
 
 def first_sentence(text: str) -> str:

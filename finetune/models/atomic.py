@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from finetune.run_folder import process_tag
+
 
 @contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
@@ -25,13 +27,14 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} exists and is a file; give a folder path to save a model into")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    # the writer's PID@HOST in the name: a cleanup removes it only once this process is gone
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{process_tag()}.", dir=target.parent))
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: give the folder the user's usual permissions
+    apply_umask(tmp)
     replace_dir(tmp, target)
 
 
@@ -39,6 +42,19 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def apply_umask(folder: str | os.PathLike) -> None:
+    """Give ``folder`` and everything under it the permissions a plain ``open`` / ``mkdir`` would: 0666 /
+    0777 less the user's umask (0644 / 0755 with the usual 022). ``mkdtemp`` makes 0700 folders and
+    safetensors writes 0600 weight files whatever the umask; a run folder shared with a group or served
+    to others must not depend on which library wrote a file."""
+    mask = _umask()
+    root = Path(folder)
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def give_user_permissions(path: str | os.PathLike) -> None:
@@ -52,7 +68,7 @@ def replace_dir(src: Path, target: Path) -> None:
     """Move the finished folder ``src`` to ``target``, replacing any old one, with ``os.replace``."""
     old = None
     if target.exists():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        old = target.parent / f".{target.name}.old-{process_tag()}.{uuid.uuid4().hex[:8]}"
         os.replace(target, old)
     os.replace(src, target)
     if old is not None:

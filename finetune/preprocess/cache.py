@@ -9,6 +9,12 @@ per process of ``num_proc``) and ``meta.json`` (name, parameters, code version, 
 fingerprint, rows). The input columns are not copied: the cached columns are joined back to the
 input dataset column-wise. A step is written into a temporary folder next to it and moved into
 place with ``os.replace``, so an interrupted or failing step never leaves a partial cache behind.
+
+``meta.json`` also records the size and sha256 of every arrow file at write time; a cache is checked
+against them before it is reused, and a damaged one (truncated, bit-flipped, unreadable, or written by
+an older version without that record) is rebuilt with a warning naming it. A temporary folder carries
+its writer's ``PID@HOST`` (:func:`finetune.run_folder.process_tag`): those of processes that are gone
+(killed during a write) are removed, those of live ones never.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from typing import Any
 
 import datasets
 
-__all__ = ["cache_key", "cached_map", "default_cache_dir"]
+__all__ = ["cache_key", "cached_map", "clean_stale_temporaries", "default_cache_dir", "file_fingerprints",
+           "verify_cache"]
 
 logger = logging.getLogger("xlipkit")
 
@@ -65,12 +72,89 @@ def _validate_name(name: str) -> None:
         )
 
 
+def _data_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("data*.arrow"))
+
+
 def _load(folder: Path) -> datasets.Dataset:
-    files = sorted(folder.glob("data*.arrow"))
+    files = _data_files(folder)
     if not files:
         raise FileNotFoundError(f"cache folder {str(folder)!r} holds no data*.arrow file.")
     parts = [datasets.Dataset.from_file(str(f)) for f in files]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_fingerprints(folder: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """``{file name: {"size", "sha256"}}`` of a cache folder's arrow files (what ``meta.json`` records)."""
+    return {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)} for f in _data_files(Path(folder))}
+
+
+def verify_cache(folder: str | os.PathLike[str], meta: Mapping[str, Any] | None = None) -> str | None:
+    """Why the cache in ``folder`` cannot be trusted, or None when its arrow files are those written: the
+    same names, sizes (a truncated file) and sha256 (a flipped bit) as ``meta.json`` records."""
+    folder = Path(folder)
+    meta = _read_meta(folder) if meta is None else meta
+    recorded = (meta or {}).get("files")
+    if not isinstance(recorded, dict) or not recorded:
+        return "meta.json records no fingerprint of its files (an older xlipkit wrote it)"
+    present = {f.name: f for f in _data_files(folder)}
+    if set(present) != set(recorded):
+        missing = sorted(set(recorded) - set(present)) or sorted(set(present) - set(recorded))
+        return f"its arrow files differ from those written ({', '.join(missing)})"
+    for name, expected in sorted(recorded.items()):
+        size = present[name].stat().st_size
+        if size != expected.get("size"):
+            return f"{name} has {size} bytes, {expected.get('size')} were written (truncated?)"
+    for name, expected in sorted(recorded.items()):
+        if _sha256(present[name]) != expected.get("sha256"):
+            return f"{name} does not match its sha256 (damaged on disk)"
+    return None
+
+
+def clean_stale_temporaries(root: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporary folders (``.NAME-KEY.tmp-PID@HOST.*``, and ``.old-`` ones) that processes which
+    are gone left in the cache folder ``root`` (a kill during a cache write); those of live processes, and
+    of other hosts, stay. Returns the names removed."""
+    from finetune.run_folder import owner_alive, tag_owner
+
+    root = Path(root)
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for path in entries:
+        if not path.name.startswith(".") or (".tmp-" not in path.name and ".old-" not in path.name):
+            continue
+        owner = tag_owner(path.name)
+        if owner is None or owner_alive(*owner):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    if removed:
+        logger.info("removed %d temporary cache folders of processes that are gone from %s: %s", len(removed), root,
+                    ", ".join(sorted(removed)))
+    return sorted(removed)
+
+
+def _discard(folder: Path) -> None:
+    """Remove a cache folder: renamed aside first, so that no reader ever sees it half deleted."""
+    from finetune.run_folder import process_tag
+
+    aside = folder.parent / f".{folder.name}.old-{process_tag()}.{uuid.uuid4().hex[:8]}"
+    try:
+        os.replace(folder, aside)
+    except OSError:
+        aside = folder
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _read_meta(folder: Path) -> dict[str, Any] | None:
@@ -116,15 +200,30 @@ def cached_map(
     _validate_name(name)
     key = cache_key(dataset, name=name, params=params, code_version=code_version)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    clean_stale_temporaries(root)
     folder = root / f"{name}-{key}"
     meta = _read_meta(folder)
+    computed = None
     if meta is not None and meta.get("num_rows") == len(dataset):
-        logger.info("reusing cached %s (%s) from %s", name, key, folder)
-        computed = _load(folder)
-    else:
+        problem = verify_cache(folder, meta)
+        if problem is None:
+            try:
+                computed = _load(folder)
+            except Exception as error:  # pyarrow's errors are OSError / ArrowInvalid / ValueError subclasses
+                problem = f"it does not load ({type(error).__name__}: {error})"
+            else:
+                if len(computed) != len(dataset):
+                    problem, computed = f"it holds {len(computed)} rows, not {len(dataset)}", None
+        if problem is None:
+            logger.info("reusing cached %s (%s) from %s", name, key, folder)
+        else:
+            logger.warning("the cached %s in %s is damaged (%s): rebuilding it", name, folder, problem)
+            computed = None
+    if computed is None:
         if folder.exists():
-            logger.warning("discarding incomplete cache %s", folder)
-            shutil.rmtree(folder, ignore_errors=True)
+            if meta is None or meta.get("num_rows") != len(dataset):
+                logger.warning("discarding incomplete cache %s", folder)
+            _discard(folder)
         logger.info("computing %s (%s) for %d examples into %s", name, key, len(dataset), folder)
         computed = _compute(dataset, fn, folder, key=key, name=name, params=params, code_version=code_version,
                             batched=batched, batch_size=batch_size, num_proc=num_proc, features=features, desc=desc)
@@ -148,8 +247,11 @@ def _compute(
     features: datasets.Features | None,
     desc: str | None,
 ) -> datasets.Dataset:
+    from finetune.run_folder import process_tag
+
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # the writer's PID@HOST in the name: once this process is gone (killed mid-write), a later call removes it
+    tmp = folder.parent / f".{folder.name}.tmp-{process_tag()}.{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         result = dataset.map(
@@ -175,6 +277,7 @@ def _compute(
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         del result
+        meta["files"] = file_fingerprints(tmp)  # checked before every reuse
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         try:
             os.replace(tmp, folder)

@@ -579,3 +579,84 @@ def test_model_backend_is_a_deprecated_alias_of_family(tmp_path):
     assert load_recipe(write(tmp_path, "model:\n  family: hf\n")).model.family == "hf"
     with pytest.raises(RecipeError, match=r"`model.backend` \(hf\) and `model.family` \(open_clip\) disagree"):
         load_recipe(write(tmp_path, "model:\n  backend: hf\n  family: open_clip\n"))
+
+
+# -- hostile input: non-finite numbers, alias bombs, tokens in messages, untrusted imports ----------
+@pytest.mark.parametrize(("text", "overrides", "key", "shown"), [
+    ("# r\ntrain: {lr: .inf}\n", [], "train.lr", "inf"),
+    ("# r\ntrain: {logit_scale_max: .nan}\n", [], "train.logit_scale_max", "nan"),
+    (DEFAULTS, ["train.lr=-.inf"], "train.lr", "-inf"),
+    (DEFAULTS, ["train.lr=1e999"], "train.lr", "'1e999'"),  # YAML 1.1 reads it as a string: then inf
+    ("# r\nobjective:\n  terms:\n    toy: {weight: .inf}\n", [], "objective.terms.toy.weight", "inf"),
+    ("# r\nobjective:\n  terms:\n    toy: {weights: {edge: .nan}}\n", [], "objective.terms.toy.weights.edge", "nan"),
+    (DEFAULTS, ["objective.terms.toy.temperature=1e999"], "objective.terms.toy.temperature", "inf"),
+    ("# r\ndata:\n  train: {name: synthetic, options: {image_size: .inf}}\n", [], "data.train.options.image_size",
+     "inf"),
+])
+def test_non_finite_numbers_are_refused_anywhere_naming_the_key(tmp_path, term_registry, text, overrides, key, shown):
+    with pytest.raises(RecipeError, match=rf"`{key}` must be a finite number \(no \.inf, -\.inf or \.nan anywhere "
+                                          rf"in a recipe\), got {shown}$") as info:
+        load_recipe(write(tmp_path, text), overrides)
+    assert info.value.key == key
+
+
+def test_non_finite_numbers_built_in_code_are_refused():
+    from finetune.config import TrainConfig
+
+    with pytest.raises(RecipeError, match=r"`train.logit_scale_max` must be a finite number .* got nan"):
+        TrainConfig(logit_scale_max=float("nan"))
+
+
+def _alias_bomb(levels: int) -> str:
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "# a billion laughs\n" + "\n".join(lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):
+    # 9**7 = 4.8 million values once expanded (the 16 lines: 9**16); refused before anything walks it
+    path = write(tmp_path, _alias_bomb(7))
+    with pytest.raises(RecipeError, match=rf"^{path}, line 3: YAML aliases \(`\*name`, first on line 3\) expand to "
+                                          r"more than 100,000 values, .*an alias bomb"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"command-line override `train.lr=.*`: YAML aliases .* expand to more than"):
+        load_recipe(write(tmp_path, DEFAULTS), ["train.lr=[&a [1,1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,"
+                                                "*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], &d [*c,*c,*c,*c,*c,*c,*c,*c,"
+                                                "*c,*c], &e [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d], &f [*e,*e,*e,*e,*e,*e,"
+                                                "*e,*e,*e,*e]]"])
+    with pytest.raises(RecipeError, match=r"a YAML alias refers to the value that contains it"):
+        load_recipe(write(tmp_path, "# r\neval: &e {sets: [*e]}\n"))
+    # aliases in moderation are fine
+    recipe = load_recipe(write(tmp_path, "# r\neval:\n  sets: [&s {name: synthetic, size: 8}]\n"
+                                         "data:\n  train: *s\n"))
+    assert recipe.data.train == {"name": "synthetic", "size": 8}
+
+
+def test_a_token_in_a_malformed_override_is_not_echoed(tmp_path):
+    token = "hf_" + "aBcD1234" * 4
+    for override in (f"hub.tokn={token}", f"hub.tocken={token}", f"hub.token=[{token}]", f"hub.secret_key={token}",
+                     f"train.lr={token}"):
+        with pytest.raises(RecipeError) as info:
+            load_recipe(write(tmp_path, DEFAULTS), [override])
+        assert token not in str(info.value) and "***" in str(info.value), str(info.value)
+    with pytest.raises(RecipeError, match=r"command-line override `hub.tokn=\*\*\*`: `hub.tokn` is not a recipe key: "
+                                          r"did you mean `hub.token`\?"):
+        load_recipe(write(tmp_path, DEFAULTS), ["hub.tokn=my-own-secret-1"])
+    with pytest.raises(RecipeError) as info:
+        load_recipe(write(tmp_path, f"# r\nhub:\n  token: [{token}]\n"))
+    assert token not in str(info.value)
+
+
+def test_untrusted_recipes_import_nothing(tmp_path, monkeypatch):
+    marker = tmp_path / "imported"
+    (tmp_path / "side_effect_xyz.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "side_effect_xyz", raising=False)
+    path = write(tmp_path, "# r\nobjective:\n  import: [finetune.scorers, side_effect_xyz]\n")
+    with pytest.raises(RecipeError, match=rf"{path}, line 3: `objective.import.1` would import the module "
+                                          r"'side_effect_xyz', which runs its code; this recipe is not trusted"):
+        load_recipe(path, trust_imports=False)
+    assert not marker.exists()
+    assert load_recipe(path).objective.imports == ["finetune.scorers", "side_effect_xyz"]
+    assert marker.exists()

@@ -546,3 +546,85 @@ def test_coco_karpathy_1k_is_evaluated_as_five_folds(tmp_path):
     want = fold_recall(emb.image_payload, emb.text_payload, emb.text_to_image, (1, 5, 10), 5)
     assert result["t2i"] == want["t2i"] and result["i2t"] == want["i2t"]
     assert result["rsum"] == pytest.approx(sum(want[d][f"R@{k}"] for d in ("t2i", "i2t") for k in (1, 5, 10)))
+
+
+# -- an untrusted or unwritable run folder: refused before anything loads -------------------------
+def _run_folder(tmp_path, imports=()):
+    """A run folder as far as the command line reads it before the model loads (recipe.yaml, final/)."""
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    lines = ["# a run from somewhere", "eval:", "  sets: [{name: synthetic, split: test, size: 4}]"]
+    if imports:
+        lines += ["objective:", f"  import: [{', '.join(imports)}]"]
+    (run / "recipe.yaml").write_text("\n".join(lines) + "\n")
+    return run
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import finetune.models
+
+    for name in ("load_finetuned", "load_model"):
+        monkeypatch.setattr(finetune.models, name, lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+def test_a_run_folders_imports_run_only_with_the_flag(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from finetune.evaluate import main
+
+    marker = tmp_path / "imported"
+    (tmp_path / "planted_xyz.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "planted_xyz", raising=False)
+    run = _run_folder(tmp_path, imports=["planted_xyz"])
+    assert main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "`objective.import.0` would import the module 'planted_xyz', which runs its code" in err
+    assert "pass --trust-recipe-imports to import them if you trust this run folder" in err
+    assert not marker.exists()
+    assert main([str(run), "--trust-recipe-imports"]) == 2  # imported; then final/ is empty: cannot load
+    assert marker.exists() and "cannot load" in capsys.readouterr().err
+
+
+def test_a_read_only_run_folder_is_refused_before_the_model_loads(tmp_path, no_model_load, capsys):
+    from finetune.evaluate import main
+    from tests.finetune.mounts import require_read_only_possible, tmpfs
+
+    with tmpfs(tmp_path / "mnt", "4m") as mount:
+        require_read_only_possible(mount)
+        run = _run_folder(mount.path)
+        mount.read_only()
+        assert main([str(run)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: run folder '{run}' is not writable (" in err and "(nothing was evaluated)" in err
+        assert main([str(run), "--out", str(mount.path / "elsewhere.json")]) == 2
+        assert f"the folder of '{mount.path / 'elsewhere.json'}' is not writable" in capsys.readouterr().err
+
+
+def test_no_room_for_the_results_or_a_busy_run_folder_is_refused_first(tmp_path, no_model_load, monkeypatch, capsys):
+    import shutil
+    import subprocess
+    import sys
+
+    from finetune.evaluate import main
+
+    run = _run_folder(tmp_path)
+    with monkeypatch.context() as patch:
+        real = shutil.disk_usage
+        patch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+        assert main([str(run)]) == 2
+        assert ("has 1000 bytes free, but about 1.0 MiB will be written there (the evaluation results); free some "
+                "space, or write the results elsewhere (--out)") in capsys.readouterr().err
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom finetune.run_folder import RunLock\n"
+         "lock = RunLock(sys.argv[1], command='finetune/run.py x.yaml').acquire()\nprint('held', flush=True)\n"
+         "time.sleep(600)\n", str(run)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main([str(run)]) == 2
+        assert f"in use by another run: PID {holder.pid} on " in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()

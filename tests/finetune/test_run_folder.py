@@ -1,11 +1,18 @@
 """Run folders are never silently overwritten; a failed run leaves a finished one intact; what a
-killed run leaves behind is cleaned; run files get the user's umask; ``--out`` never hits the model."""
+killed run leaves behind is cleaned; run files get the user's umask; ``--out`` never hits the model.
+One run writes into a folder at a time (a lock that names its holder and dies with it); a folder that
+cannot take the run (read-only, too small) or a dataset smaller than one batch stops it before anything
+is written."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,14 +21,34 @@ from accelerate.state import AcceleratorState, GradientState
 
 from finetune.config import load_recipe
 from finetune.run_folder import (
+    OWNER_NAME,
+    RunFolderBusy,
     RunFolderError,
+    RunLock,
     check_eval_output,
     check_run_folder,
     clean_stale_temporaries,
     clear_previous_run,
     continuation_view,
     differing_keys,
+    estimate_run_bytes,
+    process_tag,
 )
+from tests.finetune.mounts import require_mount, require_read_only_possible, tmpfs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _log_handler_of_this_test():
+    """The run's log handler writes to the stderr of the test that made it: give each test its own."""
+    import logging
+
+    logger = logging.getLogger("xlipkit")
+    saved = logger.handlers[:]
+    logger.handlers.clear()
+    yield
+    logger.handlers[:] = saved
 
 
 def _recipe_dict(**train) -> dict:
@@ -229,3 +256,246 @@ def test_a_bad_training_data_path_is_found_before_the_model_loads(tmp_path, tiny
     err = capsys.readouterr().err
     assert "training set (data.train) could not be loaded" in err and "nope.jsonl" in err and "Traceback" not in err
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------- one run per folder
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from finetune.run_folder import RunLock, process_tag
+folder = Path(sys.argv[1])
+lock = RunLock(folder, command="a test holder").acquire()  # held while referenced
+(folder / f".metrics.json.{process_tag()}.k1ll3d.tmp").write_text("{")  # a write in progress
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _hold(folder: Path) -> subprocess.Popen:
+    """Another process that holds ``folder``'s lock (and has a temporary file open there)."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdout=subprocess.PIPE, text=True,
+                              env=_env(), cwd=REPO)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def _dead_pid() -> int:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def test_a_folder_held_by_another_process_is_refused_naming_its_pid_and_freed_when_it_dies(tmp_path):
+    folder = tmp_path / "run"
+    holder = _hold(folder)
+    try:
+        with pytest.raises(RunFolderBusy, match=rf"'{folder}' is in use by another run: PID {holder.pid} on "
+                                                rf"\S+, a test holder, since .*choose another output.dir") as info:
+            RunLock(folder).acquire()
+        assert info.value.pid == holder.pid
+        in_progress = [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+        assert len(in_progress) == 1
+        assert clean_stale_temporaries(folder) == []  # the live writer's file stays
+        assert (folder / in_progress[0]).exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with RunLock(folder) as lock:  # the kernel dropped the dead holder's lock; its record is replaced
+        assert lock.held
+        assert json.loads((folder / OWNER_NAME).read_text())["pid"] == os.getpid()
+        assert clean_stale_temporaries(folder) == in_progress  # now a dead process's leftover
+    assert not (folder / OWNER_NAME).exists()
+
+
+def test_cleanup_removes_only_what_dead_processes_left(tmp_path):
+    folder = tmp_path / "run"
+    (folder / "checkpoints" / "step-4.tmp").mkdir(parents=True)
+    dead = _dead_pid()
+    host = process_tag().split("@")[1]
+    names = {
+        "mine": f".recipe.yaml.{process_tag()}.x_uiorh8.tmp",  # this live process writes it right now
+        "dead": f".recipe.yaml.{dead}@{host}.x_uiorh8.tmp",
+        "elsewhere": f".final.tmp-{dead}@other-host.ab12cd34",  # another machine's: cannot be judged here
+        "untagged": ".metrics.json.x1y2.tmp",  # an older version's: the lock holder may remove it
+    }
+    for name in names.values():
+        (folder / name).write_text("x")
+    removed = clean_stale_temporaries(folder)
+    assert removed == sorted([names["dead"], names["untagged"], "checkpoints/step-4.tmp"])
+    assert (folder / names["mine"]).exists() and (folder / names["elsewhere"]).exists()
+
+
+def test_a_lock_on_a_new_folder_leaves_nothing_when_released(tmp_path):
+    folder = tmp_path / "a" / "b" / "run"
+    lock = RunLock(folder).acquire()
+    assert sorted(p.name for p in folder.iterdir()) == sorted([".xlipkit.lock", OWNER_NAME])
+    lock.release()
+    assert not (tmp_path / "a").exists()
+    lock.release()  # twice is fine
+    (tmp_path / "kept").mkdir()
+    with RunLock(tmp_path / "kept"):
+        pass
+    assert (tmp_path / "kept").is_dir()  # a folder that was there stays (its lock file too)
+
+
+def test_a_read_only_or_unmakeable_folder_is_a_clear_error(tmp_path):
+    with tmpfs(tmp_path / "ro", "1m") as mount:
+        require_read_only_possible(mount)
+        mount.read_only()
+        with pytest.raises(RunFolderError, match=r"'.*ro/run' cannot be created \((it is on a read-only file "
+                                                 r"system|permission denied)\)"):
+            RunLock(mount.path / "run", what=f"output.dir {str(mount.path / 'run')!r}").acquire()
+        with pytest.raises(RunFolderError, match=r"is not writable \((it is on a read-only file system|permission "
+                                                 r"denied)\)"):
+            RunLock(mount.path).acquire()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RunFolderError, match="is a file"):
+        RunLock(tmp_path / "file").acquire()
+
+
+def test_estimate_run_bytes():
+    full = estimate_run_bytes(model_bytes=1000, trainable_bytes=1000, trainable_numel=250, full=True,
+                              checkpoints_written=5, keep=2)
+    assert full["final"] == 1000 and full["checkpoint"] == 1000 + 8 * 250 and full["checkpoints"] == 3
+    assert full["total"] == 3 * 3000 + 3 * 3000 // 20 + 16 * 2**20  # 3 checkpoints while the 3rd is written
+    lora = estimate_run_bytes(model_bytes=1000, trainable_bytes=40, trainable_numel=10, full=False,
+                              checkpoints_written=0, keep=2)
+    assert lora["final"] == 40 and lora["checkpoints"] == 0 and lora["total"] == 40 + 2 + 16 * 2**20
+
+
+def _tiny_recipe_file(tmp_path: Path, model: Path, out: Path, name: str, **train) -> Path:
+    recipe = {
+        "model": {"name_or_path": str(model), "dtype": None},
+        "data": {"train": {"name": "synthetic", "size": 8, "options": {"image_size": 32}}},
+        "eval": {"sets": []},
+        "train": {"lr": 1e-3, "batch_size": 4, "max_steps": 100000, "log_every": 1, "trackers": [],
+                  "checkpoint_every": 5, "keep_checkpoints": 1, **train},
+        "output": {"dir": str(out)},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text("# a tiny run\n" + yaml.safe_dump(recipe))
+    return path
+
+
+def _start(recipe: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "finetune" / "run.py"), str(recipe)], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_two_real_runs_into_one_folder_one_is_refused_naming_the_other(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    first = _tiny_recipe_file(tmp_path, tiny_model, out, "a")  # trains until killed
+    runs = [_start(first), _start(first)]  # the same recipe, started together
+    try:
+        deadline = time.monotonic() + 300
+        while all(r.poll() is None for r in runs):
+            assert time.monotonic() < deadline, "neither run stopped"
+            time.sleep(0.2)
+        loser = next(r for r in runs if r.poll() is not None)
+        winner = next(r for r in runs if r is not loser)
+        err = loser.communicate()[1]
+        assert loser.returncode == 2, err[-3000:]
+        assert f"is in use by another run: PID {winner.pid} on " in err and "Traceback" not in err
+        assert winner.poll() is None  # untouched by the refused one
+
+        # a second recipe started while the first trains (it has written a checkpoint): refused, writes nothing
+        while not (out / "checkpoints" / "step-5").is_dir():
+            assert winner.poll() is None, winner.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.2)
+        second = _tiny_recipe_file(tmp_path, tiny_model, out, "b", lr=2e-3)
+        late = _start(second)
+        err = late.communicate(timeout=300)[1]
+        assert late.returncode == 2 and f"in use by another run: PID {winner.pid} on " in err, err[-3000:]
+        assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["lr"] == 1e-3
+    finally:
+        for r in runs:
+            if r.poll() is None:
+                r.send_signal(signal.SIGKILL)
+            r.communicate()
+    with RunLock(out):  # killed with -9: its lock died with it
+        pass
+
+
+# ------------------------------------------------------------------------------- checked before anything is written
+
+
+@pytest.mark.slow
+def test_a_dataset_smaller_than_one_batch_stops_before_anything_is_written(tmp_path, tiny_model, monkeypatch, capsys):
+    import finetune
+
+    out = tmp_path / "run"
+    small = _recipe(tmp_path, tiny_model, out, "train.batch_size=16")  # 8 examples
+    with monkeypatch.context() as patch:
+        patch.setattr(finetune, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+        assert _run(small) == 2
+    err = capsys.readouterr().err
+    assert "the training set (data.train) has 8 usable examples, fewer than one batch (train.batch_size=16)" in err
+    assert "Traceback" not in err and not out.exists()
+    assert _run(_recipe(tmp_path, tiny_model, out, "train.batch_size=4")) == 0  # the corrected rerun is not refused
+
+
+def test_a_read_only_output_dir_exits_2_before_anything_runs(tmp_path, capsys):
+    with tmpfs(tmp_path / "ro", "1m") as mount:
+        require_read_only_possible(mount)
+        mount.read_only()
+        out = mount.path / "run"
+        assert _run(_recipe(tmp_path, Path("tiny-clip"), out)) == 2
+        err = capsys.readouterr().err
+        assert f"recipe error: output.dir '{out}' cannot be created" in err and "Traceback" not in err
+        assert not out.exists()
+
+
+@pytest.mark.slow
+def test_no_room_for_the_run_exits_2_and_leaves_nothing(tmp_path, tiny_model, monkeypatch, capsys):
+    import shutil as shutil_module
+
+    out = tmp_path / "run"
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda p: real(p)._replace(free=5 * 2**20))
+    recipe = _recipe(tmp_path, tiny_model, out, "train.checkpoint_every=1", "train.keep_checkpoints=2")
+    assert _run(recipe) == 2
+    err = capsys.readouterr().err
+    assert f"recipe error: output.dir '{out}' has 5.0 MiB free, but about" in err
+    assert "(final/ " in err and " + 2 checkpoints x " in err and "Traceback" not in err
+    assert not out.exists()  # nothing of the refused run stays to block the next one
+
+
+@pytest.mark.slow
+def test_a_small_tmpfs_is_refused_and_a_large_enough_one_is_not(tmp_path, tiny_model, capsys):
+    with tmpfs(tmp_path / "small", "8m") as small:
+        require_mount(small)
+        out = small.path / "run"
+        assert _run(_recipe(tmp_path, tiny_model, out)) == 2
+        assert "has 8.0 MiB free, but about" in capsys.readouterr().err
+        assert list(small.path.iterdir()) == []
+    with tmpfs(tmp_path / "large", "96m") as large:
+        out = large.path / "run"
+        assert _run(_recipe(tmp_path, tiny_model, out, "train.checkpoint_every=1")) == 0
+        assert (out / "final").is_dir() and (out / "metrics.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_two_process_launch_into_a_held_folder_is_refused_on_every_rank(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    holder = _hold(out)
+    try:
+        recipe = _tiny_recipe_file(tmp_path, tiny_model, out, "a", max_steps=2)
+        env = {**_env(), "ACCELERATE_USE_CPU": "true"}
+        launch = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                 str(REPO / "finetune" / "run.py"), str(recipe)], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert launch.returncode != 0
+        # the main process was refused and the other rank learnt it from the main one, without a hang (that
+        # only the main process takes the lock is what lets test_multi_process's launches run at all)
+        assert launch.stderr.count(f"is in use by another run: PID {holder.pid} on ") == 2, launch.stderr[-3000:]
+        assert not (out / "recipe.yaml").exists()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -301,3 +301,93 @@ def test_limit_and_full_validation(tmp_path):
     assert full.dataset["id"] == ["0", "2"]
     limited = load_source({**spec, "limit": 1}, cache_dir=cache, validate="full")
     assert limited.dataset["id"] == ["0"] and limited.skipped == 0
+
+
+# --------------------------------------------------------------------------- JSON rows of the wrong kind
+
+
+def _jsonl_lines(tmp_path, lines: list[str], name: str = "data.jsonl") -> str:
+    _write(tmp_path / "a.png", _png((255, 0, 0)))
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def _row(caption) -> str:
+    return json.dumps({"image": "a.png", "caption": caption})
+
+
+def test_a_number_caption_is_named_as_a_number_not_as_empty(tmp_path):
+    path = _jsonl_lines(tmp_path, [_row("A red square."), _row(42), _row(None), _row(True)])
+    loaded = load_source({"name": "jsonl", "path": path}, cache_dir=str(tmp_path / "cache"))
+    assert loaded.dataset["id"] == ["0"] and loaded.skipped == 3
+    assert [e["reason"] for e in loaded.skipped_examples] == [
+        "line 2: the caption is a number (42), not text", "line 3: the caption is null, not text",
+        "line 4: the caption is a boolean (true), not text"]
+    assert loaded.skipped_ids == ["data.jsonl:2", "data.jsonl:3", "data.jsonl:4"]
+    with pytest.raises(DataError, match=r"data\.jsonl: line 2: the caption is a number \(42\), not text\. Fix the "
+                                        r"file, or set data\.on_error: skip"):
+        load_source({"name": "jsonl", "path": path}, on_error="raise", cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("order", ["string first", "list first"])
+def test_caption_lists_mixed_with_strings_are_all_kept(tmp_path, order):
+    rows = [_row("A red square."), _row(["A red block.", "Red."]), _row(["", "Crimson."])]
+    if order == "list first":
+        rows = rows[1:] + rows[:1]
+    loaded = load_source({"name": "jsonl", "path": _jsonl_lines(tmp_path, rows)}, on_error="raise",
+                         cache_dir=str(tmp_path / "cache"))
+    by_id = dict(zip(loaded.dataset["id"], zip(loaded.dataset["caption"], loaded.dataset["captions"])))
+    expected = {"A red square.": ["A red square."], "A red block.": ["A red block.", "Red."],
+                "Crimson.": ["", "Crimson."]}
+    assert loaded.skipped == 0 and sorted(by_id) == ["0", "1", "2"]
+    assert {caption: captions for caption, captions in by_id.values()} == expected
+    bad = _jsonl_lines(tmp_path, [_row("A red square."), _row(["fine", 7])], name="bad.jsonl")
+    with pytest.raises(DataError, match=r"bad\.jsonl: line 2: caption 1 of the list is a number \(7\), not text"):
+        load_source({"name": "jsonl", "path": bad}, on_error="raise", cache_dir=str(tmp_path / "cache"))
+
+
+def test_one_bad_json_line_is_named_and_follows_on_error(tmp_path):
+    path = _jsonl_lines(tmp_path, [_row("One."), '{"image": "a.png", "caption": "cut off', _row("Three."),
+                                   '{"image": "a.png", "caption": "bad \\ud800 escape"}'])
+    loaded = load_source({"name": "jsonl", "path": path}, cache_dir=str(tmp_path / "cache"))
+    assert loaded.dataset["id"] == ["0", "2"] and loaded.dataset["caption"] == ["One.", "Three."]  # ids: row numbers
+    assert loaded.skipped_ids == ["data.jsonl:2", "data.jsonl:4"]
+    reasons = [e["reason"] for e in loaded.skipped_examples]
+    assert reasons[0] == "line 2, column 31: not valid JSON (Unterminated string)"
+    assert reasons[1] == ("line 4: the caption holds a lone surrogate (U+D800, an unpaired \\u escape), which is "
+                          "not valid text")
+    with pytest.raises(DataError, match=r"data\.jsonl: line 2, column 31: not valid JSON \(Unterminated "
+                                        r"string\)\. Fix"):
+        load_source({"name": "jsonl", "path": path}, on_error="raise", cache_dir=str(tmp_path / "cache"))
+
+
+def test_an_empty_jsonl_says_it_is_empty(tmp_path):
+    path = _jsonl_lines(tmp_path, [])
+    with pytest.raises(DataError, match=r"no readable rows in '.*data\.jsonl' \(the file is empty\); give a file with "
+                                        r"one JSON object per line"):
+        load_source({"name": "jsonl", "path": path}, cache_dir=str(tmp_path / "cache"))
+    path = _jsonl_lines(tmp_path, ["{oops", _row(5)], name="bad.jsonl")
+    with pytest.raises(DataError, match=r"no readable rows in '.*bad\.jsonl' \(every row unreadable; first: line 1, "
+                                        r"column 2: not valid JSON"):
+        load_source({"name": "jsonl", "path": path}, cache_dir=str(tmp_path / "cache"))
+
+
+def test_imagefolder_metadata_rows_of_the_wrong_kind(tmp_path):
+    _write(tmp_path / "a.png", _png())
+    _write(tmp_path / "b.png", _png())
+    lines = [json.dumps({"file_name": "a.png", "text": 3}), "{not json",
+             json.dumps({"file_name": "b.png", "text": ["Two.", "Captions."]})]
+    (tmp_path / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    loaded = load_source({"name": "imagefolder", "path": str(tmp_path), "caption_column": "text"})
+    assert loaded.dataset["id"] == ["b"] and loaded.dataset["captions"] == [["Two.", "Captions."]]
+    assert [e["reason"] for e in loaded.skipped_examples] == [
+        "line 1: the caption is a number (3), not text", "line 2, column 2: not valid JSON (Expecting property name "
+        "enclosed in double quotes)"]
+
+
+def test_a_non_text_caption_in_a_table_names_its_type():
+    from finetune.data.sources import _caption_problem
+
+    assert _caption_problem(7) == "the caption is a number (7), not text"
+    assert _caption_problem(None) == "the caption is null, not text"

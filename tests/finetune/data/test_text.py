@@ -232,3 +232,22 @@ def test_first_sentence_follows_long_clip_split():
     assert first_sentence("No period at all") == "No period at all"
     assert first_sentence("Mr. Smith waves. Hi") == "Mr"  # exactly caption.split(". ")[0]
     assert first_sentence("Version 2.5 is out. More") == "Version 2.5 is out"
+
+
+def test_as_captions_takes_one_or_several_and_names_what_is_not_text():
+    import numpy as np
+
+    from finetune.data.text import as_captions, lone_surrogate
+
+    assert as_captions("A dog.") == ["A dog."]
+    assert as_captions(["A dog.", ""]) == ["A dog.", ""]
+    assert as_captions(np.array(["a", "b"])) == ["a", "b"]
+    for value, message in [(42, r"the caption is a number \(42\), not text"), (None, "the caption is null"),
+                           (False, r"a boolean \(false\)"), ({"en": "x"}, "a mapping"),
+                           (["ok", 3.5], r"caption 1 of the list is a number \(3\.5\)")]:
+        with pytest.raises(TypeError, match=message):
+            as_captions(value)
+    with pytest.raises(ValueError, match=r"caption 1 of the list holds a lone surrogate \(U\+DC00"):
+        as_captions(["fine", "half \udc00 pair"])
+    assert lone_surrogate({"caption": "ok", "image": ["x\ud83d"]}) == "U+D83D"
+    assert lone_surrogate("a paired \U0001F600 emoji") is None

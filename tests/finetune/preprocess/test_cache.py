@@ -113,3 +113,70 @@ def test_default_cache_dir_follows_the_environment(tmp_path, monkeypatch):
 def test_bad_step_name_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="step name"):
         cached_map(_dataset(), CountingWordCount(), params={}, name="../up", cache_dir=tmp_path)
+
+
+# -- damaged caches and what killed writers leave ------------------------------------------------
+
+
+def _cache_folder(tmp_path):
+    (folder,) = [p for p in tmp_path.iterdir() if p.name.startswith("words-")]
+    return folder
+
+
+def _arrow(folder):
+    (file,) = folder.glob("data*.arrow")
+    return file
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit flip", "no fingerprint (older version)"])
+def test_a_damaged_cache_is_named_and_rebuilt(tmp_path, caplog, damage):
+    cached_map(_dataset(), CountingWordCount(), params={}, name="words", cache_dir=tmp_path)
+    folder = _cache_folder(tmp_path)
+    meta = json.loads((folder / "meta.json").read_text())
+    file = _arrow(folder)
+    assert meta["files"] == {file.name: {"size": file.stat().st_size, "sha256": meta["files"][file.name]["sha256"]}}
+    data = bytearray(file.read_bytes())
+    if damage == "truncated":
+        file.write_bytes(bytes(data[: len(data) // 2]))
+        why = rf"{file.name} has {len(data) // 2} bytes, {len(data)} were written \(truncated\?\)"
+    elif damage == "bit flip":
+        data[len(data) // 2] ^= 0x10  # same size: only the hash sees it
+        file.write_bytes(bytes(data))
+        why = rf"{file.name} does not match its sha256 \(damaged on disk\)"
+    else:
+        del meta["files"]
+        (folder / "meta.json").write_text(json.dumps(meta))
+        why = r"meta.json records no fingerprint of its files \(an older xlipkit wrote it\)"
+    fn = CountingWordCount()
+    with caplog.at_level(logging.INFO, logger="xlipkit"):
+        out = cached_map(_dataset(), fn, params={}, name="words", cache_dir=tmp_path)
+    assert fn.calls == 3 and out["n_words"] == [1, 2, 3]
+    import re
+
+    assert re.search(rf"the cached words in {re.escape(str(folder))} is damaged \({why}\): rebuilding it", caplog.text)
+    again = CountingWordCount()
+    assert cached_map(_dataset(), again, params={}, name="words", cache_dir=tmp_path)["n_words"] == [1, 2, 3]
+    assert again.calls == 0  # the rebuilt cache verifies
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+
+
+def test_temporary_folders_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from finetune.run_folder import process_tag
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = process_tag().split("@")[1]
+    dead = tmp_path / f".edges-0123456789abcdef.tmp-{gone.pid}@{host}.1a2b3c4d"
+    legacy = tmp_path / f".regions-0123456789abcdef.tmp-{gone.pid}-1a2b3c4d"  # an older version's name
+    live = tmp_path / f".edges-fedcba9876543210.tmp-{os.getpid()}@{host}.5e6f7a8b"  # being written now
+    other = tmp_path / f".edges-fedcba9876543210.tmp-{gone.pid}@another-host.5e6f7a8b"  # cannot tell from here
+    for folder in (dead, legacy, live, other):
+        folder.mkdir()
+        (folder / "data.arrow").write_bytes(b"partial")
+    cached_map(_dataset(), CountingWordCount(), params={}, name="words", cache_dir=tmp_path)
+    assert not dead.exists() and not legacy.exists()
+    assert live.exists() and other.exists()
