@@ -409,6 +409,10 @@ class EvalConfig:
         "recipes (or finished run folders) whose Recall@K the report sets beside this run's; a recipe's "
         "run is reused when current, else trained first, like model.init_from")] = dataclasses.field(
         default_factory=list)
+    seed_spread: Annotated[_float(ge=0.0) | None, _doc(
+        "how many points of Recall@1 this recipe's result moves between seeds (the range you measured over "
+        "train.seed); the report's verdict says whether the gap to eval.compare_with exceeds it. null: not "
+        "measured, the verdict says the gap cannot be judged")] = None
 
 
 def _validate_terms(value: Any) -> dict[str, Any]:

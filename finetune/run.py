@@ -288,7 +288,8 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import apply_adapter, save_finetuned
     from finetune.objectives import build_objective
-    from finetune.report import comparison_section, plot_losses, plot_recall, write_json_atomic, write_report
+    from finetune.report import (comparison_section, plot_losses, plot_recall, verdict, write_json_atomic,
+                                 write_report)
     from finetune.scorers import get_scorer
     from finetune.train import TrainModule, Trainer
 
@@ -312,11 +313,9 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         model.logit_bias.requires_grad_(False)
     model.to(accelerator.device)
     objective.prepare_model(model)  # heads the terms add (GRM's) exist before the count and the optimiser
-    n_total = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad) + sum(
-        p.numel() for p in objective.parameters() if p.requires_grad)
-    log.info("model %s (%s, %s): %s parameters, %s trainable; text positions %d", m.name_or_path,
-             model.backend, model.family, f"{n_total:,}", f"{n_train:,}", model.max_text_len)
+    n_train, n_total = parameter_counts(model, objective)
+    log.info("model %s (model family %s, architecture %s): %s parameters, %s trainable; text positions %d",
+             m.name_or_path, model.backend, model.family, f"{n_total:,}", f"{n_train:,}", model.max_text_len)
 
     if streaming:
         train_src, train_ds = None, _open_train_stream(recipe, objective, model, accelerator)
@@ -381,8 +380,8 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         print("Recall@K before -> after training:\n" + table, flush=True)
         metrics = {
             "recipe": recipe_dict,
-            "backend": model.backend,
-            "family": model.family,
+            "model_family": model.backend,  # the README's names: the family that loaded it (hf, open_clip, ...)
+            "architecture": model.family,   # and what it is (clip, siglip, siglip2)
             "max_text_len": model.max_text_len,
             "base_text_len": model.base_text_len,
             "objective": ", ".join([b for b in [recipe.objective.base] if b != "none"] + list(recipe.objective.terms)),
@@ -412,11 +411,17 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
             "init_from": prerequisites["init"].record() if prerequisites["init"] is not None else None,
             "compare_with": [p.record() for p in prerequisites["compare"]],
         }
+        label = str(recipe.source or out_dir)
         plot_losses(result.history, out_dir / "plots" / "loss.png",
-                    compare={ref: m.get("history") or [] for ref, m in compared})
-        plot_recall(before, after, out_dir / "plots" / "recall.png")
+                    compare={ref: m.get("history") or [] for ref, m in compared}, batch_size=recipe.train.batch_size,
+                    label=Path(label).name)
+        plot_recall(before, after, out_dir / "plots" / "recall.png", label=Path(label).name, compare=compared,
+                    at_base=at_base, base_text_len=model.base_text_len)
         write_json_atomic(out_dir / "metrics.json", metrics)
-        report = write_report(out_dir, metrics, table=table, extra_sections=extra)
+        report = write_report(out_dir, metrics, table=table, extra_sections=extra, compare=compared, label=label)
+        said = verdict((label, metrics), compared, recipe.eval.seed_spread) if compared else None
+        if said:
+            print(f"Verdict: {said}", flush=True)
         print(f"wrote {out_dir / 'metrics.json'}, {report}, {out_dir / 'final'}", flush=True)
         if recipe.hub.push:
             from finetune.hub import HubPushError, push
@@ -429,6 +434,13 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
                 return 1
     accelerator.wait_for_everyone()
     return 0
+
+
+def parameter_counts(model: Any, objective: Any) -> tuple[int, int]:
+    """``(trainable, total)`` parameters of what trains: the model and the objective's own parameters
+    (StructXLIP's structure temperature, GRM's head), so that trainable never exceeds total."""
+    params = list({id(p): p for p in [*model.parameters(), *objective.parameters()]}.values())  # a head in both
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
 def _partial_metrics(recipe: Any, model: Any, result: Any, before: Any, after: Any, at_base: Any,

@@ -44,3 +44,20 @@ def test_chosen_threads_are_left_alone(one_thread, monkeypatch, env, processes):
         monkeypatch.setenv(key, value)
     _cpu_threads(_accelerator(processes))
     assert torch.get_num_threads() == 1
+
+
+def test_the_parameter_count_includes_the_objectives_own_parameters():
+    """"trainable parameters 8,008,706 of 8,008,705": StructXLIP's structure temperature trains with the model."""
+    from finetune.config import load_recipe
+    from finetune.models.registry import build_model
+    from finetune.objectives import build_objective
+    from finetune.run import parameter_counts
+
+    model = build_model("tiny-clip")
+    objective = build_objective(load_recipe("recipes/quickstart.yaml").objective)
+    in_model = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for p in objective.parameters()) == 1  # tau' of L_{I',T'}
+    assert parameter_counts(model, objective) == (in_model + 1, in_model + 1)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert parameter_counts(model, objective) == (1, in_model + 1)
