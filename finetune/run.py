@@ -534,5 +534,25 @@ def _setup_logging(out_dir: Path, main: bool) -> None:
         logger.propagate = False
 
 
+def _accelerate_traceback_follows() -> bool:
+    """Whether ``accelerate launch``'s single-process launcher started this script without ``--quiet``: it then
+    answers a non-zero exit with a ``CalledProcessError`` traceback of its own (accelerate 1.x
+    ``simple_launcher``; ``--quiet`` makes it exit 1 instead)."""
+    import os
+
+    if "ACCELERATE_USE_CPU" not in os.environ or os.environ.get("WORLD_SIZE", "1") != "1":
+        return False  # not accelerate's simple launcher (DDP launches go through torch's elastic agent)
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True
+    script = next((i for i, a in enumerate(parent) if a.endswith(b".py") and i > 1), len(parent))
+    return not {b"--quiet", b"-q"} & set(parent[:script])  # launcher options come before the script
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status and _accelerate_traceback_follows():
+        print("(accelerate launch answers a failed script with a CalledProcessError traceback of its own; it adds "
+              "nothing to the error above, and `accelerate launch --quiet` leaves it out)", file=sys.stderr, flush=True)
+    sys.exit(status)
