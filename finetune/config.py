@@ -252,8 +252,9 @@ def _check_family(value: str) -> str:
 class ModelConfig:
     """Which model to load and how (``finetune.load_model``)."""
 
-    name_or_path: Annotated[NonEmptyStr, _doc("a hub id, a local folder or a registry config with random "
-                                              "weights (random:small-clip, random:tiny-clip, ...)")] = "random:small-clip"
+    name_or_path: Annotated[NonEmptyStr, _doc(
+        "a hub id, a local folder or a registry config with random weights (random:small-clip, "
+        "random:tiny-clip, ...)")] = "random:small-clip"
     family: Annotated[NonEmptyStr, AfterValidator(_check_family),
                       _doc("the registered model family that loads it (hf, open_clip, ...); auto "
                            "detects it from a saved folder's files or the registry name")] = "auto"

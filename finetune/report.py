@@ -83,7 +83,7 @@ def loss_figure(history: list[dict[str, float]], *, compare: dict[str, list[dict
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    compare = {label: other for label, other in (compare or {}).items() if other}
+    compare = {ref: other for ref, other in (compare or {}).items() if other}
     keys = [k for k in history[0] if k != "step"]
     terms = [k for k in keys if k not in _SCALARS and k != "loss"]
     shared = [k for k in terms if any(k in other[0] for other in compare.values())]
@@ -99,10 +99,10 @@ def loss_figure(history: list[dict[str, float]], *, compare: dict[str, list[dict
         ax.plot(steps, [h.get(key, float("nan")) for h in history], lw=1.5, label=label)
         overlaid = key != "loss" and (key in shared or key in _SCALARS)
         if overlaid:
-            for label, other in compare.items():
+            for ref, other in compare.items():
                 if key in other[0]:
                     ax.plot([h["step"] for h in other], [h.get(key, float("nan")) for h in other], lw=1.2, ls="--",
-                            label=Path(label).name)
+                            label=Path(ref).name)
         chance = chance_level(key, batch_size) if key != "loss" else None
         if chance is not None:
             ax.axhline(chance[0], color="0.45", ls=":", lw=1.2, label=chance[1])

@@ -1,6 +1,6 @@
 """Fine-tune a CLIP-family model from a recipe.
 
-    accelerate launch finetune/run.py RECIPE.yaml [key.sub=value ...]
+    accelerate launch --config_file configs/accelerate/one_process.yaml -q finetune/run.py RECIPE.yaml [key=value ...]
     accelerate launch --num_processes 8 finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5
     python finetune/run.py --list
     python finetune/run.py --schema > recipe.schema.json
@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "examples:\n"
-            "  accelerate launch finetune/run.py recipes/quickstart.yaml\n"
+            "  accelerate launch --config_file configs/accelerate/one_process.yaml --quiet finetune/run.py "
+            "recipes/quickstart.yaml\n"
             "  accelerate launch finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5 adapter.type=lora\n"
             "  ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 finetune/run.py recipes/quickstart.yaml "
             "train.max_steps=20   # two CPU processes\n"

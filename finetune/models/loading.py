@@ -302,8 +302,8 @@ def load_model(
     it: transformers ``config.json`` with model_type clip / siglip / siglip2, open_clip
     ``open_clip_config.json``, ...; an xlipkit adapter folder goes to ``load_finetuned``); a
     Long-CLIP / OpenAI ``.pt`` checkpoint; an open_clip architecture (``"ViT-B-16"``: random
-    weights, which open_clip's own warning says; ``"ViT-B-16:openai"``: a pretrained tag); a hub id (transformers, or open_clip for
-    ``hf-hub:org/repo`` / ``family="open_clip"`` / repos with only ``open_clip_config.json``).
+    weights, which open_clip's own warning says; ``"ViT-B-16:openai"``: a pretrained tag); a hub
+    id (transformers, or open_clip for ``hf-hub:org/repo`` / ``family="open_clip"`` / repos with only ``open_clip_config.json``).
     A family other than ``hf`` / ``open_clip`` named explicitly gets ``name_or_path`` as it is.
     Modules the model needs at inference (``xlipkit_inference.json``) are restored with it.
 

@@ -72,23 +72,25 @@ def _panels(fig) -> dict:
 
 def test_loss_plot_sets_the_shared_term_against_the_compared_run_never_the_totals() -> None:
     fig = loss_figure(_history(STRUCTXLIP), compare={"recipes/quickstart_finetune_clip.yaml":
-                                                     _history({"clip": 2.4, "loss": 2.4})}, batch_size=16)
+                                                     _history({"clip": 2.4, "loss": 2.4})}, batch_size=16,
+                      label="quickstart.yaml")
     panels = _panels(fig)
     assert list(panels) == ["clip (shared term)", "structxlip/structure (this run only)",
                             "structxlip/consistency (this run only)", "structxlip/local (this run only)",
                             "total loss (this run's objective)", "lr", "logit_scale"]
     clip = panels["clip (shared term)"]
     assert [line.get_label() for line in clip.get_lines()] == [
-        "this run", "quickstart_finetune_clip.yaml", "chance: ln 16 = 2.77"]
+        "quickstart.yaml", "quickstart_finetune_clip.yaml", "chance: ln 16 = 2.77"]
     assert list(clip.get_lines()[1].get_ydata()) == pytest.approx([2.4, 2.3, 2.2, 2.1])
     assert list(clip.get_lines()[2].get_ydata()) == pytest.approx([math.log(16)] * 2)
     total = panels["total loss (this run's objective)"]
-    assert [line.get_label() for line in total.get_lines()] == ["this run"]  # no other objective's total
+    assert [line.get_label() for line in total.get_lines()] == ["quickstart.yaml"]  # no other objective's total
     structure = panels["structxlip/structure (this run only)"]
-    assert [line.get_label() for line in structure.get_lines()] == ["this run", "chance: ln 16 = 2.77"]
+    assert [line.get_label() for line in structure.get_lines()] == ["quickstart.yaml", "chance: ln 16 = 2.77"]
     assert [line.get_label() for line in panels["structxlip/consistency (this run only)"].get_lines()] == [
-        "this run", "unrelated embeddings: 1 − cos 0 = 1"]
-    assert [line.get_label() for line in panels["structxlip/local (this run only)"].get_lines()] == ["this run"]
+        "quickstart.yaml", "unrelated embeddings: 1 − cos 0 = 1"]
+    assert [line.get_label() for line in panels["structxlip/local (this run only)"].get_lines()] == [
+        "quickstart.yaml"]
     assert len(panels["lr"].get_lines()) == 2  # the schedules side by side
 
 
@@ -175,9 +177,9 @@ def test_a_run_with_compare_with_writes_the_verdict_the_plots_and_consistent_cou
               "data": data, "train": {"lr": 1e-3, "batch_size": 4, "max_steps": 2, "log_every": 1,
                                       "checkpoint_every": 0, "trackers": []}}
     clip = tmp_path / "clip_only.yaml"
-    clip.write_text("# clip only\n" + yaml.safe_dump({**common, "objective": {"base": "clip"},
-                                                     "eval": {"sets": sets, "batch_size": 8, "compare_base_length": True},
-                                                     "output": {"dir": str(tmp_path / "runs" / "clip")}}))
+    clip.write_text("# clip only\n" + yaml.safe_dump({
+        **common, "objective": {"base": "clip"}, "eval": {"sets": sets, "batch_size": 8, "compare_base_length": True},
+        "output": {"dir": str(tmp_path / "runs" / "clip")}}))
     quick = yaml.safe_load(Path("recipes/quickstart.yaml").read_text())
     main = tmp_path / "with_structxlip.yaml"
     main.write_text("# clip + structxlip\n" + yaml.safe_dump({
