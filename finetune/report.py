@@ -255,12 +255,12 @@ def verdict(this: tuple[str, dict[str, Any]], compared: list[tuple[str, dict[str
             continue
         me = f"`{Path(label).name}` ({metrics.get('objective', '?')})"
         them = f"`{Path(ref).name}` ({other.get('objective', '?')})"
-        if all(g > 0 for g in gaps):
-            relation = f"{me} is ahead of {them}"
-        elif all(g < 0 for g in gaps):
-            relation = f"{me} is behind {them}"
-        elif all(g == 0 for g in gaps):
+        if all(g == 0 for g in gaps):
             relation = f"{me} is level with {them}"
+        elif all(g >= 0 for g in gaps):
+            relation = f"{me} is ahead of {them}"
+        elif all(g <= 0 for g in gaps):
+            relation = f"{me} is behind {them}"
         else:
             relation = f"{me} differs from {them}"
         where = "; ".join(f"on {name} by " + " and ".join(
@@ -359,12 +359,17 @@ def _loss_caption(history: list[dict[str, float]], batch: int | None, compared: 
         lines.append("Dashed: the runs of `eval.compare_with`, on the terms they share with this run (and the "
                      "learning rate and logit scale); this run's added terms stand alone, and its total loss is "
                      "not set against another objective's total.")
-    levels = [(k, chance_level(k, batch)) for k in keys]
-    drawn = [f"`{k}` {c[1]}" for k, c in levels if c is not None]
-    none = [f"`{k}`" for k, c in levels if c is None]
+    infonce = [f"`{k}`" for k in keys if k in _BATCH_INFONCE and chance_level(k, batch)]
+    cosine = [f"`{k}`" for k in keys if k in _ONE_MINUS_COS]
+    drawn = []
+    if infonce:
+        drawn.append(f"ln B = ln {batch} = {math.log(batch):.2f} for {', '.join(infonce)} (a symmetric InfoNCE: each "
+                     f"image against the B captions of the global batch, and back)")
+    if cosine:
+        drawn.append(f"1 for {', '.join(cosine)} (1 − cos of unrelated embeddings)")
     if drawn:
-        lines.append("Dotted: the loss of a model that has learnt nothing: " + "; ".join(drawn) + " (B, the global "
-                     "batch, pairs each image with its caption among B candidates).")
+        lines.append("Dotted: where a model that has learnt nothing stays, " + "; ".join(drawn) + ".")
+    none = [f"`{k}`" for k in keys if chance_level(k, batch) is None]
     if none:
         lines.append("No chance line for " + ", ".join(none) + ": its level depends on counts that vary per batch "
                      "(regions, chunks) or it is not a softmax over the batch.")

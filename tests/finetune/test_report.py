@@ -154,7 +154,10 @@ def test_report_opens_with_the_verdict_and_names_what_its_plots_draw(tmp_path) -
         "within the seed spread of 5.9 points" in lines[2]
     assert "(model family hf, architecture clip)" in text
     assert "### Recall after training" in text and "before" not in text.split("## Plots")[1].split("###")[2]
-    assert "`clip` chance: ln 16 = 2.77" in text and "No chance line for `structxlip/local`" in text
+    assert "Dotted: where a model that has learnt nothing stays, ln B = ln 16 = 2.77 for `clip`, " \
+           "`structxlip/structure` (a symmetric InfoNCE" in text
+    assert "1 for `structxlip/consistency` (1 − cos of unrelated embeddings)" in text
+    assert "No chance line for `structxlip/local`" in text
 
 
 @pytest.mark.slow
