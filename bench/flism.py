@@ -1,7 +1,7 @@
 """What FAST-GOAL's preprocessing and training step cost, measured in one run.
 
     python bench/flism.py [--images 4] [--batch 8] [--rounds 3] [--detector yolos-base] [--sam vit-h]
-                          [--sam-points 64] [--clip clip-vit-base-patch16] [--threads N] [--skip-step]
+                          [--sam-points 64] [--clip random:clip-vit-base-patch16] [--threads N] [--skip-step]
 
 1. FLISM vs LISM, seconds per image on the same images (DOCCI-sized, 640 x 480) in one process: FLISM
    (FAST-GOAL III-A) = YOLOS detection + 4 quadrants + the centre box, crops and sentences through CLIP, eq. 1-2
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sam", default="vit-h", help="vit-h / vit-b (random weights) or a SAM folder / hub id")
     ap.add_argument("--sam-points", type=int, default=64, help="points per side (GOAL: the pipeline's 64)")
     ap.add_argument("--sam-points-per-batch", type=int, default=128)
-    ap.add_argument("--clip", default="clip-vit-base-patch16", help="the matching / training model")
+    ap.add_argument("--clip", default="random:clip-vit-base-patch16", help="the matching / training model")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)

@@ -1,6 +1,6 @@
 """What StructXLIP costs per training step, and how fast its preprocessing runs, measured in one run.
 
-    python bench/structxlip.py [--batch 8] [--k 3] [--rounds 4] [--steps 1] [--model clip-vit-base-patch16]
+    python bench/structxlip.py [--batch 8] [--k 3] [--rounds 4] [--steps 1] [--model random:clip-vit-base-patch16]
                                [--threads N] [--modes clip structxlip_crop structxlip_pool public_code]
                                [--skip-preprocess]
 
@@ -343,7 +343,7 @@ def step_costs(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="clip-vit-base-patch16")
+    ap.add_argument("--model", default="random:clip-vit-base-patch16")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--steps", type=int, default=1, help="timed steps of a mode per round")

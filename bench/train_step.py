@@ -2,7 +2,7 @@
 with 248 text positions (Long-CLIP KPS), measured in the same run; prints the ratio and writes
 ``bench/results/train_step.json``.
 
-    python bench/train_step.py [--batch 8] [--steps 3] [--model clip-vit-base-patch16]
+    python bench/train_step.py [--batch 8] [--steps 3] [--model random:clip-vit-base-patch16]
 
 A step is what the trainer runs: both towers forward, InfoNCE, backward, fused AdamW step. Captions are
 long enough to fill 248 tokens, so the 248-token model really reads 248 positions.
@@ -68,7 +68,7 @@ def time_steps(name: str, max_text_len: int | None, batch: int, steps: int) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="clip-vit-base-patch16")
+    ap.add_argument("--model", default="random:clip-vit-base-patch16")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()

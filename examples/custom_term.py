@@ -122,12 +122,16 @@ if __name__ != "__main__":  # registered by the import that `objective.import` m
 
 # -- the script: train the small CLIP of the quickstart with clip + tokenwise -------------------------
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--train-size", type=int, default=2000)
-    p.add_argument("--eval-size", type=int, default=256)
-    p.add_argument("--model", default="small-clip", help="a registry name, folder or hub id")
-    p.add_argument("--out", default="runs/custom_term")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=120, help="optimiser steps (train.max_steps)")
+    p.add_argument("--train-size", type=int, default=2000, help="synthetic training scenes")
+    p.add_argument("--eval-size", type=int, default=256,
+                   help="held-out synthetic scenes, ranked by the tokenwise scorer before and after training")
+    p.add_argument("--model", default="random:small-clip",
+                   help="the model to train: a hub id, a model folder, or a registry config with random weights "
+                        "(random:NAME)")
+    p.add_argument("--out", default="runs/custom_term", help="the run folder (replaced if it exists)")
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # so that `objective.import` finds this module

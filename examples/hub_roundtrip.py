@@ -37,6 +37,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def recipe_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides of recipes/quickstart.yaml for a round trip of ``args.steps`` steps (the user's last)."""
+    overrides = [f"output.dir={args.out}", f"train.max_steps={args.steps}", f"data.train.size={args.train_size}",
+                 f"eval.sets.0.size={args.eval_size}", "train.trackers=[]",
+                 # the quickstart's 25 warm-up steps are a tenth of its 250: keep that tenth of this short run
+                 f"train.warmup_steps={args.steps // 10}",
+                 # the quickstart's model from its registry config, not its pretrained start (model.init_from
+                 # would train that first) nor its clip-only comparison: a round trip of a few steps
+                 "model.name_or_path=random:small-clip", "model.init_from=null", "eval.compare_with=[]"]
+    if args.adapter:
+        overrides.append(f"adapter.type={args.adapter}")
+    return overrides + list(args.overrides)
+
+
 def embed(model: torch.nn.Module, captions: list[str], images: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Text ``(B, D)`` and image ``(B, D)`` embeddings of ``model`` (a DualEncoder)."""
     tok = model.tokenize(captions)
@@ -59,15 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.run import run
 
     out = Path(args.out)
-    overrides = [f"output.dir={out}", f"train.max_steps={args.steps}", f"data.train.size={args.train_size}",
-                 f"eval.sets.0.size={args.eval_size}", "train.trackers=[]",
-                 # the quickstart's model from its registry config, not its pretrained start (model.init_from
-                 # would train that first) nor its clip-only comparison: a round trip of a few steps
-                 "model.init_from=null", "eval.compare_with=[]"]
-    if args.adapter:
-        overrides.append(f"adapter.type={args.adapter}")
     try:
-        recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", overrides + list(args.overrides))
+        recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", recipe_overrides(args))
     except RecipeError as e:
         print(f"recipe error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ the toolkit would build them: edge maps of the images, captions with the colour 
 one chunk per object of the filtered caption and one region per object crop of the edge map.
 
     python examples/losses_in_a_plain_loop.py        # CPU, a few seconds
+    python examples/losses_in_a_plain_loop.py --steps 300 --batch-size 64 --seed 1
 
 Under torchrun/Accelerate the same code sees the global batch: every loss gathers with
 gradients when a process group is initialised.
@@ -13,6 +14,7 @@ gradients when a process group is initialised.
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
@@ -129,5 +131,15 @@ def main(steps: int = 150, batch_size: int = 32, seed: int = 0) -> None:
     print(f"Recall@1 on 128 held-out scenes after:  {recall_at_1(image_tower, text_tower, held_out):.2f}")
 
 
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=150, help="optimiser steps")
+    p.add_argument("--batch-size", type=int, default=32, help="scenes per step (the B of the contrastive losses)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the scenes and the initial weights")
+    return p
+
+
 if __name__ == "__main__":
-    main()
+    args = _parser().parse_args()
+    main(steps=args.steps, batch_size=args.batch_size, seed=args.seed)

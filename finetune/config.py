@@ -281,8 +281,9 @@ def _check_family(value: str) -> str:
 class ModelConfig:
     """Which model to load and how (``finetune.load_model``)."""
 
-    name_or_path: Annotated[NonEmptyStr, _doc("a hub id, a local folder or a registry name "
-                                              "(small-clip, tiny-clip, ...)")] = "small-clip"
+    name_or_path: Annotated[NonEmptyStr, _doc(
+        "a hub id, a local folder or a registry config with random weights (random:small-clip, "
+        "random:tiny-clip, ...)")] = "random:small-clip"
     family: Annotated[NonEmptyStr, AfterValidator(_check_family),
                       _doc("the registered model family that loads it (hf, open_clip, ...); auto "
                            "detects it from a saved folder's files or the registry name")] = "auto"
@@ -438,6 +439,10 @@ class EvalConfig:
         "recipes (or finished run folders) whose Recall@K the report sets beside this run's; a recipe's "
         "run is reused when current, else trained first, like model.init_from")] = dataclasses.field(
         default_factory=list)
+    seed_spread: Annotated[_float(ge=0.0) | None, _doc(
+        "how many points of Recall@1 this recipe's result moves between seeds (the range you measured over "
+        "train.seed); the report's verdict says whether the gap to eval.compare_with exceeds it. null: not "
+        "measured, the verdict says the gap cannot be judged")] = None
 
 
 def _validate_terms(value: Any) -> dict[str, Any]:
@@ -1102,8 +1107,57 @@ def _schema_paths() -> tuple[str, ...]:
     return tuple(walk(Recipe, ""))
 
 
+_TF = "transformers' TrainingArguments name"
+_OC = "open_clip's training flag"
+_GLOBAL_BATCH = ("; train.batch_size is the global batch of one optimiser step, over all processes and "
+                 "train.accumulation_steps")
+#: other tools' names for recipe keys (transformers' ``TrainingArguments``, open_clip's ``--flags``, peft's
+#: ``LoraConfig``): ``{name: (recipe key, where the name comes from and how the meaning differs)}``
+_FOREIGN_KEYS: dict[str, tuple[str, str]] = {
+    "learning_rate": ("train.lr", _TF),
+    "per_device_train_batch_size": ("train.batch_size", _TF + ", a batch per device" + _GLOBAL_BATCH),
+    "train_batch_size": ("train.batch_size", _TF + _GLOBAL_BATCH),
+    "per_device_eval_batch_size": ("eval.batch_size", _TF),
+    "num_train_epochs": ("train.epochs", _TF),
+    "warmup_ratio": ("train.warmup_steps", _TF + ", a fraction of the steps; xlipkit counts warm-up in steps"),
+    "warmup": ("train.warmup_steps", _OC),
+    "lr_scheduler_type": ("train.schedule", _TF + "; xlipkit has cosine and constant, both after a linear warm-up"),
+    "lr_scheduler": ("train.schedule", _OC + "; xlipkit has cosine and constant, both after a linear warm-up"),
+    "max_grad_norm": ("train.grad_clip", _TF),
+    "grad_clip_norm": ("train.grad_clip", _OC),
+    "gradient_accumulation_steps": ("train.accumulation_steps", _TF),
+    "accum_freq": ("train.accumulation_steps", _OC),
+    "adam_beta1": ("train.betas", _TF + "; train.betas is the pair [beta1, beta2]"),
+    "adam_beta2": ("train.betas", _TF + "; train.betas is the pair [beta1, beta2]"),
+    "beta1": ("train.betas", _OC + "; train.betas is the pair [beta1, beta2]"),
+    "beta2": ("train.betas", _OC + "; train.betas is the pair [beta1, beta2]"),
+    "adam_epsilon": ("train.eps", _TF),
+    "wd": ("train.weight_decay", _OC),
+    "save_steps": ("train.checkpoint_every", _TF),
+    "save_total_limit": ("train.keep_checkpoints", _TF),
+    "logging_steps": ("train.log_every", _TF),
+    "resume_from_checkpoint": ("train.resume", _TF + "; `latest` or a checkpoint folder"),
+    "report_to": ("train.trackers", _TF),
+    "bf16": ("train.mixed_precision", _TF + "; write train.mixed_precision: bf16"),
+    "fp16": ("train.mixed_precision", _TF + "; write train.mixed_precision: fp16"),
+    "precision": ("train.mixed_precision", _OC + "; no, fp16 or bf16"),
+    "output_dir": ("output.dir", _TF),
+    "overwrite_output_dir": ("output.overwrite", _TF),
+    "model_name_or_path": ("model.name_or_path", "the transformers examples' name"),
+    "grad_checkpointing": ("model.gradient_checkpointing", _OC),
+    "dataloader_num_workers": ("data.num_workers", _TF),
+    "workers": ("data.num_workers", _OC),
+    "lora_r": ("adapter.r", "peft's LoraConfig(r=...) as the transformers examples name it"),
+    "lora_alpha": ("adapter.alpha", "peft's LoraConfig(lora_alpha=...)"),
+    "lora_dropout": ("adapter.dropout", "peft's LoraConfig(lora_dropout=...)"),
+}
+
+
 def _suggest(key: str, valid: Iterable[str], prefix: KeyPath, across_sections: bool) -> str:
     valid = [str(v) for v in valid]
+    foreign = _FOREIGN_KEYS.get(key.strip().lower().replace("-", "_")) if across_sections else None
+    if foreign is not None:  # a section's key (not a term's or a dataset's option) named the way another tool does
+        return f"did you mean `{foreign[0]}`? (`{key}` is {foreign[1]})"
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:
         return f"did you mean `{_dotted(prefix + (close[0],))}`?"

@@ -256,8 +256,12 @@ def _what(info: dict[str, Any], source_info: dict[str, Any]) -> str:
         what += f" for {base}"
     else:
         what = f"{base}, fully fine-tuned"
-    return (f"{what} ({source_info.get('family')} family, {source_info.get('backend')} backend), fine-tuned with "
-            f"xlipkit to read long, detail-rich captions.")
+    # the README's names: the model family that loads it (hf, open_clip, flair, ...; xlipkit.json's "model_family",
+    # "backend" in folders from before model families) and the architecture (clip, siglip, siglip2: its "family")
+    family = source_info.get("model_family") or source_info.get("backend")
+    architecture = source_info.get("architecture") or source_info.get("family")
+    return (f"{what} ({architecture} architecture, model family `{family}`), fine-tuned with xlipkit to read long, "
+            f"detail-rich captions.")
 
 
 def _training_lines(info: dict[str, Any], recipe: dict[str, Any] | None, metrics: dict[str, Any] | None) -> list[str]:

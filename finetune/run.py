@@ -1,6 +1,6 @@
 """Fine-tune a CLIP-family model from a recipe.
 
-    accelerate launch finetune/run.py RECIPE.yaml [key.sub=value ...]
+    accelerate launch --config_file configs/accelerate/one_process.yaml -q finetune/run.py RECIPE.yaml [key=value ...]
     accelerate launch --num_processes 8 finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5
     python finetune/run.py --list
     python finetune/run.py --schema > recipe.schema.json
@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "examples:\n"
-            "  accelerate launch finetune/run.py recipes/quickstart.yaml\n"
+            "  accelerate launch --config_file configs/accelerate/one_process.yaml --quiet finetune/run.py "
+            "recipes/quickstart.yaml\n"
             "  accelerate launch finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5 adapter.type=lora\n"
             "  ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 finetune/run.py recipes/quickstart.yaml "
             "train.max_steps=20   # two CPU processes\n"
@@ -321,7 +322,8 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import apply_adapter, save_finetuned
     from finetune.objectives import build_objective
-    from finetune.report import comparison_section, plot_losses, plot_recall, write_json_atomic, write_report
+    from finetune.report import (comparison_section, plot_losses, plot_recall, verdict, write_json_atomic,
+                                 write_report)
     from finetune.scorers import get_scorer
     from finetune.train import TrainModule, Trainer
 
@@ -345,11 +347,9 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         model.logit_bias.requires_grad_(False)
     model.to(accelerator.device)
     objective.prepare_model(model)  # heads the terms add (GRM's) exist before the count and the optimiser
-    n_total = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad) + sum(
-        p.numel() for p in objective.parameters() if p.requires_grad)
-    log.info("model %s (%s, %s): %s parameters, %s trainable; text positions %d", m.name_or_path,
-             model.backend, model.family, f"{n_total:,}", f"{n_train:,}", model.max_text_len)
+    n_train, n_total = parameter_counts(model, objective)
+    log.info("model %s (model family %s, architecture %s): %s parameters, %s trainable; text positions %d",
+             m.name_or_path, model.backend, model.family, f"{n_total:,}", f"{n_train:,}", model.max_text_len)
     _check_room(recipe, model, objective, out_dir, data, accelerator)  # before any preprocessing or step
 
     if streaming:
@@ -415,8 +415,8 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         print("Recall@K before -> after training:\n" + table, flush=True)
         metrics = {
             "recipe": recipe_dict,
-            "backend": model.backend,
-            "family": model.family,
+            "model_family": model.backend,  # the README's names: the family that loaded it (hf, open_clip, ...)
+            "architecture": model.family,   # and what it is (clip, siglip, siglip2)
             "max_text_len": model.max_text_len,
             "base_text_len": model.base_text_len,
             "objective": ", ".join([b for b in [recipe.objective.base] if b != "none"] + list(recipe.objective.terms)),
@@ -446,11 +446,17 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
             "init_from": prerequisites["init"].record() if prerequisites["init"] is not None else None,
             "compare_with": [p.record() for p in prerequisites["compare"]],
         }
+        label = str(recipe.source or out_dir)
         plot_losses(result.history, out_dir / "plots" / "loss.png",
-                    compare={ref: m.get("history") or [] for ref, m in compared})
-        plot_recall(before, after, out_dir / "plots" / "recall.png")
+                    compare={ref: m.get("history") or [] for ref, m in compared}, batch_size=recipe.train.batch_size,
+                    label=Path(label).name)
+        plot_recall(before, after, out_dir / "plots" / "recall.png", label=Path(label).name, compare=compared,
+                    at_base=at_base, base_text_len=model.base_text_len)
         write_json_atomic(out_dir / "metrics.json", metrics)
-        report = write_report(out_dir, metrics, table=table, extra_sections=extra)
+        report = write_report(out_dir, metrics, table=table, extra_sections=extra, compare=compared, label=label)
+        said = verdict((label, metrics), compared, recipe.eval.seed_spread) if compared else None
+        if said:
+            print(f"Verdict: {said}", flush=True)
         print(f"wrote {out_dir / 'metrics.json'}, {report}, {out_dir / 'final'}", flush=True)
         if recipe.hub.push:
             from finetune.hub import HubPushError, push
@@ -527,6 +533,13 @@ def _check_room(recipe: Any, model: Any, objective: Any, out_dir: Path, data: di
         error = broadcast_object_list([error])[0]
     if error:
         raise RunFolderError(error)
+
+
+def parameter_counts(model: Any, objective: Any) -> tuple[int, int]:
+    """``(trainable, total)`` parameters of what trains: the model and the objective's own parameters
+    (StructXLIP's structure temperature, GRM's head), so that trainable never exceeds total."""
+    params = list({id(p): p for p in [*model.parameters(), *objective.parameters()]}.values())  # a head in both
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
 def _partial_metrics(recipe: Any, model: Any, result: Any, before: Any, after: Any, at_base: Any,
@@ -620,5 +633,25 @@ def _setup_logging(out_dir: Path, main: bool) -> None:
         logger.propagate = False
 
 
+def _accelerate_traceback_follows() -> bool:
+    """Whether ``accelerate launch``'s single-process launcher started this script without ``--quiet``: it then
+    answers a non-zero exit with a ``CalledProcessError`` traceback of its own (accelerate 1.x
+    ``simple_launcher``; ``--quiet`` makes it exit 1 instead)."""
+    import os
+
+    if "ACCELERATE_USE_CPU" not in os.environ or os.environ.get("WORLD_SIZE", "1") != "1":
+        return False  # not accelerate's simple launcher (DDP launches go through torch's elastic agent)
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True
+    script = next((i for i, a in enumerate(parent) if a.endswith(b".py") and i > 1), len(parent))
+    return not {b"--quiet", b"-q"} & set(parent[:script])  # launcher options come before the script
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status and _accelerate_traceback_follows():
+        print("(accelerate launch answers a failed script with a CalledProcessError traceback of its own; it adds "
+              "nothing to the error above, and `accelerate launch --quiet` leaves it out)", file=sys.stderr, flush=True)
+    sys.exit(status)

@@ -176,7 +176,9 @@ def check_run_folder(out_dir: str | os.PathLike, recipe: dict[str, Any], *, over
         recipe starts again).
     Raises:
         RunFolderError: the folder is a file; it holds a finished run or another recipe's run (the
-            message lists the differing keys and the ways out).
+            message lists the differing keys and the ways out; it suggests ``train.resume: latest``
+            only where a usable checkpoint exists); ``train.resume: latest`` into a finished run with
+            no usable checkpoint (it would train again from step 0 over the finished run).
     """
     folder = Path(out_dir)
     if folder.exists() and not folder.is_dir():
@@ -189,7 +191,14 @@ def check_run_folder(out_dir: str | os.PathLike, recipe: dict[str, Any], *, over
     if overwrite:
         return "overwrite"
     ways_out = ("choose another output.dir, or set output.overwrite: true to replace it")
+    resumable = _resumable_checkpoints(folder)
     if resume:
+        if finished and resume == "latest" and not resumable:
+            # nothing to continue from: `latest` would train from step 0 and replace the finished run
+            raise RunFolderError(
+                f"train.resume: latest: output.dir {str(folder)!r} holds a finished run ({', '.join(finished)}) "
+                f"and no usable checkpoint to continue it from (train.checkpoint_every was 0, or the checkpoints "
+                f"are gone), so resuming would train it again from step 0 over the finished run; {ways_out}")
         if previous is not None and continuation_hash(previous) != continuation_hash(recipe):
             changes = differing_keys(continuation_view(previous), continuation_view(recipe))
             if not ignore_changes:
@@ -199,15 +208,29 @@ def check_run_folder(out_dir: str | os.PathLike, recipe: dict[str, Any], *, over
                     f"set train.resume_ignore_changes: true to continue with these changes on purpose, or {ways_out}")
         return "resume"
     if finished:
+        # suggest a resume only where it continues from a checkpoint (without one it would start again)
+        resume_hint = f" (or train.resume: latest to continue it from {resumable[-1]})" if resumable else ""
         raise RunFolderError(
-            f"output.dir {str(folder)!r} holds a finished run ({', '.join(finished)}); {ways_out} "
-            "(or train.resume: latest to continue it)")
+            f"output.dir {str(folder)!r} holds a finished run ({', '.join(finished)}); {ways_out}{resume_hint}")
     if previous is not None and _comparable(previous) != _comparable(recipe):
         changes = differing_keys(_comparable(previous), _comparable(recipe))
         raise RunFolderError(
             f"output.dir {str(folder)!r} holds another run (its recipe.yaml differs: {'; '.join(changes[:10])}"
             f"{' ...' if len(changes) > 10 else ''}); {ways_out}")
     return "rerun"
+
+
+def _resumable_checkpoints(folder: Path) -> list[str]:
+    """The ``checkpoints/step-N`` folders of ``folder`` that ``train.resume: latest`` could continue from
+    (complete, :func:`finetune.resume.checkpoint_problem`), oldest first, as ``checkpoints/step-N``."""
+    from finetune.resume import CHECKPOINT_PREFIX, checkpoint_problem  # finetune.resume imports this module
+
+    ckpt = folder / "checkpoints"
+    if not ckpt.is_dir():
+        return []
+    steps = sorted((p for p in ckpt.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+                    and p.name[len(CHECKPOINT_PREFIX):].isdigit()), key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    return [f"checkpoints/{p.name}" for p in steps if checkpoint_problem(p) is None]
 
 
 def clear_previous_run(out_dir: str | os.PathLike) -> list[str]:

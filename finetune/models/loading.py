@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -35,8 +36,16 @@ def _looks_local(name: str) -> bool:
             or (os.sep != "/" and os.sep in name) or name.endswith(_CHECKPOINT_SUFFIXES))
 
 
+log = logging.getLogger("xlipkit")
+
+
 class ModelNotFoundError(ValueError):
     """No model family could load the model name: the message lists what was tried and the registry names."""
+
+
+class RandomWeightsNameError(ModelNotFoundError):
+    """A bare registry name of a real-size architecture (``clip-vit-base-patch16``): it would build random
+    weights where the user most likely meant the pretrained checkpoint; the message names both spellings."""
 
 
 def _unknown(name: str, family: str, tried: list[str]) -> ModelNotFoundError:
@@ -45,7 +54,8 @@ def _unknown(name: str, family: str, tried: list[str]) -> ModelNotFoundError:
 
     lines = [f"could not load model {name!r} (family={family!r}). Looked for:"]
     lines += [f"  - {t}" for t in tried]
-    lines.append(f"Registry names (random weights): {', '.join(registry_names())}")
+    lines.append(f"Registry names (random weights): {', '.join(registry_names())}; write them as 'random:NAME' "
+                 "(e.g. 'random:tiny-clip')")
     lines.append("Families: 'hf' (transformers CLIPModel, SiglipModel, Siglip2Model: hub id or save_pretrained "
                  "folder) and 'open_clip' (architecture names such as 'ViT-B-16' or 'ViT-B-16:openai', "
                  "'hf-hub:org/repo', open_clip folders); a Long-CLIP .pt checkpoint loads through open_clip. "
@@ -97,10 +107,70 @@ def _load_folder(folder: Path, family: str, dtype: torch.dtype | None, trust_rem
     return model
 
 
+def _build_random(config: Any, dtype: torch.dtype | None, trust_remote_code: bool) -> DualEncoder:
+    """Build the random-weights config ``config`` (:class:`finetune.models.registry.RandomConfig`)."""
+    from finetune.models.families import get_model_family
+    from finetune.models.registry import RANDOM_PREFIX, REGISTRY, build_model
+
+    if config.name in REGISTRY:
+        model = build_model(config.name)
+    else:  # a config its family's own loader builds (fcast-b)
+        model = get_model_family(config.family).loader(config.name, dtype=None, trust_remote_code=trust_remote_code,
+                                                       revision=None)
+        model.backend = config.family
+        model.name_or_path = RANDOM_PREFIX + config.name
+    return model.to(dtype) if dtype is not None else model
+
+
+def _random_weights(name: str, family: str, dtype: torch.dtype | None, trust_remote_code: bool) -> DualEncoder | None:
+    """Registry names: ``random:NAME`` builds NAME's config with random weights; a bare real-size
+    architecture name is refused (:class:`RandomWeightsNameError`); a bare small test / demo name builds
+    with a warning. None when ``name`` is no registry name for ``family``."""
+    from finetune.models.registry import RANDOM_PREFIX, random_config
+
+    explicit = name.startswith(RANDOM_PREFIX)
+    bare = name[len(RANDOM_PREFIX):].strip() if explicit else name
+    config = random_config(bare, family)
+    if explicit:
+        if config is not None:
+            return _build_random(config, dtype, trust_remote_code)
+        return _random_open_clip(bare, family, dtype)
+    if config is None:
+        return None
+    spelled = RANDOM_PREFIX + config.name
+    if config.real:
+        meant = f"For the pretrained model write {config.pretrained!r}. " if config.pretrained else ""
+        raise RandomWeightsNameError(
+            f"{name!r} is not a pretrained model: it names xlipkit's registry config of the {config.name} "
+            f"architecture, which builds with RANDOM weights. {meant}For random weights (pretraining from "
+            f"scratch, benchmarks) write {spelled!r}.")
+    log.warning("model %r: the registry config %s with RANDOM weights (no pretrained checkpoint); write %r to say "
+                "so", name, config.name, spelled)
+    return _build_random(config, dtype, trust_remote_code)
+
+
+def _random_open_clip(arch: str, family: str, dtype: torch.dtype | None) -> DualEncoder:
+    """``random:ViT-B-16``: open_clip's architecture with random weights, said explicitly."""
+    import open_clip
+
+    from finetune.models.registry import RANDOM_PREFIX, registry_names
+
+    if family in ("auto", "open_clip") and ":" not in arch and arch.replace("/", "-") in open_clip.list_models():
+        from finetune.models.openclip import load_open_clip
+
+        model = load_open_clip(arch.replace("/", "-"), dtype=dtype)
+        model.name_or_path = RANDOM_PREFIX + arch.replace("/", "-")
+        return model
+    raise ModelNotFoundError(
+        f"{RANDOM_PREFIX + arch!r}: '{RANDOM_PREFIX}' builds a registry config (or an open_clip architecture) with "
+        f"random weights, and {arch!r} is none{'' if family == 'auto' else f' for family {family!r}'}. Registry "
+        f"names: {', '.join(registry_names())}; open_clip architectures: open_clip.list_models()")
+
+
 def _load(name: str, family: str, dtype: torch.dtype | None, trust_remote_code: bool,
           revision: str | None, family_options: dict[str, Any] | None = None) -> DualEncoder:
     from finetune.models.families import get_model_family
-    from finetune.models.registry import REGISTRY, build_model, resolve_name
+    from finetune.models.registry import REGISTRY, resolve_name
 
     if family_options:
         if family in _BUILTIN:
@@ -116,6 +186,9 @@ def _load(name: str, family: str, dtype: torch.dtype | None, trust_remote_code: 
         if not folder.is_dir():
             raise FileNotFoundError(f"open_clip folder {folder} does not exist")
         return _load_folder(folder, "open_clip", dtype, trust_remote_code)
+    model = _random_weights(name, family, dtype, trust_remote_code)
+    if model is not None:
+        return model
     if family not in _BUILTIN:  # a registered family of its own: a folder, or whatever its loader takes
         path = Path(name).expanduser()
         if path.is_dir():
@@ -126,9 +199,6 @@ def _load(name: str, family: str, dtype: torch.dtype | None, trust_remote_code: 
         return model
     tried = []
     key = resolve_name(name)
-    if key is not None and family in ("auto", REGISTRY[key].backend):
-        model = build_model(key)
-        return model.to(dtype) if dtype is not None else model
     tried.append("a registry name" + (f" (found {key!r}, but it is a {REGISTRY[key].backend} model)" if key else ""))
 
     path = Path(name).expanduser()
@@ -221,15 +291,19 @@ def load_model(
 ) -> DualEncoder:
     """Load a :class:`DualEncoder` (DESIGN 4).
 
-    ``name_or_path`` is tried as, in order: a registry name (``tiny-clip``, ``small-clip``,
-    ``clip-vit-base-patch16``, ... built with random weights); a local folder of a registered model
+    ``name_or_path`` is tried as, in order: a registry name with random weights, written
+    ``random:NAME`` (``random:tiny-clip``, ``random:small-clip``, ``random:clip-vit-base-patch16``,
+    ``random:fcast-b``, ...; also ``random:ViT-B-16`` for an open_clip architecture); bare, a real-size
+    architecture's name (``clip-vit-base-patch16``) is refused, naming the pretrained hub id it
+    resembles (``openai/clip-vit-base-patch16``), and a small test / demo config (``tiny-clip``,
+    ``small-clip``) builds with a warning; a local folder of a registered model
     family (:func:`finetune.models.register_model_family`; with ``family="auto"`` the family
     recorded in the folder's ``xlipkit.json``, else the first family whose ``detect`` recognises
     it: transformers ``config.json`` with model_type clip / siglip / siglip2, open_clip
     ``open_clip_config.json``, ...; an xlipkit adapter folder goes to ``load_finetuned``); a
     Long-CLIP / OpenAI ``.pt`` checkpoint; an open_clip architecture (``"ViT-B-16"``: random
-    weights, ``"ViT-B-16:openai"``: a pretrained tag); a hub id (transformers, or open_clip for
-    ``hf-hub:org/repo`` / ``family="open_clip"`` / repos with only ``open_clip_config.json``).
+    weights, which open_clip's own warning says; ``"ViT-B-16:openai"``: a pretrained tag); a hub
+    id (transformers, or open_clip for ``hf-hub:org/repo`` / ``family="open_clip"`` / repos with only ``open_clip_config.json``).
     A family other than ``hf`` / ``open_clip`` named explicitly gets ``name_or_path`` as it is.
     Modules the model needs at inference (``xlipkit_inference.json``) are restored with it.
 
@@ -251,8 +325,9 @@ def load_model(
         the model; ``model.backend`` is the name of the family that loaded it.
 
     Raises:
-        ValueError: unknown name (the message lists what was looked for, the registry names and
-            the families), an unregistered ``family`` (the message lists the registered ones),
+        ValueError: unknown name (:class:`ModelNotFoundError`: the message lists what was looked
+            for, the registry names and the families), a bare real-size registry name
+            (:class:`RandomWeightsNameError`), an unregistered ``family`` (the message lists the registered ones),
             unsupported architecture, bad ``dtype`` / ``kps``, or a ``max_text_len`` below the
             model's original length.
         FileNotFoundError: a local path that does not exist or is not a model folder.

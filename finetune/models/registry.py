@@ -1,5 +1,13 @@
 """Named model configs that build with random weights, offline (DESIGN 4, "registry.py").
 
+``load_model("random:NAME")`` builds one: the ``random:`` prefix says in the name itself that the
+weights are random, wherever a name goes (``load_model``, a recipe's ``model.name_or_path``, the CLIs,
+``xlipkit.json``). Without the prefix, the real-size architectures (``clip-vit-base-patch16`` ...) are
+refused, because their names are those of pretrained hub checkpoints without the organisation
+(``openai/clip-vit-base-patch16``): whoever drops the ``openai/`` means the pretrained model, and would
+fine-tune noise. The small test and demo configs (``tiny-*``, ``small-*``) still build from the bare
+name, with a warning.
+
 Test configs (a few layers, small widths, 32-pixel images):
 
 - ``tiny-clip``: transformers ``CLIPModel`` with the real CLIP tokenizer (built offline).
@@ -34,15 +42,25 @@ from finetune.models.encoder import DualEncoder
 TIMM_TINY_SIGLIP = "xlipkit_tiny_vit_siglip"
 
 
+#: the prefix that builds a registry config with random weights: ``random:clip-vit-base-patch16``
+RANDOM_PREFIX = "random:"
+
+
 @dataclass(frozen=True)
 class RegistryEntry:
-    """One buildable config: its backend, family, a one-line description and the builder."""
+    """One buildable config: its backend, family, a one-line description and the builder.
+
+    ``real``: a real-size architecture (its bare name is refused by ``load_model``: write
+    ``random:NAME``); ``pretrained``: what a user typing the bare name probably meant (the pretrained
+    checkpoint of the same architecture), named in that refusal."""
 
     name: str
     backend: str
     family: str
     description: str
     build: Callable[[], DualEncoder]
+    real: bool = False
+    pretrained: str | None = None
 
 
 # -- transformers configs ---------------------------------------------------------------------------
@@ -191,20 +209,24 @@ def _entries() -> list[RegistryEntry]:
         RegistryEntry("small-clip", "hf", "clip", "the quickstart CLIP: 4 layers, width 128, 64 px, patch 8",
                       lambda: _hf_clip(small_t, small_v, 128, "small-clip")),
         RegistryEntry("clip-vit-base-patch16", "hf", "clip", "CLIP ViT-B/16 architecture, random weights",
-                      lambda: _hf_clip(b_t, b16_v, 512, "clip-vit-base-patch16")),
+                      lambda: _hf_clip(b_t, b16_v, 512, "clip-vit-base-patch16"),
+                      real=True, pretrained="openai/clip-vit-base-patch16"),
         RegistryEntry("clip-vit-large-patch14", "hf", "clip", "CLIP ViT-L/14 architecture, random weights",
-                      lambda: _hf_clip(l_t, l14_v, 768, "clip-vit-large-patch14")),
+                      lambda: _hf_clip(l_t, l14_v, 768, "clip-vit-large-patch14"),
+                      real=True, pretrained="openai/clip-vit-large-patch14"),
         RegistryEntry("siglip2-base-patch16-224", "hf", "siglip2",
                       "SigLIP2 B/16 fixed-resolution architecture, random weights",
                       lambda: _hf_siglip(_word_text(768, 3072, 12, 12, vocab=256000, layer_norm_eps=1e-6,
                                                     hidden_act="gelu_pytorch_tanh"),
-                                         sig_v, "siglip2-base-patch16-224", family="siglip2")),
+                                         sig_v, "siglip2-base-patch16-224", family="siglip2"),
+                      real=True, pretrained="google/siglip2-base-patch16-224"),
         RegistryEntry("tiny-flair", "flair", "clip", "FLAIR (open_clip ViT + attention pool), 2 layers, width 64, 32 px",
                       lambda: _flair("tiny_flair_config", "tiny-flair")),
         RegistryEntry("small-flair", "flair", "clip", "FLAIR for the CPU recipe: 2 layers, width 64, 64 px, patch 8",
                       lambda: _flair("small_flair_config", "small-flair")),
         RegistryEntry("flair-vit-b-16", "flair", "clip", "FLAIR ViT-B/16 (paper), random weights",
-                      lambda: _flair("flair_vit_b16_config", "flair-vit-b-16")),
+                      lambda: _flair("flair_vit_b16_config", "flair-vit-b-16"),
+                      real=True, pretrained="xiaorui638/flair/flair-cc3m-recap.pt (model.family: flair)"),
         RegistryEntry("tiny-vision-text-vit", "vision_text", "clip",
                       "transformers VisionTextDualEncoder: ViT (2 layers, width 32, 32 px, patch 8) + BERT (2 layers, "
                       "width 32), projections to 16", lambda: _tiny_vision_text("vit")),
@@ -224,6 +246,39 @@ ALIASES: dict[str, str] = {
 TINY_NAMES: tuple[str, ...] = ("tiny-clip", "tiny-siglip", "tiny-siglip2", "tiny-openclip", "tiny-openclip-siglip")
 
 
+#: random-weights configs that a model family's own loader builds (not in :data:`REGISTRY`):
+#: ``{family: {name: real}}`` (``finetune.models.fcast.FCAST_CONFIGS``, checked by the tests)
+FAMILY_CONFIGS: dict[str, dict[str, bool]] = {"fcast": {"fcast-b": True, "fcast-s": True, "fcast-tiny": False}}
+
+
+@dataclass(frozen=True)
+class RandomConfig:
+    """What a registry name (without ``random:``) builds: its canonical ``name``, the model ``family``
+    that builds it, whether it is a real-size architecture, and the pretrained model a user typing
+    it probably meant."""
+
+    name: str
+    family: str
+    real: bool
+    pretrained: str | None = None
+
+
+def random_config(name: str, family: str = "auto") -> RandomConfig | None:
+    """The random-weights config ``name`` names (``random:`` stripped; aliases resolved) for the model
+    ``family`` (``"auto"``: any), or None: :data:`REGISTRY` entries whose backend fits, and the
+    :data:`FAMILY_CONFIGS` of ``family``."""
+    name = name[len(RANDOM_PREFIX):] if name.startswith(RANDOM_PREFIX) else name
+    key = resolve_name(name)
+    if key is not None and family in ("auto", REGISTRY[key].backend):
+        entry = REGISTRY[key]
+        return RandomConfig(key, entry.backend, entry.real, entry.pretrained)
+    bare = name.strip()
+    for fam, names in FAMILY_CONFIGS.items():
+        if family in ("auto", fam) and bare in names:
+            return RandomConfig(bare, fam, names[bare])
+    return None
+
+
 def registry_names() -> list[str]:
     """Every name :func:`build_model` accepts (aliases included)."""
     return sorted(REGISTRY) + sorted(ALIASES)
@@ -238,17 +293,20 @@ def resolve_name(name: str) -> str | None:
 
 def build_model(name: str, *, seed: int = 0) -> DualEncoder:
     """Build a registry model with random weights drawn from ``seed`` (the global RNG is left
-    untouched).
+    untouched). ``name`` may carry the ``random:`` prefix; the model's ``name_or_path`` is
+    ``random:<name>``, so that what it records loads back through ``load_model``.
 
     Raises:
         ValueError: for a name that is not in the registry (the message lists the names).
     """
-    key = resolve_name(name)
+    key = resolve_name(name[len(RANDOM_PREFIX):] if name.startswith(RANDOM_PREFIX) else name)
     if key is None:
         raise ValueError(f"{name!r} is not a registry model; registry names: {', '.join(registry_names())}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return REGISTRY[key].build()
+        model = REGISTRY[key].build()
+    model.name_or_path = RANDOM_PREFIX + key  # what it records (xlipkit.json's base_model) says how it was built
+    return model
 
 
 def save_tiny(name: str, folder: str | os.PathLike, *, seed: int = 0) -> Path:

@@ -17,7 +17,7 @@ def test_custom_term_and_scorer_train_and_rank(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "custom_term.py"), "--steps", "2", "--train-size", "64",
-         "--eval-size", "16", "--model", "tiny-clip", "--out", str(out)],
+         "--eval-size", "16", "--model", "random:tiny-clip", "--out", str(out)],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())

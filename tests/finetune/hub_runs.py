@@ -66,7 +66,7 @@ def make_run(root: Path, base: str, adapter: str = "lora", *, token: str | None 
     run = root
     save_finetuned(model, run / "final", recipe=recipe)
     (run / "recipe.yaml").write_text("# tiny test run\n" + yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
-    metrics = {"recipe": recipe, "backend": model.backend, "family": model.family, "max_text_len": 248,
+    metrics = {"recipe": recipe, "model_family": model.backend, "architecture": model.family, "max_text_len": 248,
                "objective": "clip, structxlip", "train_set": train, "train_examples": 64, "steps": 8,
                "before": BEFORE, "after": AFTER, "final_losses": {"loss": 1.5}, **(metrics_extra or {})}
     (run / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")

@@ -201,6 +201,22 @@ def test_unknown_override_key_names_the_override_and_closest_key(tmp_path):
     assert "override `train.batchsize=4`" in msg and "did you mean `train.batch_size`?" in msg
 
 
+@pytest.mark.parametrize(("key", "suggested"), [
+    ("train.learning_rate=1e-5", "train.lr"), ("train.per_device_train_batch_size=8", "train.batch_size"),
+    ("train.num_train_epochs=3", "train.epochs"), ("train.warmup_ratio=0.1", "train.warmup_steps"),
+    ("train.gradient_accumulation_steps=2", "train.accumulation_steps"), ("train.max_grad_norm=1", "train.grad_clip"),
+    ("train.output_dir=x", "output.dir"), ("learning_rate=1e-5", "train.lr"), ("model.lora_r=8", "adapter.r"),
+])
+def test_other_tools_names_suggest_the_recipe_key(tmp_path, key, suggested):
+    with pytest.raises(RecipeError, match=rf"is not a recipe key: did you mean `{suggested}`\? \(`[a-z_0-9]+` is "):
+        load_recipe(write(tmp_path, DEFAULTS), [key])
+
+
+def test_every_foreign_name_points_at_a_recipe_key():
+    assert {target for target, _ in config._FOREIGN_KEYS.values()} <= set(config._schema_paths())
+    assert not set(config._FOREIGN_KEYS) & {p.rsplit(".", 1)[-1] for p in config._schema_paths()}
+
+
 def test_wrong_type_names_the_expected_type_and_line(tmp_path):
     path = write(tmp_path, "train:\n  lr: fast\n")
     with pytest.raises(RecipeError) as info:

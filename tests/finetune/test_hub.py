@@ -94,7 +94,8 @@ def test_stage_upload_writes_a_complete_adapter_folder_that_loads_on_its_own(cli
     assert AutoTokenizer.from_pretrained(out).model_max_length == 248
     assert type(AutoImageProcessor.from_pretrained(out)).__name__.startswith("CLIPImageProcessor")
     info = json.loads((out / "xlipkit.json").read_text())
-    assert info["kind"] == "adapter" and info["base_model"] == "tiny-clip" and "token" not in info["recipe"]["hub"]
+    assert info["kind"] == "adapter" and info["base_model"] == "random:tiny-clip"
+    assert "token" not in info["recipe"]["hub"]
     recipe = yaml.safe_load((out / "recipe.yaml").read_text())
     assert recipe["hub"] == {"push": True, "repo_id": "me/tiny", "private": True, "revision": None}
     assert (out / "recipe.yaml").read_text().startswith("# tiny test run\n")

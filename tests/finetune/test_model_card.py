@@ -69,6 +69,14 @@ def test_card_prose_has_loading_training_results_and_papers() -> None:
     assert "https://arxiv.org/abs/2403.15378" in body and "https://arxiv.org/abs/2402.09353" in body
 
 
+def test_the_card_names_the_model_family_and_architecture_as_the_readme_does() -> None:
+    body = render_model_card(_info(), repo_id="me/m").split("\n---\n", 1)[1]
+    assert "(clip architecture, model family `hf`)" in body
+    assert "clip family" not in body and "hf backend" not in body
+    info = {**_info(family="siglip2", backend="hf"), "model_family": "hf"}
+    assert "(siglip2 architecture, model family `hf`)" in render_model_card(info, repo_id="me/m")
+
+
 def test_front_matter_without_hub_base_or_evaluation() -> None:
     meta = read_front_matter(render_model_card(_info(base="tiny-clip"), repo_id="me/m"))
     assert "base_model" not in meta and "model-index" not in meta and "datasets" not in meta

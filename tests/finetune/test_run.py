@@ -1,8 +1,12 @@
-"""run.py's process set-up: CPU threads under `accelerate launch`."""
+"""run.py's process set-up: CPU threads and what a user sees under `accelerate launch` (the shipped configs),
+and the parameter count."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -44,3 +48,67 @@ def test_chosen_threads_are_left_alone(one_thread, monkeypatch, env, processes):
         monkeypatch.setenv(key, value)
     _cpu_threads(_accelerator(processes))
     assert torch.get_num_threads() == 1
+
+
+def test_the_parameter_count_includes_the_objectives_own_parameters():
+    """"trainable parameters 8,008,706 of 8,008,705": StructXLIP's structure temperature trains with the model."""
+    from finetune.config import load_recipe
+    from finetune.models.registry import build_model
+    from finetune.objectives import build_objective
+    from finetune.run import parameter_counts
+
+    model = build_model("tiny-clip")
+    objective = build_objective(load_recipe("recipes/quickstart.yaml").objective)
+    in_model = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for p in objective.parameters()) == 1  # tau' of L_{I',T'}
+    assert parameter_counts(model, objective) == (in_model + 1, in_model + 1)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert parameter_counts(model, objective) == (1, in_model + 1)
+
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs" / "accelerate"
+
+
+def _launch_warnings(monkeypatch, *argv: str) -> tuple[list[str], object]:
+    from accelerate.commands import launch
+
+    said: list[str] = []
+    monkeypatch.setattr(launch.logger, "warning", lambda msg, *a, **k: said.append(str(msg)))
+    args = launch.launch_command_parser().parse_args([*argv, "finetune/run.py", "recipes/quickstart.yaml"])
+    args, _, _ = launch._validate_launch_command(args)
+    return said, args
+
+
+def test_the_shipped_accelerate_configs_leave_nothing_to_accelerates_defaults(monkeypatch):
+    said, _ = _launch_warnings(monkeypatch)
+    assert any("were not passed to `accelerate launch`" in m for m in said)  # what a bare launch prints
+    said, args = _launch_warnings(monkeypatch, "--config_file", str(CONFIGS / "one_process.yaml"), "--quiet")
+    assert said == [] and (args.num_processes, args.multi_gpu, args.quiet) == (1, False, True)
+    said, args = _launch_warnings(monkeypatch, "--config_file", str(CONFIGS / "multi_gpu.yaml"), "--num_processes", "8")
+    assert said == [] and (args.num_processes, args.multi_gpu, args.num_machines) == (8, True, 1)
+
+
+def _accelerate_launch(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", *argv],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_recipe_error_under_the_readmes_accelerate_launch_is_one_line():
+    config = str(CONFIGS / "one_process.yaml")
+    proc = _accelerate_launch("--config_file", config, "--quiet", "finetune/run.py", "recipes/quickstart.yaml",
+                              "train.learning_rate=1e-5")
+    assert proc.returncode == 1  # accelerate's --quiet exit status for a failed script
+    assert proc.stderr.strip().splitlines() == [
+        "recipe error: command-line override `train.learning_rate=1e-5`: `train.learning_rate` is not a recipe key: "
+        "did you mean `train.lr`? (`learning_rate` is transformers' TrainingArguments name)"]
+    # without --quiet accelerate adds its traceback; the line before it says what it is
+    proc = _accelerate_launch("--config_file", config, "finetune/run.py", "recipes/quickstart.yaml", "train.lr=-1")
+    lines = proc.stderr.splitlines()
+    assert "were not passed to `accelerate launch`" not in proc.stderr
+    assert lines[0].startswith("recipe error: ") and "train.lr" in lines[0]
+    assert lines[1].startswith("(accelerate launch answers a failed script with a CalledProcessError traceback")
+    assert lines[2] == "Traceback (most recent call last):" and "CalledProcessError" in lines[-1]

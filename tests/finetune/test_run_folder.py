@@ -66,6 +66,14 @@ def _finished(folder: Path, recipe: dict) -> Path:
     return folder
 
 
+def _checkpoint(folder: Path, step: int) -> Path:
+    """A complete checkpoint as finetune.resume.checkpoint_problem sees it (a manifest of no files)."""
+    path = folder / "checkpoints" / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / "train_state.json").write_text(json.dumps({"step": step, "files": {}}))
+    return path
+
+
 def test_new_and_empty_folders_are_fine(tmp_path):
     assert check_run_folder(tmp_path / "nothing", _recipe_dict()) == "new"
     (tmp_path / "empty").mkdir()
@@ -77,7 +85,27 @@ def test_a_finished_run_is_refused_even_with_the_same_recipe(tmp_path):
     with pytest.raises(RunFolderError, match=r"holds a finished run \(metrics.json, final\).*output.overwrite: true"):
         check_run_folder(folder, _recipe_dict())
     assert check_run_folder(folder, _recipe_dict(), overwrite=True) == "overwrite"
+
+
+def test_the_refusal_suggests_a_resume_only_where_a_checkpoint_continues_the_run(tmp_path):
+    folder = _finished(tmp_path / "run", _recipe_dict())
+    with pytest.raises(RunFolderError) as refused:
+        check_run_folder(folder, _recipe_dict())
+    assert "train.resume" not in str(refused.value)  # without a checkpoint a resume would start again
+    # following that hint anyway: refused, it would retrain from step 0 over the finished run
+    with pytest.raises(RunFolderError, match=r"train.resume: latest: .*holds a finished run \(metrics.json, final\) "
+                                             r"and no usable checkpoint.*from step 0.*output.overwrite: true"):
+        check_run_folder(folder, _recipe_dict(), resume="latest")
+    broken = folder / "checkpoints" / "step-2"
+    broken.mkdir(parents=True)  # a checkpoint whose save was interrupted (no train_state.json) does not count
+    with pytest.raises(RunFolderError, match="no usable checkpoint"):
+        check_run_folder(folder, _recipe_dict(), resume="latest")
+    _checkpoint(folder, 4)
+    with pytest.raises(RunFolderError, match=r"or train.resume: latest to continue it from checkpoints/step-4\)"):
+        check_run_folder(folder, _recipe_dict())
     assert check_run_folder(folder, _recipe_dict(), resume="latest") == "resume"
+    # a checkpoint named explicitly is the user's choice (finetune.resume.find_checkpoint checks it)
+    assert check_run_folder(folder, _recipe_dict(), resume=str(folder / "checkpoints" / "step-4")) == "resume"
 
 
 def test_another_unfinished_run_is_refused_listing_what_differs(tmp_path):
@@ -92,6 +120,7 @@ def test_another_unfinished_run_is_refused_listing_what_differs(tmp_path):
 
 def test_resume_into_another_runs_folder_lists_the_differing_keys(tmp_path):
     folder = _finished(tmp_path / "run", _recipe_dict(lr=1e-3, max_steps=4))
+    _checkpoint(folder, 4)
     with pytest.raises(RunFolderError, match=r"differing keys: train\.lr: 0\.001 -> 0\.002; "
                                              r"train\.max_steps: 4 -> 8.*resume_ignore_changes"):
         check_run_folder(folder, _recipe_dict(lr=2e-3, max_steps=8), resume="latest")
@@ -213,6 +242,21 @@ def test_second_run_and_failed_run_leave_a_finished_run_intact(tmp_path, tiny_mo
     assert not (out / "checkpoints").exists()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["lr"] == 0.002
     assert json.loads((out / "metrics.json").read_text())["recipe"]["train"]["lr"] == 0.002
+
+
+@pytest.mark.slow
+def test_following_the_refusals_hint_never_retrains_over_a_finished_run(tmp_path, tiny_model, capsys):
+    out = tmp_path / "run"
+    assert _run(_recipe(tmp_path, tiny_model, out)) == 0  # train.checkpoint_every=0: no checkpoint
+    good = _snapshot(out)
+    assert _run(_recipe(tmp_path, tiny_model, out)) == 2
+    refusal = capsys.readouterr().err
+    assert "holds a finished run" in refusal and "train.resume" not in refusal
+    # train.resume: latest with nothing to resume from: refused before anything is written
+    assert _run(_recipe(tmp_path, tiny_model, out, "train.resume=latest")) == 2
+    err = capsys.readouterr().err
+    assert "no usable checkpoint" in err and "from step 0" in err and "Traceback" not in err
+    assert _snapshot(out) == good
 
 
 @pytest.mark.slow

@@ -13,10 +13,60 @@ from finetune.models.hf import HFDualEncoder
 from finetune.models.openclip import OpenCLIPDualEncoder
 
 
-def test_registry_names_build_without_files() -> None:
-    model = load_model("tiny-clip")
-    assert isinstance(model, HFDualEncoder) and model.name_or_path == "tiny-clip"
-    assert isinstance(load_model("TINY-OPENCLIP"), OpenCLIPDualEncoder)
+def test_registry_names_build_without_files(caplog) -> None:
+    with caplog.at_level("WARNING", logger="xlipkit"):
+        model = load_model("random:tiny-clip")
+    assert not caplog.records  # said explicitly: no warning
+    # the model records the explicit name: an adapter trained on it reloads its base from xlipkit.json
+    assert isinstance(model, HFDualEncoder) and model.name_or_path == "random:tiny-clip"
+    assert isinstance(load_model("random:TINY-OPENCLIP"), OpenCLIPDualEncoder)
+
+
+def test_a_bare_small_registry_name_builds_with_a_warning(caplog) -> None:
+    with caplog.at_level("WARNING", logger="xlipkit"):
+        model = load_model("tiny-clip")
+    assert model.name_or_path == "random:tiny-clip"
+    assert "RANDOM weights" in caplog.text and "'random:tiny-clip'" in caplog.text
+
+
+@pytest.mark.parametrize(("name", "meant", "spelled"), [
+    ("clip-vit-base-patch16", "openai/clip-vit-base-patch16", "random:clip-vit-base-patch16"),
+    ("ViT-L/14", "openai/clip-vit-large-patch14", "random:clip-vit-large-patch14"),
+    ("siglip2-base-patch16-224", "google/siglip2-base-patch16-224", "random:siglip2-base-patch16-224"),
+])
+def test_a_bare_real_architecture_name_is_refused_naming_the_pretrained_model(name, meant, spelled) -> None:
+    from finetune.models.loading import ModelNotFoundError, RandomWeightsNameError
+
+    with pytest.raises(RandomWeightsNameError) as err:  # a ModelNotFoundError: run.py's clean recipe error
+        load_model(name)
+    assert isinstance(err.value, ModelNotFoundError)
+    assert f"For the pretrained model write {meant!r}" in str(err.value)
+    assert f"write {spelled!r}" in str(err.value) and "RANDOM weights" in str(err.value)
+
+
+def test_registry_configs_of_other_families_take_the_prefix(caplog) -> None:
+    from finetune.models.loading import RandomWeightsNameError
+
+    with caplog.at_level("WARNING", logger="xlipkit"):
+        fcast = load_model("random:fcast-tiny", family="fcast")
+        flair = load_model("random:tiny-flair")
+    assert not caplog.records
+    assert (fcast.backend, fcast.name_or_path) == ("fcast", "random:fcast-tiny")
+    assert (flair.backend, flair.name_or_path) == ("flair", "random:tiny-flair")
+    with pytest.raises(RandomWeightsNameError, match="write 'random:fcast-b'"):
+        load_model("fcast-b", family="fcast")  # the paper's CAST-B: real size, its recipe says random:fcast-b
+    with pytest.raises(RandomWeightsNameError, match="write 'random:flair-vit-b-16'"):
+        load_model("flair-vit-b-16", family="flair")
+
+
+def test_the_prefix_on_a_name_that_is_no_registry_config() -> None:
+    from finetune.models.loading import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match=r"'random:openai/clip-vit-base-patch16': 'random:' builds a registry "
+                                                 r"config .* Registry names: .*tiny-clip"):
+        load_model("random:openai/clip-vit-base-patch16")
+    with pytest.raises(ModelNotFoundError, match="none for family 'open_clip'"):
+        load_model("random:tiny-clip", family="open_clip")
 
 
 def test_saved_folders_load_in_their_backend(tiny_dir) -> None:
@@ -102,6 +152,7 @@ def test_open_clip_folder_with_broken_config(tiny_dir, tmp_path) -> None:
 
 
 def test_open_clip_architecture_name_builds_random_weights() -> None:
+    assert load_model("random:ViT-B-32").name_or_path == "random:ViT-B-32"
     model = load_model("ViT-B-16", backend="open_clip")
     assert isinstance(model, OpenCLIPDualEncoder) and model.family == "clip"
     assert model.max_text_len == 77 and model.patch_size == 16 and model.image_size == 224

@@ -38,6 +38,22 @@ def test_names_aliases_and_errors() -> None:
         build_model("tiny-bert")
 
 
+def test_every_real_size_config_is_flagged_and_the_family_configs_exist() -> None:
+    from finetune.models.fcast import FCAST_CONFIGS
+    from finetune.models.registry import FAMILY_CONFIGS, random_config
+
+    small = {n for n, e in REGISTRY.items() if not e.real}
+    assert small == {n for n in REGISTRY if n.startswith(("tiny-", "small-"))}
+    assert {n: e.pretrained for n, e in REGISTRY.items() if e.real and e.backend == "hf"} == {
+        "clip-vit-base-patch16": "openai/clip-vit-base-patch16",
+        "clip-vit-large-patch14": "openai/clip-vit-large-patch14",
+        "siglip2-base-patch16-224": "google/siglip2-base-patch16-224"}
+    assert set(FAMILY_CONFIGS["fcast"]) == set(FCAST_CONFIGS)
+    assert random_config("random:ViT-B/16").name == "clip-vit-base-patch16"
+    assert random_config("tiny-clip", "open_clip") is None and random_config("fcast-b", "hf") is None
+    assert build_model("random:tiny-clip").name_or_path == "random:tiny-clip"
+
+
 def test_save_tiny_writes_native_folders(tmp_path) -> None:
     hf = save_tiny("tiny-clip", tmp_path / "hf")
     assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= {

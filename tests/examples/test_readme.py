@@ -1,0 +1,58 @@
+"""What the README tells a newcomer holds: its losses snippet runs and trains StructXLIP's temperature, its
+zero-shot templates are the CLI's, and the accelerate configs its commands name exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def _section(title: str) -> str:
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start:end if end != -1 else None]
+
+
+def _code_blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
+
+
+def test_the_losses_snippet_runs_and_its_structxlip_temperature_reaches_the_optimiser():
+    [snippet] = [b for b in _code_blocks(_section("Losses library"), "python") if "StructXLIPLoss" in b]
+    torch.manual_seed(0)
+    namespace: dict = {}
+    exec(compile(snippet, "README.md (Losses library)", "exec"), namespace)  # noqa: S102 - the README's own code
+    structxlip, optimizer = namespace["structxlip"], namespace["optimizer"]
+    optimised = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    params = list(structxlip.parameters())
+    assert params and all(id(p) in optimised for p in params)
+    assert structxlip.structure_logit_scale.item() != pytest.approx(2.659260, abs=1e-6)  # it trained
+    assert torch.isfinite(namespace["loss"])
+
+
+def test_the_zero_shot_templates_the_readme_lists_are_the_clis():
+    from finetune.evaluate import _parser
+    from finetune.zeroshot import TEMPLATES
+
+    match = re.search(r"`--templates ([\w|]+)`, default `(\w+)`", _section("Evaluation"))
+    assert match, "the README names the --templates choices and default"
+    choices, default = match.group(1).split("|"), match.group(2)
+    assert choices == [*TEMPLATES, "FILE"]
+    assert default == _parser().get_default("templates")
+    for example in re.findall(r"--templates (\w+)\b", README):
+        assert example in TEMPLATES
+
+
+def test_the_accelerate_configs_the_readme_names_exist():
+    named = set(re.findall(r"--config_file (\S+)", README))
+    assert "configs/accelerate/one_process.yaml" in named
+    assert all((REPO / path).is_file() for path in named), named
+    setup = _code_blocks(_section("Set up a fresh machine"), "bash")[0]
+    assert "accelerate launch --config_file configs/accelerate/one_process.yaml --quiet finetune/run.py " \
+           "recipes/quickstart.yaml" in setup
