@@ -1,13 +1,16 @@
 """A streamed run on two CPU processes with two data-loader workers each (``ACCELERATE_USE_CPU=true torchrun
---nproc_per_node 2``), killed with SIGKILL after a checkpoint and resumed with ``train.resume: latest``, trains
-on every example exactly once per epoch: the steps up to the checkpoint plus the resumed steps cover the
-webdataset shards once, and the resumed run repeats the killed run's lost step with the same examples."""
+--nproc_per_node 2``), killed with SIGKILL after a checkpoint and resumed with ``train.resume: latest`` as a
+two-node launch (two torchrun launchers, ``--nnodes 2 --node_rank R --master_addr --master_port``, one process
+each, sharing the run folder as nodes share a filesystem), trains on every example exactly once per epoch: the
+steps up to the checkpoint plus the resumed steps cover the webdataset shards once, and the resumed run repeats
+the killed run's lost step with the same examples."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -39,7 +42,7 @@ _SCRIPT = textwrap.dedent('''
             (out / f"hung_{rank}").write_text(str(os.getpid()))
             time.sleep(3600)
         record = {"step": step, "ids": list(batch["ids"]), "world_size": self.acc.num_processes,
-                  "env_world_size": int(os.environ["WORLD_SIZE"])}
+                  "env_world_size": int(os.environ["WORLD_SIZE"]), "node": int(os.environ["GROUP_RANK"])}
         with open(out / f"ids_{tag}_{rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\\n")
             f.flush()
@@ -51,13 +54,15 @@ _SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _launch(tmp_path: Path, tag: str, args: list[str], **env: str) -> subprocess.Popen:
+def _launch(tmp_path: Path, tag: str, args: list[str], nodes: list[str] | None = None, **env: str) -> subprocess.Popen:
+    """``torchrun --standalone --nproc_per_node 2``, or with ``nodes`` (torchrun's node options) one node's
+    launcher of a multi-node job."""
     environ = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "IDS_DIR": str(tmp_path), "IDS_TAG": tag, **env}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(tmp_path / "run_recording.py"), *args]
-    log = open(tmp_path / f"{tag}.log", "w")
+    where = nodes or ["--standalone", "--nproc_per_node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, str(tmp_path / "run_recording.py"), *args]
+    log = open(tmp_path / f"{tag}{nodes[3] if nodes else ''}.log", "w")
     # a session of its own: the kill reaches the launcher, both trainers and their data-loader workers
     return subprocess.Popen(cmd, cwd=tmp_path, env=environ, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -98,13 +103,21 @@ def test_two_processes_two_workers_killed_and_resumed_see_each_example_once_per_
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-6" / "stream_state_1.json").read_text())
     assert (state["rank"], state["world_size"], state["num_workers"], state["num_shards"]) == (1, 2, 2, 4)
 
-    resumed = _launch(tmp_path, "resumed", [*args, "train.resume=latest"])
-    assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-4000:]
+    with socket.socket() as sock:  # a free port for the "main process" of the two-node launch
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    launchers = [_launch(tmp_path, "resumed", [*args, "train.resume=latest"],
+                         nodes=["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                                "--master_addr", "127.0.0.1", "--master_port", port])
+                 for node in range(2)]
+    for node, launcher in enumerate(launchers):
+        assert launcher.wait(timeout=300) == 0, (tmp_path / f"resumed{node}.log").read_text()[-4000:]
 
     before = [_steps(tmp_path, "killed", r) for r in range(2)]
     after = [_steps(tmp_path, "resumed", r) for r in range(2)]
     for r in range(2):
         assert {(s["world_size"], s["env_world_size"]) for s in before[r] + after[r]} == {(2, 2)}
+        assert {s["node"] for s in before[r]} == {0} and {s["node"] for s in after[r]} == {r}  # one node, then two
         assert [s["step"] for s in before[r]] == list(range(1, 8))  # step 7 trained, then killed before step 8
         assert [s["step"] for s in after[r]] == list(range(7, 13))  # resumed from step-6
         assert after[r][0]["ids"] == before[r][6]["ids"]  # the lost step 7 again, with the same examples
