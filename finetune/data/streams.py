@@ -71,7 +71,7 @@ WEBDATASET_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 DEFAULT_CAPTION_KEYS = ("txt", "text", "json.caption")
 _SKIPPED_EXAMPLES_KEPT = 5
 _STATE_VERSION = 2
-_LOADER_STATE_VERSION = 1
+_LOADER_STATE_VERSION = 2  # 1 was the single-reader ExampleStream state
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
@@ -626,7 +626,9 @@ class StreamLoader:
 
     Workers: ``min(num_workers, stream shards)`` (a warning says how many shards to write when a worker
     would have none). Each worker reads its own shards (:class:`ExampleStream`), decodes, transforms and
-    collates; the loader takes one batch from each worker in turn.
+    collates, ``prefetch_factor`` batches ahead; the loader takes one batch from each worker in turn. The
+    stream is endless and iterated once per run, so the workers live as long as the run (persistent without
+    ``persistent_workers``).
 
     Position (:meth:`state_dict`, JSON): ``loader``, torchdata's state after the last batch this loader
     yielded: one :meth:`ExampleStream.state_dict` per worker (epoch, examples read in it, counts, and
