@@ -34,6 +34,8 @@ _SCRIPT = textwrap.dedent('''
 
     out, tag = Path(os.environ["IDS_DIR"]), os.environ["IDS_TAG"]
     hang = int(os.environ.get("HANG_AT_STEP", "0"))
+    # torchrun starts each trainer in a session of its own: the test kills these groups (trainer + workers)
+    (out / f"pid_{tag}_{os.environ['RANK']}").write_text(str(os.getpid()))
     original = Trainer._step
 
     def recording(self, batch):
@@ -68,6 +70,30 @@ def _launch(tmp_path: Path, tag: str, args: list[str], nodes: list[str] | None =
                             start_new_session=True)
 
 
+def _kill(tmp_path: Path, tag: str, launchers: list[subprocess.Popen]) -> None:
+    """SIGKILL to every launcher's process group and to every trainer's (torchrun gives each trainer a session
+    of its own; its data-loader workers are in its group): the whole job at once, as a preemption."""
+    for file in tmp_path.glob(f"pid_{tag}_*"):
+        try:
+            os.killpg(int(file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for launcher in launchers:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        launcher.wait(timeout=60)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
 def _steps(tmp_path: Path, tag: str, rank: int) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / f"ids_{tag}_{rank}.jsonl").read_text().splitlines()]
 
@@ -96,8 +122,12 @@ def test_two_processes_two_workers_killed_and_resumed_see_each_example_once_per_
             assert time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-4000:]
             time.sleep(0.5)
     finally:
-        os.killpg(killed.pid, signal.SIGKILL)  # the whole job, as a preemption would
-        killed.wait(timeout=60)
+        _kill(tmp_path, "killed", [killed])
+    trainers = [int((tmp_path / f"pid_killed_{r}").read_text()) for r in range(2)]
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in trainers):  # really gone before the resume starts
+        assert time.monotonic() < deadline, f"trainers {trainers} survived SIGKILL"
+        time.sleep(0.2)
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints == ["step-3", "step-6"] and not (tmp_path / "run" / "metrics.json").exists()
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-6" / "stream_state_1.json").read_text())
@@ -110,8 +140,11 @@ def test_two_processes_two_workers_killed_and_resumed_see_each_example_once_per_
                          nodes=["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                                 "--master_addr", "127.0.0.1", "--master_port", port])
                  for node in range(2)]
-    for node, launcher in enumerate(launchers):
-        assert launcher.wait(timeout=300) == 0, (tmp_path / f"resumed{node}.log").read_text()[-4000:]
+    try:
+        for node, launcher in enumerate(launchers):
+            assert launcher.wait(timeout=300) == 0, (tmp_path / f"resumed{node}.log").read_text()[-4000:]
+    finally:
+        _kill(tmp_path, "resumed", launchers)  # nothing left when it failed
 
     before = [_steps(tmp_path, "killed", r) for r in range(2)]
     after = [_steps(tmp_path, "resumed", r) for r in range(2)]
