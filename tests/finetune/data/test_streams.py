@@ -437,17 +437,26 @@ def test_workers_read_disjoint_shards_once_per_epoch_and_resume_exactly(tmp_path
     assert [b["term_epoch"] for b in full] == [0] * 12 + [1] * 12  # on_epoch reached the workers' objective
     assert [b["loader_epoch"] for b in full] == [0] * 12 + [1] * 12
 
-    first = _loader(spec, 2)
-    head = _batches(first, 7)
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stream_loader_resumes_exactly(tmp_path, num_workers):
+    scenes, spec = _with_bad_samples(tmp_path)  # 2 shards of 5, one bad example in each: 8 per epoch
+    spec.update(shuffle_buffer=1, seed=4)
+    full = _batches(_loader(spec, num_workers), 10)  # 2.5 epochs
+    first = _loader(spec, num_workers)
+    head = _batches(first, 3)  # into the second epoch of one worker
     state = json.loads(json.dumps(first.state_dict()))
-    assert first.report()["used"] == 14 and state["num_workers"] == 2 and len(state["reports"]) == 2
-    resumed = _loader(spec, 2)
+    assert first.report()["used"] == 6 and state["num_workers"] == num_workers
+    resumed = _loader(spec, num_workers)
     resumed.load_state_dict(state)
-    tail = _batches(resumed, 17)  # the rest of epoch 0 and all of epoch 1
+    assert resumed.report() == first.report() and resumed.epoch == first.epoch  # a run resumed at its end
+    tail = _batches(resumed, 7)
     assert [b["ids"] for b in head + tail] == [b["ids"] for b in full]
-    assert [b["term_epoch"] for b in tail] == [b["term_epoch"] for b in full[7:]]
-    assert resumed.report() == {"epoch": 1, "read": 48, "used": 48, "skipped": 0, "skipped_examples": [],
-                                "num_workers": 2}
+    assert [b["term_epoch"] for b in tail] == [b["term_epoch"] for b in full[3:]]
+    assert [b["loader_epoch"] for b in tail] == [b["loader_epoch"] for b in full[3:]]
+    report = resumed.report()
+    assert (report["read"], report["used"], report["skipped"], report["epoch"]) == (25, 20, 5, 2)
+    assert {e["id"] for e in report["skipped_examples"]} == {scenes[2]["id"], scenes[5]["id"]}
 
 
 def test_workers_count_bad_samples_for_the_report(tmp_path):
@@ -588,7 +597,7 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
     scenes[9] = {**scenes[9], "caption": ""}  # a bad sample: 23 usable per epoch
     write_webdataset(tmp_path / "shards", scenes, 6)
     urls = str(tmp_path / "shards" / "shard-{00000..00003}.tar")
-    steps = ["train.max_steps=8", "train.checkpoint_every=3"]
+    steps = ["train.max_steps=8", "train.checkpoint_every=3", "data.num_workers=2"]  # 2 shards per worker
 
     whole = _run_recording(_stream_recipe(tiny, urls, tmp_path / "whole", *steps), monkeypatch)
     killed = _run_recording(_stream_recipe(tiny, urls, tmp_path / "run", *steps), monkeypatch, stop_at=8)
@@ -610,7 +619,8 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
     assert b["train_stream"]["epoch"] == 1 and b["train_stream"]["used"] == 32
     ckpt = tmp_path / "run" / "checkpoints" / "step-6" / "stream_state_0.json"
     state = json.loads(ckpt.read_text())
-    assert (state["num_workers"], state["num_shards"], state["reports"]["0"]["used"]) == (0, 4, 24)
+    assert (state["num_workers"], state["num_shards"]) == (2, 4)
+    assert [state["reports"][w]["used"] for w in ("0", "1")] == [12, 12]  # 3 batches of 4 from each worker
 
 
 _TWO_PROCESS_SCRIPT = textwrap.dedent('''
