@@ -452,15 +452,15 @@ def _open_train_stream(recipe: Any, objective: Any, model: Any, accelerator: Any
     import functools
 
     from finetune.data.sources import SourceSpec
-    from finetune.data.streams import ExampleStream, expand_urls, open_stream, shard_layout
+    from finetune.data.streams import ExampleStream, check_stream_shards, open_stream, shard_layout
 
     spec = SourceSpec.parse(recipe.data.train)
     rank, world = accelerator.process_index, accelerator.num_processes
     raw = open_stream(spec, rank=rank, world_size=world)
-    shards = len(expand_urls(spec.urls)) if spec.urls is not None else None
-    log.info("training on a stream: %s, %s; this process reads %d, %d steps", spec.name,
+    shards = check_stream_shards(spec, world)  # None for a hub dataset
+    log.info("training on a stream: %s, %s; process %d reads %d, %d steps", spec.name,
              shard_layout(shards, world, recipe.data.num_workers) if shards else f"{world} process(es)",
-             raw.num_shards, recipe.train.max_steps)
+             rank, raw.num_shards, recipe.train.max_steps)
     return ExampleStream(raw, spec, on_error=recipe.data.on_error, rank=rank, world_size=world,
                          transform=functools.partial(objective.stream_map, model=model))
 

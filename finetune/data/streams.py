@@ -174,16 +174,21 @@ def _own_shards(files: list[str], spec: SourceSpec, rank: int, world_size: int) 
     return files[rank::world_size]
 
 
-def check_stream_shards(spec: SourceSpec | dict | str, world_size: int) -> None:
+def check_stream_shards(spec: SourceSpec | dict | str, world_size: int) -> int | None:
     """Recipe-time check that a webdataset / parquet stream has at least one shard file per process (the
     files are listed, not opened), so that a launch with too many processes stops before the model loads.
 
+    Returns:
+        the number of shard files (None for a hub stream, whose files ``datasets`` resolves when opening it).
     Raises:
         DataError: missing shard files, or fewer shard files than processes (saying how many to write).
     """
     spec = SourceSpec.parse(spec)
-    if spec.is_stream and spec.name in ("webdataset", "parquet"):
-        _own_shards(_stream_files(spec, ".tar" if spec.name == "webdataset" else ".parquet"), spec, 0, world_size)
+    if not (spec.is_stream and spec.name in ("webdataset", "parquet")):
+        return None
+    files = _stream_files(spec, ".tar" if spec.name == "webdataset" else ".parquet")
+    _own_shards(files, spec, 0, world_size)
+    return len(files)
 
 
 def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int = 1) -> datasets.IterableDataset:
