@@ -1,6 +1,8 @@
 """Streams (finetune.data.streams): webdataset / parquet / hub-folder shards read back with the right ids,
-captions and images; bad samples skipped and counted; brace expansion; the per-example term hook; the
-trainer's stream branch (max_steps, exact resume); two processes on disjoint shards."""
+captions and images; bad samples skipped and counted; brace expansion; the per-example term hook; shards split
+by process (uneven counts, too few refused) and by data-loader worker (disjoint, once per epoch, exact resume,
+counts and epochs carried back, F-CAST's superpixels computed in the workers); the trainer's stream branch
+(max_steps, exact resume with workers); two processes on disjoint shards."""
 
 from __future__ import annotations
 
