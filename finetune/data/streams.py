@@ -53,6 +53,7 @@ __all__ = [
     "STREAM_SOURCES",
     "WEBDATASET_IMAGE_KEYS",
     "ExampleStream",
+    "StreamCollate",
     "StreamLoader",
     "check_stream_recipe",
     "check_stream_shards",
