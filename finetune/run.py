@@ -293,8 +293,15 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
     set_max_image_pixels(getattr(recipe.data, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
     validate = getattr(recipe.data, "validate", "header")
     options = dict(on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir, validate=validate)
-    train = None  # a stream (finetune.data.streams) is opened and checked by the training loop itself
-    if not SourceSpec.parse(recipe.data.train).is_stream:
+    train = None  # a stream (finetune.data.streams) is opened by the training loop; its shard count checked here
+    if SourceSpec.parse(recipe.data.train).is_stream:
+        from finetune.data.streams import check_stream_shards
+
+        try:
+            check_stream_shards(recipe.data.train, accelerator.num_processes)
+        except DataError as exc:
+            raise DataError(f"training set (data.train): {exc}") from exc
+    else:
         with accelerator.main_process_first():
             try:
                 train = load_source(recipe.data.train, **options)
@@ -396,12 +403,12 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         at_base = _evaluate_at_length(model, model.base_text_len, ev.sets, eval_kwargs)
     truncated = torch.tensor(result.truncated_captions, device=accelerator.device)
     truncated = int(accelerator.reduce(truncated, reduction="sum")) if accelerator.num_processes > 1 else int(truncated)
-    stream_report = _stream_report(train_ds, accelerator) if streaming else None
+    stream_report = _stream_report(trainer.stream, accelerator) if streaming else None
 
     if accelerator.is_main_process:
         save_finetuned(model, out_dir / "final", recipe=recipe_dict)
         table = format_table(before, after) if after else "(no evaluation sets)"
-        shown = train_ds.preview if streaming else train_ds  # a stream: the first examples it yielded
+        shown = trainer.stream.preview() if streaming else train_ds  # a stream: its first examples
         extra = [section for term in objective.all_terms for section in term.report_sections(out_dir, shown)]
         compared = [(p.ref, p.metrics()) for p in prerequisites["compare"]]
         if compared:
@@ -556,31 +563,34 @@ def _open_train_stream(recipe: Any, objective: Any, model: Any, accelerator: Any
     import functools
 
     from finetune.data.sources import SourceSpec
-    from finetune.data.streams import ExampleStream, open_stream
+    from finetune.data.streams import ExampleStream, check_stream_shards, open_stream, shard_layout
 
     spec = SourceSpec.parse(recipe.data.train)
     rank, world = accelerator.process_index, accelerator.num_processes
     raw = open_stream(spec, rank=rank, world_size=world)
-    log.info("training on a stream: %s (%d shards over %d processes), %d steps", spec.name, raw.num_shards, world,
-             recipe.train.max_steps)
+    shards = check_stream_shards(spec, world)  # None for a hub dataset
+    log.info("training on a stream: %s, %s; process %d reads %d, %d steps", spec.name,
+             shard_layout(shards, world, recipe.data.num_workers) if shards else f"{world} process(es)",
+             rank, raw.num_shards, recipe.train.max_steps)
     return ExampleStream(raw, spec, on_error=recipe.data.on_error, rank=rank, world_size=world,
                          transform=functools.partial(objective.stream_map, model=model))
 
 
-def _stream_report(stream: Any, accelerator: Any) -> dict:
-    """The streams' counts summed over processes: examples ``read``, ``used``, ``skipped`` (and the first
-    skipped ones), the last ``epoch`` of process 0, ``num_processes``."""
+def _stream_report(loader: Any, accelerator: Any) -> dict:
+    """The streams' counts summed over processes and their data-loader workers: examples ``read``, ``used``,
+    ``skipped`` (and the first skipped ones), the ``epoch`` of process 0 (its slowest worker's),
+    ``num_processes``, ``num_workers`` (of process 0)."""
     from accelerate.utils import gather_object
 
-    reports = gather_object([stream.report()]) if accelerator.num_processes > 1 else [stream.report()]
+    reports = gather_object([loader.report()]) if accelerator.num_processes > 1 else [loader.report()]
     skipped_examples = [e for r in reports for e in r["skipped_examples"]][:5]
     skipped = sum(r["skipped"] for r in reports)
     if skipped:
-        log.warning("train stream %s: skipped %d unreadable examples (first: %s)", stream.spec.name, skipped,
+        log.warning("train stream %s: skipped %d unreadable examples (first: %s)", loader.spec.name, skipped,
                     ", ".join(str(e["id"]) for e in skipped_examples))
-    return {"format": stream.spec.name, "num_processes": len(reports), "epoch": reports[0]["epoch"],
-            "read": sum(r["read"] for r in reports), "used": sum(r["used"] for r in reports),
-            "skipped": skipped, "skipped_examples": skipped_examples}
+    return {"format": loader.spec.name, "num_processes": len(reports), "num_workers": reports[0]["num_workers"],
+            "epoch": reports[0]["epoch"], "read": sum(r["read"] for r in reports),
+            "used": sum(r["used"] for r in reports), "skipped": skipped, "skipped_examples": skipped_examples}
 
 
 def _evaluate_at_length(model: Any, length: int, sets: list, eval_kwargs: dict) -> dict:

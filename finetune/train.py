@@ -26,6 +26,7 @@ Features:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -218,8 +219,10 @@ def save_checkpoint(
 ) -> Path:
     """``accelerator.save_state`` into ``step-N.tmp``, then an atomic rename to ``step-N``.
 
-    ``stream_state``: this process's stream position (``ExampleStream.state_dict()``), written as
-    ``stream_state_<rank>.json`` into the temporary folder before the rename.
+    ``stream_state``: this process's stream position (``StreamLoader.state_dict()``: its data-loader workers'
+    positions), written by each process as ``stream_state_<rank>.json`` into the temporary folder before the
+    rename; every other file is written by accelerate (the main process for shared files), so on a filesystem
+    shared by several nodes each file has one writer.
     """
     final = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
     tmp = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}.tmp"
@@ -276,7 +279,8 @@ class Trainer:
         dataset: a map-style dataset of examples (``len`` and ``__getitem__``), or a stream (a torch
             ``IterableDataset`` with ``state_dict`` / ``load_state_dict`` and ``epoch``, e.g.
             ``finetune.data.streams.ExampleStream``): then each process loads batches of its share of
-            ``train.batch_size`` from its own stream, ``train.max_steps`` steps, and checkpoints hold each
+            ``train.batch_size`` from its own shards with ``num_workers`` workers
+            (``finetune.data.streams.StreamLoader``), ``train.max_steps`` steps, and checkpoints hold each
             process's stream position (``stream_state_<rank>.json``).
         collate_fn: examples -> batch dict.
         cfg: the recipe's ``train`` section.
@@ -308,17 +312,18 @@ class Trainer:
                 f"train.batch_size={cfg.batch_size} must be divisible by processes x accumulation_steps "
                 f"= {world} x {accum}; change train.batch_size or train.accumulation_steps"
             )
-        #: a stream (``finetune.data.streams.ExampleStream``): each process reads its own shards
-        self.stream = dataset if isinstance(dataset, torch.utils.data.IterableDataset) else None
-        if self.stream is not None:
+        #: a stream's loader (``finetune.data.streams.StreamLoader``): each process reads its own shards with
+        #: ``num_workers`` workers, batches of its share of the global batch, and keeps a resumable position
+        self.stream = None
+        if isinstance(dataset, torch.utils.data.IterableDataset):
             if not cfg.max_steps:
                 raise ValueError("a streamed training set has no length: set train.max_steps")
-            # one loader per process over its own shards, batches of the process's share of the global
-            # batch; num_workers 0 so that the stream's position is exactly the examples consumed
-            if num_workers:
-                log.warning("data.num_workers=%d is not used for a stream: its position (for exact resume) is "
-                            "kept in the main process", num_workers)
-            loader = DataLoader(dataset, batch_size=cfg.batch_size // world, collate_fn=collate_fn, drop_last=True)
+            from .data.streams import StreamLoader, set_terms_epoch
+
+            loader = self.stream = StreamLoader(
+                dataset, batch_size=cfg.batch_size // world, collate_fn=collate_fn, num_workers=num_workers,
+                pin_memory=accelerator.device.type == "cuda",
+                on_epoch=functools.partial(set_terms_epoch, module.objective))
             self.steps_per_epoch = 0
             self.total_steps = cfg.max_steps
         else:

@@ -11,20 +11,34 @@ fingerprinted cache, a length) does not fit. A recipe's ``data.train`` streams w
 - ``{name: hub, path: org/dataset, split: train}``: a hub dataset (or a local dataset folder) in streaming
   mode; ``options`` may give ``config``, ``revision`` and ``data_files``.
 
-Each process reads its own shards (``datasets.distributed.split_dataset_by_node``: whole shards when their
-number is a multiple of the number of processes, else every ``world_size``-th example), so a step's global
-batch is the processes' local batches together. :class:`ExampleStream` turns the raw examples into the
-examples every source yields (``{"id", "image": RGB PIL image, "caption"}``, plus ``captions``), skips and
-counts bad ones (unreadable image, empty caption) or stops on the first (``data.on_error``), runs the
-objective's per-example work (:meth:`finetune.objectives.base.Term.stream_map`) and saves and restores its
-position (``state_dict`` / ``load_state_dict``, the ``datasets`` iterable dataset's own state plus the epoch
-and the counts), so that a resumed run sees exactly the examples an uninterrupted one would.
+Who reads what. Process ``r`` of ``P`` opens only its own shards, ``shards[r::P]`` (:func:`open_stream`;
+the counts differ by at most one when ``P`` does not divide the number of shards, and fewer shards than
+processes is an error that says how many to write). Inside a process, ``data.num_workers`` DataLoader
+workers split that process's shards again (worker ``w`` of ``W`` reads the shards ``[w::W]`` of the
+epoch's order): no shard is read by two readers, none is skipped. Each worker decodes,
+validates and transforms its examples (:class:`ExampleStream`: images decoded, bad examples skipped and
+counted, the objective's :meth:`~finetune.objectives.base.Term.stream_map`) and collates them (the
+model's ``preprocess_images``, e.g. F-CAST's superpixels, and ``tokenize``), so the training process only
+receives finished batches. A process's global-batch share is ``train.batch_size / P``.
+
+How the position is kept (exact resume). :class:`StreamLoader` is torchdata's ``StatefulDataLoader`` over
+the process's :class:`ExampleStream`. Every batch carries the state of the worker that made it; the
+loader's ``state_dict()`` is the state after the last batch handed to the training loop (not the
+batches workers prefetched), and holds, per worker, the :meth:`ExampleStream.state_dict` (its epoch, the
+raw examples read in that epoch, its counts, and ``datasets``' own position in its shards) and which
+worker yields next. A checkpoint writes one such file per process (``stream_state_<rank>.json``); on
+resume each process restores its loader, every worker continues where it stood and the round-robin
+continues with the right worker, so a resumed run trains on exactly the batches an uninterrupted one
+would, with ``shuffle_buffer`` 0 or 1 (a larger buffer's content is lost on resume: ``datasets`` refills
+it). Resume with the same number of processes and ``data.num_workers``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,9 +53,14 @@ __all__ = [
     "STREAM_SOURCES",
     "WEBDATASET_IMAGE_KEYS",
     "ExampleStream",
+    "StreamCollate",
+    "StreamLoader",
     "check_stream_recipe",
+    "check_stream_shards",
     "expand_urls",
     "open_stream",
+    "set_terms_epoch",
+    "shard_layout",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,7 +71,8 @@ WEBDATASET_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 #: (``json.caption``: the ``caption`` field of a webdataset ``KEY.json``)
 DEFAULT_CAPTION_KEYS = ("txt", "text", "json.caption")
 _SKIPPED_EXAMPLES_KEPT = 5
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+_LOADER_STATE_VERSION = 2  # 1 was the single-reader ExampleStream state
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
@@ -131,20 +151,67 @@ def _stream_files(spec: SourceSpec, extension: str) -> list[str]:
 # --------------------------------------------------------------------------- opening
 
 
+def shard_layout(num_shards: int, world_size: int = 1, num_workers: int = 0) -> str:
+    """How ``num_shards`` shards spread over processes and their workers, in words (for the log and errors):
+    ``"332 shards over 8 processes: 41 or 42 each, 5 or 6 per worker (8 workers)"``."""
+    per = [len(range(r, num_shards, world_size)) for r in range(world_size)]
+    text = f"{num_shards} shards over {world_size} process{'es' if world_size > 1 else ''}: "
+    text += f"{min(per)} each" if min(per) == max(per) else f"{min(per)} or {max(per)} each"
+    if num_workers > 1:
+        low, high = min(per) // num_workers, -(-max(per) // num_workers)
+        text += f", {low} per worker" if low == high else f", {low} to {high} per worker"
+        text += f" ({num_workers} workers)"
+    return text
+
+
+def _own_shards(files: list[str], spec: SourceSpec, rank: int, world_size: int) -> list[str]:
+    """Process ``rank``'s shard files, ``files[rank::world_size]`` (DataError when some process gets none)."""
+    if len(files) < world_size:
+        raise DataError(
+            f"data source {spec.name!r} has {len(files)} shard file(s) for {world_size} processes: every process "
+            f"needs its own shards. Write at least {world_size} shards (better a multiple of {world_size} x "
+            "data.num_workers, so that every worker of every process reads the same number) or launch fewer processes"
+        )
+    return files[rank::world_size]
+
+
+def check_stream_shards(spec: SourceSpec | dict | str, world_size: int) -> int | None:
+    """Recipe-time check that a webdataset / parquet stream has at least one shard file per process (the
+    files are listed, not opened), so that a launch with too many processes stops before the model loads.
+
+    Returns:
+        the number of shard files (None for a hub stream, whose files ``datasets`` resolves when opening it).
+    Raises:
+        DataError: missing shard files, or fewer shard files than processes (saying how many to write).
+    """
+    spec = SourceSpec.parse(spec)
+    if not (spec.is_stream and spec.name in ("webdataset", "parquet")):
+        return None
+    files = _stream_files(spec, ".tar" if spec.name == "webdataset" else ".parquet")
+    _own_shards(files, spec, 0, world_size)
+    return len(files)
+
+
 def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int = 1) -> datasets.IterableDataset:
-    """Open a stream source as a ``datasets.IterableDataset`` holding this process's share.
+    """Open a stream source as a ``datasets.IterableDataset`` of this process's shards, unshuffled.
+
+    Webdataset and parquet: only the files ``shards[rank::world_size]`` are opened. A hub dataset is opened
+    whole and cut to its shards ``[rank::world_size]`` (``IterableDataset.shard``). Either way no two
+    processes read one shard, and when ``world_size`` does not divide the number of shards the processes'
+    counts differ by one (never every process reading everything). :class:`ExampleStream` shuffles each
+    epoch (``shuffle_buffer``, ``seed``).
 
     Image columns are not decoded (``{"bytes", "path"}`` dicts): :class:`ExampleStream` decodes them, so
     that an unreadable image is a counted bad example, not an error inside the iterator.
 
     Args:
         spec: a stream entry (:attr:`SourceSpec.is_stream`).
-        rank, world_size: this process and the number of processes
-            (``datasets.distributed.split_dataset_by_node``).
+        rank, world_size: this process and the number of processes.
     Returns:
-        the raw stream: shuffled as ``shuffle_buffer`` says (seeded by ``seed``), split by process.
+        the raw stream of this process's shards (``num_shards`` of them).
     Raises:
-        DataError: not a stream, missing shard files, a source ``datasets`` cannot read.
+        DataError: not a stream, missing shard files, fewer shards than processes (saying how many to
+            write), a source ``datasets`` cannot read.
     """
     spec = SourceSpec.parse(spec)
     if not spec.is_stream:
@@ -157,12 +224,10 @@ def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int
     if unused:
         raise DataError(f"data source {spec.name!r}: {', '.join(unused)} is not used by a stream; remove it")
     try:
-        if spec.name == "webdataset":
-            files = _stream_files(spec, ".tar")
-            ds = datasets.load_dataset("webdataset", data_files={"train": files}, split="train", streaming=True)
-        elif spec.name == "parquet":
-            files = _stream_files(spec, ".parquet")
-            ds = datasets.load_dataset("parquet", data_files={"train": files}, split="train", streaming=True)
+        if spec.name in ("webdataset", "parquet"):
+            files = _stream_files(spec, ".tar" if spec.name == "webdataset" else ".parquet")
+            own = _own_shards(files, spec, rank, world_size)
+            ds = datasets.load_dataset(spec.name, data_files={"train": own}, split="train", streaming=True)
         else:
             if not spec.path:
                 raise DataError("data source 'hub' needs path: a hub dataset id (org/dataset) or a local dataset "
@@ -183,14 +248,14 @@ def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int
     if not isinstance(ds, datasets.IterableDataset):
         raise DataError(f"data source {spec.name!r}: expected one split as a stream, got {type(ds).__name__}; "
                         "set split")
-    ds = ds.decode(False)
-    if spec.shuffle_buffer:
-        ds = ds.shuffle(seed=spec.seed, buffer_size=spec.shuffle_buffer)
-    if world_size > 1:
-        from datasets.distributed import split_dataset_by_node
-
-        ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
-    return ds
+    if spec.name == "hub" and world_size > 1:
+        if ds.num_shards < world_size:
+            raise DataError(
+                f"data source 'hub' ({spec.path}) has {ds.num_shards} shard(s) for {world_size} processes: every "
+                f"process needs its own. Use a dataset with at least {world_size} data files (better a multiple of "
+                f"{world_size} x data.num_workers), e.g. options.data_files, or launch fewer processes")
+        ds = ds.shard(num_shards=world_size, index=rank, contiguous=False)
+    return ds.decode(False)
 
 
 def _check_fields(spec: SourceSpec) -> list[str]:
@@ -255,7 +320,7 @@ def _has(columns: list[str], key: str) -> bool:
 
 
 class ExampleStream(torch.utils.data.IterableDataset):
-    """This process's endless stream of validated examples, epoch after epoch, with a resumable position.
+    """One reader's endless stream of validated examples, epoch after epoch, with a resumable position.
 
     Yields ``{"id": str, "image": RGB PIL image, "caption": str}`` (plus ``captions`` when the caption
     column holds lists, ``url`` for webdataset shards) updated with what ``transform`` returns (the
@@ -263,18 +328,22 @@ class ExampleStream(torch.utils.data.IterableDataset):
     sources: ``image_column`` (default ``image``, else the first webdataset key of
     :data:`WEBDATASET_IMAGE_KEYS`), ``caption_column`` (default ``caption``, else ``txt``, ``text`` or the
     ``caption`` field of ``json``; ``json.FIELD`` reads another field), ``options.fields`` (more raw columns,
-    each kept under its last name: ``json.long_IB_captions`` -> ``long_IB_captions``), ``id_column`` (default ``id``, else
-    the webdataset ``__key__``, else ``<name>-<rank>-<epoch>-<position>``).
+    each kept under its last name: ``json.long_IB_captions`` -> ``long_IB_captions``), ``id_column`` (default
+    ``id``, else the webdataset ``__key__``, else ``<name>-<rank>-<worker>-<epoch>-<position>``).
 
-    Iterate it once (the trainer's loader does): every epoch calls ``set_epoch`` on the raw stream (a new
-    shard order when shuffling) and continues.
+    Iterated in the training process it reads all of ``dataset``; iterated in DataLoader worker ``w`` of
+    ``W``, the shards ``[w::W]``. Each epoch reads a fresh view (:meth:`_epoch_dataset`): with
+    ``shuffle_buffer`` > 0 the shards reordered from ``seed + epoch`` (and examples mixed through the buffer
+    when it holds more than one), the same order in every worker; with 0, the shards in the given order.
+    (The epoch is counted here, not with ``datasets``' ``set_epoch``, whose value all the workers of a
+    loader share.)
 
     Args:
         dataset: the raw stream (:func:`open_stream`).
-        spec: its entry (names the columns).
+        spec: its entry (names the columns, ``seed``, ``shuffle_buffer``).
         on_error: ``skip`` (count bad examples, keep the first few) or ``raise`` (:class:`DataError` on the
             first, naming its id and shard).
-        transform: ``example -> extra fields``, run on every good example.
+        transform: ``example -> extra fields``, run on every good example (in the reader's process).
         rank, world_size: recorded in the state, checked on resume.
         keep: good examples kept in :attr:`preview` (for report previews).
     """
@@ -307,7 +376,21 @@ class ExampleStream(torch.utils.data.IterableDataset):
         self.skipped = 0
         self.skipped_examples: list[dict[str, str]] = []
         self._resumed = False
+        self._dataset_state: dict | None = None  # datasets' position in the current epoch, from a checkpoint
+        self._current: datasets.IterableDataset | None = None  # the current epoch's view of ``dataset``
         self._keys: tuple[str, str, str | None] | None = None
+
+    @property
+    def worker(self) -> int:
+        """The DataLoader worker reading this stream (0 in the training process)."""
+        info = torch.utils.data.get_worker_info()
+        return info.id if info is not None else 0
+
+    @property
+    def num_workers(self) -> int:
+        """The number of DataLoader workers of the loader reading this stream (0: read in the training process)."""
+        info = torch.utils.data.get_worker_info()
+        return info.num_workers if info is not None else 0
 
     # -- columns ---------------------------------------------------------------------------------
     def _resolve_keys(self, raw: dict[str, Any]) -> tuple[str, str, str | None]:
@@ -342,7 +425,8 @@ class ExampleStream(torch.utils.data.IterableDataset):
             self._keys = self._resolve_keys(raw)
         image_key, caption_key, id_key = self._keys
         value = _lookup(raw, id_key) if id_key else None
-        ident = str(value) if value is not None else f"{self.spec.name}-{self.rank}-{self.epoch}-{self.position - 1}"
+        ident = (str(value) if value is not None else
+                 f"{self.spec.name}-{self.rank}-{self.worker}-{self.epoch}-{self.position - 1}")
         url = str(raw.get("__url__") or "")
         example: dict[str, Any] = {"id": ident}
         if url:
@@ -376,12 +460,28 @@ class ExampleStream(torch.utils.data.IterableDataset):
         return example, None, url
 
     # -- iteration -------------------------------------------------------------------------------
+    def _epoch_dataset(self, epoch: int) -> datasets.IterableDataset:
+        """This reader's view of ``dataset`` for ``epoch``: the shards shuffled from ``seed + epoch`` (with
+        ``shuffle_buffer`` > 0; the same order in every worker of the process), then worker ``w`` of ``W``
+        keeps the shards ``[w::W]`` of that order (``IterableDataset.shard``), so the workers' shares are
+        disjoint and cover every shard once. A fresh object every epoch: a checkpoint's position is loaded
+        into the resumed epoch's view only."""
+        ds = self.dataset
+        if self.spec.shuffle_buffer:
+            ds = ds.shuffle(seed=self.spec.seed + epoch, buffer_size=self.spec.shuffle_buffer)
+        return ds.shard(num_shards=max(1, self.num_workers), index=self.worker, contiguous=False)
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         resumed = self._resumed
         while True:
-            self.dataset.set_epoch(self.epoch)
+            self._current = self._epoch_dataset(self.epoch)
+            if resumed and self._dataset_state is not None:
+                self._current.load_state_dict(self._dataset_state)
             usable = 0
-            for raw in self.dataset:
+            # ``iter`` reads exactly this view: iterating the dataset itself in a DataLoader worker would split
+            # it by worker again (and datasets 5.2 then cannot load a shuffled stream's saved position)
+            for rows in self._current.iter(batch_size=1):
+                raw = {key: values[0] for key, values in rows.items()}
                 self.position += 1
                 self.read += 1
                 example, reason, url = self._example(raw)
@@ -396,13 +496,18 @@ class ExampleStream(torch.utils.data.IterableDataset):
                     self.preview.append(example)
                 yield example
             if not usable and not resumed:
+                where = f"process {self.rank} of {self.world_size}"
+                if self.num_workers:
+                    where += f", data-loader worker {self.worker} of {self.num_workers},"
                 raise DataError(
-                    f"data source {self.spec.name!r}: process {self.rank} of {self.world_size} found no usable "
-                    f"examples in epoch {self.epoch} ({self.position} read, {self.skipped} skipped in all; first: "
-                    f"{self.skipped_examples[:1]}); check data.train (urls, columns) and that there are at least "
-                    "as many shards as processes"
+                    f"data source {self.spec.name!r}: {where} found no usable examples in epoch {self.epoch} "
+                    f"({self.position} read, {self.skipped} skipped in all; first: {self.skipped_examples[:1]}); "
+                    "check data.train (urls, columns) and that there are at least as many shards as processes "
+                    "x data.num_workers"
                 )
             resumed = False
+            self._dataset_state = None
+            self._current = None
             self.epoch += 1
             self.position = 0
 
@@ -419,49 +524,218 @@ class ExampleStream(torch.utils.data.IterableDataset):
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last example yielded (JSON-serialisable): the raw stream's
-        ``state_dict()``, the epoch and the counts."""
+        """The position after the last example yielded (JSON-serialisable): the epoch, the raw examples
+        read in it (``position``), the counts, and ``datasets``' own position in this epoch's shards
+        (``dataset``; None before the epoch's first example). In a DataLoader worker this is the worker's
+        position; torchdata's ``StatefulDataLoader`` collects one per worker (:class:`StreamLoader`)."""
+        current = self._current.state_dict() if self._current is not None and self.position else None
         return {
             "version": _STATE_VERSION,
             "name": self.spec.name,
             "rank": self.rank,
             "world_size": self.world_size,
+            "worker": self.worker,
+            "num_workers": self.num_workers,
             "epoch": self.epoch,
             "position": self.position,
             "read": self.read,
             "yielded": self.yielded,
             "skipped": self.skipped,
             "skipped_examples": list(self.skipped_examples),
-            "dataset": self.dataset.state_dict() if self.read else None,
+            "dataset": current if current is not None else self._dataset_state,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict` (call before iterating).
+        """Continue from :meth:`state_dict` (call before iterating; in a worker, the worker's own state).
 
         Raises:
-            DataError: the state was saved by another process layout (rank / number of processes).
+            DataError: the state was saved by another process layout (rank / number of processes / number of
+                data-loader workers) or by an older xlipkit.
         """
         if state.get("version") != _STATE_VERSION:
-            raise DataError(f"stream state version {state.get('version')!r} is not {_STATE_VERSION}")
+            raise DataError(
+                f"stream state version {state.get('version')!r} is not {_STATE_VERSION}: the checkpoint was saved "
+                "by an older xlipkit whose stream position does not carry over to the multi-worker reader; resume "
+                "with that version or start the run again")
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
             raise DataError(
                 f"the checkpoint's stream position was saved by process {state['rank']} of {state['world_size']}, "
                 f"this is process {self.rank} of {self.world_size}: resume with the same number of processes"
             )
+        if (state["worker"], state["num_workers"]) != (self.worker, self.num_workers):
+            raise DataError(
+                f"the checkpoint's stream position was saved by data-loader worker {state['worker']} of "
+                f"{state['num_workers']}, this reader is worker {self.worker} of {self.num_workers}: resume with the "
+                "same data.num_workers")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.read = int(state["read"])
         self.yielded = int(state["yielded"])
         self.skipped = int(state["skipped"])
         self.skipped_examples = list(state["skipped_examples"])
-        if state["dataset"] is not None:
-            self.dataset.load_state_dict(state["dataset"])
+        self._dataset_state = state["dataset"]
         self._resumed = True
 
     def report(self) -> dict[str, Any]:
-        """Counts for ``metrics.json``: examples read, used and skipped (this process) and the first skipped."""
+        """Counts for ``metrics.json``: examples read, used and skipped (this reader) and the first skipped."""
         return {"epoch": self.epoch, "read": self.read, "used": self.yielded, "skipped": self.skipped,
                 "skipped_examples": list(self.skipped_examples)}
+
+
+# --------------------------------------------------------------------------- loader
+
+
+def set_terms_epoch(objective: Any, epoch: int) -> None:
+    """``Term.set_epoch(epoch)`` on every term of ``objective`` (the :class:`StreamLoader`'s ``on_epoch``)."""
+    for term in objective.all_terms:
+        term.set_epoch(epoch)
+
+
+#: batch key under which a stream batch carries its reader's epoch and counts to the training process
+STREAM_KEY = "_stream"
+
+
+class StreamCollate:
+    """The collate function of a :class:`StreamLoader`, run where the batch's examples were read (a worker):
+    tells the objective the reader's epoch before collating (its per-example work, e.g. FLAIR's sub-caption
+    draws, depends on it) and adds ``batch[STREAM_KEY]`` = the reader's worker id, epoch and counts after
+    this batch, which the loader collects for ``metrics.json``.
+
+    Args:
+        collate_fn: examples -> batch (the model's image preprocessing and tokenizer, the objective's fields).
+        stream: the stream iterated in the training process (``num_workers`` 0); in a worker the worker's
+            copy (``get_worker_info().dataset``) is read instead.
+        on_epoch: called with the reader's epoch whenever it changes (``Term.set_epoch`` of every term).
+    """
+
+    def __init__(self, collate_fn: Callable[[list[dict]], dict[str, Any]], stream: ExampleStream,
+                 on_epoch: Callable[[int], None] | None = None) -> None:
+        self.collate_fn = collate_fn
+        self.stream = stream
+        self.on_epoch = on_epoch
+        self._epoch: int | None = None
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        info = torch.utils.data.get_worker_info()
+        stream = info.dataset if info is not None else self.stream
+        if self.on_epoch is not None and stream.epoch != self._epoch:
+            self.on_epoch(stream.epoch)
+        self._epoch = stream.epoch
+        batch = self.collate_fn(examples)
+        batch[STREAM_KEY] = {"worker": stream.worker, **stream.report()}
+        return batch
+
+
+class StreamLoader:
+    """This process's batches of a stream, read by ``num_workers`` DataLoader workers, with an exact,
+    resumable position (torchdata's ``StatefulDataLoader`` over an :class:`ExampleStream`).
+
+    Workers: ``min(num_workers, stream shards)`` (a warning says how many shards to write when a worker
+    would have none). Each worker reads its own shards (:class:`ExampleStream`), decodes, transforms and
+    collates, ``prefetch_factor`` batches ahead; the loader takes one batch from each worker in turn. The
+    stream is endless and iterated once per run, so the workers live as long as the run (persistent without
+    ``persistent_workers``).
+
+    Position (:meth:`state_dict`, JSON): ``loader``, torchdata's state after the last batch this loader
+    yielded: one :meth:`ExampleStream.state_dict` per worker (epoch, examples read in it, counts, and
+    ``datasets``' position in the worker's shards) and which worker yields next; ``reports``, each worker's
+    counts at its last batch; the process layout (``rank``, ``world_size``, ``num_workers``,
+    ``num_shards``), checked by :meth:`load_state_dict`.
+
+    Args:
+        stream: this process's stream.
+        batch_size: examples per batch (the process's share of the global batch).
+        collate_fn: examples -> batch.
+        num_workers: the recipe's ``data.num_workers`` (0: read in this process).
+        pin_memory: page-locked batches, for fast non-blocking copies to an accelerator.
+        prefetch_factor: batches each worker prepares ahead.
+        on_epoch: ``Term.set_epoch`` of every term (see :class:`StreamCollate`).
+    """
+
+    def __init__(self, stream: ExampleStream, *, batch_size: int, collate_fn: Callable[[list[dict]], dict[str, Any]],
+                 num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int = 2,
+                 on_epoch: Callable[[int], None] | None = None) -> None:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        self.stream = stream
+        self.spec = stream.spec
+        self.num_shards = int(stream.dataset.num_shards)
+        self.num_workers = min(num_workers, self.num_shards)
+        if self.num_workers < num_workers:
+            world = stream.world_size
+            logger.warning(
+                "data.num_workers=%d but process %d of %d has only %d shard(s) of %s: it reads them with %d worker(s). "
+                "Write at least %d shards (processes x data.num_workers), best a multiple of it, to use every worker",
+                num_workers, stream.rank, world, self.num_shards, self.spec.name, self.num_workers, world * num_workers)
+        with warnings.catch_warnings():  # torchdata 0.11 on torch >= 2.10: "'set_vital' is deprecated"
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            self.loader = StatefulDataLoader(
+                stream, batch_size=batch_size, collate_fn=StreamCollate(collate_fn, stream, on_epoch), drop_last=True,
+                num_workers=self.num_workers, pin_memory=pin_memory,
+                prefetch_factor=prefetch_factor if self.num_workers else None, snapshot_every_n_steps=1,
+            )
+        #: the epoch of the reader of the last batch yielded
+        self.epoch = 0
+        self._reports: dict[str, dict[str, Any]] = {}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.loader:
+            info = batch.pop(STREAM_KEY)
+            self._reports[str(info.pop("worker"))] = info
+            self.epoch = info["epoch"]
+            yield batch
+
+    # -- state -----------------------------------------------------------------------------------
+    def _layout(self) -> dict[str, int]:
+        return {"rank": self.stream.rank, "world_size": self.stream.world_size, "num_workers": self.num_workers,
+                "num_shards": self.num_shards}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This process's position after the last batch yielded (JSON-serialisable; see the class)."""
+        return {"version": _LOADER_STATE_VERSION, "name": self.spec.name, **self._layout(), "epoch": self.epoch,
+                "reports": self._reports, "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (before iterating).
+
+        Raises:
+            DataError: saved with another number of processes, workers or shards, or by an older xlipkit.
+        """
+        if state.get("version") != _LOADER_STATE_VERSION or "loader" not in state:
+            raise DataError(
+                "the checkpoint's stream position was saved by an older xlipkit (one reader per process), which "
+                "does not carry over to data-loader workers: resume with that version or start the run again")
+        saved = {key: state.get(key) for key in self._layout()}
+        if saved != self._layout():
+            raise DataError(
+                f"the checkpoint's stream position was saved by process {saved['rank']} of {saved['world_size']} "
+                f"reading {saved['num_shards']} shards with {saved['num_workers']} data-loader worker(s); this is "
+                f"process {self.stream.rank} of {self.stream.world_size} reading {self.num_shards} shards with "
+                f"{self.num_workers}: resume with the same number of processes, data.train and data.num_workers")
+        self.loader.load_state_dict(state["loader"])
+        self._reports = {str(k): dict(v) for k, v in state["reports"].items()}
+        self.epoch = int(state["epoch"])
+
+    def report(self) -> dict[str, Any]:
+        """This process's counts summed over its workers (as of the last batch yielded): ``read``, ``used``,
+        ``skipped``, the first ``skipped_examples``, ``epoch`` (whole passes over all of the process's shards:
+        the slowest worker's epoch) and ``num_workers``."""
+        reports = list(self._reports.values()) or [self.stream.report()]
+        return {"epoch": min(r["epoch"] for r in reports), "read": sum(r["read"] for r in reports),
+                "used": sum(r["used"] for r in reports), "skipped": sum(r["skipped"] for r in reports),
+                "skipped_examples": [e for r in reports for e in r["skipped_examples"]][:_SKIPPED_EXAMPLES_KEPT],
+                "num_workers": self.num_workers}
+
+    def preview(self) -> list[dict[str, Any]]:
+        """The first examples of this process's stream (``stream.keep`` of them, with ``transform`` applied),
+        for the report: those the training process read itself or, when workers read the stream, the first
+        examples of epoch 0 of this process's shards, read again here (examples the workers trained on)."""
+        if self.stream.preview:
+            return list(self.stream.preview)
+        s = self.stream
+        fresh = ExampleStream(s.dataset, s.spec, on_error="skip", transform=s.transform, rank=s.rank,
+                              world_size=s.world_size, keep=s.keep)
+        return list(itertools.islice(iter(fresh), s.keep))
 
 
 # --------------------------------------------------------------------------- registry entries

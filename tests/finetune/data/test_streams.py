@@ -1,6 +1,8 @@
 """Streams (finetune.data.streams): webdataset / parquet / hub-folder shards read back with the right ids,
-captions and images; bad samples skipped and counted; brace expansion; the per-example term hook; the
-trainer's stream branch (max_steps, exact resume); two processes on disjoint shards."""
+captions and images; bad samples skipped and counted; brace expansion; the per-example term hook; shards split
+by process (uneven counts, too few refused) and by data-loader worker (disjoint, once per epoch, exact resume,
+counts and epochs carried back, F-CAST's superpixels computed in the workers); the trainer's stream branch
+(max_steps, exact resume with workers); two processes on disjoint shards."""
 
 from __future__ import annotations
 
@@ -349,6 +351,197 @@ def test_state_from_another_process_layout_is_refused(tmp_path):
         other.load_state_dict(state)
 
 
+# --------------------------------------------------------------------------- processes and workers
+
+
+def test_uneven_shards_are_split_by_process_never_multiplied(tmp_path):
+    from finetune.data.streams import check_stream_shards, shard_layout
+
+    scenes = _scenes(18)
+    write_webdataset(tmp_path, scenes, 2)  # 9 shards on 4 processes: 3, 2, 2, 2
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00008}.tar"), "shuffle_buffer": 0}
+    raws = [open_stream(spec, rank=r, world_size=4) for r in range(4)]
+    assert [raw.num_shards for raw in raws] == [3, 2, 2, 2]
+    parts = [[e["id"] for e in _read(ExampleStream(raw, spec, rank=r, world_size=4), 2 * raw.num_shards)]
+             for r, raw in enumerate(raws)]  # one epoch of each process
+    assert sorted(i for part in parts for i in part) == sorted(s["id"] for s in scenes)  # each example once
+    assert parts[1] == [s["id"] for s in scenes[2:4] + scenes[10:12]]  # process 1: shards 1 and 5
+    assert shard_layout(332, 8, 8) == "332 shards over 8 processes: 41 or 42 each, 5 to 6 per worker (8 workers)"
+    assert shard_layout(16, 2, 4) == "16 shards over 2 processes: 8 each, 2 per worker (4 workers)"
+    with pytest.raises(DataError, match=r"has 9 shard file\(s\) for 10 processes.*Write at least 10 shards"):
+        open_stream(spec, rank=0, world_size=10)
+    with pytest.raises(DataError, match="Write at least 10 shards"):
+        check_stream_shards(spec, 10)
+    check_stream_shards(spec, 9)
+
+
+def test_hub_stream_is_split_by_process(tmp_path):
+    scenes = _scenes(12)
+    write_parquet(tmp_path / "repo" / "data", scenes, 4, prefix="train")  # 3 files
+    spec = {"name": "hub", "path": str(tmp_path / "repo"), "split": "train", "image_column": "jpg",
+            "caption_column": "text", "id_column": "key", "shuffle_buffer": 0}
+    raws = [open_stream(spec, rank=r, world_size=2) for r in range(2)]
+    assert [raw.num_shards for raw in raws] == [2, 1]
+    parts = [{e["id"] for e in _read(ExampleStream(raw, spec), 4 * raw.num_shards)} for raw in raws]
+    assert not parts[0] & parts[1] and parts[0] | parts[1] == {s["id"] for s in scenes}
+    with pytest.raises(DataError, match="has 3 shard\\(s\\) for 4 processes"):
+        open_stream(spec, rank=0, world_size=4)
+
+
+class _Record:
+    """collate_fn and on_epoch of the loader tests: each batch's ids, the process that made it, the epoch
+    ``on_epoch`` last set in that process."""
+
+    def __init__(self) -> None:
+        self.epoch = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __call__(self, examples: list[dict]) -> dict:
+        return {"ids": [e["id"] for e in examples], "pid": os.getpid(), "term_epoch": self.epoch}
+
+
+def _loader(spec: dict, num_workers: int, **kwargs):
+    from finetune.data.streams import StreamLoader
+
+    record = _Record()
+    return StreamLoader(ExampleStream(open_stream(spec), spec, **kwargs), batch_size=2, collate_fn=record,
+                        num_workers=num_workers, on_epoch=record.set_epoch)
+
+
+def _batches(loader, n: int) -> list[dict]:
+    it = iter(loader)
+    out = []
+    for _ in range(n):
+        batch = next(it)
+        out.append({**batch, "loader_epoch": loader.epoch})
+    return out
+
+
+def test_workers_read_disjoint_shards_once_per_epoch_and_resume_exactly(tmp_path):
+    scenes = _scenes(24)
+    write_webdataset(tmp_path, scenes, 3)  # 8 shards: 4 per worker
+    shard_of = {s["id"]: k // 3 for k, s in enumerate(scenes)}
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00007}.tar"), "seed": 3}
+    full = _batches(_loader(spec, 2), 24)  # two epochs of 12 batches
+    pids = [b["pid"] for b in full]
+    assert os.getpid() not in pids and len(set(pids)) == 2  # read, decoded and collated in two workers
+    assert pids[0::2] == [pids[0]] * 12 and pids[1::2] == [pids[1]] * 12  # one batch from each in turn
+    ids = [[i for b in full[e * 12:(e + 1) * 12] for i in b["ids"]] for e in range(2)]
+    for epoch in ids:
+        assert sorted(epoch) == sorted(s["id"] for s in scenes)  # every example exactly once per epoch
+    assert ids[0] != ids[1]  # the shard order is reshuffled every epoch
+    for e in range(2):  # no shard read by both workers
+        by_worker = [{shard_of[i] for b in full[e * 12:(e + 1) * 12] if b["pid"] == pid for i in b["ids"]}
+                     for pid in set(pids)]
+        assert not by_worker[0] & by_worker[1] and len(by_worker[0]) == len(by_worker[1]) == 4
+    assert [b["term_epoch"] for b in full] == [0] * 12 + [1] * 12  # on_epoch reached the workers' objective
+    assert [b["loader_epoch"] for b in full] == [0] * 12 + [1] * 12
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stream_loader_resumes_exactly(tmp_path, num_workers):
+    scenes, spec = _with_bad_samples(tmp_path)  # 2 shards of 5, one bad example in each: 8 per epoch
+    spec.update(shuffle_buffer=1, seed=4)
+    full = _batches(_loader(spec, num_workers), 10)  # 2.5 epochs
+    first = _loader(spec, num_workers)
+    head = _batches(first, 3)  # into the second epoch of one worker
+    state = json.loads(json.dumps(first.state_dict()))
+    assert first.report()["used"] == 6 and state["num_workers"] == num_workers
+    resumed = _loader(spec, num_workers)
+    resumed.load_state_dict(state)
+    assert resumed.report() == first.report() and resumed.epoch == first.epoch  # a run resumed at its end
+    tail = _batches(resumed, 7)
+    assert [b["ids"] for b in head + tail] == [b["ids"] for b in full]
+    assert [b["term_epoch"] for b in tail] == [b["term_epoch"] for b in full[3:]]
+    assert [b["loader_epoch"] for b in tail] == [b["loader_epoch"] for b in full[3:]]
+    report = resumed.report()
+    assert (report["read"], report["used"], report["skipped"], report["epoch"]) == (25, 20, 5, 2)
+    assert {e["id"] for e in report["skipped_examples"]} == {scenes[2]["id"], scenes[5]["id"]}
+
+
+def test_workers_count_bad_samples_for_the_report(tmp_path):
+    scenes, spec = _with_bad_samples(tmp_path)  # 2 shards of 5, one bad example in each
+    loader = _loader(spec, 2)
+    got = [i for b in _batches(loader, 4) for i in b["ids"]]
+    assert sorted(got) == sorted(s["id"] for k, s in enumerate(scenes) if k not in (2, 5))
+    report = loader.report()
+    assert (report["read"], report["used"], report["skipped"]) == (10, 8, 2)
+    assert {e["id"] for e in report["skipped_examples"]} == {scenes[2]["id"], scenes[5]["id"]}
+
+
+def test_fewer_shards_than_workers_warns_and_reads_with_fewer(tmp_path, caplog):
+    write_webdataset(tmp_path, _scenes(4), 4)  # one shard
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shard-00000.tar")}
+    with caplog.at_level("WARNING", logger="finetune.data.streams"):
+        loader = _loader(spec, 3)
+    assert loader.num_workers == 1
+    assert "has only 1 shard(s) of webdataset: it reads them with 1 worker(s). Write at least 3 shards" in caplog.text
+    batches = _batches(loader, 5)  # 2.5 epochs, no worker waiting for a shard
+    assert len({b["pid"] for b in batches}) == 1 and [b["loader_epoch"] for b in batches] == [0, 0, 1, 1, 2]
+
+
+def test_resuming_with_another_number_of_workers_is_refused(tmp_path):
+    write_webdataset(tmp_path, _scenes(8), 2)
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00003}.tar")}
+    first = _loader(spec, 2)
+    _batches(first, 3)
+    state = json.loads(json.dumps(first.state_dict()))
+    with pytest.raises(DataError, match="with 2 data-loader worker.*with 1: resume with the same number of processes"):
+        _loader(spec, 1).load_state_dict(state)
+    with pytest.raises(DataError, match="older xlipkit"):
+        _loader(spec, 0).load_state_dict({"version": 1, "rank": 0, "world_size": 1, "epoch": 0, "dataset": None})
+
+
+def test_fcast_superpixels_and_subcaption_epochs_are_computed_in_the_workers(tmp_path, monkeypatch):
+    """F-CAST's superpixels (the model's preprocess_images) and sub-caption draws (the term's prepare, which
+    depends on the epoch) run in the stream's workers, with the epoch of the examples they read."""
+    import torch
+
+    from finetune import load_model
+    from finetune.data.collate import Collator
+    from finetune.data.streams import StreamLoader, set_terms_epoch
+    from finetune.models.fcast import FCastModel
+    from finetune.objectives.base import Objective
+    from finetune.objectives.fcast import FCastOptions
+    from finetune.objectives.registry import build_term
+
+    model = load_model("fcast-tiny", family="fcast")
+    term, _ = build_term("fcast", FCastOptions(k=6, n_chunks=4))
+    objective = Objective(None, [(term, 1.0)])
+    objective.prepare_model(model)
+    pids = tmp_path / "superpixel_pids.txt"
+    original = FCastModel.superpixels_of
+
+    def recording(self, array):
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return original(self, array)
+
+    monkeypatch.setattr(FCastModel, "superpixels_of", recording)
+    scenes = _scenes(8)
+    write_webdataset(tmp_path / "shards", scenes, 2)  # 4 shards, 2 per worker
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shards" / "shard-{00000..00003}.tar"), "shuffle_buffer": 0}
+    stream = ExampleStream(open_stream(spec), spec, transform=lambda e: objective.stream_map(e, model))
+    loader = StreamLoader(stream, batch_size=2, collate_fn=Collator(model, objective), num_workers=2,
+                          on_epoch=lambda epoch: set_terms_epoch(objective, epoch))
+    it = iter(loader)
+    batches = [next(it) for _ in range(6)]  # epoch 0 (4 batches), then epoch 1
+    workers = {int(line) for line in pids.read_text().split()}
+    assert len(workers) == 2 and os.getpid() not in workers  # every superpixel map was computed in a worker
+    labels = batches[0]["image_inputs"]["superpixels"]
+    assert labels.shape[0] == 2 and labels.dtype == torch.int64 and labels.max() > 0
+    by_id = {e["id"]: e for e in _read(ExampleStream(open_stream(spec), spec), 8)}
+    for batch, epoch in ((batches[0], 0), (batches[4], 1)):
+        term.set_epoch(epoch)
+        expected = term.collate([term.prepare(by_id[i]) for i in batch["ids"]], model)
+        assert torch.equal(batch["fcast_sub_ids"], expected["fcast_sub_ids"])
+    term.set_epoch(0)
+    epoch0 = term.collate([term.prepare(by_id[i]) for i in batches[4]["ids"]], model)
+    assert not torch.equal(batches[4]["fcast_sub_ids"], epoch0["fcast_sub_ids"])  # the draws differ by epoch
+
+
 # --------------------------------------------------------------------------- training on a stream
 
 
@@ -406,7 +599,7 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
     scenes[9] = {**scenes[9], "caption": ""}  # a bad sample: 23 usable per epoch
     write_webdataset(tmp_path / "shards", scenes, 6)
     urls = str(tmp_path / "shards" / "shard-{00000..00003}.tar")
-    steps = ["train.max_steps=8", "train.checkpoint_every=3"]
+    steps = ["train.max_steps=8", "train.checkpoint_every=3", "data.num_workers=2"]  # 2 shards per worker
 
     whole = _run_recording(_stream_recipe(tiny, urls, tmp_path / "whole", *steps), monkeypatch)
     killed = _run_recording(_stream_recipe(tiny, urls, tmp_path / "run", *steps), monkeypatch, stop_at=8)
@@ -427,7 +620,9 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
     assert b["skipped"]["train_examples"][0] == {"id": scenes[9]["id"], "path": bad_shard, "reason": "empty caption"}
     assert b["train_stream"]["epoch"] == 1 and b["train_stream"]["used"] == 32
     ckpt = tmp_path / "run" / "checkpoints" / "step-6" / "stream_state_0.json"
-    assert json.loads(ckpt.read_text())["yielded"] == 24
+    state = json.loads(ckpt.read_text())
+    assert (state["num_workers"], state["num_shards"]) == (2, 4)
+    assert [state["reports"][w]["used"] for w in ("0", "1")] == [12, 12]  # 3 batches of 4 from each worker
 
 
 _TWO_PROCESS_SCRIPT = textwrap.dedent('''
@@ -490,7 +685,7 @@ def test_two_processes_read_disjoint_shards(tmp_path):
     assert metrics["num_processes"] == 2 and metrics["train_stream"]["used"] == 12 and len(shards) == 4
     ckpt = tmp_path / "run" / "checkpoints" / "step-3"
     states = [json.loads((ckpt / f"stream_state_{r}.json").read_text()) for r in range(2)]
-    assert [(s["rank"], s["world_size"], s["yielded"]) for s in states] == [(0, 2, 6), (1, 2, 6)]
+    assert [(s["rank"], s["world_size"], s["reports"]["0"]["used"]) for s in states] == [(0, 2, 6), (1, 2, 6)]
 
 
 def test_preview_of_a_stream_recipe(tmp_path):
