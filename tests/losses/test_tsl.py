@@ -30,6 +30,7 @@ from losses import (
     tsl_sentence_spans,
     tsl_similarity_loss,
 )
+from tests.losses.tsl_host_reads import HostReads
 
 CAPTION = "The pole is 3.5 m tall, e.g. taller than a man. A bird sings."
 # CLIP BPE: <sot> the pole is 3 . 5 m tall , e . g . taller than a man . | a bird sings . <eot>
@@ -259,24 +260,6 @@ def test_a_box_the_centre_crop_cuts_away_can_be_dropped_instead_of_raising():
         box_patch_masks(boxes, geometry, 196, outside="skip")
 
 
-class _HostReads(torch.overrides.TorchFunctionMode):
-    """Records the calls that read a tensor's values back to the host (a device sync on an accelerator)."""
-
-    READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
-             "argwhere", "unique", "masked_select"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        index = args[1] if name in ("__getitem__", "__setitem__") and len(args) > 1 else None
-        if name in self.READS or (isinstance(index, torch.Tensor) and index.dtype == torch.bool):
-            self.reads.append(name if index is None else f"{name}[bool mask]")
-        return func(*args, **(kwargs or {}))
-
-
 def test_pooling_and_the_loss_read_nothing_back_in_a_training_step():
     """With validity decided beforehand (collate), eq. 7 / eq. 9 pooling (``check=False``) and eq. 14 use masks only:
     no ``.item()`` / ``.cpu()`` / ``bool()`` / boolean indexing, so a step on an accelerator does not sync on them.
@@ -289,7 +272,7 @@ def test_pooling_and_the_loss_read_nothing_back_in_a_training_step():
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(2))
     weights = torch.tensor([1.0, 0.0, 2.0, 1.0], dtype=torch.float64)
-    with _HostReads() as mode:
+    with HostReads() as mode:
         pooled = pool_patch_states(states, masks, valid=valid, check=False)
         spanned = pool_span_states(states, spans, valid=valid, check=False)
         matrix = tsl_similarity_loss(a, b, valid=valid.flatten(), weights=weights)
