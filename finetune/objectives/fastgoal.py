@@ -7,12 +7,12 @@ FAST-GOAL (Choi, Jang, Eom; paper III) trains on the global pair (image I_g, cap
 
 - ``L_global`` (eq. 12) is the recipe's base term (``objective.base: clip``), weight 1;
 - ``local`` L_local (eq. 13): symmetric InfoNCE between the crop embeddings v_l^cls and the sentence embeddings
-  t_l^cls, with the model's logit scale (as the GOAL code), weight 0.5 (IV);
+  t_l^cls, with the model's logit scale (as the GOAL code), weight 0.5 (V-A);
 - ``tsl`` L_TSL (eq. 14, :func:`losses.tsl.tsl_loss`): the global image's patch states inside the pair's box,
   mean-pooled (eq. 9) and projected by psi_v (eq. 10), against v_l^cls, plus the caption's token states in the
   sentence's span, mean-pooled (eq. 7) and projected by psi_t (eq. 8), against t_l^cls; n x n cosine matrices
   against I (``tsl_form: matrix``, the paper) or the GOAL code's ``MSE(diag, 1)`` (``tsl_form: diagonal``);
-  weight 1 (IV). psi are the model's own final norm + projection (``heads: own``, as the GOAL code) or separate
+  weight 1 (V-A). psi are the model's own final norm + projection (``heads: own``, as the GOAL code) or separate
   heads initialised from them and saved with the model (``heads: new``, :class:`losses.tsl.TSLHeads`).
 
 Sentences that truncation to ``model.max_text_len`` cut have no span in the global caption: they leave the text
@@ -64,7 +64,7 @@ PAIR_COLUMNS = ("box", "sentence_index")
 
 @dataclass
 class FastGoalWeights:
-    """lambda_local and lambda_TSL of eq. 11 (IV: 0.5 and 1; lambda_global is the base term's weight, 1)."""
+    """lambda_local and lambda_TSL of eq. 11 (V-A: 0.5 and 1; lambda_global is the base term's weight, 1)."""
 
     local: float = field(default=0.5, metadata={"check": _non_negative})
     tsl: float = field(default=1.0, metadata={"check": _non_negative})
@@ -121,8 +121,10 @@ class FastGoalOptions:
     """``objective.terms.fastgoal`` of a recipe.
 
     Attributes:
-        weights: lambda_local, lambda_TSL (:class:`FastGoalWeights`, IV: 0.5 / 1).
-        tsl_form: ``matrix`` (eq. 14: n x n cosine matrices against I) or ``diagonal`` (the GOAL code).
+        weights: lambda_local, lambda_TSL (:class:`FastGoalWeights`, V-A: 0.5 / 1).
+        tsl_form: ``matrix`` (eq. 14 as written: n x n cosine matrices against I, 1 / n of the weight on the
+            pairs) or ``diagonal`` (the GOAL code's ``MSE(diag, 1)``, the form the paper's numbers most likely
+            used: README, FAST-GOAL).
         heads: psi_v / psi_t: ``own`` (the model's final norm + projection, as the GOAL code) or ``new``
             (separate heads initialised from them, trained and saved with the model).
         box_cover: which patches a box pools: ``overlap`` (every patch it touches) or ``centre`` (patches whose
@@ -218,7 +220,11 @@ class FastGoalTerm(Term):
         (``finetune.preprocess.cache``); fills :attr:`stats` (:func:`finetune.preprocess.flism.flism_stats`).
 
         ``regions.method: pairs`` reads the pairs of a file written by ``python -m finetune.preprocess.flism``
-        (columns ``box`` and ``sentence_index``) instead.
+        instead, one example per image with the file's weights (:meth:`_read_pairs`).
+
+        Raises:
+            MissingCapabilityError: a model that does not describe its image transform (boxes cannot be mapped).
+            DataError: (``data.on_error: raise``) pairs-file boxes outside what the model sees.
 
         Args:
             dataset: a ``datasets.Dataset`` with ``image`` and ``caption`` columns.

@@ -587,9 +587,9 @@ class FLISMMatcher:
             whole image counts as seen.
 
     ``fn(batch)`` returns the columns of :func:`flism_features` per example: the candidates ``(N, 4)`` in original
-    pixels (clipped to what the model sees) and their kinds, how many were clipped and dropped, the sentences, each sentence's best candidate and cosine (``-1`` / NaN for a sentence
-    without one, e.g. unlinked under dataset links), and the kept pairs (sentence index, candidate index, box,
-    similarity, weight).
+    pixels (clipped to what the model sees) and their kinds, how many were clipped and dropped, the sentences,
+    each sentence's best candidate and cosine (``-1`` / NaN for a sentence without one, e.g. unlinked under
+    dataset links), and the kept pairs (sentence index, candidate index, box, similarity, weight).
     """
 
     def __init__(self, proposer: Any, encode_images: Callable[[list[Image.Image]], Tensor],
@@ -904,8 +904,8 @@ def pairs_by_image(dataset: datasets.Dataset, *, pairs: int = 1) -> tuple[datase
         line's) and ``{"lines", "images", "most_pairs_per_image"}``.
 
     Raises:
-        DataError: lines of one image with different captions, or a ``box`` that is not 4 numbers (naming the
-            line's id).
+        DataError: lines of one image with different captions, a ``box`` that is not 4 numbers or a
+            ``sentence_index`` that is not an integer (naming the line's id).
     """
     from finetune.data.images import DataError
 
@@ -932,18 +932,21 @@ def pairs_by_image(dataset: datasets.Dataset, *, pairs: int = 1) -> tuple[datase
             if not isinstance(box, (list, tuple)) or len(box) != 4 or not all(isinstance(v, (int, float)) for v in box):
                 raise DataError(f"pairs file: line {ids[r]!r} has box {box!r}; a box is 4 numbers (x1, y1, x2, y2) in "
                                 "pixels of the original image")
-        order = sorted(rows, key=lambda r: -(sims[r] if sims[r] is not None else 0.0)) if sims[rows[0]] is not None \
-            else list(rows)
-        kept = order[:pairs]
+            if not isinstance(sentence[r], int):
+                raise DataError(f"pairs file: line {ids[r]!r} has sentence_index {sentence[r]!r}; it is the index of the "
+                                "pair's sentence among split_sentences(caption)")
+        ranked = all(sims[r] is not None for r in rows)
+        kept = (sorted(rows, key=lambda r: -float(sims[r])) if ranked else list(rows))[:pairs]  # stable: file order
         raw = [float(weights[r]) if weights[r] is not None else 1.0 for r in kept]
         total = sum(max(w, 0.0) for w in raw)
         shares = [max(w, 0.0) / total for w in raw] if total > 0 else [1.0 / len(kept)] * len(kept)
         pad = pairs - len(kept)
         first.append(rows[0])
-        columns["flism_pair_box"].append([[float(v) for v in boxes[r]] for r in kept] + [list(map(float, boxes[kept[-1]]))] * pad)
+        kept_boxes = [[float(v) for v in boxes[r]] for r in kept]
+        columns["flism_pair_box"].append(kept_boxes + [kept_boxes[-1]] * pad)
         columns["flism_pair_sentence"].append([int(sentence[r]) for r in kept] + [int(sentence[kept[-1]])] * pad)
-        columns["flism_pair_similarity"].append([float(sims[r]) if sims[r] is not None else math.nan for r in kept]
-                                                + [math.nan] * pad)
+        kept_sims = [float(sims[r]) if sims[r] is not None else math.nan for r in kept]
+        columns["flism_pair_similarity"].append(kept_sims + [kept_sims[-1]] * pad)
         columns["flism_pair_weight"].append(shares + [0.0] * pad)
         columns["flism_num_pairs"].append(len(kept))
     base = dataset.select(first)
@@ -952,7 +955,8 @@ def pairs_by_image(dataset: datasets.Dataset, *, pairs: int = 1) -> tuple[datase
     added = datasets.Dataset.from_dict({"id": list(groups), **columns}, features=datasets.Features(
         {"id": datasets.Value("string"), **{name: features[name] for name in columns}}))
     grouped = datasets.concatenate_datasets([base, added], axis=1)
-    info = {"lines": n, "images": len(groups), "most_pairs_per_image": max((len(r) for r in groups.values()), default=0)}
+    most = max((len(r) for r in groups.values()), default=0)
+    info = {"lines": n, "images": len(groups), "most_pairs_per_image": most}
     return grouped, info
 
 

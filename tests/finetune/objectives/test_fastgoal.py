@@ -473,7 +473,8 @@ def test_a_pairs_file_gives_one_example_per_image_with_the_files_weights(model, 
     assert batch["ids"] == images  # each image once: no image meets itself as a negative
     fg = batch["fastgoal"]
     for b, image in enumerate(images):
-        mine = sorted((line for line in lines if line["id"].startswith(image + "#")), key=lambda line: -line["similarity"])
+        mine = sorted((line for line in lines if line["id"].startswith(image + "#")),
+                      key=lambda line: -line["similarity"])
         m = len(mine)
         assert fg["pair_valid"][b].tolist() == [j < m for j in range(3)]
         assert fg["weight"][b, :m].tolist() == pytest.approx([line["weight"] * m for line in mine], abs=1e-5)

@@ -285,7 +285,8 @@ def test_candidates_the_models_centre_crop_cuts_away_are_dropped_and_the_rest_cl
     assert alone["flism_candidates"][0] == [[250.0, 0.0, 750.0, 500.0]]
     assert alone["flism_candidate_kinds"][0] == ["whole_image"]
     stats = flism_stats(compute_flism(data, matcher, cache_dir=tmp_path))
-    assert (stats["candidates_clipped"], stats["candidates_dropped"], stats["images_with_dropped_candidates"]) == (4, 1, 1)
+    counts = (stats["candidates_clipped"], stats["candidates_dropped"], stats["images_with_dropped_candidates"])
+    assert counts == (4, 1, 1)
     # the model's geometry is part of the cache key
     assert matcher.params()["geometry"]["crop"] == (224, 224)
     assert FLISMMatcher(None, enc.images, enc.texts, model_id="stub").params()["geometry"] is None
