@@ -349,6 +349,9 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
 
         enable_gradient_checkpointing(model)
     objective = build_objective(recipe.objective)
+    for term in objective.all_terms:  # terms that drop one sample's unusable field (FAST-GOAL's boxes) follow it
+        if hasattr(term, "on_error"):
+            term.on_error = recipe.data.on_error
     if model.logit_bias is not None and not any(t.uses_logit_bias for t in objective.all_terms):
         # an unused parameter breaks DDP (open_clip #1076): InfoNCE on a SigLIP model leaves the bias alone
         model.logit_bias.requires_grad_(False)

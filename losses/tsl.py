@@ -133,64 +133,82 @@ def tsl_sentence_spans(model: Any, captions: list[str], sentence_index: Sequence
     return select_sentence_spans(model.sentence_spans(list(captions)), sentence_index)
 
 
-def _span_tensor(spans: Tensor | Sequence[Sequence[int]], batch: int) -> Tensor:
+def _span_tensor(spans: Tensor | Sequence[Sequence[int]], lead: tuple[int, ...]) -> Tensor:
     out = torch.as_tensor(spans, dtype=torch.long) if not isinstance(spans, Tensor) else spans.long()
-    if out.shape != (batch, 2):
-        raise ValueError(f"spans must be a (B, 2) = ({batch}, 2) tensor of (start, end), got {tuple(out.shape)}")
+    if out.dim() not in (2, 3) or out.shape[-1] != 2 or out.shape[0] != lead[0]:
+        raise ValueError(f"spans must be a (B, 2) or (B, K, 2) tensor of (start, end) with B = {lead[0]}, got "
+                         f"{tuple(out.shape)}")
     return out
 
 
-def _check_valid(valid: Tensor | None, batch: int, name: str = "valid") -> Tensor | None:
+def _check_valid(valid: Tensor | None, batch: int | tuple[int, ...], name: str = "valid") -> Tensor | None:
     if valid is None:
         return None
-    if not isinstance(valid, Tensor) or valid.dtype != torch.bool or valid.shape != (batch,):
+    shape = (batch,) if isinstance(batch, int) else tuple(batch)
+    if not isinstance(valid, Tensor) or valid.dtype != torch.bool or tuple(valid.shape) != shape:
         got = (valid.dtype, tuple(valid.shape)) if isinstance(valid, Tensor) else type(valid).__name__
-        raise ValueError(f"{name} must be a ({batch},) bool tensor, got {got}")
+        raise ValueError(f"{name} must be a {shape} bool tensor, got {got}")
     return valid
 
 
 def _masked_mean(states: Tensor, mask: Tensor) -> Tensor:
-    """``(B, N, W)``, ``(B, N)`` bool -> ``(B, W)``: mean of the selected rows (rows without any: 0)."""
+    """``(B, N, W)``, ``(B, N)`` or ``(B, K, N)`` bool -> ``(B, W)`` or ``(B, K, W)``: mean of the selected
+    rows (rows without any: 0). No host read: empty rows are not detected here."""
     weights = mask.to(states.dtype)
-    counts = weights.sum(dim=1, keepdim=True).clamp(min=1)
-    return torch.einsum("bn,bnw->bw", weights, states) / counts
+    counts = weights.sum(dim=-1, keepdim=True).clamp(min=1)
+    if mask.dim() == 2:
+        return torch.einsum("bn,bnw->bw", weights, states) / counts
+    return torch.einsum("bkn,bnw->bkw", weights, states) / counts
+
+
+def _first_bad(rows: Tensor) -> str:
+    """The index of the first True entry of a ``(B,)`` or ``(B, K)`` bool tensor, for a message (a host read:
+    only on the checking path)."""
+    index = rows.nonzero()[0].tolist()
+    return str(index[0]) if len(index) == 1 else str(tuple(index))
 
 
 def pool_span_states(
-    states: Tensor, spans: Tensor | Sequence[Sequence[int]], *, valid: Tensor | None = None
+    states: Tensor, spans: Tensor | Sequence[Sequence[int]], *, valid: Tensor | None = None, check: bool = True
 ) -> Tensor:
     """Mean of the token states of each caption's sentence span (FAST-GOAL eq. 7, ``S_m``).
 
     Args:
         states: ``(B, L, W)`` last-layer token states of the global captions (``encode_text(...,
             states=True).states``, before the final norm: psi_t applies it, as the GOAL code).
-        spans: ``(B, 2)`` half-open ``(start, end)`` token positions (``SentenceSpans.spans``).
-        valid: optional ``(B,)`` bool; rows marked False are not pooled and give zeros (drop them
-            from the loss with ``span_valid``).
+        spans: ``(B, 2)`` half-open ``(start, end)`` token positions (``SentenceSpans.spans``), or
+            ``(B, K, 2)`` for K sentences per caption (FAST-GOAL's top-3 pairs).
+        valid: optional ``(B,)`` (or ``(B, K)``) bool; rows marked False are not pooled and give zeros
+            (drop them from the loss with ``span_valid``).
+        check: raise on a valid row whose span is empty or outside ``[0, L]``. This reads the spans on
+            the host; a training step passes ``check=False`` (validity decided in the collate function,
+            :func:`select_sentence_spans`), and then such a row pools nothing and gives zeros.
 
     Returns:
-        ``(B, W)`` ``S_m``.
+        ``(B, W)`` (or ``(B, K, W)``) ``S_m``.
 
     Raises:
-        ValueError: bad shapes, or a valid row whose span is empty or outside ``[0, L]`` (the message
-            names the sample).
+        ValueError: bad shapes, or (``check``) a valid row whose span is empty or outside ``[0, L]``
+            (the message names the sample).
     """
     if not isinstance(states, Tensor) or states.dim() != 3:
         raise ValueError(f"states must be a (B, L, W) tensor, got {getattr(states, 'shape', type(states).__name__)}")
     batch, length, _ = states.shape
-    spans = _span_tensor(spans, batch)
-    valid = _check_valid(valid, batch)
-    use = torch.ones(batch, dtype=torch.bool) if valid is None else valid.cpu()
-    checked = spans.cpu().tolist()  # one transfer, not one per row
-    for b in use.nonzero().flatten().tolist():
-        start, end = checked[b]
-        if not 0 <= start < end <= length:
-            raise ValueError(f"pool_span_states: sample {b} has span ({start}, {end}), which is empty or outside "
-                             f"the {length} token states; mark it invalid (valid[{b}] = False) or fix the span")
-    spans = spans.to(states.device)
+    spans = _span_tensor(spans, (batch,)).to(states.device)
+    valid = _check_valid(valid, tuple(spans.shape[:-1]))
     positions = torch.arange(length, device=states.device)
-    mask = (positions[None, :] >= spans[:, :1]) & (positions[None, :] < spans[:, 1:])
-    mask &= use.to(states.device)[:, None]
+    start, end = spans[..., :1], spans[..., 1:]
+    mask = (positions >= start) & (positions < end)  # (B, L) or (B, K, L)
+    if valid is not None:
+        mask &= valid.to(states.device)[..., None]
+    if check:
+        use = torch.ones(spans.shape[:-1], dtype=torch.bool) if valid is None else valid.cpu()
+        bad = use & ~((spans[..., 0] >= 0) & (spans[..., 0] < spans[..., 1]) & (spans[..., 1] <= length)).cpu()
+        if bool(bad.any()):
+            b = _first_bad(bad)
+            raise ValueError(f"pool_span_states: sample {b} has span {tuple(spans.cpu()[bad][0].tolist())}, which "
+                             f"is empty or outside the {length} token states; mark it invalid (valid[{b}] = False) "
+                             "or fix the span")
     return _masked_mean(states, mask)
 
 
@@ -257,6 +275,7 @@ def box_patch_masks(
     n_patches: int,
     *,
     valid: Tensor | None = None,
+    outside: str = "raise",
 ) -> Tensor:
     """The patches each box selects (FAST-GOAL eq. 9's set B), as ``(B, N)`` bool masks.
 
@@ -271,16 +290,23 @@ def box_patch_masks(
         geometry: :class:`BoxGeometry` of the batch.
         n_patches: ``N``, the number of patch states per image (NaFlex: the padded count).
         valid: optional ``(B,)`` bool; rows marked False get an all-False mask and are not checked.
+        outside: what a box of zero area or one entirely outside the network input (cut away by the
+            centre crop) does: ``"raise"`` (the default), or ``"drop"``: its row is all False, so that
+            ``masks.any(dim=1)`` says which boxes can be pooled (a collate function decides there, on
+            the CPU, what a training step then only masks).
 
     Returns:
         ``(B, N)`` bool, row-major patch order of ``ImageFeatures.states``.
 
     Raises:
-        ValueError: a box of zero area, or one entirely outside the crop (the message names the
-            sample), or a geometry that does not match the batch (sizes, NaFlex shapes, patch count).
+        ValueError: (``outside="raise"``) a box of zero area, or one entirely outside the crop (the
+            message names the sample); a geometry that does not match the batch (sizes, NaFlex shapes,
+            patch count).
     """
     from finetune.preprocess.geometry import box_patch_mask, patch_count
 
+    if outside not in ("raise", "drop"):
+        raise ValueError(f"box_patch_masks: outside must be 'raise' or 'drop', got {outside!r}")
     boxes = _boxes_tensor(boxes)
     batch = boxes.shape[0]
     valid = _check_valid(valid, batch)
@@ -309,12 +335,16 @@ def box_patch_masks(
             continue
         x1, y1, x2, y2 = box
         if not x2 > x1 or not y2 > y1:
+            if outside == "drop":
+                continue
             raise ValueError(f"sample {b}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) has zero area (x2 <= x1 or y2 <= y1); "
                              "boxes are (x1, y1, x2, y2) pixels of the original image")
         shape = tuple(int(v) for v in shapes[b]) if shapes is not None else None
         mask = box_patch_mask(box, (int(sizes[b][0]), int(sizes[b][1])), params, n_patches=n_patches,
                               spatial_shape=shape, cover=geometry.cover)
         if mask is None:
+            if outside == "drop":
+                continue
             raise ValueError(f"sample {b}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) lies entirely outside the network "
                              f"input of its {int(sizes[b][0])}x{int(sizes[b][1])} image (cut away by the processor's "
                              "centre crop): no patch state covers it")
@@ -322,36 +352,43 @@ def box_patch_masks(
     return masks
 
 
-def pool_patch_states(states: Tensor, masks: Tensor, *, valid: Tensor | None = None) -> Tensor:
+def pool_patch_states(states: Tensor, masks: Tensor, *, valid: Tensor | None = None, check: bool = True) -> Tensor:
     """Mean of the patch states selected by ``masks`` (FAST-GOAL eq. 9, ``P_m``).
 
     Args:
         states: ``(B, N, W)`` last-layer patch states (``ImageFeatures.states``: prefix tokens removed,
             before the final norm).
-        masks: ``(B, N)`` bool (:func:`box_patch_masks`).
-        valid: optional ``(B,)`` bool; rows marked False give zeros.
+        masks: ``(B, N)`` bool (:func:`box_patch_masks`), or ``(B, K, N)`` for K boxes per image
+            (FAST-GOAL's top-3 pairs).
+        valid: optional ``(B,)`` (or ``(B, K)``) bool; rows marked False give zeros.
+        check: raise on a valid row without any selected patch. This reads the masks on the host; a
+            training step passes ``check=False`` (validity decided in the collate function with
+            ``box_patch_masks(..., outside="drop")``), and then such a row gives zeros.
 
     Returns:
-        ``(B, W)`` ``P_m``.
+        ``(B, W)`` (or ``(B, K, W)``) ``P_m``.
 
     Raises:
-        ValueError: bad shapes, or a valid row without any selected patch (naming the sample).
+        ValueError: bad shapes, or (``check``) a valid row without any selected patch (naming the sample).
     """
     if not isinstance(states, Tensor) or states.dim() != 3:
         raise ValueError(f"states must be a (B, N, W) tensor, got {getattr(states, 'shape', type(states).__name__)}")
-    if not isinstance(masks, Tensor) or masks.dtype != torch.bool or masks.shape != states.shape[:2]:
+    if (not isinstance(masks, Tensor) or masks.dtype != torch.bool or masks.dim() not in (2, 3)
+            or masks.shape[0] != states.shape[0] or masks.shape[-1] != states.shape[1]):
         got = (masks.dtype, tuple(masks.shape)) if isinstance(masks, Tensor) else type(masks).__name__
-        raise ValueError(f"masks must be a bool tensor of shape {tuple(states.shape[:2])}, got {got}")
-    valid = _check_valid(valid, states.shape[0])
+        raise ValueError(f"masks must be a bool tensor of shape {tuple(states.shape[:2])} (or (B, K, N) with B = "
+                         f"{states.shape[0]}, N = {states.shape[1]}), got {got}")
+    valid = _check_valid(valid, tuple(masks.shape[:-1]))
     masks = masks.to(states.device)
     if valid is not None:
-        masks = masks & valid.to(states.device)[:, None]
-    empty = ~masks.any(dim=1)
-    if valid is not None:
-        empty &= valid.to(states.device)
-    if bool(empty.any()):
-        b = int(empty.nonzero()[0])
-        raise ValueError(f"pool_patch_states: sample {b} selects no patch; its box is empty or off the image")
+        masks = masks & valid.to(states.device)[..., None]
+    if check:
+        empty = ~masks.any(dim=-1)
+        if valid is not None:
+            empty &= valid.to(states.device)
+        if bool(empty.any()):
+            raise ValueError(f"pool_patch_states: sample {_first_bad(empty.cpu())} selects no patch; its box is "
+                             "empty or off the image")
     return _masked_mean(states, masks)
 
 
@@ -543,6 +580,12 @@ def tsl_similarity_loss(
     ``form="diagonal"`` (the GOAL code): the mean over the n pairs of ``(cos(pooled_i, target_i) - 1)^2``.
     No temperature.
 
+    The two forms weigh the pairs differently: the matrix form gives each of its n^2 cells 1 / n^2, so
+    the n pairs (the diagonal) hold 1 / n of its weight (0.39 % at n = 256) and the n^2 - n cells of
+    unrelated crops / sentences the rest; the gradient on a pair's cosine is ``2 (cos - 1) / n^2``. The
+    diagonal form puts all its weight on the pairs, ``2 (cos - 1) / n``: n times more per pair, and
+    nothing pushes unrelated pairs apart. Which one the paper's numbers used: README, FAST-GOAL.
+
     Args:
         pooled_embeds: ``(B, D)`` raw projected pooled states (``P_l`` or ``S_l``).
         target_embeds: ``(B, D)`` raw embeddings of the local crops / sentences (``v_l``, ``t_l``).
@@ -570,29 +613,25 @@ def tsl_similarity_loss(
         raise ValueError(f"weights must be a ({batch},) tensor, got {got}")
     pooled = F.normalize(pooled_embeds, dim=-1)
     target = F.normalize(target_embeds, dim=-1)
-    if weights is not None:
-        weights = weights.to(device=pooled.device, dtype=pooled.dtype)
     rank, world = world_info() if should_gather(gather) else (0, 1)
-    local_valid = valid if valid is not None else torch.ones(batch, dtype=torch.bool, device=pooled.device)
-    local_valid = local_valid.to(pooled.device)
+    # masks, not boolean indexing: no host read of the validity (the step stays free of device syncs)
+    local_valid = valid.to(pooled.device) if valid is not None else torch.ones(batch, dtype=torch.bool,
+                                                                                  device=pooled.device)
     all_valid = gather_with_grad(local_valid) if world > 1 else local_valid
-    n = all_valid.sum()
+    n = all_valid.sum().clamp(min=1).to(pooled.dtype)
+    row_weight = local_valid.to(pooled.dtype)
+    if weights is not None:
+        row_weight = row_weight * weights.to(device=pooled.device, dtype=pooled.dtype)
     if form == "diagonal":
         errors = ((pooled * target).sum(dim=-1) - 1) ** 2  # (B,)
-        if weights is not None:
-            errors = errors * weights
-        return errors[local_valid].sum() * (world / n.clamp(min=1).to(errors.dtype))
+        return torch.where(local_valid, errors * row_weight, 0.0).sum() * (world / n)
     columns = gather_with_grad(target) if world > 1 else target
-    sim = pooled[local_valid] @ columns[all_valid].T  # (b_valid, n)
-    # column of each valid local row's own pair among the valid columns of the global batch
-    column_index = torch.cumsum(all_valid.long(), dim=0) - 1
-    own = column_index[torch.arange(batch, device=pooled.device) + rank * batch][local_valid]
-    eye = torch.zeros_like(sim)
-    eye[torch.arange(sim.shape[0], device=sim.device), own] = 1
-    errors = ((sim - eye) ** 2).sum(dim=1)
-    if weights is not None:
-        errors = errors * weights[local_valid]
-    return errors.sum() * (world / n.clamp(min=1).to(errors.dtype) ** 2)
+    sim = pooled @ columns.T  # (B, world * B): local rows against every rank's columns
+    own = torch.arange(batch, device=pooled.device) + rank * batch
+    eye = F.one_hot(own, sim.shape[1]).to(sim.dtype)
+    cells = torch.where(all_valid[None, :], (sim - eye) ** 2, 0.0)  # invalid pairs leave the columns ...
+    errors = cells.sum(dim=1)
+    return torch.where(local_valid, errors * row_weight, 0.0).sum() * (world / n**2)  # ... and the rows
 
 
 def tsl_loss(

@@ -7,16 +7,20 @@ FAST-GOAL (Choi, Jang, Eom; paper III) trains on the global pair (image I_g, cap
 
 - ``L_global`` (eq. 12) is the recipe's base term (``objective.base: clip``), weight 1;
 - ``local`` L_local (eq. 13): symmetric InfoNCE between the crop embeddings v_l^cls and the sentence embeddings
-  t_l^cls, with the model's logit scale (as the GOAL code), weight 0.5 (IV);
+  t_l^cls, with the model's logit scale (as the GOAL code), weight 0.5 (V-A);
 - ``tsl`` L_TSL (eq. 14, :func:`losses.tsl.tsl_loss`): the global image's patch states inside the pair's box,
   mean-pooled (eq. 9) and projected by psi_v (eq. 10), against v_l^cls, plus the caption's token states in the
   sentence's span, mean-pooled (eq. 7) and projected by psi_t (eq. 8), against t_l^cls; n x n cosine matrices
   against I (``tsl_form: matrix``, the paper) or the GOAL code's ``MSE(diag, 1)`` (``tsl_form: diagonal``);
-  weight 1 (IV). psi are the model's own final norm + projection (``heads: own``, as the GOAL code) or separate
+  weight 1 (V-A). psi are the model's own final norm + projection (``heads: own``, as the GOAL code) or separate
   heads initialised from them and saved with the model (``heads: new``, :class:`losses.tsl.TSLHeads`).
 
 Sentences that truncation to ``model.max_text_len`` cut have no span in the global caption: they leave the text
 half of TSL (their pair stays in L_local and in the image half) and are counted (:meth:`FastGoalTerm.summary`).
+Likewise a box that the model's resize and centre crop cut away entirely (a pairs file built with another model):
+the collate function finds it on the CPU and, per ``data.on_error``, leaves it out of the image half of TSL and
+counts it (``skip``) or stops naming the example (``raise``). The training step only applies the masks the
+collate function built: no host read, no branch on device values.
 
 The colour image and the caption are the base term's requests (``image``, ``text``) asked for again with states:
 the objective encodes each once, with states, also when ``structxlip`` sits on the same model. Crops and
@@ -24,8 +28,10 @@ sentences are encoded beside them (``fastgoal_crop`` in the same image pass, ``f
 text buckets).
 
 With ``regions.pairs: 3`` (Table VIII) every image brings three pairs (padded by repeating its last one, the
-repeats marked invalid); ``regions.weighting: weighted`` scales each pair's rows of the TSL errors by its
-similarity share times the image's pair count (``uniform``: all 1); L_local treats every valid pair as one row.
+repeats marked invalid); each pair's rows of the TSL errors are scaled by its weight share times the image's
+pair count (``uniform``: all 1; ``weighted``: similarity-proportional); L_local treats every valid pair as one
+row. A pairs file (``regions.method: pairs``) is grouped into one example per image with the weights of its
+``weight`` column (:func:`finetune.preprocess.flism.pairs_by_image`), as FLISM in a recipe gives them.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ PAIR_COLUMNS = ("box", "sentence_index")
 
 @dataclass
 class FastGoalWeights:
-    """lambda_local and lambda_TSL of eq. 11 (IV: 0.5 and 1; lambda_global is the base term's weight, 1)."""
+    """lambda_local and lambda_TSL of eq. 11 (V-A: 0.5 and 1; lambda_global is the base term's weight, 1)."""
 
     local: float = field(default=0.5, metadata={"check": _non_negative})
     tsl: float = field(default=1.0, metadata={"check": _non_negative})
@@ -84,7 +90,9 @@ class FlismOptions:
             1-80 % of the image, 64 points per side).
         links: ``method: dataset``: pair each object's box with its own sentence (false: match like detections).
         pairs: pairs kept per image (paper: 1; Table VIII: 3).
-        weighting: ``uniform`` or ``weighted`` (similarity-proportional) weights of the pairs (Table VIII).
+        weighting: ``uniform`` or ``weighted`` (similarity-proportional) weights of the pairs (Table VIII), as
+            FLISM computes them here; a pairs file carries its own (its ``weight`` column, the builder's
+            ``--weighting``).
         batch_size: images per matching batch; encode_batch_size: crops / sentences per encoder call.
         device: where the detector runs (null: CUDA when available).
     """
@@ -113,8 +121,10 @@ class FastGoalOptions:
     """``objective.terms.fastgoal`` of a recipe.
 
     Attributes:
-        weights: lambda_local, lambda_TSL (:class:`FastGoalWeights`, IV: 0.5 / 1).
-        tsl_form: ``matrix`` (eq. 14: n x n cosine matrices against I) or ``diagonal`` (the GOAL code).
+        weights: lambda_local, lambda_TSL (:class:`FastGoalWeights`, V-A: 0.5 / 1).
+        tsl_form: ``matrix`` (eq. 14 as written: n x n cosine matrices against I, 1 / n of the weight on the
+            pairs) or ``diagonal`` (the GOAL code's ``MSE(diag, 1)``, the form the paper's numbers most likely
+            used: README, FAST-GOAL).
         heads: psi_v / psi_t: ``own`` (the model's final norm + projection, as the GOAL code) or ``new``
             (separate heads initialised from them, trained and saved with the model).
         box_cover: which patches a box pools: ``overlap`` (every patch it touches) or ``centre`` (patches whose
@@ -154,11 +164,14 @@ class FastGoalTerm(Term):
 
     name = TERM_NAME
     needs = frozenset({"flism"})
-    produces = frozenset({"fg_caption", "fg_crops", "fg_sentences", "fg_sentence_index", "fg_boxes", "fg_size", "fg_valid",
-                          "fg_weight", "fastgoal"})
+    produces = frozenset({"fg_id", "fg_caption", "fg_crops", "fg_sentences", "fg_sentence_index", "fg_boxes", "fg_size",
+                          "fg_valid", "fg_weight", "fastgoal"})
     requests = frozenset({"image", "text", "fastgoal_crop", "fastgoal_sentence"})
-    features = frozenset({"fastgoal_box", "fastgoal_span", "fastgoal_pair_valid", "fastgoal_span_valid",
-                          "fastgoal_weight"})
+    features = frozenset({"fastgoal_box", "fastgoal_span", "fastgoal_pair_valid", "fastgoal_box_valid",
+                          "fastgoal_span_valid", "fastgoal_weight"})
+    #: the recipe's ``data.on_error`` (the run sets it): a pair box the model's input does not show leaves TSL's
+    #: image half and is counted (``skip``) or stops the run naming the example (``raise``)
+    on_error: str = "skip"
 
     def __init__(self, options: FastGoalOptions | None = None) -> None:
         super().__init__()
@@ -181,6 +194,7 @@ class FastGoalTerm(Term):
         self.stats: dict[str, Any] = {}
         self.truncated_sentences = 0
         self.tsl_pairs = 0
+        self.boxes_outside = 0
 
     # -- preprocessing (once per dataset, cached) ------------------------------------------------
     def proposer(self) -> Any:
@@ -206,7 +220,11 @@ class FastGoalTerm(Term):
         (``finetune.preprocess.cache``); fills :attr:`stats` (:func:`finetune.preprocess.flism.flism_stats`).
 
         ``regions.method: pairs`` reads the pairs of a file written by ``python -m finetune.preprocess.flism``
-        (columns ``box`` and ``sentence_index``) instead.
+        instead, one example per image with the file's weights (:meth:`_read_pairs`).
+
+        Raises:
+            MissingCapabilityError: a model that does not describe its image transform (boxes cannot be mapped).
+            DataError: (``data.on_error: raise``) pairs-file boxes outside what the model sees.
 
         Args:
             dataset: a ``datasets.Dataset`` with ``image`` and ``caption`` columns.
@@ -224,13 +242,7 @@ class FastGoalTerm(Term):
                                  f"{dataset.column_names}")
         r = self.options.regions
         if r.method == "pairs":
-            missing = [c for c in PAIR_COLUMNS if c not in dataset.column_names]
-            if missing:
-                raise ValueError(f"objective.terms.fastgoal.regions.method: pairs reads the columns {PAIR_COLUMNS} of "
-                                 f"a pairs file (python -m finetune.preprocess.flism IMAGES OUT); data.train has no "
-                                 f"{missing}: point data.train at such a file or use regions.method: detector")
-            self.stats = {"flism": {"images": len(dataset), "source": "pairs file"}}
-            return dataset
+            return self._read_pairs(dataset, model, log)
         if r.method == "detector" and not r.detector:
             log.warning("fastgoal: regions.detector is null, so the candidates are the default regions only (4 "
                         "quadrants + centre); set it to hustvl/yolos-base (the paper's) or an ultralytics .pt file")
@@ -241,7 +253,7 @@ class FastGoalTerm(Term):
         try:
             matcher = FLISMMatcher(self.proposer(), encoders.images, encoders.texts, model_id=model_fingerprint(model),
                                    default=r.default, pairs=r.pairs, weighting=r.weighting,
-                                   encode_batch_size=r.encode_batch_size)
+                                   encode_batch_size=r.encode_batch_size, geometry=self._geometry(model)[0])
             columns = [c for c in ("image", "caption", "objects", "sentences") if c in dataset.column_names]
             pairs = compute_flism(dataset.select_columns(columns), matcher, cache_dir=root, batch_size=r.batch_size)
         finally:
@@ -254,11 +266,60 @@ class FastGoalTerm(Term):
         self.stats = {"flism": flism_stats(pairs)}
         s = self.stats["flism"]
         log.info("fastgoal FLISM: %d images, %.2f candidates per image (%.0f%% found, %.0f%% default), kept boxes "
-                 "%.0f%% found; %d images without a pair; mean similarity %s", s["images"], s["candidates_per_image"],
-                 100 * s["found_share"], 100 * s["default_share"], 100 * s["kept_found_share"],
-                 s["images_without_pairs"], f"{s['mean_similarity']:.3f}" if s["mean_similarity"] is not None else "-")
+                 "%.0f%% found; %d candidates clipped to and %d dropped outside the model's input; %d images without "
+                 "a pair; mean similarity %s", s["images"], s["candidates_per_image"], 100 * s["found_share"],
+                 100 * s["default_share"], 100 * s["kept_found_share"], s["candidates_clipped"],
+                 s["candidates_dropped"], s["images_without_pairs"],
+                 f"{s['mean_similarity']:.3f}" if s["mean_similarity"] is not None else "-")
         base = dataset.remove_columns([c for c in dataset.column_names if c in names])
         return datasets.concatenate_datasets([base, pairs.select_columns(names)], axis=1)
+
+    def _read_pairs(self, dataset: Any, model: Any, log: Any) -> Any:
+        """``regions.method: pairs``: the lines of a pairs file grouped into one example per image
+        (:func:`finetune.preprocess.flism.pairs_by_image`); with the file's ``width`` / ``height`` columns,
+        boxes that this model's input does not show are found here, before training (``data.on_error``)."""
+        from finetune.preprocess.flism import pairs_by_image
+
+        r = self.options.regions
+        missing = [c for c in PAIR_COLUMNS if c not in dataset.column_names]
+        if missing:
+            raise ValueError(f"objective.terms.fastgoal.regions.method: pairs reads the columns {PAIR_COLUMNS} of "
+                             f"a pairs file (python -m finetune.preprocess.flism IMAGES OUT); data.train has no "
+                             f"{missing}: point data.train at such a file or use regions.method: detector")
+        grouped, info = pairs_by_image(dataset, pairs=r.pairs)
+        if info["most_pairs_per_image"] > r.pairs:
+            log.warning("fastgoal: the pairs file holds up to %d pairs per image and regions.pairs keeps %d (the most "
+                        "similar); set regions.pairs: %d to train on all of them (Table VIII)",
+                        info["most_pairs_per_image"], r.pairs, info["most_pairs_per_image"])
+        outside = self._pairs_outside(grouped, model) if {"width", "height"} <= set(grouped.column_names) else None
+        if outside:
+            shown = "; ".join(f"{i!r}: box {tuple(b)} of a {w}x{h} image" for i, b, w, h in outside[:3])
+            message = (f"{len(outside)} pair boxes of the pairs file lie outside what {model.name_or_path!r} sees "
+                       f"after its resize and centre crop (first: {shown}); the file was built with another model's "
+                       f"geometry: build it again with --model {model.name_or_path}")
+            if self.on_error == "raise":
+                from finetune.data.images import DataError
+
+                raise DataError(message + ", or set data.on_error: skip to leave such boxes out of TSL and count them")
+            log.warning("fastgoal: %s; they leave TSL's image half (data.on_error: skip)", message)
+        self.stats = {"flism": {"source": "pairs file", "images": info["images"], "lines": info["lines"],
+                                "most_pairs_per_image": info["most_pairs_per_image"],
+                                "pairs_outside_input": None if outside is None else len(outside)}}
+        log.info("fastgoal: %d pairs of %d images from the pairs file (regions.pairs %d per image)", info["lines"],
+                 info["images"], r.pairs)
+        return grouped
+
+    def _pairs_outside(self, grouped: Any, model: Any) -> list[tuple[str, list[float], int, int]]:
+        """The kept pairs whose box ``model``'s input does not show: ``(image id, box, width, height)``."""
+        params, n_patches = self._geometry(model)
+        rows = grouped.select_columns(["id", "width", "height", "flism_pair_box", "flism_num_pairs"]).to_dict()
+        out = []
+        for i, w, h, boxes, m in zip(rows["id"], rows["width"], rows["height"], rows["flism_pair_box"],
+                                     rows["flism_num_pairs"]):
+            for box in boxes[:m]:
+                if self._box_mask(box, (int(w), int(h)), params, n_patches) is None:
+                    out.append((i, box, int(w), int(h)))
+        return out
 
     def check_stream(self) -> None:
         """FLISM matches over the whole dataset with the frozen model before training: not on a stream."""
@@ -271,9 +332,6 @@ class FastGoalTerm(Term):
     def _pairs_of(self, example: dict[str, Any]) -> tuple[list[list[float]], list[int], list[bool], list[float]]:
         """Boxes, sentence indices, validity and TSL weights of the example's ``k`` pairs."""
         k = self.k
-        if self.options.regions.method == "pairs":
-            box = [float(v) for v in example["box"]]
-            return [box] * k, [int(example["sentence_index"])] * k, [True] + [False] * (k - 1), [1.0] * k
         if "flism_pair_box" not in example:
             raise KeyError("the example has no FLISM pairs ('flism_pair_box'): run the objective's "
                            "preprocess(dataset, model) before batching")
@@ -305,18 +363,49 @@ class FastGoalTerm(Term):
             texts.append(sentences[i] if 0 <= i < len(sentences) else "")
         return {"fg_crops": [crop_box(image, b) for b in boxes], "fg_sentences": texts, "fg_sentence_index": index,
                 "fg_boxes": boxes, "fg_size": image.size, "fg_valid": valid, "fg_weight": weights,
-                "fg_caption": example["caption"]}
+                "fg_caption": example["caption"], "fg_id": str(example.get("id", "?"))}
+
+    def _geometry(self, model: Any) -> tuple[dict[str, Any], int]:
+        """``model``'s image transform (:meth:`DualEncoder.image_transform_params`) and its patch count ``N``
+        (NaFlex: the padded count ``max_num_patches``)."""
+        from finetune.preprocess.geometry import patch_count
+
+        model.require("patch_geometry", "FAST-GOAL's TSL box pooling (eq. 9)")
+        params = model.image_transform_params()
+        n = int(params["max_num_patches"]) if params["mode"] == "naflex" else patch_count(params)
+        return params, n
+
+    def _box_mask(self, box: Any, size: tuple[int, int], params: dict[str, Any], n_patches: int) -> Tensor | None:
+        """The ``(N,)`` patches a box in original pixels selects (appendix C), or None when it has no area or the
+        model's resize and crop cut it away entirely."""
+        from finetune.preprocess.geometry import box_patch_mask, naflex_grid
+
+        x1, y1, x2, y2 = (float(v) for v in box)
+        if not (x2 > x1 and y2 > y1):
+            return None
+        shape = naflex_grid(size[0], size[1], params) if params["mode"] == "naflex" else None
+        return box_patch_mask((x1, y1, x2, y2), size, params, n_patches=n_patches, spatial_shape=shape,
+                              cover=self.options.box_cover)
 
     def collate(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Any]:
-        """Batch the prepared fields into ``batch["fastgoal"]`` (every tensor ``(B, k, ...)`` or ``(B, ...)``):
+        """Batch the prepared fields into ``batch["fastgoal"]`` (tensors ``(B, k, ...)`` or ``(B, ...)``), on the
+        CPU in the data workers, so that the training step only applies masks:
 
         - ``crop_inputs``: the ``B * k`` crops through ``model.preprocess_images``, as ``(B, k, ...)``;
         - ``sentence_input_ids`` / ``sentence_attention_mask``: ``(B, k, Ls)``, the sentences alone, Ls the
           longest of the batch (causal towers);
         - ``boxes`` ``(B, k, 4)`` in original pixels, ``image_size`` ``(B, 2)`` (width, height);
+        - ``patch_masks`` ``(B, k, N)``: the patches of the global image each box selects (eq. 9, appendix C),
+          through the model's resize and centre crop; ``box_valid`` ``(B, k)``: False for padded pairs and for
+          boxes the crop cut away entirely (``data.on_error: skip``; ``raise`` stops here, naming the example);
         - ``spans`` ``(B, k, 2)`` and ``span_valid`` ``(B, k)``: each sentence's tokens in the caption's row of
           ``model.tokenize(captions)`` (:func:`losses.tsl.tsl_sentence_spans`), invalid where truncation cut it;
-        - ``pair_valid`` ``(B, k)`` (padded repeats and images without a pair: False), ``weight`` ``(B, k)``.
+        - ``pair_valid`` ``(B, k)`` (padded repeats and images without a pair: False), ``weight`` ``(B, k)``;
+        - per example, as python ints (counted by :meth:`extra_features` without reading the device): ``pairs``,
+          ``sentences_cut`` and ``boxes_outside``.
+
+        Raises:
+            DataError: ``data.on_error: raise`` and a box that the model's input does not show.
         """
         from losses.tsl import tsl_sentence_spans
 
@@ -338,17 +427,47 @@ class FastGoalTerm(Term):
             spans[:, j] = sel.spans
             span_valid[:, j] = sel.valid
             truncated[:, j] = pair_valid[:, j] & ~sel.valid
+        params, n_patches = self._geometry(model)
+        patch_masks = torch.zeros(b, k, n_patches, dtype=torch.bool)
+        box_valid = pair_valid.clone()
+        for i, e in enumerate(examples):
+            for j in range(k):
+                if not e["fg_valid"][j]:
+                    continue
+                m = self._box_mask(e["fg_boxes"][j], tuple(e["fg_size"]), params, n_patches)
+                if m is None:
+                    if self.on_error == "raise":
+                        from finetune.data.images import DataError
+                        from finetune.preprocess.geometry import visible_box
+
+                        w, h = e["fg_size"]
+                        seen = ", ".join(f"{v:g}" for v in visible_box(w, h, params))
+                        raise DataError(
+                            f"training example id={e['fg_id']!r}: its FAST-GOAL pair box "
+                            f"{tuple(round(float(v), 2) for v in e['fg_boxes'][j])} has no area inside what the "
+                            f"model sees of its {w}x{h} image after the resize and centre crop ({seen}), so TSL has "
+                            "no patch to pool (eq. 9). Build the pairs with this model (python -m "
+                            "finetune.preprocess.flism ... --model <this model>), or set data.on_error: skip to leave "
+                            "such boxes out of TSL and count them.")
+                    box_valid[i, j] = False
+                else:
+                    patch_masks[i, j] = m
+        outside = pair_valid & ~box_valid
         return {"fastgoal": {
             "crop_inputs": crop_inputs,
             "sentence_input_ids": ids.reshape(b, k, -1),
             "sentence_attention_mask": mask.reshape(b, k, -1),
             "boxes": torch.tensor([e["fg_boxes"] for e in examples], dtype=torch.float64),
             "image_size": torch.tensor([list(e["fg_size"]) for e in examples], dtype=torch.long),
+            "patch_masks": patch_masks,
+            "box_valid": box_valid,
             "spans": spans,
             "span_valid": span_valid,
-            "span_truncated": truncated,
             "pair_valid": pair_valid,
             "weight": torch.tensor([e["fg_weight"] for e in examples], dtype=torch.float32),
+            "pairs": pair_valid.sum(dim=1).tolist(),
+            "sentences_cut": truncated.sum(dim=1).tolist(),
+            "boxes_outside": outside.sum(dim=1).tolist(),
         }}
 
     # -- model side ------------------------------------------------------------------------------
@@ -379,33 +498,36 @@ class FastGoalTerm(Term):
 
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
         """The projected pooled states P_l (eqs. 9-10) and S_l (eqs. 7-8) of every pair, ``(B * k, D)``, with the
-        pairs' validity and TSL weights. The global states are dropped from the features afterwards."""
-        from losses.tsl import BoxGeometry, box_patch_masks, pool_patch_states, pool_span_states
+        pairs' validity and TSL weights. The global states are dropped from the features afterwards.
+
+        Only masks built by :meth:`collate` are applied: nothing here reads a device value on the host."""
+        from losses.tsl import pool_patch_states, pool_span_states
 
         fg = batch["fastgoal"]
-        k = self.k
         image_states = feats.pop("image_states")
         text_states = feats.pop("text_states")
         feats.pop("text_mask", None)
         device = image_states.device
-        pair_valid = _flat(fg["pair_valid"]).to(device)
-        span_valid = _flat(fg["span_valid"]).to(device)
-        shapes = batch["image_inputs"].get("spatial_shapes")
-        sizes = fg["image_size"].repeat_interleave(k, dim=0)
-        geometry = BoxGeometry.from_model(
-            model, sizes, spatial_shapes=shapes.repeat_interleave(k, dim=0) if shapes is not None else None,
-            cover=self.options.box_cover)
-        masks = box_patch_masks(_flat(fg["boxes"]), geometry, image_states.shape[1], valid=pair_valid.cpu())
+        masks = fg["patch_masks"].to(device)
+        if masks.shape[-1] != image_states.shape[1]:
+            raise ValueError(f"fastgoal: the collated patch masks cover {masks.shape[-1]} patches but the image states "
+                             f"hold {image_states.shape[1]}; the batch was collated for another model")
+        pair_valid = fg["pair_valid"].to(device)
+        box_valid = fg["box_valid"].to(device)
+        span_valid = fg["span_valid"].to(device)
         heads = self._heads(model)
-        pooled_image = pool_patch_states(image_states.repeat_interleave(k, dim=0), masks, valid=pair_valid)
-        pooled_text = pool_span_states(text_states.repeat_interleave(k, dim=0), _flat(fg["spans"]), valid=span_valid)
-        feats["fastgoal_box"] = heads.project_image_states(pooled_image)
-        feats["fastgoal_span"] = heads.project_text_states(pooled_text)
-        feats["fastgoal_pair_valid"] = pair_valid
-        feats["fastgoal_span_valid"] = span_valid
+        pooled_image = pool_patch_states(image_states, masks, valid=box_valid, check=False)  # (B, k, W)
+        pooled_text = pool_span_states(text_states, fg["spans"].to(device), valid=span_valid, check=False)
+        feats["fastgoal_box"] = heads.project_image_states(_flat(pooled_image))
+        feats["fastgoal_span"] = heads.project_text_states(_flat(pooled_text))
+        feats["fastgoal_pair_valid"] = _flat(pair_valid)
+        feats["fastgoal_box_valid"] = _flat(box_valid)
+        feats["fastgoal_span_valid"] = _flat(span_valid)
         feats["fastgoal_weight"] = _flat(fg["weight"]).to(device)
-        self.truncated_sentences += int(fg["span_truncated"].sum())
-        self.tsl_pairs += int(fg["pair_valid"].sum())
+        if torch.is_grad_enabled():  # once per trained batch: accumulation first encodes it without gradients
+            self.tsl_pairs += sum(fg["pairs"])
+            self.truncated_sentences += sum(fg["sentences_cut"])
+            self.boxes_outside += sum(fg["boxes_outside"])
 
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
         """The unweighted L_local (eq. 13) and L_TSL (eq. 14) from possibly merged features."""
@@ -417,18 +539,21 @@ class FastGoalTerm(Term):
             scale = scale_of(model.logit_scale, detach_params)
             out["local"] = clip_loss(feats["fastgoal_crop"], feats["fastgoal_sentence"], scale, valid=valid)
         if self.weights["tsl"]:
-            weights = feats["fastgoal_weight"] if self.options.regions.weighting == "weighted" else None
+            # the pairs' weights (uniform: 1 for every real pair, so the plain eq. 14)
             out["tsl"] = tsl_loss(feats["fastgoal_box"], feats["fastgoal_crop"], feats["fastgoal_span"],
-                                  feats["fastgoal_sentence"], form=self.options.tsl_form, box_valid=valid,
-                                  span_valid=feats["fastgoal_span_valid"] & valid, weights=weights)
+                                  feats["fastgoal_sentence"], form=self.options.tsl_form,
+                                  box_valid=feats["fastgoal_box_valid"] & valid,
+                                  span_valid=feats["fastgoal_span_valid"] & valid, weights=feats["fastgoal_weight"])
         return out
 
     # -- report ----------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        """What a run's ``metrics.json`` records: options, weights, FLISM statistics and the pairs whose sentence
-        truncation cut (dropped from TSL's text half; counted on this process)."""
+        """What a run's ``metrics.json`` records: options, weights, FLISM statistics, the pairs whose sentence
+        truncation cut (dropped from TSL's text half) and those whose box the model's input does not show (dropped
+        from TSL's image half), counted on this process over the trained batches."""
         return {"options": asdict(self.options), "weights": dict(self.weights), **self.stats,
-                "tsl_pairs_seen": self.tsl_pairs, "tsl_sentences_cut_by_truncation": self.truncated_sentences}
+                "tsl_pairs_seen": self.tsl_pairs, "tsl_sentences_cut_by_truncation": self.truncated_sentences,
+                "tsl_boxes_outside_input": self.boxes_outside}
 
     def report_sections(self, run_dir: str | Path, dataset: Any, *, n: int = 6) -> list[str]:
         """The FLISM statistics (candidates per image, found vs default boxes, similarity histogram) and a
@@ -438,7 +563,15 @@ class FastGoalTerm(Term):
         s = self.stats.get("flism")
         lines = ["## FAST-GOAL local pairs (FLISM)", ""]
         if not s or "candidates_per_image" not in s:
-            lines.append(f"Local pairs read from a pairs file ({s['images'] if s else '?'} rows).")
+            if not s:
+                return ["\n".join(lines + ["Local pairs read from a pairs file."])]
+            outside = s.get("pairs_outside_input")
+            lines.append(f"Local pairs read from a pairs file: {s.get('lines', '?')} pairs of {s['images']} images "
+                         f"(at most {s.get('most_pairs_per_image', '?')} per image; {self.options.regions.pairs} kept "
+                         "per image, each image one example), "
+                         + ("image sizes not in the file, so boxes outside the model's input are counted in training "
+                            "only." if outside is None else
+                            f"{outside} pair boxes outside what the model's input shows."))
             return ["\n".join(lines)]
         r = self.options.regions
         hist = s["similarity_histogram"]
@@ -455,6 +588,8 @@ class FastGoalTerm(Term):
             f"{100 * s['kept_default_share']:.1f}% |",
             f"| images without a found box | {s['images_without_found_boxes']} |",
             f"| images without a pair | {s['images_without_pairs']} |",
+            f"| candidates clipped to / dropped outside the model's input (resize + centre crop) | "
+            f"{s.get('candidates_clipped', 0)} / {s.get('candidates_dropped', 0)} |",
             f"| mean similarity of kept pairs | "
             f"{s['mean_similarity']:.3f} |" if s["mean_similarity"] is not None else "| mean similarity | - |",
             "",

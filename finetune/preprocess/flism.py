@@ -16,8 +16,16 @@ For every image-caption pair, once per dataset and cached (:func:`compute_flism`
 4. of these matched pairs the single most similar one per image is kept (the paper's default), or the top 3 with
    ``uniform`` or similarity-proportional (``weighted``) weights (Table VIII, :func:`select_pairs`).
 
+Candidates must survive the model's own resize and centre crop, since TSL pools the global image's patch states
+inside the kept box (eq. 9): with the model's ``image_transform_params`` (:class:`FLISMMatcher` ``geometry``) every
+candidate is clipped to the part of the image the network sees (:func:`finetune.preprocess.geometry.visible_box`;
+CLIP's 224 centre crop of a 1000 x 500 image keeps x 250-750), and a candidate with less than a pixel left there is
+dropped; both are counted per image (``flism_candidates_clipped``, ``flism_candidates_dropped``) and in the report.
+The crops that are encoded for matching are the clipped boxes.
+
 Choices where the paper is silent (the README lists them): an image without any candidate (no detection and
-``default=False``) gets the whole image as its one candidate (counted as ``whole_image``); when an image has
+``default=False``, or none left after clipping) gets the visible image as its one candidate (counted as
+``whole_image``); when an image has
 fewer matched sentences than the pairs asked for, its last pair is repeated (with weight 0) so that every image has the same
 number of pairs (``flism_num_pairs`` keeps the real count); ``weighted`` weights are the pairs' similarities
 (clamped at 0) divided by their sum, ``uniform`` weights are ``1 / m`` for the image's m real pairs.
@@ -73,11 +81,13 @@ __all__ = [
     "YolosDetector",
     "build_proposer",
     "candidate_boxes",
+    "clip_to_input",
     "compute_flism",
     "flism_features",
     "flism_stats",
     "main",
     "mask_box",
+    "pairs_by_image",
     "write_pairs",
     "match_sentences",
     "render_flism_preview",
@@ -87,7 +97,9 @@ __all__ = [
 logger = logging.getLogger("xlipkit")
 
 #: bump when the matching code changes its output (part of every cache key)
-CODE_VERSION = "1"
+CODE_VERSION = "2"
+#: the keys of ``image_transform_params`` that decide where a box lands (part of the cache key)
+_GEOMETRY_KEYS = ("mode", "size", "crop", "patch_size", "crop_offset", "max_num_patches")
 #: the paper's detector (YOLOS-Base, 127.8M parameters)
 PAPER_DETECTOR = "hustvl/yolos-base"
 #: GOAL's LISM: the mask-generation pipeline's default SAM checkpoint
@@ -114,6 +126,17 @@ def _folder_id(name: str) -> str:
 def _clip_box(box: Sequence[float], width: int, height: int) -> Box | None:
     x1, y1 = max(0.0, float(box[0])), max(0.0, float(box[1]))
     x2, y2 = min(float(width), float(box[2])), min(float(height), float(box[3]))
+    if x2 - x1 < 1 or y2 - y1 < 1:
+        return None
+    return (x1, y1, x2, y2)
+
+
+def clip_to_input(box: Sequence[float], window: Sequence[float]) -> Box | None:
+    """``box`` clipped to ``window`` (both ``(x1, y1, x2, y2)`` pixels of the original image, the window from
+    :func:`finetune.preprocess.geometry.visible_box`), or None when less than a pixel of it is left on either
+    axis: the candidate does not survive the model's resize and crop."""
+    x1, y1 = max(float(window[0]), float(box[0])), max(float(window[1]), float(box[1]))
+    x2, y2 = min(float(window[2]), float(box[2])), min(float(window[3]), float(box[3]))
     if x2 - x1 < 1 or y2 - y1 < 1:
         return None
     return (x1, y1, x2, y2)
@@ -519,6 +542,8 @@ def flism_features() -> datasets.Features:
         "flism_candidates": datasets.Sequence(datasets.Sequence(datasets.Value("float32"), length=4)),
         "flism_candidate_kinds": datasets.Sequence(datasets.Value("string")),
         "flism_num_candidates": datasets.Value("int32"),
+        "flism_candidates_clipped": datasets.Value("int32"),
+        "flism_candidates_dropped": datasets.Value("int32"),
         "flism_sentences": datasets.Sequence(datasets.Value("string")),
         "flism_sentence_match": ints,
         "flism_sentence_similarity": floats,
@@ -557,16 +582,20 @@ class FLISMMatcher:
         default: add the four quadrants and the centre box (Table VII).
         pairs, weighting: kept pairs per image (:func:`select_pairs`).
         encode_batch_size: crops / sentences per encoder call.
+        geometry: the training model's ``image_transform_params()``: candidates are clipped to the part of the
+            image its input shows, and those with nothing left there are dropped (both counted); None: the
+            whole image counts as seen.
 
     ``fn(batch)`` returns the columns of :func:`flism_features` per example: the candidates ``(N, 4)`` in original
-    pixels and their kinds, the sentences, each sentence's best candidate and cosine (``-1`` / NaN for a sentence
-    without one, e.g. unlinked under dataset links), and the kept pairs (sentence index, candidate index, box,
-    similarity, weight).
+    pixels (clipped to what the model sees) and their kinds, how many were clipped and dropped, the sentences,
+    each sentence's best candidate and cosine (``-1`` / NaN for a sentence without one, e.g. unlinked under
+    dataset links), and the kept pairs (sentence index, candidate index, box, similarity, weight).
     """
 
     def __init__(self, proposer: Any, encode_images: Callable[[list[Image.Image]], Tensor],
                  encode_texts: Callable[[list[str]], Tensor], *, model_id: str, default: bool = True, pairs: int = 1,
-                 weighting: str = "uniform", encode_batch_size: int = 64) -> None:
+                 weighting: str = "uniform", encode_batch_size: int = 64,
+                 geometry: dict[str, Any] | None = None) -> None:
         if not model_id:
             raise ValueError("FLISMMatcher needs `model_id` (the frozen model's fingerprint) for its cache key")
         select_pairs([], [], [], pairs=pairs, weighting=weighting)  # validates both
@@ -578,13 +607,43 @@ class FLISMMatcher:
         self.pairs = pairs
         self.weighting = weighting
         self.encode_batch_size = encode_batch_size
+        self.geometry = dict(geometry) if geometry is not None else None
         self.linked = isinstance(proposer, DatasetBoxes) and proposer.links
 
     def params(self) -> dict[str, Any]:
         """Everything that determines the output, for :func:`finetune.preprocess.cache.cached_map`."""
         proposer = self.proposer.params() if self.proposer is not None else {"detector": None}
+        geometry = {k: self.geometry.get(k) for k in _GEOMETRY_KEYS} if self.geometry is not None else None
         return {"proposer": proposer, "model_id": self.model_id, "default": self.default and not self.linked,
-                "pairs": self.pairs, "weighting": self.weighting}
+                "pairs": self.pairs, "weighting": self.weighting, "geometry": geometry}
+
+    def window(self, image: Image.Image) -> Box:
+        """The part of ``image`` the model's input shows (the whole image without a ``geometry``)."""
+        if self.geometry is None:
+            return (0.0, 0.0, float(image.width), float(image.height))
+        from .geometry import visible_box
+
+        return visible_box(image.width, image.height, self.geometry)
+
+    def survivors(self, image: Image.Image, boxes: Sequence[Box], kinds: Sequence[str]
+                  ) -> tuple[list[Box], list[str], dict[int, int], int, int]:
+        """The candidates the model's input shows, clipped to it: ``(boxes, kinds, old index -> new index,
+        clipped count, dropped count)``."""
+        window = self.window(image)
+        kept: list[Box] = []
+        kept_kinds: list[str] = []
+        index: dict[int, int] = {}
+        clipped = dropped = 0
+        for c, (box, kind) in enumerate(zip(boxes, kinds)):
+            inside = clip_to_input(box, window)
+            if inside is None:
+                dropped += 1
+                continue
+            clipped += inside != tuple(float(v) for v in box)
+            index[c] = len(kept)
+            kept.append(inside)
+            kept_kinds.append(kind)
+        return kept, kept_kinds, index, clipped, dropped
 
     def propose(self, batch: dict[str, list[Any]], images: list[Image.Image]) -> list[list[Box]]:
         """The proposer's boxes of each image (none without a proposer)."""
@@ -603,10 +662,20 @@ class FLISMMatcher:
                 raise KeyError(f"FLISM needs the column {column!r}; the batch has {sorted(batch)}")
         images = [im if im.mode == "RGB" else im.convert("RGB") for im in batch["image"]]
         found = self.propose(batch, images)
-        cands = [candidate_boxes(im.width, im.height, f, default=self.default and not self.linked)
-                 for im, f in zip(images, found)]
+        raw = [candidate_boxes(im.width, im.height, f, default=self.default and not self.linked)
+               for im, f in zip(images, found)]
         if self.linked:  # only the dataset's boxes: an image without objects has nothing to pair
-            cands = [(b, k) if f else ([], []) for (b, k), f in zip(cands, found)]
+            raw = [(b, k) if f else ([], []) for (b, k), f in zip(raw, found)]
+        # only what survives the model's resize and crop: TSL pools the global image's patches inside the box
+        cands, remaps, clipped, dropped = [], [], [], []
+        for im, (boxes, kinds) in zip(images, raw):
+            kept, kept_kinds, remap, n_clipped, n_dropped = self.survivors(im, boxes, kinds)
+            if not kept and not self.linked:
+                kept, kept_kinds = [self.window(im)], ["whole_image"]
+            cands.append((kept, kept_kinds))
+            remaps.append(remap)
+            clipped.append(n_clipped)
+            dropped.append(n_dropped)
         sentences = [split_sentences(c or "") for c in batch["caption"]]
         crops = [crop_box(im, box) for im, (boxes, _) in zip(images, cands) for box in boxes]
         crop_emb = _encode_in_batches(self.encode_images, crops, self.encode_batch_size)
@@ -620,7 +689,10 @@ class FLISMMatcher:
             if sents and boxes:
                 if self.linked:
                     dataset_sentences = batch["sentences"][i] if "sentences" in batch else None
-                    for s, c in _linked(batch["objects"][i], sents, dataset_sentences):
+                    for s, obj in _linked(batch["objects"][i], sents, dataset_sentences):
+                        c = remaps[i].get(obj)
+                        if c is None:  # the object's box is cut away by the model's crop
+                            continue
                         cos = F.cosine_similarity(sent_emb[s0 + s], crop_emb[r0 + c], dim=0)
                         match[s], sims[s] = c, float(cos)
                 else:
@@ -632,6 +704,8 @@ class FLISMMatcher:
             out["flism_candidates"].append([list(b) for b in boxes])
             out["flism_candidate_kinds"].append(list(kinds))
             out["flism_num_candidates"].append(len(boxes))
+            out["flism_candidates_clipped"].append(clipped[i])
+            out["flism_candidates_dropped"].append(dropped[i])
             out["flism_sentences"].append(sents)
             out["flism_sentence_match"].append(match)
             out["flism_sentence_similarity"].append(sims)
@@ -658,8 +732,9 @@ def compute_flism(dataset: datasets.Dataset, matcher: FLISMMatcher, *, cache_dir
 def flism_stats(dataset: datasets.Dataset, *, bins: int = 10) -> dict[str, Any]:
     """Statistics of a FLISM-processed dataset for the run report: images, candidates per image, the share of
     found (detector / SAM / dataset) vs default boxes among the candidates and among the kept pairs' boxes,
-    images without a found box, images with the whole image as their only candidate, images without a pair, and
-    a histogram of the kept pairs' similarities (``bins`` equal bins over [-1, 1])."""
+    images without a found box, images with the whole image as their only candidate, images without a pair,
+    candidates clipped to and dropped outside what the model's input shows, and a histogram of the kept pairs'
+    similarities (``bins`` equal bins over [-1, 1])."""
     kinds = dataset["flism_candidate_kinds"]
     n = max(1, len(kinds))
     all_kinds = [k for ks in kinds for k in ks]
@@ -684,6 +759,9 @@ def flism_stats(dataset: datasets.Dataset, *, bins: int = 10) -> dict[str, Any]:
         "images_without_found_boxes": sum(1 for ks in kinds if "found" not in ks),
         "whole_image_fallbacks": sum(1 for ks in kinds if ks == ["whole_image"]),
         "images_without_pairs": sum(1 for m in dataset["flism_num_pairs"] if m == 0),
+        "candidates_clipped": sum(dataset["flism_candidates_clipped"]),
+        "candidates_dropped": sum(dataset["flism_candidates_dropped"]),
+        "images_with_dropped_candidates": sum(1 for d in dataset["flism_candidates_dropped"] if d),
         "sentences_per_image": sum(len(s) for s in dataset["flism_sentences"]) / n,
         "mean_similarity": sum(sims) / len(sims) if sims else None,
         "similarity_histogram": {"edges": edges, "counts": counts},
@@ -800,14 +878,99 @@ def _image_ref(example: dict[str, Any], image: Image.Image, images_dir: Path, ou
     return os.path.relpath(target, out.parent)
 
 
+#: the per-pair columns of a pairs file (one line per kept pair); the rest is the image's own
+PAIR_FILE_COLUMNS = ("box", "sentence", "sentence_index", "similarity", "weight", "candidates", "image_id")
+
+
+def _image_key(row_id: str) -> str:
+    """The image of a pairs-file line without an ``image_id`` column: its id without ``write_pairs``' ``#p``."""
+    head, sep, tail = row_id.rpartition("#")
+    return head if sep and tail.isdigit() else row_id
+
+
+def pairs_by_image(dataset: datasets.Dataset, *, pairs: int = 1) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """One example per image from the lines of a pairs file (``write_pairs``), with the columns FLISM adds in a
+    recipe (``flism_pair_box``, ``flism_pair_sentence``, ``flism_pair_similarity``, ``flism_pair_weight``,
+    ``flism_num_pairs``), so that both routes train alike: an image meets its own pairs in one example, never
+    itself as a negative of the global loss (FAST-GOAL eq. 12).
+
+    Lines are grouped by ``image_id`` (else by the id without its ``#p`` suffix); an image keeps its ``pairs``
+    most similar lines (the file's order without a ``similarity`` column), padded by repeating the last one with
+    weight 0; the kept lines' ``weight`` column (the builder's ``--weighting``; uniform without one) is
+    renormalised to sum to 1 over them, as :func:`select_pairs` does in a recipe.
+
+    Returns:
+        ``(dataset, info)``: the grouped dataset (``id`` is the image's, the other non-pair columns the first
+        line's) and ``{"lines", "images", "most_pairs_per_image"}``.
+
+    Raises:
+        DataError: lines of one image with different captions, a ``box`` that is not 4 numbers or a
+            ``sentence_index`` that is not an integer (naming the line's id).
+    """
+    from finetune.data.images import DataError
+
+    n = len(dataset)
+    ids = [str(i) for i in dataset["id"]]
+    keys = [str(k) for k in dataset["image_id"]] if "image_id" in dataset.column_names else [_image_key(i) for i in ids]
+    captions = dataset["caption"]
+    boxes = dataset["box"]
+    sentence = dataset["sentence_index"]
+    sims = dataset["similarity"] if "similarity" in dataset.column_names else [None] * n
+    weights = dataset["weight"] if "weight" in dataset.column_names else [None] * n
+    groups: dict[str, list[int]] = {}
+    for row, key in enumerate(keys):
+        groups.setdefault(key, []).append(row)
+    first, columns = [], {name: [] for name in ("flism_pair_box", "flism_pair_sentence", "flism_pair_similarity",
+                                                "flism_pair_weight", "flism_num_pairs")}
+    for key, rows in groups.items():
+        if len({captions[r] for r in rows}) > 1:
+            raise DataError(f"pairs file: the lines {ids[rows[0]]!r} and {ids[rows[1]]!r} name the image {key!r} with "
+                            "different captions; one image has one caption (write the file again with python -m "
+                            "finetune.preprocess.flism)")
+        for r in rows:
+            box = boxes[r]
+            if not isinstance(box, (list, tuple)) or len(box) != 4 or not all(isinstance(v, (int, float)) for v in box):
+                raise DataError(f"pairs file: line {ids[r]!r} has box {box!r}; a box is 4 numbers (x1, y1, x2, y2) in "
+                                "pixels of the original image")
+            if not isinstance(sentence[r], int):
+                raise DataError(f"pairs file: line {ids[r]!r} has sentence_index {sentence[r]!r}; it is the index of the "
+                                "pair's sentence among split_sentences(caption)")
+        ranked = all(sims[r] is not None for r in rows)
+        kept = (sorted(rows, key=lambda r: -float(sims[r])) if ranked else list(rows))[:pairs]  # stable: file order
+        raw = [float(weights[r]) if weights[r] is not None else 1.0 for r in kept]
+        total = sum(max(w, 0.0) for w in raw)
+        shares = [max(w, 0.0) / total for w in raw] if total > 0 else [1.0 / len(kept)] * len(kept)
+        pad = pairs - len(kept)
+        first.append(rows[0])
+        kept_boxes = [[float(v) for v in boxes[r]] for r in kept]
+        columns["flism_pair_box"].append(kept_boxes + [kept_boxes[-1]] * pad)
+        columns["flism_pair_sentence"].append([int(sentence[r]) for r in kept] + [int(sentence[kept[-1]])] * pad)
+        kept_sims = [float(sims[r]) if sims[r] is not None else math.nan for r in kept]
+        columns["flism_pair_similarity"].append(kept_sims + [kept_sims[-1]] * pad)
+        columns["flism_pair_weight"].append(shares + [0.0] * pad)
+        columns["flism_num_pairs"].append(len(kept))
+    base = dataset.select(first)
+    base = base.remove_columns([c for c in (*PAIR_FILE_COLUMNS, "id") if c in base.column_names])
+    features = flism_features()
+    added = datasets.Dataset.from_dict({"id": list(groups), **columns}, features=datasets.Features(
+        {"id": datasets.Value("string"), **{name: features[name] for name in columns}}))
+    grouped = datasets.concatenate_datasets([base, added], axis=1)
+    most = max((len(r) for r in groups.values()), default=0)
+    info = {"lines": n, "images": len(groups), "most_pairs_per_image": most}
+    return grouped, info
+
+
 def write_pairs(source: dict[str, Any] | str, out: str | Path, model: Any, *, proposer: Any = None,
                 default: bool = True, pairs: int = 1, weighting: str = "uniform", batch_size: int = 16,
                 progress: bool = True, model_id: str | None = None) -> dict[str, int]:
     """Write the global-local pairs of a dataset as a jsonl that ``data.train`` reads (``{name: jsonl, path: out}``
-    with ``objective.terms.fastgoal.regions.method: pairs``): one line per kept pair with ``id``, ``image``
-    (its file, or a PNG in ``<out stem>_images/``), ``caption``, ``box`` (pixels of the original image),
-    ``sentence``, ``sentence_index`` (into ``split_sentences(caption)``), ``similarity``, ``weight`` and
-    ``candidates``; the id of each finished image is appended to ``<out>.done`` after its lines are flushed.
+    with ``objective.terms.fastgoal.regions.method: pairs``): one line per kept pair with ``id``, ``image_id``
+    (the image's own id: training groups an image's pairs into one example by it), ``width`` and ``height`` of
+    the image, ``image`` (its file, or a PNG in ``<out stem>_images/``), ``caption``, ``box`` (pixels of the
+    original image, clipped to what ``model``'s input shows), ``sentence``, ``sentence_index`` (into
+    ``split_sentences(caption)``), ``similarity``, ``weight`` (the pair's share of the image's TSL weight:
+    ``1 / m`` for ``uniform``, similarity-proportional for ``weighted``) and ``candidates``; the id of each
+    finished image is appended to ``<out>.done`` after its lines are flushed.
     Interrupted, a second call with the same ``out`` skips the images listed there (resume).
 
     Args:
@@ -836,7 +999,7 @@ def write_pairs(source: dict[str, Any] | str, out: str | Path, model: Any, *, pr
     encoders = FrozenEncoders(model)
     model.eval()
     matcher = FLISMMatcher(proposer, encoders.images, encoders.texts, model_id=model_id or model_fingerprint(model),
-                           default=default, pairs=pairs, weighting=weighting)
+                           default=default, pairs=pairs, weighting=weighting, geometry=model.image_transform_params())
     images_dir = out.with_name(out.stem + "_images")
     written = 0
     bar = tqdm(total=len(data), initial=len(data) - len(todo), desc="FLISM pairs", unit="image", disable=not progress)
@@ -852,8 +1015,10 @@ def write_pairs(source: dict[str, Any] | str, out: str | Path, model: Any, *, pr
                 ref = _image_ref(example, batch["image"][j], images_dir, out)
                 for p in range(result["flism_num_pairs"][j]):
                     s = result["flism_pair_sentence"][j][p]
+                    image = batch["image"][j]
                     lines.append(json.dumps({
                         "id": f"{example['id']}#{p}" if pairs > 1 else str(example["id"]),
+                        "image_id": str(example["id"]), "width": image.width, "height": image.height,
                         "image": ref, "caption": example["caption"],
                         "box": [round(float(v), 2) for v in result["flism_pair_box"][j][p]],
                         "sentence": result["flism_sentences"][j][s], "sentence_index": int(s),

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["box_patch_mask", "input_geometry", "patch_count", "resize_shortest"]
+__all__ = ["box_patch_mask", "input_geometry", "naflex_grid", "patch_count", "resize_shortest", "visible_box"]
 
 
 def resize_shortest(width: int, height: int, size: int) -> tuple[int, int]:
@@ -75,6 +75,43 @@ def input_geometry(
         return scale, scale, -float(round((in_w - new_w) / 2)), -float(round((in_h - new_h) / 2)), in_w, in_h
     raise ValueError(f"input_geometry: unknown image transform mode {mode!r} (expected naflex, shortest_center_crop, "
                      "shortest, squash or longest_pad); the model's image_transform_params() must name one")
+
+
+def naflex_grid(width: int, height: int, params: dict[str, Any]) -> tuple[int, int]:
+    """NaFlex ``(rows, cols)`` of an image of ``width`` x ``height``: the patch grid SigLIP2's image
+    processor resizes it to (``get_image_size_for_max_num_patches`` of transformers, the function the
+    processor itself calls), so that boxes can be mapped before the processor has run.
+
+    Args:
+        params: ``DualEncoder.image_transform_params()`` with ``mode == "naflex"``, ``patch_size`` and
+            ``max_num_patches``.
+    """
+    from transformers.models.siglip2.image_processing_siglip2 import get_image_size_for_max_num_patches
+
+    p = int(params["patch_size"])
+    new_h, new_w = get_image_size_for_max_num_patches(int(height), int(width), p, int(params["max_num_patches"]))
+    return new_h // p, new_w // p
+
+
+def visible_box(
+    width: int, height: int, params: dict[str, Any], spatial_shape: tuple[int, int] | None = None
+) -> tuple[float, float, float, float]:
+    """The part of an image of ``width`` x ``height`` that lands on the network input's patch grid, in
+    pixels of the original image ``(x1, y1, x2, y2)``: what is left after the processor's resize and
+    centre crop (a 1000 x 500 image under CLIP's 224 shortest-side resize and 224 x 224 centre crop
+    keeps x 250-750). The whole image for transforms that crop nothing (squash, padding, NaFlex).
+
+    Args:
+        params: ``DualEncoder.image_transform_params()``.
+        spatial_shape: NaFlex ``(rows, cols)`` (not needed: NaFlex keeps the whole image).
+    """
+    if params["mode"] == "naflex":
+        return 0.0, 0.0, float(width), float(height)
+    sx, sy, ox, oy, in_w, in_h = input_geometry(width, height, params, spatial_shape)
+    p = int(params["patch_size"])
+    grid_w, grid_h = (in_w // p) * p, (in_h // p) * p
+    return (max(0.0, ox / sx), max(0.0, oy / sy), min(float(width), (grid_w + ox) / sx),
+            min(float(height), (grid_h + oy) / sy))
 
 
 def box_patch_mask(

@@ -30,6 +30,7 @@ from losses import (
     tsl_sentence_spans,
     tsl_similarity_loss,
 )
+from tests.losses.tsl_host_reads import HostReads
 
 CAPTION = "The pole is 3.5 m tall, e.g. taller than a man. A bird sings."
 # CLIP BPE: <sot> the pole is 3 . 5 m tall , e . g . taller than a man . | a bird sings . <eot>
@@ -240,6 +241,56 @@ def test_geometry_must_fit_the_states():
         pool_patch_states(torch.zeros(1, 4, 2), torch.zeros(1, 4, dtype=torch.bool))
 
 
+def test_a_box_the_centre_crop_cuts_away_can_be_dropped_instead_of_raising():
+    """Issue 23 item 4: on a 1000 x 500 image CLIP's 224 centre crop keeps x 250-750, so a detector box
+    (10, 100, 240, 400) has no patch. ``outside="drop"`` leaves its row empty (what a collate function does before
+    the training step) instead of raising; a box partly inside is clipped to the crop."""
+    params = {"mode": "shortest_center_crop", "size": 224, "crop": (224, 224), "patch_size": 16}
+    geometry = BoxGeometry([(1000, 500)] * 3, params)
+    boxes = [(10, 100, 240, 400), (200, 100, 300, 400), (300, 300, 300, 400)]  # outside, half inside, no area
+    with pytest.raises(ValueError, match="sample 0: box \\(10, 100, 240, 400\\) lies entirely outside"):
+        box_patch_masks(boxes[:1], BoxGeometry([(1000, 500)], params), 196)
+    masks = box_patch_masks(boxes, geometry, 196, outside="drop")
+    assert masks.any(dim=1).tolist() == [False, True, False]
+    # (200, 300) -> input x (200 * 0.448 - 112, 300 * 0.448 - 112) = (-22.4, 22.4): columns 0-1; y 100-400 -> 44.8-179.2
+    cols = sorted({int(i) % 14 for i in masks[1].nonzero().flatten()})
+    rows = sorted({int(i) // 14 for i in masks[1].nonzero().flatten()})
+    assert cols == [0, 1] and rows == list(range(2, 12))
+    with pytest.raises(ValueError, match="outside must be 'raise' or 'drop'"):
+        box_patch_masks(boxes, geometry, 196, outside="skip")
+
+
+def test_pooling_and_the_loss_read_nothing_back_in_a_training_step():
+    """With validity decided beforehand (collate), eq. 7 / eq. 9 pooling (``check=False``) and eq. 14 use masks only:
+    no ``.item()`` / ``.cpu()`` / ``bool()`` / boolean indexing, so a step on an accelerator does not sync on them.
+    A row without a patch or a span pools zeros."""
+    states = _ramp_states(2, 6)
+    masks = torch.tensor([[[True, True, False, False, False, False], [False] * 6],
+                          [[False, False, False, False, True, True], [False, False, True, False, False, False]]])
+    spans = torch.tensor([[[1, 3], [0, 0]], [[2, 6], [5, 6]]])
+    valid = torch.tensor([[True, False], [True, True]])
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    weights = torch.tensor([1.0, 0.0, 2.0, 1.0], dtype=torch.float64)
+    with HostReads() as mode:
+        pooled = pool_patch_states(states, masks, valid=valid, check=False)
+        spanned = pool_span_states(states, spans, valid=valid, check=False)
+        matrix = tsl_similarity_loss(a, b, valid=valid.flatten(), weights=weights)
+        diagonal = tsl_similarity_loss(a, b, form="diagonal", valid=valid.flatten(), weights=weights)
+    assert mode.reads == []
+    assert pooled.shape == (2, 2, 3) and pooled[0, 1].abs().sum() == 0
+    torch.testing.assert_close(pooled[1, 0], states[1, 4:6].mean(0))
+    torch.testing.assert_close(spanned[1, 0], states[1, 2:6].mean(0))
+    keep = valid.flatten()
+    cos = F.normalize(a[keep], dim=-1) @ F.normalize(b[keep], dim=-1).T
+    w = weights[keep]
+    torch.testing.assert_close(matrix, (((cos - torch.eye(3, dtype=torch.float64)) ** 2).sum(1) * w).sum() / 9)
+    torch.testing.assert_close(diagonal, (((cos.diagonal() - 1) ** 2) * w).sum() / 3)
+    # the checking path (a user's own loop) still names a row without a patch
+    with pytest.raises(ValueError, match="sample \\(0, 1\\) selects no patch"):
+        pool_patch_states(states, masks, valid=torch.ones(2, 2, dtype=torch.bool))
+
+
 def test_naflex_boxes_follow_each_images_grid(tiny_dir):
     model = load_model(str(tiny_dir("tiny-siglip2")))  # NaFlex, at most 16 patches of 8 px
     rng = np.random.RandomState(0)
@@ -407,6 +458,26 @@ def test_dropped_pairs_leave_the_matrix():
     w = torch.tensor([2.0, 1.0], dtype=torch.float64)
     weighted = (2 * (0 + R**2) + 1 * (0 + (R - 1) ** 2)) / 4
     assert tsl_similarity_loss(P, V, weights=w).item() == pytest.approx(weighted, rel=1e-12)
+
+
+def test_the_matrix_form_puts_one_nth_of_its_weight_on_the_pairs():
+    """Issue 23 item 7, the numbers the README quotes: at n = 256, with the pairs' cosine c on the diagonal and 0
+    elsewhere, eq. 14's matrix form is (1 - c)^2 / n and its gradient on c is -2 (1 - c) / n: the diagonal holds
+    n / n^2 = 1 / n of its weight (0.39 %). The GOAL code's diagonal form is (1 - c)^2, n times more."""
+    n, c = 256, 0.3
+    eye = torch.eye(n, dtype=torch.float64)
+    cos = torch.tensor(c, dtype=torch.float64, requires_grad=True)
+    pooled = torch.cat([cos * eye, (1 - cos**2).sqrt() * eye], dim=1)  # unit rows: cos(pooled_i, target_j) = c delta_ij
+    target = torch.cat([eye, torch.zeros(n, n, dtype=torch.float64)], dim=1)
+    matrix = tsl_similarity_loss(pooled, target)
+    diagonal = tsl_similarity_loss(pooled, target, form="diagonal")
+    assert matrix.item() == pytest.approx((1 - c) ** 2 / n, rel=1e-9)
+    assert diagonal.item() == pytest.approx((1 - c) ** 2, rel=1e-9)
+    (g_matrix,) = torch.autograd.grad(matrix, cos, retain_graph=True)
+    (g_diagonal,) = torch.autograd.grad(diagonal, cos)
+    assert g_matrix.item() == pytest.approx(-2 * (1 - c) / n, rel=1e-9)
+    assert g_diagonal.item() / g_matrix.item() == pytest.approx(n, rel=1e-9)
+    assert 1 / n == pytest.approx(0.0039, abs=1e-4)
 
 
 def test_tsl_loss_rejects_bad_inputs():

@@ -30,6 +30,7 @@ from finetune.preprocess.flism import (
     main,
     mask_box,
     match_sentences,
+    pairs_by_image,
     render_flism_preview,
     select_pairs,
     write_pairs,
@@ -240,6 +241,57 @@ def test_matcher_matches_every_sentence_to_its_best_crop_and_keeps_the_best_pair
     assert linked["flism_sentence_match"][1] == [0]
 
 
+#: CLIP ViT-B/16's transform: shortest side to 224, centre crop 224 x 224, patches of 16
+CLIP_GEOMETRY = {"mode": "shortest_center_crop", "size": 224, "crop": (224, 224), "patch_size": 16}
+
+
+def _wide_scene() -> datasets.Dataset:
+    """Issue 23's case: a 1000 x 500 image whose red object (10, 100, 240, 400) lies in the strip CLIP's centre crop
+    cuts away (the crop keeps x 250-750)."""
+    im = Image.new("RGB", (1000, 500), (255, 255, 255))
+    ImageDraw.Draw(im).rectangle((10, 100, 239, 399), fill=(255, 0, 0))
+    features = datasets.Features({"image": datasets.Image(), "caption": datasets.Value("string"),
+                                  "objects": datasets.List({"box": datasets.List(datasets.Value("int32")),
+                                                            "sentence_index": datasets.Value("int32")})})
+    return datasets.Dataset.from_dict({"image": [im], "caption": ["A red square stands on the left."],
+                                       "objects": [[{"box": [10, 100, 240, 400], "sentence_index": 0}]]},
+                                      features=features)
+
+
+def test_candidates_the_models_centre_crop_cuts_away_are_dropped_and_the_rest_clipped(tmp_path):
+    """FLISM keeps only what TSL can pool: candidates are clipped to the part of the image the model's resize and
+    centre crop keep, and those with nothing left there are dropped; both counted per image and in the stats."""
+    enc = _Colours()
+    data = _wide_scene()
+    # blind to the model's crop, the red object's box wins the red sentence: a pair TSL cannot pool
+    blind = FLISMMatcher(DatasetBoxes(links=False), enc.images, enc.texts, model_id="stub")(data[:])
+    assert blind["flism_pair_box"][0][0] == [10.0, 100.0, 240.0, 400.0]
+    matcher = FLISMMatcher(DatasetBoxes(links=False), enc.images, enc.texts, model_id="stub", geometry=CLIP_GEOMETRY)
+    out = matcher(data[:])
+    assert out["flism_candidates_dropped"] == [1] and out["flism_candidates_clipped"] == [4]
+    assert out["flism_candidates"][0] == [[250.0, 0.0, 500.0, 250.0], [500.0, 0.0, 750.0, 250.0],
+                                          [250.0, 250.0, 500.0, 500.0], [500.0, 250.0, 750.0, 500.0],
+                                          [250.0, 125.0, 750.0, 375.0]]  # quadrants clipped, the centre box as it was
+    assert out["flism_candidate_kinds"][0] == ["default"] * 5
+    x1, _, x2, _ = out["flism_pair_box"][0][0]
+    assert 250 <= x1 < x2 <= 750
+    # the object's own sentence link cannot be kept either: no pair rather than a box without patches
+    linked = FLISMMatcher(DatasetBoxes(links=True), enc.images, enc.texts, model_id="stub",
+                          geometry=CLIP_GEOMETRY)(data[:])
+    assert linked["flism_num_pairs"] == [0] and linked["flism_candidates_dropped"] == [1]
+    # no candidate left at all (YOLO only): the part of the image the model sees
+    alone = FLISMMatcher(DatasetBoxes(links=False), enc.images, enc.texts, model_id="stub", default=False,
+                         geometry=CLIP_GEOMETRY)(data[:])
+    assert alone["flism_candidates"][0] == [[250.0, 0.0, 750.0, 500.0]]
+    assert alone["flism_candidate_kinds"][0] == ["whole_image"]
+    stats = flism_stats(compute_flism(data, matcher, cache_dir=tmp_path))
+    counts = (stats["candidates_clipped"], stats["candidates_dropped"], stats["images_with_dropped_candidates"])
+    assert counts == (4, 1, 1)
+    # the model's geometry is part of the cache key
+    assert matcher.params()["geometry"]["crop"] == (224, 224)
+    assert FLISMMatcher(None, enc.images, enc.texts, model_id="stub").params()["geometry"] is None
+
+
 def test_compute_flism_is_cached_and_keyed_by_its_parameters(tmp_path, caplog):
     enc = _Colours()
     data = _scenes()
@@ -305,6 +357,57 @@ def test_write_pairs_writes_a_jsonl_that_data_train_reads_and_resumes(tmp_path):
     assert write_pairs(source, out, model, progress=False)["images"] == 0
 
 
+def _pair_lines(rows: list[dict]) -> datasets.Dataset:
+    base = {"image": "unused.png", "sentence": "s", "candidates": 5}
+    return datasets.Dataset.from_list([{**base, **r} for r in rows])
+
+
+def test_pairs_by_image_groups_an_images_lines_with_their_weights():
+    """A pairs file's lines -> one example per image: its most similar lines first, the file's weights renormalised
+    over the pairs kept, padding with weight 0, as select_pairs gives them in a recipe."""
+    lines = _pair_lines([
+        {"id": "a#0", "image_id": "a", "caption": "A. B. C.", "box": [0, 0, 4, 4], "sentence_index": 2,
+         "similarity": 0.5, "weight": 0.5},
+        {"id": "b", "image_id": "b", "caption": "D.", "box": [1, 1, 2, 2], "sentence_index": 0, "similarity": 0.9,
+         "weight": 1.0},
+        {"id": "a#1", "image_id": "a", "caption": "A. B. C.", "box": [1, 0, 4, 4], "sentence_index": 0,
+         "similarity": 0.3, "weight": 0.3},
+        {"id": "a#2", "image_id": "a", "caption": "A. B. C.", "box": [2, 0, 4, 4], "sentence_index": 1,
+         "similarity": 0.2, "weight": 0.2},
+    ])
+    grouped, info = pairs_by_image(lines, pairs=3)
+    assert info == {"lines": 4, "images": 2, "most_pairs_per_image": 3}
+    assert grouped["id"] == ["a", "b"] and grouped["caption"] == ["A. B. C.", "D."]
+    assert grouped["flism_num_pairs"] == [3, 1]
+    assert grouped["flism_pair_sentence"] == [[2, 0, 1], [0, 0, 0]]
+    assert grouped["flism_pair_weight"][0] == pytest.approx([0.5, 0.3, 0.2])
+    assert grouped["flism_pair_weight"][1] == [1.0, 0.0, 0.0]
+    assert grouped["flism_pair_box"][1] == [[1.0, 1.0, 2.0, 2.0]] * 3
+    assert not {"box", "sentence_index", "weight", "image_id"} & set(grouped.column_names)
+    # regions.pairs: 2 keeps the two most similar, their weights renormalised
+    two, _ = pairs_by_image(lines, pairs=2)
+    assert two["flism_pair_sentence"][0] == [2, 0] and two["flism_pair_weight"][0] == pytest.approx([0.625, 0.375])
+    # a file without image_id (an older one): the id without write_pairs' "#p" names the image
+    old, info = pairs_by_image(lines.remove_columns(["image_id"]), pairs=3)
+    assert old["id"] == ["a", "b"] and info["images"] == 2
+    # without a weight column: uniform
+    plain, _ = pairs_by_image(lines.remove_columns(["weight"]), pairs=3)
+    assert plain["flism_pair_weight"][0] == pytest.approx([1 / 3] * 3)
+
+
+def test_pairs_by_image_rejects_an_image_with_two_captions_and_a_bad_box():
+    from finetune.data.images import DataError
+
+    rows = [{"id": "a#0", "image_id": "a", "caption": "One.", "box": [0, 0, 4, 4], "sentence_index": 0,
+             "similarity": 0.5, "weight": 1.0},
+            {"id": "a#1", "image_id": "a", "caption": "Another.", "box": [0, 0, 4, 4], "sentence_index": 0,
+             "similarity": 0.4, "weight": 1.0}]
+    with pytest.raises(DataError, match="'a#0' and 'a#1' name the image 'a' with different captions"):
+        pairs_by_image(_pair_lines(rows))
+    with pytest.raises(DataError, match="line 'a#0' has box \\[0, 0, 4\\]; a box is 4 numbers"):
+        pairs_by_image(_pair_lines([{**rows[0], "box": [0, 0, 4]}]))
+
+
 def test_pairs_cli_top3_and_a_bad_source(tmp_path, capsys):
     from finetune.models.registry import save_tiny
 
@@ -316,6 +419,9 @@ def test_pairs_cli_top3_and_a_bad_source(tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 9 and rows[0]["id"].endswith("#0") and rows[2]["id"].endswith("#2")
     assert sum(r["weight"] for r in rows[:3]) == pytest.approx(1.0, abs=1e-5)
+    # each line names its image (training groups the image's pairs by it) and the image's size
+    assert [r["image_id"] for r in rows[:3]] == [rows[0]["id"][:-2]] * 3
+    assert (rows[0]["width"], rows[0]["height"]) == (32, 32)
     assert main([str(tmp_path / "missing.jsonl"), str(out), "--model", str(tiny)]) == 2
     assert "does not exist" in capsys.readouterr().err
     proc = subprocess.run([sys.executable, "-m", "finetune.preprocess.flism", "--help"], capture_output=True,

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.preprocess.geometry import box_patch_mask, input_geometry, patch_count, resize_shortest
+from finetune.preprocess.geometry import (
+    box_patch_mask,
+    input_geometry,
+    naflex_grid,
+    patch_count,
+    resize_shortest,
+    visible_box,
+)
 
 
 def test_box_patch_mask_follows_resize_and_centre_crop():
@@ -91,3 +98,34 @@ def test_geometry_matches_the_processors_own_centre_crop(name, width):
     dark_until = int((row < 0).nonzero().max()) + 1
     sx, _, ox, _, _, _ = input_geometry(width, 32, model.image_transform_params())
     assert dark_until == 40 * sx - ox
+
+
+def test_visible_box_is_what_the_resize_and_centre_crop_keep():
+    clip = {"mode": "shortest_center_crop", "size": 224, "crop": (224, 224), "patch_size": 16}
+    # 1000 x 500 -> 448 x 224, the crop cuts 112 px on each side: x 250-750 of the original image
+    assert visible_box(1000, 500, clip) == (250.0, 0.0, 750.0, 500.0)
+    assert visible_box(500, 1000, clip) == (0.0, 250.0, 500.0, 750.0)
+    assert visible_box(640, 640, clip) == (0.0, 0.0, 640.0, 640.0)
+    # a box outside the visible part has no patch, one inside it has
+    assert box_patch_mask((10, 100, 240, 400), (1000, 500), clip, cover="overlap") is None
+    assert box_patch_mask((260, 100, 400, 400), (1000, 500), clip, cover="overlap") is not None
+    squash = {"mode": "squash", "size": (32, 32), "crop": None, "patch_size": 8}
+    assert visible_box(64, 32, squash) == (0.0, 0.0, 64.0, 32.0)
+    naflex = {"mode": "naflex", "size": None, "crop": None, "patch_size": 8, "max_num_patches": 16}
+    assert visible_box(50, 30, naflex) == (0.0, 0.0, 50.0, 30.0)
+
+
+def test_naflex_grid_is_the_processors_own(tiny_dir):
+    """The NaFlex patch grid computed from the image size alone (FAST-GOAL's collate maps boxes before the processor
+    runs) equals the grid SigLIP2's processor produces."""
+    import numpy as np
+    from PIL import Image
+
+    from finetune import load_model
+
+    model = load_model(str(tiny_dir("tiny-siglip2")))
+    params = model.image_transform_params()
+    sizes = [(50, 30), (40, 40), (17, 90), (300, 20)]
+    images = [Image.fromarray(np.zeros((h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    shapes = model.preprocess_images(images)["spatial_shapes"].tolist()
+    assert [list(naflex_grid(w, h, params)) for w, h in sizes] == shapes
