@@ -75,6 +75,16 @@ def test_the_api_reference_is_generated_from_the_docstrings_without_raw_sphinx_r
     assert re.search(r'<a class="autorefs autorefs-internal"[^>]*href="#finetune\.data\.text\.split_sentences"', models)
 
 
+def test_the_readme_style_nested_lists_of_the_method_pages_render_nested(site):
+    fastgoal = (site / "methods/fastgoal/index.html").read_text(encoding="utf-8")
+    flism_item = fastgoal[fastgoal.index("<li><strong>FLISM</strong>"):]
+    assert flism_item.index("<ul>") < flism_item.index("</li>"), "FLISM's sub-list was flattened into its parent"
+    hook = _module("nested_lists")
+    text = "- a\n  - b\n    continued\n      - c\n\n```\n  - code\n```\n    - already four\n"
+    assert hook.nest_two_space_lists(text) == (
+        "- a\n    - b\n    continued\n            - c\n\n```\n  - code\n```\n    - already four\n")
+
+
 def test_the_generated_recipe_pages_are_in_the_site(site):
     keys = (site / "reference/recipe-keys/index.html").read_text(encoding="utf-8")
     assert 'id="objective-terms-structxlip-regions"' in keys and "name_or_path" in keys
