@@ -112,6 +112,20 @@ def test_python_m_finetune_cli_is_the_form_accelerate_launch_m_starts(tmp_path):
     assert proc.stderr.startswith(f"recipe error: recipe file not found: {bad}"), proc.stderr
 
 
+@pytest.mark.slow
+def test_accelerate_launch_m_finetune_cli_train_runs_the_command_in_its_process(tmp_path):
+    """The documented multi-GPU form, with one process: the child is `python -m finetune.cli train ...`, which
+    stops on the bad recipe with its message; the launcher reports the child's failure as its own exit 1."""
+    bad = tmp_path / "nope.yaml"
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "-m", "finetune.cli", "train", str(bad)],
+                          capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+    assert f"recipe error: recipe file not found: {bad}" in proc.stderr, proc.stderr[-3000:]
+    assert "'-m', 'finetune.cli', 'train'" in proc.stderr  # the launcher's report names the module it ran
+    assert proc.returncode == 1
+
+
 def test_the_installed_xlipkit_script(tmp_path):
     """The ``[project.scripts]`` entry, once ``pip install -e .`` has written it beside the interpreter."""
     script = shutil.which("xlipkit", path=str(Path(sys.executable).parent)) or shutil.which("xlipkit")
