@@ -42,6 +42,13 @@ def _nav_pages(nav: Any) -> Iterator[str]:
             yield value
 
 
+def _directive(page: Path, name: str) -> str:
+    """The identifier of the first ``::: identifier`` of ``page`` that ends in ``name``."""
+    found = re.search(rf"^::: ([\w.]+\.{name})$", page.read_text(encoding="utf-8"), re.MULTILINE)
+    assert found, f"{page} documents no {name}"
+    return found.group(1)
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
@@ -63,7 +70,8 @@ def test_the_site_builds_in_strict_mode_with_every_nav_page(site):
 
 def test_the_api_reference_is_generated_from_the_docstrings_without_raw_sphinx_roles(site):
     models = (site / "reference/api/models/index.html").read_text(encoding="utf-8")
-    assert 'id="finetune.models.loading.load_model"' in models
+    load_model = _directive(REPO / "docs/reference/api/models.md", "load_model")
+    assert f'id="{load_model}"' in models
     assert "name_or_path" in models and "max_text_len" in models  # the signature and its parameters
     losses = (site / "reference/api/losses/index.html").read_text(encoding="utf-8")
     for name in ("clip_loss", "siglip_loss", "StructXLIPLoss", "tsl_loss", "GRMHead", "flair_loss", "fcast_loss"):
@@ -133,8 +141,6 @@ def _section_text(page: str, path: str) -> str:
 
 
 def test_the_recipe_reference_documents_every_key_of_finetune_run_schema():
-    from finetune.objectives import TERM_OPTIONS, discover_terms
-
     hook = _module("recipe_reference")
     schema = json.loads(hook._cli_output(["--schema"]))
     page = hook.render_recipe_keys(schema)
@@ -142,9 +148,8 @@ def test_the_recipe_reference_documents_every_key_of_finetune_run_schema():
     assert len(keys) > 150
     for path, key in keys:
         assert f"| `{key}` |" in _section_text(page, path), f"recipe key {path}.{key} is not in the reference"
-    discover_terms()
-    for term in TERM_OPTIONS:
-        assert f"`objective.terms.{term}`" in page
+    for term in schema["$defs"]["ObjectiveConfig"]["properties"]["terms"]["properties"]:
+        assert f"#### `objective.terms.{term}`" in page  # every registered term has its own section
     train = _section_text(page, "train")
     assert re.search(r"\| `lr` \| number \(> 0\.0\) \| `5e-06` \| peak learning rate \(AdamW\) \|", train)
 
@@ -181,10 +186,14 @@ def test_a_broken_link_or_a_stale_api_name_fails_the_strict_build(breakage, tmp_
         (root / package).symlink_to(REPO / package)
     if breakage == "missing_page":
         page, old, new = "guides/cli.md", "(scaling.md)", "(scalling.md)"
-    elif breakage == "missing_anchor":
-        page, old, new = "methods/kps.md", "#finetune.models.longclip.apply_kps", "#finetune.models.longclip.apply_kpz"
-    else:
-        page, old, new = "reference/api/models.md", "finetune.models.loading.load_model", "finetune.models.loading.load_modle"
+    elif breakage == "missing_anchor":  # a link into the API reference whose object is not there
+        page = "methods/kps.md"
+        old = re.search(r"\(\.\./reference/api/\w+\.md(#[\w.]+)\)", (root / "docs" / page).read_text()).group(1)
+        new = old + "_renamed"
+    else:  # `::: finetune...load_model` naming a function that no longer exists
+        page = "reference/api/models.md"
+        old = _directive(root / "docs" / page, "load_model")
+        new = old + "_renamed"
     text = (root / "docs" / page).read_text(encoding="utf-8")
     assert old in text
     (root / "docs" / page).write_text(text.replace(old, new, 1), encoding="utf-8")
