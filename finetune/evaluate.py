@@ -617,9 +617,9 @@ def format_table(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> 
 
 
 # -- command line ---------------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m finetune.evaluate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m finetune.evaluate",
+        prog=prog,
         description=(
             "Text-to-image and image-to-text Recall@K of a fine-tuned run or of any model. MODEL_OR_RUN is a "
             "run folder (holding recipe.yaml and final/; its recipe's eval sets are the default) or anything "
@@ -753,10 +753,11 @@ def _is_run_dir(path: Path) -> bool:
     return path.is_dir() and (path / "recipe.yaml").is_file()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """The command line; returns the exit status (2 on bad arguments, a bad recipe or an
     unloadable model)."""
-    args = _parser().parse_args(argv)
+    parser = _parser(prog) if prog else _parser()
+    args = parser.parse_args(argv)
     try:
         return _main(args)
     except _UsageError as exc:

@@ -462,9 +462,9 @@ def export(
 
 
 # -- command line ----------------------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m finetune.hub") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m finetune.hub",
+        prog=prog,
         description="Push a fine-tuned run to the Hugging Face hub with a model card, or export it as a plain "
                     "transformers / open_clip folder (adapter merged, 248 text positions in the config).",
         epilog="The token comes from HF_TOKEN or `hf auth login` (never from the command line, where it would "
@@ -493,9 +493,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """The command line; returns 0 on success, 1 when the push failed, 2 on bad input."""
-    args = _parser().parse_args(argv)
+    parser = _parser(prog) if prog else _parser()
+    args = parser.parse_args(argv)
     if not logging.getLogger("xlipkit").handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -226,9 +226,9 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
     return render_preview(items, out, title=title)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m finetune.preview") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m finetune.preview",
+        prog=prog,
         description="Draw what StructXLIP trains on for the first N examples of a recipe's training set: "
                     "images, edge maps with regions, original and filtered captions, chunks and their regions.",
     )
@@ -239,9 +239,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     """Command line entry point; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser(prog) if prog else _parser()
+    args = parser.parse_args(argv)
     from finetune.config import RecipeError, load_recipe
 
     if not logging.getLogger("xlipkit").handlers:

@@ -29,9 +29,9 @@ log = logging.getLogger("xlipkit")
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "finetune/run.py") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="finetune/run.py",
+        prog=prog,
         description=(
             "Fine-tune a CLIP / SigLIP / SigLIP2 model on long captions from a YAML recipe: load the model, "
             "stretch its text positions (Long-CLIP KPS), add a LoRA/DoRA adapter or train fully, run the "
@@ -58,8 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
+    """The command line (``finetune/run.py``, ``xlipkit train``); returns the exit status: 0, 2 on a recipe
+    error (printed as ``recipe error: ...``), else the run's. ``prog`` names the command in usage and help."""
+    parser = _parser(prog) if prog else _parser()
+    args = parser.parse_args(argv)
     from finetune.config import RecipeError, list_recipes, load_recipe
 
     if args.schema:
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:34s} {desc}")
         return 0
     if not args.recipe:
-        _parser().print_usage(sys.stderr)
+        parser.print_usage(sys.stderr)
         print("error: give a recipe path (see --list)", file=sys.stderr)
         return 2
     try:

@@ -1039,9 +1039,9 @@ def write_pairs(source: dict[str, Any] | str, out: str | Path, model: Any, *, pr
     return {"images": len(todo), "skipped": len(data) - len(todo), "pairs": written}
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m finetune.preprocess.flism") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m finetune.preprocess.flism",
+        prog=prog,
         description="Write FLISM's global-local pairs (FAST-GOAL III-A) of a dataset as a jsonl that data.train "
                     "reads ({name: jsonl, path: OUT} with objective.terms.fastgoal.regions.method: pairs). "
                     "Resumable: run it again with the same OUT after an interruption.")
@@ -1069,10 +1069,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     """``python -m finetune.preprocess.flism IMAGES_AND_CAPTIONS OUT``: see :func:`write_pairs`. Exit status 2
     with a message (no traceback) on bad input."""
-    args = _parser().parse_args(argv)
+    parser = _parser(prog) if prog else _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from finetune import load_model
     from finetune.data.sources import DataError

@@ -1,0 +1,140 @@
+"""The ``xlipkit`` console script (finetune/cli): each command is its module's command line under one name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune import run as run_module
+from finetune.cli.main import COMMANDS, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+# What a user types after `xlipkit CMD`: the options each command's --help must name (its module's own).
+OPTIONS = {
+    "train": ["recipe", "overrides", "--list", "--schema"],
+    "eval": ["MODEL_OR_RUN", "--sets", "--protocol", "--scorer", "--rerank-top-k", "--zeroshot", "--templates",
+             "--out", "--trust-recipe-imports"],
+    "push": ["run_dir", "--repo-id", "--public", "--revision", "--merge", "--stage-only"],
+    "export": ["run_dir", "out_dir", "--format", "--overwrite"],
+    "preview": ["recipe", "overrides", "--n", "--out"],
+    "pairs": ["IMAGES_AND_CAPTIONS", "OUT", "--model", "--detector", "--method", "--pairs", "--weighting",
+              "--no-default"],
+    "recipes": ["-h"],
+    "schema": ["-h"],
+}
+
+
+def test_the_commands_are_the_documented_ones():
+    assert sorted(COMMANDS) == sorted(OPTIONS)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_each_command_help_exits_0_under_its_xlipkit_name_and_names_its_options(name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([name, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: xlipkit {name} "), out[:200]
+    missing = [opt for opt in OPTIONS[name] if opt not in out]
+    assert not missing, f"`xlipkit {name} --help` does not name {missing}:\n{out}"
+
+
+def test_top_level_help_lists_every_command_and_no_arguments_is_a_usage_error(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name, command in COMMANDS.items():
+        assert f"  {name}" in out and command.summary in out
+    assert main([]) == 2
+    assert "usage: xlipkit" in capsys.readouterr().err
+
+
+def test_an_unknown_command_exits_2_with_the_closest_name(capsys):
+    assert main(["trian", "recipes/quickstart.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'; did you mean 'train'?" in err
+
+
+def test_recipes_lists_every_shipped_recipe_as_run_py_list_does(capsys):
+    assert main(["recipes"]) == 0
+    listed = capsys.readouterr().out
+    names = [line.split()[0] for line in listed.splitlines() if line.strip()]
+    shipped = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    assert names == shipped and "quickstart" in names
+    assert run_module.main(["--list"]) == 0
+    assert capsys.readouterr().out == listed
+
+
+def test_schema_prints_the_recipe_json_schema(capsys):
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert set(schema["properties"]) >= {"model", "adapter", "data", "objective", "train", "eval", "output", "hub"}
+    with pytest.raises(SystemExit) as exc:
+        main(["schema", "extra"])  # takes no arguments
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("case", ["unknown_key", "missing_file", "bad_override"])
+def test_train_gives_the_same_recipe_error_and_exit_status_as_run_py(case, tmp_path, capsys):
+    recipe = tmp_path / "bad.yaml"
+    if case == "unknown_key":
+        recipe.write_text("model:\n  name_or_path: tiny-clip\ntrain:\n  lrr: 1.0e-5\n")
+        argv = [str(recipe)]
+    elif case == "missing_file":
+        argv = [str(tmp_path / "nope.yaml")]
+    else:
+        argv = [str(REPO / "recipes" / "quickstart.yaml"), "train.lr=-1"]
+    status = main(["train", *argv])
+    xlipkit_err = capsys.readouterr().err
+    assert status == run_module.main(argv) == 2
+    assert capsys.readouterr().err == xlipkit_err
+    assert xlipkit_err.startswith("recipe error: ")
+    assert {"unknown_key": "train.lrr", "missing_file": "nope.yaml", "bad_override": "train.lr"}[case] in xlipkit_err
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+
+
+def test_python_m_finetune_cli_is_the_form_accelerate_launch_m_starts(tmp_path):
+    """``accelerate launch -m finetune.cli train RECIPE`` starts ``python -m finetune.cli train RECIPE`` in each
+    process: a bad recipe exits 2 with the recipe error, as ``python finetune/run.py`` does."""
+    bad = tmp_path / "nope.yaml"
+    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "train", str(bad)], capture_output=True, text=True,
+                          env=_env(), cwd=REPO, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"recipe error: recipe file not found: {bad}"), proc.stderr
+
+
+@pytest.mark.slow
+def test_accelerate_launch_m_finetune_cli_train_runs_the_command_in_its_process(tmp_path):
+    """The documented multi-GPU form, with one process: the child is `python -m finetune.cli train ...`, which
+    stops on the bad recipe with its message; the launcher reports the child's failure as its own exit 1."""
+    bad = tmp_path / "nope.yaml"
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "-m", "finetune.cli", "train", str(bad)],
+                          capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+    assert f"recipe error: recipe file not found: {bad}" in proc.stderr, proc.stderr[-3000:]
+    assert "'-m', 'finetune.cli', 'train'" in proc.stderr  # the launcher's report names the module it ran
+    assert proc.returncode == 1
+
+
+def test_the_installed_xlipkit_script(tmp_path):
+    """The ``[project.scripts]`` entry, once ``pip install -e .`` has written it beside the interpreter."""
+    script = shutil.which("xlipkit", path=str(Path(sys.executable).parent)) or shutil.which("xlipkit")
+    if not script:
+        pytest.skip(f"no installed `xlipkit` script beside {sys.executable} or on PATH (run `pip install -e .`)")
+    proc = subprocess.run([script, "recipes"], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "quickstart " in proc.stdout and "structxlip_docci " in proc.stdout
+    bad = tmp_path / "nope.yaml"
+    proc = subprocess.run([script, "train", str(bad)], capture_output=True, text=True, env=_env(), cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"recipe error: recipe file not found: {bad}"), proc.stderr
