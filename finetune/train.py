@@ -396,24 +396,10 @@ class StepMeter:
 
 
 def _split(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """Split a collated batch into ``n`` equal micro-batches along dim 0 of every per-sample field."""
-    if n == 1:
-        return [batch]
-    size = len(batch["input_ids"])
-    step = size // n
-    parts = []
-    for i in range(n):
-        sl = slice(i * step, (i + 1) * step)
-        parts.append(_slice(batch, sl, size))
-    return parts
+    """Split a collated batch into ``n`` equal micro-batches (:func:`finetune.data.collate.split_batch`)."""
+    from .data.collate import split_batch
 
-
-def _slice(obj: Any, sl: slice, size: int) -> Any:
-    if isinstance(obj, dict):
-        return {k: _slice(v, sl, size) for k, v in obj.items()}
-    if isinstance(obj, (Tensor, list)) and len(obj) == size:
-        return obj[sl]
-    return obj
+    return split_batch(batch, n)
 
 
 class Trainer:
@@ -449,6 +435,7 @@ class Trainer:
         self.acc = accelerator
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        collate_fn = self._planned(collate_fn, module, cfg)
         self.ckpt_dir = self.run_dir / "checkpoints"
         world = accelerator.num_processes
         accum = cfg.accumulation_steps
@@ -490,6 +477,23 @@ class Trainer:
                                sticky=cfg.on_nonfinite == "raise",
                                optimizer=getattr(self.optimizer, "optimizer", self.optimizer),
                                scaler=getattr(self.optimizer, "scaler", None))
+
+    @staticmethod
+    def _planned(collate_fn: Callable, module: TrainModule, cfg: Any) -> Callable:
+        """``collate_fn`` plus the text plan of each batch (:class:`finetune.data.collate.PlannedCollate`); under
+        ``train.compile`` the towers are compiled here and captions padded to :func:`compile_lengths`."""
+        from .data.collate import PlannedCollate, compile_lengths
+
+        pad = None
+        if getattr(cfg, "compile", False):
+            from .models.compile import compile_blocks
+
+            n = compile_blocks(module.model)
+            pad = compile_lengths(int(module.model.max_text_len))
+            log.info("train.compile: %d transformer blocks compiled with torch.compile; captions padded to %s "
+                     "tokens", n, ", ".join(map(str, pad)))
+        return PlannedCollate(collate_fn, module.objective, module.model, micro_batches=cfg.accumulation_steps,
+                              pad_lengths=pad)
 
     def _map_loader(self, dataset: Any, collate_fn: Callable, cfg: Any, num_workers: int) -> DataLoader:
         """The loader of a map-style dataset; sets ``sampler``, ``steps_per_epoch`` and ``total_steps``."""
@@ -566,6 +570,11 @@ class Trainer:
         return self.acc.unwrap_model(self.wrapped).model
 
     def _step(self, batch: dict[str, Any]) -> dict[str, Tensor]:
+        """Forward and backward of one optimiser step on ``batch`` (on the device): ``uint8`` pixels normalised
+        (:func:`finetune.data.collate.normalize_pixels`), then one pass, or the accumulation scheme."""
+        from .data.collate import normalize_pixels
+
+        batch = normalize_pixels(batch)
         accum = self.cfg.accumulation_steps
         # backward runs even on a non-finite loss, so that every process takes part in the gradient
         # all-reduce; the step is then dropped (or the run stopped) by the caller

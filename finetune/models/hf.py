@@ -181,18 +181,24 @@ class HFDualEncoder(DualEncoder):
         embeds = self.model.text_projection(pooled) if self.family == "clip" else pooled
         return TextFeatures(embeds, out.hidden_states[-1], attention_mask, self.text_pool_positions(input_ids))
 
-    def encode_text_groups(self, groups: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    def encode_text_groups(self, groups: list[tuple[Tensor, Tensor]], *, right_padded: bool = False) -> list[Tensor]:
         """:meth:`DualEncoder.encode_text_groups`; CLIP on the pooled-token path looks the tokens of all
         groups up in one call, so that backward builds one dense ``(vocab, W)`` embedding gradient, not one
-        per group (each is a 100 MB zero-fill for CLIP's 49,408 x 512 table)."""
+        per group (each is a 100 MB zero-fill for CLIP's 49,408 x 512 table). ``right_padded`` rows run without
+        the padding mask (under the causal mask no real token attends to the padding after it), so that neither
+        this module nor transformers' mask builder checks the mask on the device."""
         tm = self.model.text_model
-        if self.family != "clip" or len(groups) < 2 or not fast_path_ok(tm) or hooked(tm.embeddings):
+        if self.family != "clip" or not fast_path_ok(tm):
             return super().encode_text_groups(groups)
+        if hooked(tm.embeddings):
+            return [self.model.text_projection(clip_text_forward(
+                tm, ids, None if right_padded else mask, self.text_pool_positions(ids), right_padded=right_padded))
+                for ids, mask in groups]
         tokens = tm.embeddings.token_embedding(torch.cat([ids.reshape(-1) for ids, _ in groups]))
         out = []
         for (ids, mask), part in zip(groups, tokens.split([ids.numel() for ids, _ in groups])):
-            pooled = clip_text_forward(tm, ids, mask, self.text_pool_positions(ids),
-                                       token_embeds=part.view(*ids.shape, -1))
+            pooled = clip_text_forward(tm, ids, None if right_padded else mask, self.text_pool_positions(ids),
+                                       token_embeds=part.view(*ids.shape, -1), right_padded=right_padded)
             out.append(self.model.text_projection(pooled))
         return out
 

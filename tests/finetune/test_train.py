@@ -265,3 +265,57 @@ def test_build_objective_from_recipe(tmp_path):
     assert obj.base.name == "longclip" and obj.base.label_smoothing == 0.1
     assert "short_caption" in obj.needs
     copy.deepcopy(obj)
+
+
+def _counting_trainer(tmp_path, objective_section: dict, *, size: int = 48):
+    """A Trainer built as ``finetune.run`` builds it (recipe objective, cached preprocessing, skipping dataset,
+    collator in one data-loader worker) on tiny-clip at 248 tokens and synthetic scenes."""
+    from finetune.data.skipping import SkippingDataset, SkipReportingCollate
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"objective": objective_section}))
+    objective = build_objective(load_recipe(path).objective)
+    torch.manual_seed(0)
+    model = load_model("tiny-clip", max_text_len=248)
+    objective.prepare_model(model)
+    rows = load_source({"name": "synthetic", "size": size, "seed": 0, "options": {"image_size": 32}}).dataset
+    rows = objective.preprocess(rows, model, cache_dir=str(tmp_path / "cache"))
+    cfg = _train_cfg(tmp_path, max_steps=6, log_every=3, batch_size=8, grad_clip=1.0, logit_scale_max=4.6)
+    collate = SkipReportingCollate(Collator(model, objective))
+    return Trainer(_accelerator(), TrainModule(model, objective), SkippingDataset(rows, "raise"), collate, cfg,
+                   tmp_path / "run", num_workers=1)
+
+
+def _reads_between_logging_steps(trainer) -> list:
+    """Train with a :class:`HostReads` counter active from the end of each read to the start of the next (the
+    steps between logging steps: the log step's own read is the one the loop is allowed)."""
+    from tests.finetune.host_reads import HostReads
+
+    read = trainer._read
+    windows: list[HostReads] = []
+
+    def counted_read(*args, **kwargs):
+        if windows and windows[-1]._saved:
+            windows[-1].__exit__(None, None, None)
+        values = read(*args, **kwargs)
+        if trainer.state.step < trainer.total_steps:
+            windows.append(HostReads())
+            windows[-1].__enter__()
+        return values
+
+    trainer._read = counted_read
+    result = trainer.train()
+    assert [h["step"] for h in result.history] == [1, 3, 6]
+    assert len(windows) == 2  # steps 2-3 and 4-6 (the windows end where the reads of steps 3 and 6 start)
+    return [e for w in windows for e in w.events]
+
+
+@pytest.mark.parametrize("objective_section", [
+    {"base": "clip"},
+    {"base": "clip", "terms": {"structxlip": {"regions": {"source": "dataset", "k": 3, "per_image": None,
+                                                          "encode": "pool"}}}},
+], ids=["clip", "structxlip-pool"])
+def test_the_loop_reads_no_tensor_between_logging_steps(tmp_path, objective_section):
+    trainer = _counting_trainer(tmp_path, objective_section)
+    events = _reads_between_logging_steps(trainer)
+    assert not events, "host reads between logging steps:\n" + "\n".join(f"{e.what}: {e.where}" for e in events)
