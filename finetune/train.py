@@ -98,23 +98,59 @@ class TrainModule(nn.Module):
         return self.objective.loss(self.model, feats, detach_params=detach_params)
 
 
-class EpochShuffleSampler(Sampler[int]):
-    """A permutation of ``range(n)`` drawn from ``seed + epoch``: the same order on every resume."""
+class EpochShuffleSampler(Sampler[tuple[int, int]]):
+    """``(epoch, index)`` for every example of the steps ``start_step .. total_steps``, epoch after epoch: each
+    epoch a permutation of ``range(n)`` drawn from ``seed + epoch`` (the same order on every resume), cut to whole
+    batches as ``drop_last`` does, so that ``DataLoader(batch_size=batch_size)`` over it gives the same batches as
+    one shuffled pass per epoch.
 
-    def __init__(self, n: int, seed: int) -> None:
+    One pass over it spans the whole run: the data-loader workers (persistent, prefetching) never drain at an
+    epoch boundary, a resumed run starts where it stopped without loading the batches it skips, and the epoch
+    travels with each index to the workers (:class:`EpochIndexed`), where per-epoch choices of the terms (FLAIR's
+    sub-captions) are made.
+    """
+
+    def __init__(self, n: int, seed: int, batch_size: int = 1) -> None:
         self.n = n
         self.seed = seed
-        self.epoch = 0
+        self.batch_size = batch_size
+        self.steps_per_epoch = n // batch_size
+        self.start_step = 0
+        self.total_steps = self.steps_per_epoch
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        """Accepted for the loaders that call it; the epochs follow from the steps."""
 
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        step, b = self.start_step, self.batch_size
+        while step < self.total_steps:
+            epoch, within = divmod(step, self.steps_per_epoch)
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            stop = min(self.steps_per_epoch, within + self.total_steps - step)
+            for i in torch.randperm(self.n, generator=g)[within * b:stop * b].tolist():
+                yield epoch, i
+            step += stop - within
 
     def __len__(self) -> int:
-        return self.n
+        return max(0, self.total_steps - self.start_step) * self.batch_size
+
+
+class EpochIndexed:
+    """A map-style dataset read by ``(epoch, index)`` (:class:`EpochShuffleSampler`): row ``index`` with the
+    epoch under :data:`finetune.data.collate.EPOCH_KEY`, which :class:`finetune.data.collate.PlannedCollate` hands to
+    the terms in the worker that collates the batch."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        from .data.collate import EPOCH_KEY
+
+        epoch, index = key
+        return {**self.dataset[index], EPOCH_KEY: epoch}
 
 
 def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
@@ -504,11 +540,12 @@ class Trainer:
                 f"the training set has {len(dataset)} examples, fewer than train.batch_size="
                 f"{cfg.batch_size}: lower train.batch_size or add data"
             )
-        self.sampler = EpochShuffleSampler(len(dataset), cfg.seed)
-        # workers stay up across epochs and keep batches ready; pinned batches let the copy to an accelerator
-        # overlap the step (accelerate copies with non_blocking when its DataLoaderConfiguration says so)
+        self.sampler = EpochShuffleSampler(len(dataset), cfg.seed, cfg.batch_size)
+        # workers stay up and keep batches ready over the whole run (one pass of the sampler spans every epoch);
+        # pinned batches let the copy to an accelerator overlap the step (accelerate copies with non_blocking when
+        # its DataLoaderConfiguration says so)
         loader = DataLoader(
-            dataset,
+            EpochIndexed(dataset),
             batch_size=cfg.batch_size,
             sampler=self.sampler,
             collate_fn=collate_fn,
@@ -519,10 +556,11 @@ class Trainer:
             pin_memory=self.acc.device.type == "cuda",
             generator=torch.Generator().manual_seed(cfg.seed),
         )
-        self.steps_per_epoch = len(loader)
+        self.steps_per_epoch = self.sampler.steps_per_epoch
         if self.steps_per_epoch == 0:
             raise ValueError("the training set is smaller than one optimiser step; lower train.batch_size")
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.sampler.total_steps = self.total_steps
         return loader
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -769,8 +807,8 @@ class Trainer:
     def _batches(self) -> Iterator[dict[str, Any]]:
         """The batches from the current step on, epoch after epoch; the model in train mode.
 
-        Map-style data: one seeded permutation per epoch, the batches a resumed run already trained on
-        skipped. A stream: its own loader, continuing from the stream's position (the stream counts epochs),
+        Map-style data: one seeded permutation per epoch (:class:`EpochShuffleSampler`), from the current step
+        on, in one pass of the loader. A stream: its own loader, continuing from the stream's position (the stream counts epochs),
         batches moved to the device here (they do not pass through an accelerate loader)."""
         acc = self.acc
         if self.stream is not None:
@@ -785,19 +823,18 @@ class Trainer:
                     self.wrapped.train()
                 yield send_to_device(batch, acc.device)
             return
-        while True:
-            epoch, within = divmod(self.state.step, self.steps_per_epoch)
-            loader = self.loader
-            if within:
-                loader = acc.skip_first_batches(self.loader, within)
-            # accelerate's loaders re-seed the sampler with their own pass counter: give them the epoch
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(epoch)
-            self.sampler.set_epoch(epoch)
-            for term in self.module.objective.all_terms:  # per-epoch schedules (StructXLIP compat official)
-                term.set_epoch(epoch)
-            self.wrapped.train()
-            yield from loader
+        # one pass from the current step to the end; the terms get each epoch as its first batch arrives (the
+        # workers got it with the indices)
+        self.sampler.start_step, self.sampler.total_steps = self.state.step, self.total_steps
+        step, epoch = self.state.step, None
+        for batch in self.loader:
+            if step // self.steps_per_epoch != epoch:
+                epoch = step // self.steps_per_epoch
+                for term in self.module.objective.all_terms:  # per-epoch schedules (StructXLIP compat official)
+                    term.set_epoch(epoch)
+                self.wrapped.train()
+            step += 1
+            yield batch
 
     def _note_skipped(self, batch: dict[str, Any]) -> None:
         """Record the examples the data loader passed over (unreadable images, ``data.on_error: skip``)."""

@@ -12,11 +12,13 @@ from torch import Tensor
 
 from .images import PixelNorm, TensorImages, read_image
 
-__all__ = ["Collator", "PlannedCollate", "MicroPlans", "PIXEL_NORM", "compile_lengths", "normalize_pixels",
+__all__ = ["Collator", "PlannedCollate", "MicroPlans", "EPOCH_KEY", "PIXEL_NORM", "compile_lengths", "normalize_pixels",
            "split_batch"]
 
 #: batch key of the :class:`~finetune.data.images.PixelNorm` of ``uint8`` ``image_inputs`` (host metadata)
 PIXEL_NORM = "_pixel_norm"
+#: example key of the epoch an example is drawn for (``finetune.train.EpochIndexed``), read by :class:`PlannedCollate`
+EPOCH_KEY = "_epoch"
 
 
 class Collator:
@@ -98,7 +100,8 @@ class MicroPlans:
 
 
 class PlannedCollate:
-    """Wraps a collate function for the training loop: adds the batch's text plan
+    """Wraps a collate function for the training loop: gives the terms the batch's epoch (per-epoch choices made in
+    ``prepare``, in the worker's copy of the objective), adds the batch's text plan
     (:meth:`~finetune.objectives.base.Objective.plan`, the length buckets of its causal text requests, made here
     on the CPU so that the step reads no lengths from the device) and, under ``train.compile``, pads the captions
     to a fixed set of lengths.
@@ -119,10 +122,16 @@ class PlannedCollate:
         self.model = model
         self.micro_batches = micro_batches
         self.pad_lengths = tuple(pad_lengths) if pad_lengths else None
+        self._epoch: int | None = None
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         from finetune.objectives.base import TEXT_PLAN
 
+        epochs = {e.pop(EPOCH_KEY) for e in examples if EPOCH_KEY in e}
+        if len(epochs) == 1 and self._epoch not in epochs:  # this process's copy of the terms learns the epoch
+            self._epoch = epochs.pop()
+            for term in self.objective.all_terms:
+                term.set_epoch(self._epoch)
         batch = self.collate_fn(examples)
         if self.pad_lengths:
             batch.update(self._padded(batch["input_ids"], batch["attention_mask"]))
