@@ -50,7 +50,7 @@ def _train_cfg(tmp_path: Path, **train) -> object:
     return load_recipe(path).train
 
 
-def _trainer(tmp_path, scenes, *, adapter="full", objective=None, **train):
+def _trainer(tmp_path, scenes, *, adapter="full", objective=None, num_workers=0, **train):
     torch.manual_seed(0)
     model = load_model("tiny-clip", max_text_len=248)
     model = apply_adapter(model, AdapterConfig(type=adapter, r=4, alpha=8, dropout=0.1))
@@ -58,7 +58,7 @@ def _trainer(tmp_path, scenes, *, adapter="full", objective=None, **train):
     module = TrainModule(model, objective)
     acc = _accelerator()
     cfg = _train_cfg(tmp_path, **train)
-    return Trainer(acc, module, scenes, Collator(model, objective), cfg, tmp_path / "run")
+    return Trainer(acc, module, scenes, Collator(model, objective), cfg, tmp_path / "run", num_workers=num_workers)
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
@@ -336,3 +336,56 @@ def test_compile_gives_the_losses_of_eager(tmp_path, scenes):
     for x, y in zip(a.history, b.history):
         for key in ("loss", "clip"):
             assert y[key] == pytest.approx(x[key], abs=1e-3), (x["step"], key)
+
+
+class _EpochProbe(Term):
+    """Writes the epoch its copy of the term was told into every example (``prepare`` runs where the batch is
+    collated: in the data-loader worker)."""
+
+    name = "probe"
+    produces = frozenset({"probe_epoch"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = -1
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def prepare(self, example):
+        return {"probe_epoch": self.epoch}
+
+    def collate(self, examples, model):
+        return {"probe_epoch": torch.tensor([e["probe_epoch"] for e in examples])}
+
+    def loss(self, model, feats, *, detach_params=False):
+        return {"probe": feats["image"].sum() * 0.0}
+
+
+def test_persistent_workers_prepare_each_batch_for_its_epoch(tmp_path, scenes):
+    """32 scenes, batch 8: 4 steps per epoch; one persistent worker collates steps 1-6 ahead of time and still
+    prepares steps 5-6 for epoch 1, with the same batches as one shuffled pass per epoch."""
+    objective = Objective(ClipTerm(), [(_EpochProbe(), 0.0)])
+    trainer = _trainer(tmp_path, scenes, objective=objective, max_steps=6, num_workers=1)
+    seen = []
+    step = trainer._step
+    trainer._step = lambda batch: (seen.append((batch["probe_epoch"].tolist(), batch["ids"])), step(batch))[1]
+    trainer.train()
+    assert [epochs for epochs, _ in seen] == [[0] * 8] * 4 + [[1] * 8] * 2
+    ids = [i for _, batch_ids in seen for i in batch_ids]
+    order = [torch.randperm(32, generator=torch.Generator().manual_seed(epoch)).tolist() for epoch in (0, 1)]
+    assert ids == [scenes[i]["id"] for i in order[0] + order[1][:16]]
+
+
+def test_a_run_reports_its_steady_throughput_and_flops(tmp_path, scenes):
+    trainer = _trainer(tmp_path, scenes, max_steps=4, log_every=2)
+    result = trainer.train()
+    t = result.throughput
+    # marks at steps 1, 2, 4: the steady window is steps 1-4 (the first step, with its warm-up, left out)
+    assert t["steady_steps"] == 3 and t["steady_samples_per_s"] > 0 and 0 <= t["data_wait_share"] <= 1
+    # the first step's FLOPs: ViT and text tower forward and backward of tiny-clip on 8 samples, more than the
+    # image tower's patch projection alone
+    patches = 8 * 16 * (3 * 8 * 8) * 32 * 2 * 3
+    assert t["flops_per_sample"] * 8 > patches and t["tflops_per_device"] > 0
+    assert t["mfu"] is None  # no known peak on a CPU
+    assert trainer.state.flops_per_step == t["flops_per_sample"] * 8
