@@ -509,6 +509,7 @@ class Trainer:
                 module, optimizer, loader, scheduler
             )
         self.state = TrainState()
+        self._model = self._unwrapped_model()
         self.meter = StepMeter(accelerator.device, reduce=accelerator.reduce if world > 1 else None,
                                sticky=cfg.on_nonfinite == "raise",
                                optimizer=getattr(self.optimizer, "optimizer", self.optimizer),
@@ -633,6 +634,27 @@ class Trainer:
                 self.acc.backward(out["loss"])
         return out
 
+    def train_step(self, batch: dict[str, Any], step: int) -> None:
+        """One optimiser step on a batch already on the device, without reading anything back: forward and
+        backward (:meth:`_step`), the loss terms and the non-finite check into :attr:`meter`, clipping, the
+        optimiser step (not applied where the meter says so), the schedule and the clamps. The loop calls it
+        between its reads; ``bench/loop.py`` times it alone as the bare step."""
+        cfg = self.cfg
+        out = self._step(batch)
+        self.meter.add(out, step, batch.get("truncated"))
+        if cfg.grad_clip:
+            self.acc.clip_grad_norm_(self.wrapped.parameters(), cfg.grad_clip)
+        if self.meter.device_skip or not bool(self.meter.found_inf):  # the fallback reads the flag
+            self.optimizer.step()  # fused AdamW skips the update itself where found_inf is 1
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        model = self._model
+        if cfg.logit_scale_max is not None:
+            with torch.no_grad():
+                model.logit_scale.clamp_(max=cfg.logit_scale_max)
+        for term in self.module.objective.all_terms:  # e.g. clamp a term's own temperature
+            term.after_optimizer_step()
+
     def _add_to_interval(self, sums: dict[str, float], counts: dict[str, int]) -> None:
         """Add each term's sum over ``counts[term]`` applied steps to the running sums of the current logging
         interval (host-side, in :class:`TrainState`, so that checkpoints carry them)."""
@@ -689,12 +711,12 @@ class Trainer:
         from .throughput import LoopClock, count_flops
 
         cfg, acc = self.cfg, self.acc
-        model = self._unwrapped_model()
+        model = self._model
         self._time_before = self.state.train_time_s  # the earlier parts of a resumed run
         self._truncated = 0
         first = self.state.step
         remaining = self.total_steps - first
-        clock = LoopClock(skip_steps=first + max(1, min(10, remaining // 10)))
+        self.clock = clock = LoopClock(skip_steps=first + max(1, min(10, remaining // 10)))
         clock.mark(first, self.state.samples_seen)
         bar = tqdm(total=self.total_steps, initial=first, disable=not acc.is_local_main_process,
                    desc="train", dynamic_ncols=True)
@@ -711,21 +733,9 @@ class Trainer:
             step = self.state.step + 1
             if step == 1:  # FLOPs of the first step from the shapes (finetune.throughput); only in a fresh run,
                 # because ops under a dispatch mode may round differently and a resumed run must match a straight one
-                out, self.state.flops_per_step = count_flops(lambda: self._step(batch))
+                _, self.state.flops_per_step = count_flops(lambda: self.train_step(batch, step))
             else:
-                out = self._step(batch)
-            self.meter.add(out, step, batch.get("truncated"))
-            if cfg.grad_clip:
-                acc.clip_grad_norm_(self.wrapped.parameters(), cfg.grad_clip)
-            if self.meter.device_skip or not bool(self.meter.found_inf):  # the fallback reads the flag
-                self.optimizer.step()  # fused AdamW skips the update itself where found_inf is 1
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if cfg.logit_scale_max is not None:
-                with torch.no_grad():
-                    model.logit_scale.clamp_(max=cfg.logit_scale_max)
-            for term in self.module.objective.all_terms:  # e.g. clamp a term's own temperature
-                term.after_optimizer_step()
+                self.train_step(batch, step)
             self.state.step = step
             bar.update(1)
             log_now = step % cfg.log_every == 0 or step == self.total_steps or step == first + 1
