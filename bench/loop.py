@@ -235,9 +235,9 @@ def build_trainer(recipe: Any, accelerator: Any) -> Any:
     if _preprocesses(objective):
         rows, _ = drop_undecodable(rows, on_error=d.on_error, cache_dir=d.cache_dir)
     rows = objective.preprocess(rows, model, cache_dir=d.cache_dir)
-    collate = SkipReportingCollate(Collator(model, objective, tensor_images=True))
-    return Trainer(accelerator, TrainModule(model, objective), SkippingDataset(rows, d.on_error), collate,
-                   recipe.train, recipe.output.dir, num_workers=d.num_workers)
+    collator = Collator(model, objective, tensor_images=True)
+    return Trainer(accelerator, TrainModule(model, objective), SkippingDataset(rows, d.on_error, decode=collator.decode),
+                   SkipReportingCollate(collator), recipe.train, recipe.output.dir, num_workers=d.num_workers)
 
 
 def _accelerator(device: str, mixed: str) -> Any:
@@ -438,15 +438,18 @@ def cpu_figures(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
     batch, per_round = args.cpu_batch, args.cpu_batches
     data = write_scenes(root / "scenes", batch * (per_round + 1) * 2, image_size=224)
-    rows = SkippingDataset(load_source({"name": "jsonl", "path": str(data)}).dataset, "raise")
+    table = load_source({"name": "jsonl", "path": str(data)}).dataset
     model = load_model("clip-vit-base-patch16", max_text_len=248, kps={"keep": 20, "freeze_kept": True})
     objective = Objective(ClipTerm())
-    old = Collator(model, objective)
-    new = PlannedCollate(Collator(model, objective, tensor_images=True), objective, model)
-    assert new.collate_fn.images is not None, "the tensor path does not cover this model's processor"
+    collator = Collator(model, objective, tensor_images=True)
+    assert collator.images is not None, "the tensor path does not cover this model's processor"
+    paths = {"baseline": (SkippingDataset(table, "raise"), Collator(model, objective)),  # as before this change
+             "new": (SkippingDataset(table, "raise", decode=collator.decode),  # as the training loop has it now
+                     PlannedCollate(collator, objective, model))}
     rates: dict[str, list[float]] = {"baseline": [], "new": []}
     for r in range(args.rounds):
-        for name, fn in (("baseline", old), ("new", new)) if r % 2 == 0 else (("new", new), ("baseline", old)):
+        for name in ("baseline", "new") if r % 2 == 0 else ("new", "baseline"):
+            rows, fn = paths[name]
             rates[name].append(data_path_rate(fn, rows, batch, per_round, 1))
         print(f"  round {r + 1}: baseline {rates['baseline'][-1]:.1f}, new {rates['new'][-1]:.1f} samples/s per "
               "worker", flush=True)
@@ -556,9 +559,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=float, default=None, help="seconds: cases not started by then are skipped")
     ap.add_argument("--out", default=str(RESULTS / "loop.json"))
     ap.add_argument("--cpu-figures", action="store_true", help="the CPU figures (data path, loop overhead) only")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cpu-batch", type=int, default=32)
-    ap.add_argument("--cpu-batches", type=int, default=6)
+    ap.add_argument("--cpu-batches", type=int, default=12)
     ap.add_argument("--overhead-steps", type=int, default=200)
     return ap
 

@@ -346,9 +346,9 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     module = TrainModule(model, objective)
     from finetune.data.skipping import SkippingDataset, SkipReportingCollate
 
-    rows = train_ds if streaming else SkippingDataset(train_ds, recipe.data.on_error)  # a stream skips its own
-    collate = SkipReportingCollate(Collator(model, objective, tensor_images=True))  # uint8 pixels, normalised on device
-    trainer = Trainer(accelerator, module, rows, collate, recipe.train, out_dir,
+    collator = Collator(model, objective, tensor_images=True)  # uint8 pixels, normalised on the device
+    rows = train_ds if streaming else SkippingDataset(train_ds, recipe.data.on_error, decode=collator.decode)
+    trainer = Trainer(accelerator, module, rows, SkipReportingCollate(collator), recipe.train, out_dir,
                       num_workers=recipe.data.num_workers)
     trainer.maybe_resume(recipe.train.resume, checkpoint=data["resume"], recipe=recipe_dict,
                          ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)))

@@ -12,6 +12,15 @@ from torch import Tensor
 
 from .images import PixelNorm, TensorImages, read_image
 
+def _to_pil(image: Any) -> Any:
+    """A ``uint8 (3, H, W)`` tensor as an RGB PIL image (PIL images pass through)."""
+    if not isinstance(image, Tensor):
+        return image
+    import PIL.Image
+
+    return PIL.Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
+
+
 __all__ = ["Collator", "PlannedCollate", "MicroPlans", "EPOCH_KEY", "PIXEL_NORM", "compile_lengths", "normalize_pixels",
            "split_batch"]
 
@@ -45,10 +54,23 @@ class Collator:
         self.objective = objective
         self._model = model
         self.images = TensorImages.for_model(model) if tensor_images else None
+        from finetune.objectives.base import Term
+
+        terms = objective.all_terms if objective is not None else []
+        self._prepares_images = any(type(t).prepare is not Term.prepare for t in terms)
+
+    @property
+    def decode(self) -> str:
+        """How the dataset should decode images for this collator (``SkippingDataset(decode=...)``): ``tensor``
+        on the tensor path, else ``pil``."""
+        return "tensor" if self.images is not None else "pil"
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        images = [read_image(e["image"]) for e in examples]
-        examples = [{**e, "image": img} for e, img in zip(examples, images)]
+        images = [e["image"] if isinstance(e["image"], Tensor) else read_image(e["image"]) for e in examples]
+        if self.images is None or self._prepares_images:  # the processor and the terms' prepare read PIL images
+            pil = [_to_pil(im) for im in images]
+            images = pil if self.images is None else images
+            examples = [{**e, "image": img} for e, img in zip(examples, pil)]
         tok = self.tokenize([e["caption"] for e in examples])
         batch: dict[str, Any] = {
             "ids": [str(e.get("id", i)) for i, e in enumerate(examples)],

@@ -29,6 +29,7 @@ __all__ = [
     "ImageReadError",
     "ImageInfo",
     "read_image",
+    "read_image_tensor",
     "probe_image",
     "to_rgb",
     "IMAGE_EXTENSIONS",
@@ -333,6 +334,46 @@ def read_image(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -> PIL.I
         raise
     except Exception as error:  # truncated or malformed data surfaces as OSError, SyntaxError, ...
         raise ImageReadError(where, f"corrupt image data ({type(error).__name__}: {error})") from error
+
+
+def _encoded_bytes(src: Any) -> bytes:
+    """The encoded file of ``src`` (a path, bytes or a ``{"bytes", "path"}`` dict)."""
+    if isinstance(src, dict):
+        src = src.get("bytes") if src.get("bytes") is not None else src.get("path")
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return bytes(src)
+    return Path(os.fspath(src)).expanduser().read_bytes()
+
+
+def read_image_tensor(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -> "torch.Tensor":
+    """:func:`read_image` as a ``uint8 (3, H, W)`` tensor: JPEG files in RGB or grayscale (the bulk of image-text
+    data) are decoded by torchvision (``decode_jpeg``, libjpeg-turbo, EXIF orientation applied; the same pixels
+    as PIL's decode, about twice as fast, and already channels-first); any other image goes through
+    :func:`read_image` (alpha composited on white, 16-bit scaled, CMYK converted).
+
+    Raises:
+        ImageReadError: as :func:`read_image`, naming the path.
+    """
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    if not isinstance(src, PIL.Image.Image):
+        header, where = _open(src)
+        try:
+            _check_size(header, where)
+            fast = header.format == "JPEG" and header.mode in ("RGB", "L")
+        finally:
+            header.close()
+        if fast:
+            try:
+                data = torch.frombuffer(bytearray(_encoded_bytes(src)), dtype=torch.uint8)
+                image = decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
+            except (RuntimeError, ValueError, OSError) as error:  # corrupt or truncated body
+                raise ImageReadError(where, f"corrupt image data ({type(error).__name__}: {error})") from error
+            if image.shape[-1] <= 0 or image.shape[-2] <= 0:
+                raise ImageReadError(where, "the image has no pixels")
+            return image
+    return torch.from_numpy(np.array(read_image(src))).permute(2, 0, 1).contiguous()
 
 
 # -- the tensor path: a model's image geometry on uint8 tensors, normalisation on the device ------------------

@@ -281,9 +281,10 @@ def _counting_trainer(tmp_path, objective_section: dict, *, size: int = 48):
     rows = load_source({"name": "synthetic", "size": size, "seed": 0, "options": {"image_size": 32}}).dataset
     rows = objective.preprocess(rows, model, cache_dir=str(tmp_path / "cache"))
     cfg = _train_cfg(tmp_path, max_steps=6, log_every=3, batch_size=8, grad_clip=1.0, logit_scale_max=4.6)
-    collate = SkipReportingCollate(Collator(model, objective))
-    return Trainer(_accelerator(), TrainModule(model, objective), SkippingDataset(rows, "raise"), collate, cfg,
-                   tmp_path / "run", num_workers=1)
+    collator = Collator(model, objective, tensor_images=True)
+    assert collator.images is not None  # uint8 pixels, normalised in the step
+    return Trainer(_accelerator(), TrainModule(model, objective), SkippingDataset(rows, "raise", decode=collator.decode),
+                   SkipReportingCollate(collator), cfg, tmp_path / "run", num_workers=1)
 
 
 def _reads_between_logging_steps(trainer) -> list:

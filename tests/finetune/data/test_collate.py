@@ -175,3 +175,23 @@ def test_the_epoch_reaches_the_terms_where_the_batch_is_collated(scenes):
     batch = collate([{**scenes[i], EPOCH_KEY: 3} for i in range(2)])
     assert batch["probe_epoch"].tolist() == [3, 3] and probe.epoch == 3
     assert EPOCH_KEY not in batch
+
+
+def test_tensor_decoding_dataset_skips_a_bad_jpeg_and_reports_it(tmp_path):
+    import io
+
+    from finetune.data.skipping import SKIPPED_KEY, SkippingDataset
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(3):
+        buffer = io.BytesIO()
+        PIL.Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(buffer, format="JPEG")
+        path = tmp_path / f"{i}.jpg"
+        data = buffer.getvalue()
+        path.write_bytes(data if i != 1 else data[: len(data) // 2])
+        rows.append({"id": str(i), "image": {"bytes": None, "path": str(path)}, "caption": "a picture"})
+    dataset = SkippingDataset(rows, "skip", decode="tensor")
+    assert dataset[0]["image"].dtype == torch.uint8 and dataset[0]["image"].shape == (3, 40, 40)
+    row = dataset[1]
+    assert row["id"] == "2" and row[SKIPPED_KEY][0]["id"] == "1" and row[SKIPPED_KEY][0]["path"].endswith("1.jpg")
