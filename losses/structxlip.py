@@ -71,7 +71,7 @@ def consistency_loss(
     cos = (F.normalize(image_embeds, dim=-1) * F.normalize(edge_embeds, dim=-1)).sum(dim=-1)
     per_row = 1 - cos
     if valid is None:
-        count = torch.tensor(float(per_row.shape[0]), device=per_row.device)
+        count = torch.full((), float(per_row.shape[0]), dtype=per_row.dtype, device=per_row.device)  # no copy
         total = per_row.sum()
     else:
         count = valid.sum().to(per_row.dtype)
