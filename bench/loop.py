@@ -15,16 +15,18 @@ by the real collator):
 - on a GPU, host syncs per bare step (``torch.cuda.set_sync_debug_mode("warn")``: every D2H read, blocking copy
   and stream synchronisation warns) and in the whole loop (which makes one read per logging step by design).
 
-``--variants`` also times the bare CLIP ViT-B/16 77-token step as fp32 eager, bf16 eager and bf16 with the
-towers' blocks compiled (``train.compile``), and ``--compile auto`` (the default) then compiles the clip cases
-only when that paid (>= 5 %). Results go to ``bench/results/loop.json`` with the device, versions and settings.
+After the cases, ``--variants`` times the bare CLIP ViT-B/16 77-token step as fp32 eager, bf16 eager (the
+cases' setting: bf16 autocast, fused AdamW, SDPA attention) and bf16 with the towers' blocks compiled
+(``train.compile``), to say which helps; ``--compile on`` compiles the clip cases. Results go to
+``bench/results/loop.json`` with the device, versions and settings.
 
-The GPU command (one H100/H200, 16 CPU cores; the wheels come from ``../shared/tools/gpu-wheels.sh``; about 4
-minutes, give it ``timeout_s`` 420)::
+The GPU command (one H100/H200, 16 CPU cores, 8 workers; first ``../shared/tools/gpu-wheels.sh`` here, and
+``.whl`` carried along; about 4-5 minutes: give it ``timeout_s`` 420; ``--budget`` skips, and lists, what
+would start after 240 s)::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \\
     export PYTHONPATH=$PWD:/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 && \\
-    python3 bench/loop.py --device cuda --workers 8 --variants --budget 270
+    python3 bench/loop.py --device cuda --workers 8 --variants --budget 240 && cp bench/results/loop.json $OUT/
 
 On the CPU in seconds (a test runs it): ``python bench/loop.py --tiny``. The CPU figures of the data path and
 the loop's own overhead, each as a ratio against a baseline measured in the same run (``--cpu-figures``,
@@ -554,9 +556,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rows", type=int, default=None, help="scenes written (default 2 x the largest batch)")
     ap.add_argument("--tiny", action="store_true", help="the families' tiny configs (CPU, seconds)")
     ap.add_argument("--variants", action="store_true", help="also time the bare clip-77 step eager vs compiled")
-    ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                    help="compile the clip cases' blocks: auto = when --variants showed it pays (>= 5 %%)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds: cases not started by then are skipped")
+    ap.add_argument("--compile", choices=("on", "off"), default="off",
+                    help="train.compile for the clip cases (--variants measures whether it pays)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds: cases (then the variants) not started by then are skipped and listed")
     ap.add_argument("--out", default=str(RESULTS / "loop.json"))
     ap.add_argument("--cpu-figures", action="store_true", help="the CPU figures (data path, loop overhead) only")
     ap.add_argument("--rounds", type=int, default=5)
@@ -596,9 +599,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     biggest = max([args.batch] + [c.batch or 0 for c in wanted if not args.batch_fixed])
     data = write_scenes(root / "scenes", args.rows or 2 * biggest, image_size=224 if not args.tiny else 64)
     print(f"data: {args.rows or 2 * biggest} scenes written as JPEG ({time.perf_counter() - start:.0f} s)", flush=True)
-    variants = run_variants(args, data, root) if args.variants else None
-    compile_clip = args.compile == "on" or (args.compile == "auto" and variants and
-                                            variants[-1]["samples_per_s"] >= 1.05 * variants[-2]["samples_per_s"])
+    compile_clip = args.compile == "on"
     results, skipped = [], []
     for case in wanted:
         if args.budget and time.perf_counter() - start > args.budget:
@@ -619,6 +620,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"bare {_fmt(r['bare_tflops'], '.1f')} TFLOP/s MFU {_fmt(r['bare_mfu'], '.1%')}; "
               f"syncs/step {_fmt(r['host_syncs_per_bare_step'], '.1f')}; peak {_fmt(r['peak_memory_gib'], '.1f')} GiB",
               flush=True)
+    variants = None
+    if args.variants and not (args.budget and time.perf_counter() - start > args.budget):
+        print("variants of the bare clip-77 step:", flush=True)
+        variants = run_variants(args, data, root)
+    elif args.variants:
+        skipped.append({"case": "variants", "reason": f"the {args.budget:.0f} s budget was spent"})
     by = {r["case"]: r for r in results}
     summary = {}
     if "clip-77" in by and "clip-248" in by:

@@ -17,10 +17,19 @@ Features:
 - checkpoints (``accelerator.save_state``) every ``train.checkpoint_every`` steps into
   ``checkpoints/step-N`` written atomically (temp folder, then rename), the last ``keep_checkpoints`` kept;
   ``train.resume: latest | PATH`` continues to the same weights as an uninterrupted run;
-- a non-finite loss stops the run naming the step and the term (``on_nonfinite: raise``) or skips the step
+- no host read of a device tensor between logging steps: the loss terms, the non-finite check and the counts
+  accumulate on the device (:class:`StepMeter`) and are read at ``train.log_every``, checkpoints and the end;
+  text-length buckets are planned and JPEGs decoded to ``uint8`` in the data-loader workers
+  (:class:`finetune.data.collate.PlannedCollate`), pixels normalised on the device; the map-style loader's
+  workers are persistent and prefetch across epochs, its batches pinned;
+- a non-finite loss is never applied (fused AdamW skips the update on the device through ``found_inf``); at
+  the next read the run stops naming the first bad step and term (``on_nonfinite: raise``) or goes on
   (``skip``, counted);
-- every loss term and the learning rate logged to the recipe's trackers, a progress bar with loss and
-  throughput on the main process.
+- every loss term and the learning rate logged to the recipe's trackers, a progress bar with the recent loss
+  and samples/s on the main process; the steady samples/s, the data-wait share and TFLOP/s
+  (:mod:`finetune.throughput`) in the result;
+- ``train.compile``: the towers' transformer blocks compiled with ``torch.compile``
+  (:mod:`finetune.models.compile`).
 """
 
 from __future__ import annotations
