@@ -98,9 +98,11 @@ def test_text_plan_gives_the_embeddings_of_the_device_buckets(scenes):
     model = build_model("tiny-clip").eval()
     objective = Objective(ClipTerm())
     collate = PlannedCollate(Collator(model, objective), objective, model)
-    batch = collate([scenes[i] for i in range(8)])
+    words = scenes[0]["caption"].split()
+    captions = [" ".join(words[:n]) for n in (3, 40, 5, 12, 2, 60, 25, 8)]  # from 4 to 77 tokens
+    batch = collate([{**scenes[i], "caption": c} for i, c in enumerate(captions)])
     plan = batch[TEXT_PLAN]
-    assert isinstance(plan, TextPlan) and plan.keys == ("text",) and plan.counts == (8,)
+    assert isinstance(plan, TextPlan) and plan.keys == ("text",) and plan.counts == (8,) and len(plan.sizes) > 2
     assert sorted(plan.order.tolist()) == list(range(8)) and sum(plan.sizes) == 8
     lengths = batch["attention_mask"].sum(1)
     start = 0
