@@ -161,6 +161,15 @@ class EpochIndexed:
         epoch, index = key
         return {**self.dataset[index], EPOCH_KEY: epoch}
 
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[dict[str, Any]]:
+        """A batch of rows in one call of the dataset's ``__getitems__`` where it has one (a columnar read)."""
+        from .data.collate import EPOCH_KEY
+
+        many = getattr(self.dataset, "__getitems__", None)
+        if many is None:
+            return [self[key] for key in keys]
+        return [{**row, EPOCH_KEY: epoch} for (epoch, _), row in zip(keys, many([i for _, i in keys]))]
+
 
 def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """Multiplier of the base lr at step ``s``: linear warmup, then cosine to ``min_ratio`` or constant."""

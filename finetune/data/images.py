@@ -345,6 +345,37 @@ def _encoded_bytes(src: Any) -> bytes:
     return Path(os.fspath(src)).expanduser().read_bytes()
 
 
+#: JPEG start-of-frame markers (baseline, extended, progressive, lossless; not DHT C4, JPG C8, DAC CC)
+_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+
+
+def jpeg_frame(data: bytes) -> tuple[int, int, int] | None:
+    """``(height, width, components)`` from a JPEG's start-of-frame segment, walking the marker segments from
+    the start (a few dozen bytes, no decode); None when ``data`` is not a JPEG or its header cannot be walked."""
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # markers without a length
+            i += 2
+            continue
+        length = (data[i + 2] << 8) | data[i + 3]
+        if marker in _SOF:
+            if i + 10 > n:
+                return None
+            return (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8], data[i + 9]
+        if marker in (0xD9, 0xDA) or length < 2:  # end of image or scan before any frame
+            return None
+        i += 2 + length
+    return None
+
+
 def read_image_tensor(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -> "torch.Tensor":
     """:func:`read_image` as a ``uint8 (3, H, W)`` tensor: JPEG files in RGB or grayscale (the bulk of image-text
     data) are decoded by torchvision (``decode_jpeg``, libjpeg-turbo, EXIF orientation applied; the same pixels
@@ -358,20 +389,24 @@ def read_image_tensor(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -
     from torchvision.io import ImageReadMode, decode_jpeg
 
     if not isinstance(src, PIL.Image.Image):
-        header, where = _open(src)
+        where = _describe(src)
         try:
-            _check_size(header, where)
-            fast = header.format == "JPEG" and header.mode in ("RGB", "L")
-        finally:
-            header.close()
-        if fast:
+            data = _encoded_bytes(src)
+        except (OSError, TypeError, ValueError):
+            data = b""  # missing, a folder, no bytes: read_image names the problem
+        frame = jpeg_frame(data) if data else None
+        # JPEG with 1 or 3 components (grey, YCbCr or RGB) of an accepted size: torchvision; CMYK and anything
+        # else: PIL, through read_image
+        if frame is not None and frame[2] in (1, 3) and frame[0] > 0 and frame[1] > 0:
+            if frame[0] * frame[1] > _max_pixels:
+                raise ImageReadError(where, f"too large ({frame[1]}x{frame[0]} = {frame[0] * frame[1]:,} pixels, "
+                                            f"more than data.max_image_pixels={_max_pixels:,}; raise "
+                                            "data.max_image_pixels to accept it)")
             try:
-                data = torch.frombuffer(bytearray(_encoded_bytes(src)), dtype=torch.uint8)
-                image = decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
+                image = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                                    apply_exif_orientation=True)
             except (RuntimeError, ValueError, OSError) as error:  # corrupt or truncated body
                 raise ImageReadError(where, f"corrupt image data ({type(error).__name__}: {error})") from error
-            if image.shape[-1] <= 0 or image.shape[-2] <= 0:
-                raise ImageReadError(where, "the image has no pixels")
             return image
     return torch.from_numpy(np.array(read_image(src))).permute(2, 0, 1).contiguous()
 
@@ -502,10 +537,18 @@ class TensorImages:
         return image[:, top:top + ch, left:left + cw]
 
     def __call__(self, images: list[Any]) -> "torch.Tensor":
-        """RGB images -> ``uint8 (B, 3, H, W)`` (contiguous)."""
+        """RGB images -> ``uint8 (B, 3, H, W)`` (contiguous; in a data-loader worker, stacked straight into shared
+        memory, as ``default_collate`` does, so that handing the batch over copies nothing)."""
         import torch
+        from torch.utils.data import get_worker_info
 
-        return torch.stack([self.one(im) for im in images])
+        parts = [self.one(im) for im in images]
+        if get_worker_info() is None or not parts:
+            return torch.stack(parts)
+        first = parts[0]
+        storage = first._typed_storage()._new_shared(len(parts) * first.numel(), device=first.device)
+        out = first.new(storage).resize_(len(parts), *first.shape)
+        return torch.stack(parts, out=out)
 
 
 def _probe_images() -> list[PIL.Image.Image]:

@@ -62,6 +62,23 @@ class SkippingDataset:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        """Rows ``indices`` in one columnar read of the table (the DataLoader asks a dataset that has this method
+        for a whole batch at once); a row whose image fails goes through :meth:`__getitem__`, which skips it or
+        raises."""
+        many = getattr(self.dataset, "__getitems__", None)
+        if many is None:
+            return [self[i] for i in indices]
+        out = []
+        for index, row in zip(indices, many(list(indices))):
+            row = dict(row)
+            try:
+                row["image"] = read_image(row.get("image")) if self.decode == "pil" else read_image_tensor(row.get("image"))
+            except DataError:
+                row = self[index]
+            out.append(row)
+        return out
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         n = len(self.dataset)
         passed_over: list[dict] = []

@@ -49,5 +49,6 @@ def test_cpu_figures_are_ratios_against_a_baseline_of_the_same_run(tmp_path):
     d, o = result["data_path"], result["loop_overhead"]
     assert d["ratio_best"] == pytest.approx(d["best"]["new"] / d["best"]["baseline"])
     assert len(d["samples_per_s_per_worker"]["baseline"]) == len(d["samples_per_s_per_worker"]["new"]) == 1
+    assert d["ratio_per_worker_cpu_s"] > 0 and d["ratio_median_of_rounds"] > 0
     assert o["trainer_ms_per_step"] > 0 and o["bare_ms_per_step"] > 0
     assert json.loads(out.read_text())["data_path"]["workers"] == 1

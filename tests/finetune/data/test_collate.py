@@ -197,3 +197,27 @@ def test_tensor_decoding_dataset_skips_a_bad_jpeg_and_reports_it(tmp_path):
     assert dataset[0]["image"].dtype == torch.uint8 and dataset[0]["image"].shape == (3, 40, 40)
     row = dataset[1]
     assert row["id"] == "2" and row[SKIPPED_KEY][0]["id"] == "1" and row[SKIPPED_KEY][0]["path"].endswith("1.jpg")
+
+
+def test_a_batch_of_rows_is_read_at_once_and_a_bad_one_still_skipped(tmp_path):
+    import io
+
+    import datasets
+
+    from finetune.data.skipping import SKIPPED_KEY, SkippingDataset
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(4):
+        buffer = io.BytesIO()
+        PIL.Image.fromarray(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)).save(buffer, format="JPEG")
+        data = buffer.getvalue()
+        rows.append({"id": str(i), "image": {"bytes": data if i != 2 else data[:40], "path": None}, "caption": "x"})
+    table = datasets.Dataset.from_list(rows)
+    for decode in ("pil", "tensor"):
+        dataset = SkippingDataset(table, "skip", decode=decode)
+        batch = dataset.__getitems__([0, 1, 2, 3])
+        assert [r["id"] for r in batch] == ["0", "1", "3", "3"] and batch[2][SKIPPED_KEY][0]["id"] == "2"
+        one = [dataset[i] for i in range(4)]
+        for a, b in zip(batch, one):
+            assert a["id"] == b["id"] and np.array_equal(np.asarray(a["image"]), np.asarray(b["image"]))

@@ -198,3 +198,35 @@ def test_read_image_tensor_names_the_file_of_a_bad_jpeg(tmp_path):
         read_image_tensor(bad)
     with pytest.raises(ImageReadError, match="nope.jpg.*not found"):
         read_image_tensor(tmp_path / "nope.jpg")
+
+
+def test_jpeg_frame_reads_size_and_components_from_the_header(monkeypatch):
+    """The tensor path sizes a JPEG from its start-of-frame segment and decodes it with torchvision (read_image
+    is not called); CMYK and other files go through read_image."""
+    import finetune.data.images as images
+    from finetune.data.images import jpeg_frame, read_image_tensor
+
+    rgb = PIL.Image.new("RGB", (37, 21), (200, 10, 10))
+    assert jpeg_frame(_jpeg(rgb)) == (21, 37, 3)
+    assert jpeg_frame(_jpeg(rgb.convert("L"))) == (21, 37, 1)
+    assert jpeg_frame(_jpeg(rgb, progressive=True)) == (21, 37, 3)
+    assert jpeg_frame(_jpeg(rgb.convert("CMYK"))) == (21, 37, 4)
+    assert jpeg_frame(_png(rgb)) is None and jpeg_frame(b"\xff\xd8\xff") is None
+    real = images.read_image
+    monkeypatch.setattr(images, "read_image", lambda src: (_ for _ in ()).throw(AssertionError("PIL path")))
+    assert tuple(read_image_tensor(_jpeg(rgb)).shape) == (3, 21, 37)
+    monkeypatch.setattr(images, "read_image", real)
+    cmyk = read_image_tensor(_jpeg(rgb.convert("CMYK")))
+    assert np.array_equal(cmyk.numpy(), np.asarray(read_image(_jpeg(rgb.convert("CMYK")))).transpose(2, 0, 1))
+
+
+def test_read_image_tensor_refuses_a_jpeg_over_the_pixel_limit():
+    from finetune.data.images import max_image_pixels, read_image_tensor, set_max_image_pixels
+
+    before = max_image_pixels()
+    set_max_image_pixels(100)
+    try:
+        with pytest.raises(ImageReadError, match="too large"):
+            read_image_tensor(_jpeg(PIL.Image.new("RGB", (20, 10))))
+    finally:
+        set_max_image_pixels(before)
