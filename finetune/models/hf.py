@@ -89,6 +89,20 @@ def patchify(pixel_values: Tensor, patch_size: int) -> tuple[Tensor, Tensor, Ten
     return x, mask, shapes
 
 
+def _causal_padding_mask(attention_mask: Tensor, tower: nn.Module) -> Tensor:
+    """The ``(B, 1, L, L)`` mask of a causal text tower over padded rows (key ``j`` visible to query ``i`` when
+    ``j <= i`` and ``j`` is a real token): what transformers' ``create_causal_mask`` builds from the ``(B, L)``
+    mask, made here on the device because transformers first checks on the host whether the mask has padding
+    at all (a read of the device). Boolean for SDPA, additive for eager attention."""
+    b, length = attention_mask.shape
+    positions = torch.arange(length, device=attention_mask.device)
+    allowed = (positions[None, :] <= positions[:, None])[None, None] & attention_mask.bool()[:, None, None, :]
+    if getattr(tower.config, "_attn_implementation", "sdpa") == "sdpa":
+        return allowed
+    dtype = tower.embeddings.token_embedding.weight.dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 class HFDualEncoder(DualEncoder):
     """A transformers ``CLIPModel`` / ``SiglipModel`` / ``Siglip2Model`` as a :class:`DualEncoder`.
 
@@ -176,6 +190,8 @@ class HFDualEncoder(DualEncoder):
                 return TextFeatures(self.model.text_projection(pooled), None, attention_mask)
             out = self.model.get_text_features(input_ids=input_ids, attention_mask=tower_mask)
             return TextFeatures(_pooled(out), None, attention_mask)
+        if tower_mask is not None:  # CLIP: causal and padding mask made here, so transformers does not check it
+            tower_mask = _causal_padding_mask(tower_mask, self.model.text_model)
         out = self.model.text_model(input_ids=input_ids, attention_mask=tower_mask, output_hidden_states=True)
         pooled = out.pooler_output
         embeds = self.model.text_projection(pooled) if self.family == "clip" else pooled
