@@ -188,10 +188,11 @@ class HFDualEncoder(DualEncoder):
             if self.family == "clip" and fast_path_ok(tm):  # last layer for the pooled token only
                 pooled = clip_text_forward(tm, input_ids, tower_mask, self.text_pool_positions(input_ids))
                 return TextFeatures(self.model.text_projection(pooled), None, attention_mask)
-            out = self.model.get_text_features(input_ids=input_ids, attention_mask=tower_mask)
-            return TextFeatures(_pooled(out), None, attention_mask)
         if tower_mask is not None:  # CLIP: causal and padding mask made here, so transformers does not check it
             tower_mask = _causal_padding_mask(tower_mask, self.model.text_model)
+        if not states:
+            out = self.model.get_text_features(input_ids=input_ids, attention_mask=tower_mask)
+            return TextFeatures(_pooled(out), None, attention_mask)
         out = self.model.text_model(input_ids=input_ids, attention_mask=tower_mask, output_hidden_states=True)
         pooled = out.pooler_output
         embeds = self.model.text_projection(pooled) if self.family == "clip" else pooled
