@@ -513,6 +513,8 @@ class TrainConfig:
     trackers: list[Str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
     on_nonfinite: Literal["raise", "skip"] = "raise"
     fused_optimizer: Literal["auto"] | Bool = "auto"
+    compile: Annotated[Bool, _doc(
+        "compile the towers' transformer blocks with torch.compile (captions padded to a few fixed lengths)")] = False
 
 
 @_section(("output",))

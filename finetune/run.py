@@ -165,7 +165,7 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
         mixed_precision=recipe.train.mixed_precision,
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "logs")),
-        dataloader_config=DataLoaderConfiguration(split_batches=True),
+        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),  # pinned batches overlap
     )
     _setup_logging(out_dir, accelerator.is_main_process)
     _cpu_threads(accelerator)
@@ -393,8 +393,9 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     module = TrainModule(model, objective)
     from finetune.data.skipping import SkippingDataset, SkipReportingCollate
 
-    rows = train_ds if streaming else SkippingDataset(train_ds, recipe.data.on_error)  # a stream skips its own
-    trainer = Trainer(accelerator, module, rows, SkipReportingCollate(Collator(model, objective)), recipe.train, out_dir,
+    collator = Collator(model, objective, tensor_images=True)  # uint8 pixels, normalised on the device
+    rows = train_ds if streaming else SkippingDataset(train_ds, recipe.data.on_error, decode=collator.decode)
+    trainer = Trainer(accelerator, module, rows, SkipReportingCollate(collator), recipe.train, out_dir,
                       num_workers=recipe.data.num_workers)
     trainer.maybe_resume(recipe.train.resume, checkpoint=data["resume"], recipe=recipe_dict,
                          ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)))
@@ -452,6 +453,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
             "wall_time_s": result.wall_time_s,
             "total_time_s": time.perf_counter() - t0,
             "samples_per_s": result.samples_per_s,
+            "throughput": result.throughput,  # steady samples/s, data-wait share, FLOPs, TFLOP/s, MFU
             "num_processes": accelerator.num_processes,
             "trainable_parameters": n_train,
             "total_parameters": n_total,

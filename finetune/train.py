@@ -17,10 +17,19 @@ Features:
 - checkpoints (``accelerator.save_state``) every ``train.checkpoint_every`` steps into
   ``checkpoints/step-N`` written atomically (temp folder, then rename), the last ``keep_checkpoints`` kept;
   ``train.resume: latest | PATH`` continues to the same weights as an uninterrupted run;
-- a non-finite loss stops the run naming the step and the term (``on_nonfinite: raise``) or skips the step
+- no host read of a device tensor between logging steps: the loss terms, the non-finite check and the counts
+  accumulate on the device (:class:`StepMeter`) and are read at ``train.log_every``, checkpoints and the end;
+  text-length buckets are planned and JPEGs decoded to ``uint8`` in the data-loader workers
+  (:class:`finetune.data.collate.PlannedCollate`), pixels normalised on the device; the map-style loader's
+  workers are persistent and prefetch across epochs, its batches pinned;
+- a non-finite loss is never applied (fused AdamW skips the update on the device through ``found_inf``); at
+  the next read the run stops naming the first bad step and term (``on_nonfinite: raise``) or goes on
   (``skip``, counted);
-- every loss term and the learning rate logged to the recipe's trackers, a progress bar with loss and
-  throughput on the main process.
+- every loss term and the learning rate logged to the recipe's trackers, a progress bar with the recent loss
+  and samples/s on the main process; the steady samples/s, the data-wait share and TFLOP/s
+  (:mod:`finetune.throughput`) in the result;
+- ``train.compile``: the towers' transformer blocks compiled with ``torch.compile``
+  (:mod:`finetune.models.compile`).
 """
 
 from __future__ import annotations
@@ -42,11 +51,13 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 
 from .models.weight_decay import param_groups
-from .objectives.base import Features, Objective, all_finite, merge_features
+from .objectives.base import Features, Objective, merge_features
 
 log = logging.getLogger("xlipkit")
 
 CHECKPOINT_PREFIX = "step-"
+#: batches each data-loader worker keeps ready (``DataLoader(prefetch_factor=...)``)
+PREFETCH_BATCHES = 4
 
 
 def term_values(values: dict[str, float]) -> list[tuple[str, float]]:
@@ -96,23 +107,68 @@ class TrainModule(nn.Module):
         return self.objective.loss(self.model, feats, detach_params=detach_params)
 
 
-class EpochShuffleSampler(Sampler[int]):
-    """A permutation of ``range(n)`` drawn from ``seed + epoch``: the same order on every resume."""
+class EpochShuffleSampler(Sampler[tuple[int, int]]):
+    """``(epoch, index)`` for every example of the steps ``start_step .. total_steps``, epoch after epoch: each
+    epoch a permutation of ``range(n)`` drawn from ``seed + epoch`` (the same order on every resume), cut to whole
+    batches as ``drop_last`` does, so that ``DataLoader(batch_size=batch_size)`` over it gives the same batches as
+    one shuffled pass per epoch.
 
-    def __init__(self, n: int, seed: int) -> None:
+    One pass over it spans the whole run: the data-loader workers (persistent, prefetching) never drain at an
+    epoch boundary, a resumed run starts where it stopped without loading the batches it skips, and the epoch
+    travels with each index to the workers (:class:`EpochIndexed`), where per-epoch choices of the terms (FLAIR's
+    sub-captions) are made.
+    """
+
+    def __init__(self, n: int, seed: int, batch_size: int = 1) -> None:
         self.n = n
         self.seed = seed
-        self.epoch = 0
+        self.batch_size = batch_size
+        self.steps_per_epoch = n // batch_size
+        self.start_step = 0
+        self.total_steps = self.steps_per_epoch
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        """Accepted for the loaders that call it; the epochs follow from the steps."""
 
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        step, b = self.start_step, self.batch_size
+        while step < self.total_steps:
+            epoch, within = divmod(step, self.steps_per_epoch)
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            stop = min(self.steps_per_epoch, within + self.total_steps - step)
+            for i in torch.randperm(self.n, generator=g)[within * b:stop * b].tolist():
+                yield epoch, i
+            step += stop - within
 
     def __len__(self) -> int:
-        return self.n
+        return max(0, self.total_steps - self.start_step) * self.batch_size
+
+
+class EpochIndexed:
+    """A map-style dataset read by ``(epoch, index)`` (:class:`EpochShuffleSampler`): row ``index`` with the
+    epoch under :data:`finetune.data.collate.EPOCH_KEY`, which :class:`finetune.data.collate.PlannedCollate` hands to
+    the terms in the worker that collates the batch."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        from .data.collate import EPOCH_KEY
+
+        epoch, index = key
+        return {**self.dataset[index], EPOCH_KEY: epoch}
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[dict[str, Any]]:
+        """A batch of rows in one call of the dataset's ``__getitems__`` where it has one (a columnar read)."""
+        from .data.collate import EPOCH_KEY
+
+        many = getattr(self.dataset, "__getitems__", None)
+        if many is None:
+            return [self[key] for key in keys]
+        return [{**row, EPOCH_KEY: epoch} for (epoch, _), row in zip(keys, many([i for _, i in keys]))]
 
 
 def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
@@ -165,6 +221,8 @@ class TrainState:
     recipe: dict[str, Any] | None = None
     #: ``{file: bytes}`` of the checkpoint beside this state, checked on resume
     files: dict[str, int] = field(default_factory=dict)
+    #: FLOPs of one step on one process (counted at step 1, :func:`finetune.throughput.count_flops`)
+    flops_per_step: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -187,6 +245,9 @@ class TrainResult:
     skipped_steps: int
     truncated_captions: int
     skipped_examples: list[dict[str, str]] = field(default_factory=list)
+    #: this run part's steady throughput (:meth:`Trainer._throughput`): ``steady_samples_per_s``,
+    #: ``data_wait_share``, ``flops_per_sample``, ``tflops_per_device``, ``mfu``, ...
+    throughput: dict[str, Any] = field(default_factory=dict)
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
@@ -249,25 +310,152 @@ def save_checkpoint(
     return final
 
 
+@dataclass
+class MeterReading:
+    """What :meth:`StepMeter.read` brings to the host: per-term sums and counts over the applied steps since the
+    last read, the number of ``applied`` and ``skipped`` steps, the last applied step's values (``last``, None
+    before the first), the first non-finite ``(step, term, value)`` since the last read (since the start under
+    ``on_nonfinite: raise``), the ``truncated`` captions and the ``extra`` values asked for."""
+
+    sums: dict[str, float]
+    counts: dict[str, int]
+    applied: int
+    skipped: int
+    last: dict[str, float] | None
+    first_bad: tuple[int, str, float] | None
+    truncated: int
+    extra: list[float]
+
+
+class StepMeter:
+    """The loss terms, the non-finite check and the counts of the steps since the last read, kept on the device,
+    so that the loop never waits for the device between reads (DESIGN 6).
+
+    Every step, :meth:`add` stacks the step's loss values (``(T,)``, one per logged name), checks them on the
+    device (all-reduced over processes, so that every process skips the same steps) and sets ``found_inf`` to 1
+    when the step must not be applied: a non-finite value this step (``on_nonfinite: skip``) or at any step so far
+    (``raise``, which stops the run at the next read; the steps in between are not applied either). Fused torch
+    AdamW reads ``found_inf`` as it does under ``GradScaler`` (``torch.optim.adam._fused_adam``, torch 2.11-2.14:
+    the kernel leaves parameters and moments as they are and the step count is taken back) with no host read.
+    Other optimisers, and fp16 training whose ``GradScaler`` owns ``found_inf``, read the flag every step
+    instead (``device_skip`` False): one host read per step, logged once.
+
+    Args:
+        device: where the loss values live.
+        reduce: ``accelerator.reduce`` when several processes train, else None.
+        sticky: ``on_nonfinite: raise``: once a step was non-finite no later step is applied.
+        optimizer: the torch optimiser (inside accelerate's wrapper); ``found_inf`` is set on it when it honours it.
+        scaler: accelerate's ``GradScaler`` (fp16), or None.
+    """
+
+    def __init__(self, device: torch.device, *, reduce: Callable | None = None, sticky: bool = True,
+                 optimizer: torch.optim.Optimizer | None = None, scaler: Any = None) -> None:
+        self.device = torch.device(device)
+        self.reduce = reduce
+        self.sticky = sticky
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+        fused = isinstance(optimizer, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))
+        self.device_skip = fused and scaler is None
+        if self.device_skip:
+            optimizer.found_inf = self.found_inf
+        else:
+            log.info("the optimiser (%s%s) cannot skip a non-finite step on the device: the loop reads the "
+                     "non-finite flag every step", type(optimizer).__name__,
+                     ", fp16 GradScaler" if scaler is not None else "")
+        self._wide = torch.float32 if self.device.type == "mps" else torch.float64
+
+        def zero(dtype: torch.dtype = torch.long) -> Tensor:
+            return torch.zeros((), dtype=dtype, device=self.device)
+
+        self.applied, self.skipped, self.truncated, self.first_term = zero(), zero(), zero(), zero()
+        self.first_step = torch.full((), -1, dtype=torch.long, device=self.device)
+        self.first_value = zero(torch.float32)
+        self.keys: list[str] = []
+        self.sums = torch.zeros(0, dtype=self._wide, device=self.device)
+        self.counts = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.last = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self._present: dict[tuple[str, ...], Tensor] = {}
+
+    def _layout(self, names: tuple[str, ...]) -> Tensor:
+        """Grow the per-term tensors for names not seen before; the ``(T,)`` mask of the terms this step has
+        (kept on the device per set of names: no host-to-device copy per step)."""
+        new = [k for k in names if k not in self.keys]
+        if new:
+            self.keys += new
+            grow = functools.partial(torch.zeros, len(new), device=self.device)
+            self.sums = torch.cat([self.sums, grow(dtype=self._wide)])
+            self.counts = torch.cat([self.counts, grow(dtype=torch.long)])
+            self.last = torch.cat([self.last, grow(dtype=torch.float32).fill_(math.nan)])
+            self._present.clear()
+        if names not in self._present:
+            self._present[names] = torch.tensor([k in names for k in self.keys], device=self.device)
+        return self._present[names]
+
+    def add(self, out: dict[str, Tensor], step: int, truncated: Tensor | None = None) -> None:
+        """Account one step: ``out`` its loss dict (0-dim tensors), ``truncated`` its ``(B,)`` flags."""
+        names = tuple(out)
+        present = self._layout(names)
+        given = {k: v.detach().float().reshape(()) for k, v in out.items()}
+        missing = self.found_inf.new_zeros(())
+        vals = torch.stack([given.get(k, missing) for k in self.keys])
+        bad = ~torch.isfinite(vals)
+        if self.reduce is not None:  # every process skips the same steps
+            bad = self.reduce(bad.float(), reduction="sum") > 0
+        any_bad = bad.any()
+        new = (self.first_step < 0) & any_bad
+        term = bad.to(torch.int8).argmax()
+        self.first_step = torch.where(new, step, self.first_step)
+        self.first_term = torch.where(new, term, self.first_term)
+        self.first_value = torch.where(new, vals.gather(0, term.reshape(1))[0], self.first_value)
+        skip = (self.first_step >= 0) if self.sticky else any_bad
+        ok = ~skip
+        use = present & ok
+        self.sums += torch.where(use, vals.to(self._wide), 0.0)
+        self.counts += use
+        self.last = torch.where(use, vals, self.last)
+        self.applied += ok
+        self.skipped += skip
+        if truncated is not None:
+            self.truncated += truncated.sum()
+        self.found_inf.copy_(skip)
+
+    def read(self, extra: list[Tensor] | tuple[Tensor, ...] = ()) -> MeterReading:
+        """Bring everything to the host in ONE read (the sums and last values averaged over processes first)
+        and start the next interval; ``extra`` 0-dim tensors (the logit scale) travel with them."""
+        sums, last = self.sums, self.last
+        if self.reduce is not None and self.keys:
+            sums, last = self.reduce(sums, reduction="mean"), self.reduce(last, reduction="mean")
+        scalars = [self.applied, self.skipped, self.first_step, self.first_term, self.first_value, self.truncated,
+                   *(t.detach().reshape(()) for t in extra)]
+        packed = torch.cat([sums.double(), self.counts.double(), last.double(),
+                            torch.stack([s.double() for s in scalars])])
+        host = packed.tolist()  # the read
+        n = len(self.keys)
+        sums_h, counts_h, last_h, rest = host[:n], host[n:2 * n], host[2 * n:3 * n], host[3 * n:]
+        applied, skipped, first_step, first_term, first_value, truncated = rest[:6]
+        self.sums.zero_()
+        self.counts.zero_()
+        for t in (self.applied, self.skipped, self.truncated):
+            t.zero_()
+        first_bad = None
+        if first_step >= 0:
+            first_bad = (int(first_step), self.keys[int(first_term)], first_value)
+            if not self.sticky:
+                self.first_step.fill_(-1)
+        seen = [k for k, v in zip(self.keys, last_h) if not math.isnan(v)]
+        return MeterReading(
+            sums={k: s for k, s, c in zip(self.keys, sums_h, counts_h) if c},
+            counts={k: int(c) for k, c in zip(self.keys, counts_h) if c},
+            applied=int(applied), skipped=int(skipped),
+            last={k: v for k, v in zip(self.keys, last_h) if k in seen} or None,
+            first_bad=first_bad, truncated=int(truncated), extra=rest[6:])
+
+
 def _split(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """Split a collated batch into ``n`` equal micro-batches along dim 0 of every per-sample field."""
-    if n == 1:
-        return [batch]
-    size = len(batch["input_ids"])
-    step = size // n
-    parts = []
-    for i in range(n):
-        sl = slice(i * step, (i + 1) * step)
-        parts.append(_slice(batch, sl, size))
-    return parts
+    """Split a collated batch into ``n`` equal micro-batches (:func:`finetune.data.collate.split_batch`)."""
+    from .data.collate import split_batch
 
-
-def _slice(obj: Any, sl: slice, size: int) -> Any:
-    if isinstance(obj, dict):
-        return {k: _slice(v, sl, size) for k, v in obj.items()}
-    if isinstance(obj, (Tensor, list)) and len(obj) == size:
-        return obj[sl]
-    return obj
+    return split_batch(batch, n)
 
 
 class Trainer:
@@ -304,6 +492,7 @@ class Trainer:
         self.acc = accelerator
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        collate_fn = self._planned(collate_fn, module, cfg)
         self.ckpt_dir = self.run_dir / "checkpoints"
         world = accelerator.num_processes
         accum = cfg.accumulation_steps
@@ -342,6 +531,28 @@ class Trainer:
                 module, optimizer, loader, scheduler
             )
         self.state = TrainState()
+        self._model = self._unwrapped_model()
+        self.meter = StepMeter(accelerator.device, reduce=accelerator.reduce if world > 1 else None,
+                               sticky=cfg.on_nonfinite == "raise",
+                               optimizer=getattr(self.optimizer, "optimizer", self.optimizer),
+                               scaler=getattr(self.optimizer, "scaler", None))
+
+    @staticmethod
+    def _planned(collate_fn: Callable, module: TrainModule, cfg: Any) -> Callable:
+        """``collate_fn`` plus the text plan of each batch (:class:`finetune.data.collate.PlannedCollate`); under
+        ``train.compile`` the towers are compiled here and captions padded to :func:`compile_lengths`."""
+        from .data.collate import PlannedCollate, compile_lengths
+
+        pad = None
+        if getattr(cfg, "compile", False):
+            from .models.compile import compile_blocks
+
+            n = compile_blocks(module.model)
+            pad = compile_lengths(int(module.model.max_text_len))
+            log.info("train.compile: %d transformer blocks compiled with torch.compile; captions padded to %s "
+                     "tokens", n, ", ".join(map(str, pad)))
+        return PlannedCollate(collate_fn, module.objective, module.model, micro_batches=cfg.accumulation_steps,
+                              pad_lengths=pad)
 
     def _map_loader(self, dataset: Any, collate_fn: Callable, cfg: Any, num_workers: int) -> DataLoader:
         """The loader of a map-style dataset; sets ``sampler``, ``steps_per_epoch`` and ``total_steps``."""
@@ -352,20 +563,27 @@ class Trainer:
                 f"the training set has {len(dataset)} examples, fewer than train.batch_size="
                 f"{cfg.batch_size}: lower train.batch_size or add data"
             )
-        self.sampler = EpochShuffleSampler(len(dataset), cfg.seed)
+        self.sampler = EpochShuffleSampler(len(dataset), cfg.seed, cfg.batch_size)
+        # workers stay up and keep batches ready over the whole run (one pass of the sampler spans every epoch);
+        # pinned batches let the copy to an accelerator overlap the step (accelerate copies with non_blocking when
+        # its DataLoaderConfiguration says so)
         loader = DataLoader(
-            dataset,
+            EpochIndexed(dataset),
             batch_size=cfg.batch_size,
             sampler=self.sampler,
             collate_fn=collate_fn,
             drop_last=True,
             num_workers=num_workers,
+            persistent_workers=num_workers > 0,
+            prefetch_factor=PREFETCH_BATCHES if num_workers > 0 else None,
+            pin_memory=self.acc.device.type == "cuda",
             generator=torch.Generator().manual_seed(cfg.seed),
         )
-        self.steps_per_epoch = len(loader)
+        self.steps_per_epoch = self.sampler.steps_per_epoch
         if self.steps_per_epoch == 0:
             raise ValueError("the training set is smaller than one optimiser step; lower train.batch_size")
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.sampler.total_steps = self.total_steps
         return loader
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -413,6 +631,11 @@ class Trainer:
         return self.acc.unwrap_model(self.wrapped).model
 
     def _step(self, batch: dict[str, Any]) -> dict[str, Tensor]:
+        """Forward and backward of one optimiser step on ``batch`` (on the device): ``uint8`` pixels normalised
+        (:func:`finetune.data.collate.normalize_pixels`), then one pass, or the accumulation scheme."""
+        from .data.collate import normalize_pixels
+
+        batch = normalize_pixels(batch)
         accum = self.cfg.accumulation_steps
         # backward runs even on a non-finite loss, so that every process takes part in the gradient
         # all-reduce; the step is then dropped (or the run stopped) by the caller
@@ -433,21 +656,33 @@ class Trainer:
                 self.acc.backward(out["loss"])
         return out
 
-    def _nonfinite(self, out: dict[str, Tensor]) -> str | None:
-        bad = all_finite(out)
-        flag = torch.tensor(0.0 if bad is None else 1.0, device=self.acc.device)
-        if self.acc.num_processes > 1:
-            flag = self.acc.reduce(flag, reduction="sum")
-        if float(flag) == 0:
-            return None
-        return bad or "(another process)"
+    def train_step(self, batch: dict[str, Any], step: int) -> None:
+        """One optimiser step on a batch already on the device, without reading anything back: forward and
+        backward (:meth:`_step`), the loss terms and the non-finite check into :attr:`meter`, clipping, the
+        optimiser step (not applied where the meter says so), the schedule and the clamps. The loop calls it
+        between its reads; ``bench/loop.py`` times it alone as the bare step."""
+        cfg = self.cfg
+        out = self._step(batch)
+        self.meter.add(out, step, batch.get("truncated"))
+        if cfg.grad_clip:
+            self.acc.clip_grad_norm_(self.wrapped.parameters(), cfg.grad_clip)
+        if self.meter.device_skip or not bool(self.meter.found_inf):  # the fallback reads the flag
+            self.optimizer.step()  # fused AdamW skips the update itself where found_inf is 1
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        model = self._model
+        if cfg.logit_scale_max is not None:
+            with torch.no_grad():
+                model.logit_scale.clamp_(max=cfg.logit_scale_max)
+        for term in self.module.objective.all_terms:  # e.g. clamp a term's own temperature
+            term.after_optimizer_step()
 
-    def _add_to_interval(self, losses: dict[str, float]) -> None:
-        """Add one step's loss terms to the running sums of the current logging interval."""
-        sums, counts = self.state.interval_sums, self.state.interval_counts
-        for key, value in losses.items():
-            sums[key] = sums.get(key, 0.0) + value
-            counts[key] = counts.get(key, 0) + 1
+    def _add_to_interval(self, sums: dict[str, float], counts: dict[str, int]) -> None:
+        """Add each term's sum over ``counts[term]`` applied steps to the running sums of the current logging
+        interval (host-side, in :class:`TrainState`, so that checkpoints carry them)."""
+        for key, value in sums.items():
+            self.state.interval_sums[key] = self.state.interval_sums.get(key, 0.0) + value
+            self.state.interval_counts[key] = self.state.interval_counts.get(key, 0) + counts[key]
 
     def _close_interval(self, values: dict[str, float]) -> dict[str, float]:
         """The history entry of a logging step: each loss term's mean over the steps since the last
@@ -458,81 +693,105 @@ class Trainer:
         self.state.interval_sums, self.state.interval_counts = {}, {}
         return entry
 
+    def _read(self, model: nn.Module, step: int) -> tuple[dict[str, float], int]:
+        """Read the meter (the loop's one host read between logging steps), fold the interval's sums into the
+        state, and stop the run on a non-finite value under ``on_nonfinite: raise``.
+
+        Returns:
+            ``(values, applied)``: the last applied step's logged values (every term, ``lr``, ``logit_scale``)
+            and the number of steps applied since the previous read.
+        """
+        cfg = self.cfg
+        r = self.meter.read([model.logit_scale.detach().float().exp()])
+        if r.first_bad is not None:
+            bad_step, term, value = r.first_bad
+            msg = (f"non-finite loss at step {bad_step}: term '{term}' = {value}. Lower train.lr, enable "
+                   f"train.grad_clip, check the data, or set train.on_nonfinite: skip")
+            if cfg.on_nonfinite == "raise":
+                raise NonFiniteLossError(msg + " (that step and those after it were not applied)")
+            log.warning("%s (%d step(s) skipped up to step %d)", msg, r.skipped, step)
+        self.state.skipped_steps += r.skipped
+        self.state.samples_seen += r.applied * cfg.batch_size
+        self._truncated += r.truncated
+        self._add_to_interval(r.sums, r.counts)
+        values = dict(self.state.last_values)
+        if r.last is not None:  # else no step applied yet in this run: keep the saved values
+            values = {**r.last, "lr": self.scheduler.get_last_lr()[0], "logit_scale": r.extra[0]}
+            self.state.last_values = values
+        return values, r.applied
+
     def train(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
-        """Run until ``total_steps``; returns the history and the final per-term losses."""
+        """Run until ``total_steps``; returns the history, the final per-term losses and the throughput.
+
+        The loop does not wait on the host between reads: the loss terms, the non-finite check, the skipped-step
+        and truncation counts stay on the device (:class:`StepMeter`) and are read at logging steps
+        (``train.log_every``, step 1 and the last step) and checkpoints. ``on_step(step, values)``, when given,
+        is called after every applied step with its values, which reads them every step (for tests and tools).
+        """
         from tqdm.auto import tqdm
 
+        from .throughput import LoopClock, count_flops
+
         cfg, acc = self.cfg, self.acc
-        model = self._unwrapped_model()
-        start = time.perf_counter()
-        start_samples = self.state.samples_seen
+        model = self._model
         self._time_before = self.state.train_time_s  # the earlier parts of a resumed run
-        truncated = 0
-        bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not acc.is_local_main_process,
+        self._truncated = 0
+        first = self.state.step
+        remaining = self.total_steps - first
+        self.clock = clock = LoopClock(skip_steps=first + max(1, min(10, remaining // 10)))
+        clock.mark(first, self.state.samples_seen)
+        bar = tqdm(total=self.total_steps, initial=first, disable=not acc.is_local_main_process,
                    desc="train", dynamic_ncols=True)
+        batches = self._batches()
         while self.state.step < self.total_steps:
-            for batch in self._batches():
-                if self.state.step >= self.total_steps:
-                    break
-                self._note_skipped(batch)
-                out = self._step(batch)
-                bad = self._nonfinite(out)
-                step = self.state.step + 1
-                if bad is not None:
-                    value = float(out[bad].detach()) if bad in out else float("nan")
-                    msg = (f"non-finite loss at step {step}: term '{bad}' = {value}. Lower train.lr, enable "
-                           f"train.grad_clip, check the data, or set train.on_nonfinite: skip")
-                    if cfg.on_nonfinite == "raise":
-                        bar.close()
-                        raise NonFiniteLossError(msg)
-                    log.warning(msg + " (step skipped)")
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self.state.skipped_steps += 1
-                    self.state.step = step
-                    self.scheduler.step()
-                    continue
-                if cfg.grad_clip:
-                    acc.clip_grad_norm_(self.wrapped.parameters(), cfg.grad_clip)
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                if cfg.logit_scale_max is not None:
-                    with torch.no_grad():
-                        model.logit_scale.clamp_(max=cfg.logit_scale_max)
-                for term in self.module.objective.all_terms:  # e.g. clamp a term's own temperature
-                    term.after_optimizer_step()
-                if "truncated" in batch:
-                    truncated += int(batch["truncated"].sum())
-                self.state.step = step
-                self.state.samples_seen += cfg.batch_size
-                values = {k: float(v.detach()) for k, v in out.items()}
-                values = self._mean_over_processes(values)
-                self._add_to_interval(values)
-                values["lr"] = self.scheduler.get_last_lr()[0]
-                values["logit_scale"] = float(model.logit_scale.detach().exp())
-                self.state.last_values = values
-                if step % cfg.log_every == 0 or step == self.total_steps or step == 1:
-                    entry = self._close_interval(values)
-                    self.state.history.append({"step": step, **entry})
-                    acc.log({f"train/{k}": v for k, v in entry.items()}, step=step)
-                elapsed = time.perf_counter() - start
-                rate = (self.state.samples_seen - start_samples) / max(elapsed, 1e-9)
+            waited = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:  # a stream that ended: open it again (it counts its epochs)
+                batches = self._batches()
+                continue
+            clock.wait_s += time.perf_counter() - waited
+            self._note_skipped(batch)
+            step = self.state.step + 1
+            if step == 1:  # FLOPs of the first step from the shapes (finetune.throughput); only in a fresh run,
+                # because ops under a dispatch mode may round differently and a resumed run must match a straight one
+                _, self.state.flops_per_step = count_flops(lambda: self.train_step(batch, step))
+            else:
+                self.train_step(batch, step)
+            self.state.step = step
+            bar.update(1)
+            log_now = step % cfg.log_every == 0 or step == self.total_steps or step == first + 1
+            save_now = bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0
+            if not (log_now or save_now or on_step is not None):
+                continue
+            try:
+                values, applied = self._read(model, step)
+            except NonFiniteLossError:
+                bar.close()
+                raise
+            clock.mark(step, self.state.samples_seen)
+            if log_now and self.state.interval_counts:
+                entry = self._close_interval(values)
+                self.state.history.append({"step": step, **entry})
+                acc.log({f"train/{k}": v for k, v in entry.items()}, step=step)
+            if values:
+                rate = (self.state.samples_seen - clock.marks[0].samples) / max(clock.elapsed(), 1e-9)
                 # the total, then every term's value under its logged name (``clip``, ``structxlip/local``)
                 bar.set_postfix({"loss": f"{values['loss']:.4f}",
                                  **{k: f"{v:.4f}" for k, v in term_values(values)},
                                  "samples_s": f"{rate:.1f}"})
-                bar.update(1)
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    self.state.train_time_s = self._time_before + time.perf_counter() - start
-                    stream_state = self.stream.state_dict() if self.stream is not None else None
-                    save_checkpoint(acc, self.ckpt_dir, self.state, cfg.keep_checkpoints, stream_state)
-                if on_step is not None:
-                    on_step(step, values)
-                if self.state.step >= self.total_steps:
-                    break
+            if save_now:
+                saving = time.perf_counter()
+                self.state.train_time_s = self._time_before + clock.elapsed() - clock.excluded_s
+                stream_state = self.stream.state_dict() if self.stream is not None else None
+                save_checkpoint(acc, self.ckpt_dir, self.state, cfg.keep_checkpoints, stream_state)
+                clock.excluded_s += time.perf_counter() - saving
+            if on_step is not None and applied:
+                on_step(step, values)
         bar.close()
-        wall = self._time_before + time.perf_counter() - start
+        wall = self._time_before + clock.elapsed() - clock.excluded_s
         self.state.train_time_s = wall
+        throughput = self._throughput(clock, self.state.flops_per_step)
         # the last step's values, saved in the checkpoint (a run resumed at its end trains no step); checkpoints
         # written before ``last_values`` existed give their last history entry
         last_losses = self.state.last_values or (
@@ -544,15 +803,44 @@ class Trainer:
             wall_time_s=wall,
             samples_per_s=self.state.samples_seen / max(wall, 1e-9),
             skipped_steps=self.state.skipped_steps,
-            truncated_captions=truncated,
+            truncated_captions=self._truncated,
             skipped_examples=self._all_skipped(),
+            throughput=throughput,
         )
+
+    def _throughput(self, clock: Any, flops_per_step: int | None) -> dict[str, Any]:
+        """``TrainResult.throughput``: the steady rates of this run part (:meth:`LoopClock.steady`), FLOPs and
+        TFLOP/s per device and MFU where the device's peak is known; logged once."""
+        from .throughput import peak_tflops
+
+        steady = clock.steady()
+        world = self.acc.num_processes
+        per_device_batch = self.cfg.batch_size // world
+        out: dict[str, Any] = {"steady_samples_per_s": None, "data_wait_share": None, "steady_steps": 0,
+                               "flops_per_sample": None, "tflops_per_device": None, "mfu": None,
+                               "flops_counted_by": "torch.utils.flop_counter on the first step (matmul, conv, "
+                                                   "SDPA forward and backward)"}
+        if flops_per_step:
+            out["flops_per_sample"] = flops_per_step / per_device_batch
+        if steady is not None:
+            out.update(steady_samples_per_s=steady["samples_per_s"], data_wait_share=steady["data_wait_share"],
+                       steady_steps=steady["steps"], steady_from_step=steady["first_step"])
+            if flops_per_step:
+                tflops = flops_per_step * steady["steps_per_s"] / 1e12
+                out["tflops_per_device"] = tflops
+                peak = peak_tflops(self.acc.device)
+                out["mfu"] = tflops / peak if peak else None
+            log.info("steady throughput (steps %d-%d): %.1f samples/s, %.0f%% of the time waiting for data%s",
+                     steady["first_step"], self.state.step, steady["samples_per_s"],
+                     100 * steady["data_wait_share"],
+                     f", {out['tflops_per_device']:.1f} TFLOP/s per device" if out["tflops_per_device"] else "")
+        return out
 
     def _batches(self) -> Iterator[dict[str, Any]]:
         """The batches from the current step on, epoch after epoch; the model in train mode.
 
-        Map-style data: one seeded permutation per epoch, the batches a resumed run already trained on
-        skipped. A stream: its own loader, continuing from the stream's position (the stream counts epochs),
+        Map-style data: one seeded permutation per epoch (:class:`EpochShuffleSampler`), from the current step
+        on, in one pass of the loader. A stream: its own loader, continuing from the stream's position (the stream counts epochs),
         batches moved to the device here (they do not pass through an accelerate loader)."""
         acc = self.acc
         if self.stream is not None:
@@ -567,19 +855,18 @@ class Trainer:
                     self.wrapped.train()
                 yield send_to_device(batch, acc.device)
             return
-        while True:
-            epoch, within = divmod(self.state.step, self.steps_per_epoch)
-            loader = self.loader
-            if within:
-                loader = acc.skip_first_batches(self.loader, within)
-            # accelerate's loaders re-seed the sampler with their own pass counter: give them the epoch
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(epoch)
-            self.sampler.set_epoch(epoch)
-            for term in self.module.objective.all_terms:  # per-epoch schedules (StructXLIP compat official)
-                term.set_epoch(epoch)
-            self.wrapped.train()
-            yield from loader
+        # one pass from the current step to the end; the terms get each epoch as its first batch arrives (the
+        # workers got it with the indices)
+        self.sampler.start_step, self.sampler.total_steps = self.state.step, self.total_steps
+        step, epoch = self.state.step, None
+        for batch in self.loader:
+            if step // self.steps_per_epoch != epoch:
+                epoch = step // self.steps_per_epoch
+                for term in self.module.objective.all_terms:  # per-epoch schedules (StructXLIP compat official)
+                    term.set_epoch(epoch)
+                self.wrapped.train()
+            step += 1
+            yield batch
 
     def _note_skipped(self, batch: dict[str, Any]) -> None:
         """Record the examples the data loader passed over (unreadable images, ``data.on_error: skip``)."""
@@ -603,11 +890,3 @@ class Trainer:
             entries = [e for part in entries for e in part]
         unique = {e["id"]: e for e in entries}
         return sorted(unique.values(), key=lambda e: e["id"])
-
-    def _mean_over_processes(self, values: dict[str, float]) -> dict[str, float]:
-        if self.acc.num_processes == 1:
-            return values
-        keys = sorted(values)
-        t = torch.tensor([values[k] for k in keys], device=self.acc.device)
-        t = self.acc.reduce(t, reduction="mean")
-        return dict(zip(keys, t.tolist()))

@@ -71,7 +71,7 @@ def consistency_loss(
     cos = (F.normalize(image_embeds, dim=-1) * F.normalize(edge_embeds, dim=-1)).sum(dim=-1)
     per_row = 1 - cos
     if valid is None:
-        count = torch.tensor(float(per_row.shape[0]), device=per_row.device)
+        count = torch.full((), float(per_row.shape[0]), dtype=per_row.dtype, device=per_row.device)  # no copy
         total = per_row.sum()
     else:
         count = valid.sum().to(per_row.dtype)
@@ -182,18 +182,21 @@ def local_structure_loss(
 
     logits = chunks @ regions_all.T / temperature
     has_positive = positives_all.any(dim=1)
-    rows = logits[has_positive]
-    pos_logits = rows.masked_fill(~positives_all[has_positive], float("-inf"))
-    all_logits = rows.masked_fill(~valid_all[None, :], float("-inf"))
+    # every chunk row is computed and the rows without a positive weigh 0, instead of selecting rows by a
+    # boolean mask: no value decides a shape, so nothing waits for the device. Those rows take every region as
+    # "positive" so that their two log-sum-exps are finite (a masked row of -inf would give NaN gradients).
+    keep = has_positive[:, None]
+    pos_logits = logits.masked_fill(~torch.where(keep, positives_all, True), float("-inf"))
+    all_logits = logits.masked_fill(~torch.where(keep, valid_all[None, :], True), float("-inf"))
     per_chunk = torch.logsumexp(all_logits, dim=1) - torch.logsumexp(pos_logits, dim=1)
 
-    owners = chunk_owner[has_positive]
-    samples, sample_of_chunk = torch.unique(owners, return_inverse=True)
-    chunk_sum = per_chunk.new_zeros(samples.shape[0]).index_add(0, sample_of_chunk, per_chunk)
-    chunk_count = torch.bincount(sample_of_chunk, minlength=samples.shape[0]).to(per_chunk.dtype)
-    total = (chunk_sum / chunk_count).sum() + _zero_with_graph(logits)
-
-    n_samples = torch.tensor(float(samples.shape[0]), device=per_chunk.device)
+    # mean over each sample's chunks with a positive, summed over those samples: chunk c weighs
+    # 1 / (chunks with a positive of its sample); the weights of one sample sum to 1, so their total counts them
+    owner = chunk_owner.long()
+    same = (owner[:, None] == owner[None, :]) & has_positive[None, :]
+    weight = torch.where(has_positive, same.sum(dim=1).clamp(min=1).to(per_chunk.dtype).reciprocal(), 0.0)
+    total = (torch.where(has_positive, per_chunk, 0.0) * weight).sum() + _zero_with_graph(logits)
+    n_samples = weight.sum().detach()
     if world > 1:
         n_samples = sum_over_ranks(n_samples)
     return total * world / n_samples.clamp(min=1)

@@ -29,6 +29,7 @@ __all__ = [
     "ImageReadError",
     "ImageInfo",
     "read_image",
+    "read_image_tensor",
     "probe_image",
     "to_rgb",
     "IMAGE_EXTENSIONS",
@@ -333,3 +334,232 @@ def read_image(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -> PIL.I
         raise
     except Exception as error:  # truncated or malformed data surfaces as OSError, SyntaxError, ...
         raise ImageReadError(where, f"corrupt image data ({type(error).__name__}: {error})") from error
+
+
+def _encoded_bytes(src: Any) -> bytes:
+    """The encoded file of ``src`` (a path, bytes or a ``{"bytes", "path"}`` dict)."""
+    if isinstance(src, dict):
+        src = src.get("bytes") if src.get("bytes") is not None else src.get("path")
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return bytes(src)
+    return Path(os.fspath(src)).expanduser().read_bytes()
+
+
+#: JPEG start-of-frame markers (baseline, extended, progressive, lossless; not DHT C4, JPG C8, DAC CC)
+_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+
+
+def jpeg_frame(data: bytes) -> tuple[int, int, int] | None:
+    """``(height, width, components)`` from a JPEG's start-of-frame segment, walking the marker segments from
+    the start (a few dozen bytes, no decode); None when ``data`` is not a JPEG or its header cannot be walked."""
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # markers without a length
+            i += 2
+            continue
+        length = (data[i + 2] << 8) | data[i + 3]
+        if marker in _SOF:
+            if i + 10 > n:
+                return None
+            return (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8], data[i + 9]
+        if marker in (0xD9, 0xDA) or length < 2:  # end of image or scan before any frame
+            return None
+        i += 2 + length
+    return None
+
+
+def read_image_tensor(src: str | os.PathLike | bytes | dict | PIL.Image.Image) -> "torch.Tensor":
+    """:func:`read_image` as a ``uint8 (3, H, W)`` tensor: JPEG files in RGB or grayscale (the bulk of image-text
+    data) are decoded by torchvision (``decode_jpeg``, libjpeg-turbo, EXIF orientation applied; the same pixels
+    as PIL's decode, about twice as fast, and already channels-first); any other image goes through
+    :func:`read_image` (alpha composited on white, 16-bit scaled, CMYK converted).
+
+    Raises:
+        ImageReadError: as :func:`read_image`, naming the path.
+    """
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    if not isinstance(src, PIL.Image.Image):
+        where = _describe(src)
+        try:
+            data = _encoded_bytes(src)
+        except (OSError, TypeError, ValueError):
+            data = b""  # missing, a folder, no bytes: read_image names the problem
+        frame = jpeg_frame(data) if data else None
+        # JPEG with 1 or 3 components (grey, YCbCr or RGB) of an accepted size: torchvision; CMYK and anything
+        # else: PIL, through read_image
+        if frame is not None and frame[2] in (1, 3) and frame[0] > 0 and frame[1] > 0:
+            if frame[0] * frame[1] > _max_pixels:
+                raise ImageReadError(where, f"too large ({frame[1]}x{frame[0]} = {frame[0] * frame[1]:,} pixels, "
+                                            f"more than data.max_image_pixels={_max_pixels:,}; raise "
+                                            "data.max_image_pixels to accept it)")
+            try:
+                image = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                                    apply_exif_orientation=True)
+            except (RuntimeError, ValueError, OSError) as error:  # corrupt or truncated body
+                raise ImageReadError(where, f"corrupt image data ({type(error).__name__}: {error})") from error
+            return image
+    return torch.from_numpy(np.array(read_image(src))).permute(2, 0, 1).contiguous()
+
+
+# -- the tensor path: a model's image geometry on uint8 tensors, normalisation on the device ------------------
+#: the most a pixel of :class:`TensorImages` may differ from the model's own processor, in 8-bit levels, and the
+#: most the mean difference may be: the transformers torchvision processors give the same values (< 0.001
+#: level); a PIL-resizing processor (open_clip's) differs in rounding: on noise images resized 2-10x, at most 2
+#: levels, 0.05 on average, 0.01 % of the values by more than 1
+TENSOR_PATH_TOLERANCE = 2.0
+TENSOR_PATH_MEAN_TOLERANCE = 0.1
+
+
+@dataclass(frozen=True)
+class PixelNorm:
+    """The normalisation a model's processor applies after its geometry, ``(x / 255 - mean) / std`` per
+    channel; host-side metadata of a batch whose ``pixel_values`` are still ``uint8``
+    (:class:`TensorImages`), applied on the device by :meth:`apply`."""
+
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def apply(self, pixels: "torch.Tensor") -> "torch.Tensor":
+        """``uint8 (B, 3, H, W)`` -> ``float32 (B, 3, H, W)`` normalised, on ``pixels``' device (the per-channel
+        constants are made there once and kept, so that a step copies nothing from the host)."""
+        import torch
+
+        scale, shift = _norm_constants(self, pixels.device)
+        return torch.addcmul(shift, pixels, scale)
+
+
+_NORM_CACHE: dict[tuple, tuple] = {}
+
+
+def _norm_constants(norm: PixelNorm, device: Any) -> tuple:
+    import torch
+
+    key = (norm, str(device))
+    if key not in _NORM_CACHE:
+        mean = torch.tensor(norm.mean, dtype=torch.float64)
+        std = torch.tensor(norm.std, dtype=torch.float64)
+        scale = (1.0 / (255.0 * std)).float().view(3, 1, 1).to(device)
+        shift = (-mean / std).float().view(3, 1, 1).to(device)
+        _NORM_CACHE[key] = (scale, shift)
+    return _NORM_CACHE[key]
+
+
+class TensorImages:
+    """A model's image geometry (:meth:`~finetune.models.encoder.DualEncoder.image_transform_params`: shortest
+    side resized then centre-cropped, or squashed) with torchvision's v2 functional ops on ``uint8`` tensors,
+    batched as ``uint8 (B, 3, H, W)``; the normalisation (:class:`PixelNorm`) is left to the device.
+
+    That is what the transformers torchvision processors compute (resize with antialias on ``uint8``, crop at
+    ``int((h - crop) / 2)``), minus their float work on the CPU, and the batch is a quarter of the bytes to
+    share between processes and copy to the accelerator. :meth:`for_model` checks it against the model's own
+    processor on probe images before it is used (at most :data:`TENSOR_PATH_TOLERANCE` levels apart, on average
+    at most :data:`TENSOR_PATH_MEAN_TOLERANCE`).
+
+    Args:
+        params: the model's ``image_transform_params()`` (modes ``shortest_center_crop`` and ``squash``).
+    """
+
+    MODES = ("shortest_center_crop", "squash")
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        from torchvision.transforms import InterpolationMode
+
+        if params.get("mode") not in self.MODES:
+            raise ValueError(f"TensorImages covers the modes {self.MODES}, not {params.get('mode')!r}")
+        self.mode = params["mode"]
+        size = params["size"]
+        self.size = size if isinstance(size, int) or self.mode == "squash" else int(size[0])
+        self.crop = tuple(params["crop"]) if params.get("crop") else None
+        self.round_offset = params.get("crop_offset") == "round"
+        self.interpolation = InterpolationMode(str(params.get("resample", "bicubic")).lower())
+        self.norm = PixelNorm(tuple(float(v) for v in params["mean"]), tuple(float(v) for v in params["std"]))
+
+    @classmethod
+    def for_model(cls, model: Any) -> "TensorImages | None":
+        """The tensor path of ``model`` when its geometry is one this class covers and its own
+        ``preprocess_images`` agrees on probe images (several sizes and aspect ratios); else None (the
+        processor stays in use)."""
+        import torch
+
+        params = model.image_transform_params() if hasattr(model, "image_transform_params") else None
+        if not params or params.get("mode") not in cls.MODES:
+            return None
+        try:
+            path = cls(params)
+            probes = _probe_images()
+            reference = model.preprocess_images(probes)
+        except (ValueError, KeyError, TypeError):
+            return None
+        if set(reference) != {"pixel_values"}:  # the model needs more than pixels (F-CAST's superpixels)
+            return None
+        got = path.norm.apply(path(probes))
+        want = reference["pixel_values"].float()
+        if got.shape != want.shape:
+            return None
+        levels = (got - want).abs() * torch.tensor(path.norm.std).view(1, 3, 1, 1) * 255.0
+        close = float(levels.max()) <= TENSOR_PATH_TOLERANCE + 1e-3 and float(levels.mean()) <= TENSOR_PATH_MEAN_TOLERANCE
+        return path if close else None
+
+    def one(self, image: Any) -> "torch.Tensor":
+        """One RGB image (PIL or ``uint8 (3, h, w)``) -> ``uint8 (3, H, W)``."""
+        import torch
+        import torchvision.transforms.v2.functional as F
+
+        if isinstance(image, PIL.Image.Image):
+            image = torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1)
+        h, w = image.shape[-2:]
+        if self.mode == "squash":
+            out = tuple(self.size) if not isinstance(self.size, int) else (self.size, self.size)
+            return F.resize(image, list(out), interpolation=self.interpolation, antialias=True)
+        if h <= w:
+            new = (self.size, int(self.size * w / h))
+        else:
+            new = (int(self.size * h / w), self.size)
+        if (h, w) != new:
+            image = F.resize(image, list(new), interpolation=self.interpolation, antialias=True)
+        if self.crop is None:
+            return image
+        ch, cw = self.crop
+        top, left = (new[0] - ch) / 2.0, (new[1] - cw) / 2.0
+        top, left = (int(round(top)), int(round(left))) if self.round_offset else (int(top), int(left))
+        if top < 0 or left < 0:  # a crop larger than the resized image: pad as the processors do
+            return F.center_crop(image, [ch, cw])
+        return image[:, top:top + ch, left:left + cw]
+
+    def __call__(self, images: list[Any]) -> "torch.Tensor":
+        """RGB images -> ``uint8 (B, 3, H, W)`` (contiguous; in a data-loader worker, stacked straight into shared
+        memory, as ``default_collate`` does, so that handing the batch over copies nothing)."""
+        import torch
+        from torch.utils.data import get_worker_info
+
+        parts = [self.one(im) for im in images]
+        if get_worker_info() is None or not parts:
+            return torch.stack(parts)
+        first = parts[0]
+        storage = first._typed_storage()._new_shared(len(parts) * first.numel(), device=first.device)
+        out = first.new(storage).resize_(len(parts), *first.shape)
+        return torch.stack(parts, out=out)
+
+
+def _probe_images() -> list[PIL.Image.Image]:
+    """Deterministic RGB probes (gradients, a sharp rectangle, noise) of several sizes and aspect ratios."""
+    rng = np.random.default_rng(0)
+    out = []
+    for w, h in ((224, 224), (300, 200), (157, 411), (640, 480), (33, 47)):
+        x = np.linspace(0, 255, w)[None, :, None] * np.ones((h, 1, 3))
+        y = np.linspace(0, 255, h)[:, None, None]
+        a = 0.5 * x + 0.5 * y
+        a[h // 4:h // 2, w // 3:w // 2] = (220, 30, 30)
+        a = a + rng.normal(0, 20, a.shape)
+        out.append(PIL.Image.fromarray(np.clip(a, 0, 255).astype(np.uint8)))
+    return out

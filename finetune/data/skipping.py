@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .images import DataError, read_image
+from .images import DataError, read_image, read_image_tensor
 
 __all__ = ["SKIPPED_KEY", "SkippingDataset", "SkipReportingCollate", "drop_undecodable", "undecoded"]
 
@@ -45,16 +45,39 @@ class SkippingDataset:
     ``dataset[i]`` returns row ``i`` with a decoded RGB ``image``; when that image fails and
     ``on_error="skip"`` it returns the next readable row (``i + 1``, ``i + 2``, ... wrapping
     around) with ``SKIPPED_KEY: [{"id", "path", "reason"}, ...]`` listing the rows passed over.
+
+    ``decode="tensor"``: the image as a ``uint8 (3, H, W)`` tensor
+    (:func:`~finetune.data.images.read_image_tensor`), for a collator on the tensor path.
     """
 
-    def __init__(self, dataset: Any, on_error: str = "skip") -> None:
+    def __init__(self, dataset: Any, on_error: str = "skip", *, decode: str = "pil") -> None:
         if on_error not in _ON_ERROR:
             raise ValueError(f"data.on_error must be one of {', '.join(_ON_ERROR)}, got {on_error!r}")
+        if decode not in ("pil", "tensor"):
+            raise ValueError(f"decode must be 'pil' or 'tensor', got {decode!r}")
         self.dataset = undecoded(dataset)
         self.on_error = on_error
+        self.decode = decode
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        """Rows ``indices`` in one columnar read of the table (the DataLoader asks a dataset that has this method
+        for a whole batch at once); a row whose image fails goes through :meth:`__getitem__`, which skips it or
+        raises."""
+        many = getattr(self.dataset, "__getitems__", None)
+        if many is None:
+            return [self[i] for i in indices]
+        out = []
+        for index, row in zip(indices, many(list(indices))):
+            row = dict(row)
+            try:
+                row["image"] = read_image(row.get("image")) if self.decode == "pil" else read_image_tensor(row.get("image"))
+            except DataError:
+                row = self[index]
+            out.append(row)
+        return out
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         n = len(self.dataset)
@@ -64,7 +87,7 @@ class SkippingDataset:
             image = row.get("image")
             path = (image.get("path") if isinstance(image, dict) else None) or "<bytes>"
             try:
-                row["image"] = read_image(image)
+                row["image"] = read_image(image) if self.decode == "pil" else read_image_tensor(image)
             except DataError as error:
                 reason = getattr(error, "reason", str(error))
                 if self.on_error == "raise":

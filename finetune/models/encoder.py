@@ -203,11 +203,14 @@ class DualEncoder(nn.Module, abc.ABC):
     ) -> TextFeatures:
         """Encode token ids ``(B, L)`` into :class:`TextFeatures`."""
 
-    def encode_text_groups(self, groups: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    def encode_text_groups(self, groups: list[tuple[Tensor, Tensor]], *, right_padded: bool = False) -> list[Tensor]:
         """Embeddings of several groups of token ids, e.g. length buckets: ``[(ids (B_g, L_g), mask (B_g,
         L_g)), ...]`` -> ``[(B_g, D), ...]``, each equal to ``encode_text(ids, mask).embeds``. Backends may
         share work between the groups (transformers CLIP: one token-embedding lookup, so one dense
-        embedding gradient instead of one per group)."""
+        embedding gradient instead of one per group).
+
+        ``right_padded``: the caller knows (from the CPU, :class:`finetune.objectives.base.TextPlan`) that every
+        mask is ones then zeros, so that a causal tower may skip the padding mask and its checks on the device."""
         return [self.encode_text(ids, mask).embeds for ids, mask in groups]
 
     def project_image_states(self, x: Tensor) -> Tensor:

@@ -89,6 +89,20 @@ def patchify(pixel_values: Tensor, patch_size: int) -> tuple[Tensor, Tensor, Ten
     return x, mask, shapes
 
 
+def _causal_padding_mask(attention_mask: Tensor, tower: nn.Module) -> Tensor:
+    """The ``(B, 1, L, L)`` mask of a causal text tower over padded rows (key ``j`` visible to query ``i`` when
+    ``j <= i`` and ``j`` is a real token): what transformers' ``create_causal_mask`` builds from the ``(B, L)``
+    mask, made here on the device because transformers first checks on the host whether the mask has padding
+    at all (a read of the device). Boolean for SDPA, additive for eager attention."""
+    b, length = attention_mask.shape
+    positions = torch.arange(length, device=attention_mask.device)
+    allowed = (positions[None, :] <= positions[:, None])[None, None] & attention_mask.bool()[:, None, None, :]
+    if getattr(tower.config, "_attn_implementation", "sdpa") == "sdpa":
+        return allowed
+    dtype = tower.embeddings.token_embedding.weight.dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 class HFDualEncoder(DualEncoder):
     """A transformers ``CLIPModel`` / ``SiglipModel`` / ``Siglip2Model`` as a :class:`DualEncoder`.
 
@@ -174,6 +188,9 @@ class HFDualEncoder(DualEncoder):
             if self.family == "clip" and fast_path_ok(tm):  # last layer for the pooled token only
                 pooled = clip_text_forward(tm, input_ids, tower_mask, self.text_pool_positions(input_ids))
                 return TextFeatures(self.model.text_projection(pooled), None, attention_mask)
+        if tower_mask is not None:  # CLIP: causal and padding mask made here, so transformers does not check it
+            tower_mask = _causal_padding_mask(tower_mask, self.model.text_model)
+        if not states:
             out = self.model.get_text_features(input_ids=input_ids, attention_mask=tower_mask)
             return TextFeatures(_pooled(out), None, attention_mask)
         out = self.model.text_model(input_ids=input_ids, attention_mask=tower_mask, output_hidden_states=True)
@@ -181,18 +198,24 @@ class HFDualEncoder(DualEncoder):
         embeds = self.model.text_projection(pooled) if self.family == "clip" else pooled
         return TextFeatures(embeds, out.hidden_states[-1], attention_mask, self.text_pool_positions(input_ids))
 
-    def encode_text_groups(self, groups: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    def encode_text_groups(self, groups: list[tuple[Tensor, Tensor]], *, right_padded: bool = False) -> list[Tensor]:
         """:meth:`DualEncoder.encode_text_groups`; CLIP on the pooled-token path looks the tokens of all
         groups up in one call, so that backward builds one dense ``(vocab, W)`` embedding gradient, not one
-        per group (each is a 100 MB zero-fill for CLIP's 49,408 x 512 table)."""
+        per group (each is a 100 MB zero-fill for CLIP's 49,408 x 512 table). ``right_padded`` rows run without
+        the padding mask (under the causal mask no real token attends to the padding after it), so that neither
+        this module nor transformers' mask builder checks the mask on the device."""
         tm = self.model.text_model
-        if self.family != "clip" or len(groups) < 2 or not fast_path_ok(tm) or hooked(tm.embeddings):
+        if self.family != "clip" or not fast_path_ok(tm):
             return super().encode_text_groups(groups)
+        if hooked(tm.embeddings):
+            return [self.model.text_projection(clip_text_forward(
+                tm, ids, None if right_padded else mask, self.text_pool_positions(ids), right_padded=right_padded))
+                for ids, mask in groups]
         tokens = tm.embeddings.token_embedding(torch.cat([ids.reshape(-1) for ids, _ in groups]))
         out = []
         for (ids, mask), part in zip(groups, tokens.split([ids.numel() for ids, _ in groups])):
-            pooled = clip_text_forward(tm, ids, mask, self.text_pool_positions(ids),
-                                       token_embeds=part.view(*ids.shape, -1))
+            pooled = clip_text_forward(tm, ids, None if right_padded else mask, self.text_pool_positions(ids),
+                                       token_embeds=part.view(*ids.shape, -1), right_padded=right_padded)
             out.append(self.model.text_projection(pooled))
         return out
 

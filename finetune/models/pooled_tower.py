@@ -157,6 +157,8 @@ def clip_text_forward(
     attention_mask: Tensor | None,
     pool_positions: Tensor,
     token_embeds: Tensor | None = None,
+    *,
+    right_padded: bool = False,
 ) -> Tensor:
     """Run the CLIP text tower with the last layer for the pooled (end-of-text) token only.
 
@@ -167,12 +169,14 @@ def clip_text_forward(
         pool_positions: ``(B,)`` the end-of-text position of each row (the transformers pooling rule).
         token_embeds: ``(B, L, W)`` the rows' token embeddings when the caller looked them up already
             (positions are still added here).
+        right_padded: the caller knows the rows are right-padded (checked on the CPU): the mask is not
+            checked here (that check reads the device).
 
     Returns:
         ``(B, W)`` the pooled states after ``final_layer_norm`` (the transformers ``pooler_output``).
     """
     hidden = text_model.embeddings(input_ids=input_ids, inputs_embeds=token_embeds)
-    if attention_mask is not None and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+    if attention_mask is not None and (right_padded or bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())):
         # right padding: under the causal mask no real token attends to the padding after it, and the padding
         # rows are never read, so the padding mask changes nothing and SDPA keeps its causal kernel
         attention_mask = None

@@ -33,17 +33,31 @@ def pad_batch(
     seqs: Sequence[Sequence[int]], length: int, pad_id: int, *, side: str = "right"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad token lists to ``length``: ``(input_ids (B, length), attention_mask (B, length))``."""
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    for i, s in enumerate(seqs):
+    import numpy as np
+
+    ids = np.full((len(seqs), length), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), length), dtype=np.int64)
+    for i, s in enumerate(seqs):  # numpy row assignment: no tensor per row (this runs per batch in the workers)
         n = len(s)
         if side == "left":
-            ids[i, length - n :] = torch.tensor(s, dtype=torch.long)
+            ids[i, length - n :] = s
             mask[i, length - n :] = 1
         else:
-            ids[i, :n] = torch.tensor(s, dtype=torch.long)
+            ids[i, :n] = s
             mask[i, :n] = 1
+    ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
     return ids, mask
+
+
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """The token ids of ``texts`` with special tokens, untruncated, unpadded: what ``tokenizer(texts)`` gives.
+    A fast tokenizer whose backend has no truncation or padding set is called directly
+    (``encode_batch_fast``: the same ids without the character offsets, about 20 % less time)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    fast = getattr(backend, "encode_batch_fast", None)
+    if fast is not None and getattr(backend, "truncation", 0) is None and getattr(backend, "padding", 0) is None:
+        return [e.ids for e in fast(texts, add_special_tokens=True)]
+    return tokenizer(texts, add_special_tokens=True, truncation=False, padding=False, verbose=False)["input_ids"]
 
 
 def special_suffix_length(tokenizer: Any) -> int:
@@ -85,10 +99,9 @@ def hf_tokenize(
         raise TypeError("texts must be a list of strings, not one string: wrap it as [text]")
     if clean is not None:
         texts = [clean(t) for t in texts]
-    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=False, padding=False, verbose=False)
     n_end = special_suffix_length(tokenizer)
     rows, flags = [], []
-    for ids in encoded["input_ids"]:
+    for ids in _encode(tokenizer, list(texts)):
         cut, was_cut = truncate_keep_end(ids, max_length, n_end)
         rows.append(cut)
         flags.append(was_cut)

@@ -35,6 +35,8 @@ Batch = dict[str, Any]
 N_SAMPLES = "n_samples"
 #: most text-tower passes the embedding-only rows of a causal (CLIP) batch are split into by length
 TEXT_BUCKETS = 6
+#: batch key of the :class:`TextPlan` the collator adds (host-side metadata, see :meth:`Objective.plan`)
+TEXT_PLAN = "_text_plan"
 #: names no term may take: the total, and what the trainer logs beside the losses
 RESERVED_NAMES = frozenset({"loss", "lr", "logit_scale", "step", "none"})
 #: batch fields the collator fills before the terms' ``collate`` (``finetune.data.collate.Collator``)
@@ -183,6 +185,16 @@ class Term(nn.Module):
                 parameters receive their gradient exactly once.
         """
         raise NotImplementedError(f"term {type(self).__name__} must implement loss()")
+
+
+def host_tensor(values: list, device: torch.device | str, dtype: torch.dtype = torch.long) -> Tensor:
+    """A tensor of host values (Python numbers: counts, owners) on ``device`` without waiting for the device:
+    made on the CPU and, for an accelerator, pinned and copied with ``non_blocking`` (a copy from pageable
+    memory would wait for the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def scale_of(param: Tensor, detach: bool) -> Tensor:
@@ -362,7 +374,7 @@ class Objective(nn.Module):
         image_reqs, text_reqs, owners = self.requests(batch)
         feats: Features = {N_SAMPLES: torch.tensor(len(batch["input_ids"]))}
         feats.update(_encode_images(model, image_reqs))
-        feats.update(_encode_texts(model, text_reqs))
+        feats.update(_encode_texts(model, text_reqs, batch.get(TEXT_PLAN)))
         # states and masks of a request belong to the terms that asked for it
         for key in list(owners):
             for suffix in ("_states", "_mask"):
@@ -381,6 +393,12 @@ class Objective(nn.Module):
                     raise _collision(_first(prev), t.name, "feature key", key, "extra_features")
                 prev.add(t.name)
         return feats
+
+    def plan(self, model: Any, batch: Batch, *, pad_lengths: tuple[int, ...] | None = None) -> TextPlan | None:
+        """The :class:`TextPlan` of ``batch`` (collated on the CPU): the length buckets :meth:`encode` runs the
+        text tower in, made where the batch is collated so that the step reads no lengths from the device."""
+        _, text_reqs, _ = self.requests(batch)
+        return plan_texts(model, text_reqs, pad_lengths=pad_lengths)
 
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
         """Weighted total and every unweighted value: ``{"<term>" or "<term>/<value>": value, ..., "loss": total}``
@@ -474,17 +492,25 @@ def _encode_images(model: Any, reqs: dict[str, ImageRequest]) -> Features:
     return feats
 
 
-def _encode_texts(model: Any, reqs: dict[str, TextRequest]) -> Features:
+def _bucketed_keys(model: Any, reqs: dict[str, TextRequest]) -> list[str]:
+    """The text requests that go through the tower in length buckets: causal towers pooling the end token
+    (``family == "clip"``), requests without states."""
+    causal = getattr(model, "family", "clip") == "clip"
+    return [k for k, r in reqs.items() if causal and not r.states]
+
+
+def _encode_texts(model: Any, reqs: dict[str, TextRequest], plan: TextPlan | None = None) -> Features:
     """Encode every text request. Causal towers that pool the end token (CLIP): the rows of all requests
     without states go through the tower together, in at most :data:`TEXT_BUCKETS` passes of rows of similar
     length, each cut to its longest row (trailing padding does not change a causal embedding), so that short
-    rows (StructXLIP's chunks, short captions) are not padded to the longest caption. Requests with states,
-    and other towers (SigLIP pools the last position of its fixed context), go one pass per padded length."""
+    rows (StructXLIP's chunks, short captions) are not padded to the longest caption; the buckets come from
+    ``plan`` (:class:`TextPlan`, made on the CPU by the data loader) when the batch has one, so that the step
+    reads no length from the device. Requests with states, and other towers (SigLIP pools the last position of
+    its fixed context), go one pass per padded length."""
     feats: Features = {}
-    causal = getattr(model, "family", "clip") == "clip"
-    bucketed = [k for k, r in reqs.items() if causal and not r.states]
+    bucketed = _bucketed_keys(model, reqs)
     if bucketed:
-        feats.update(_encode_bucketed(model, {k: reqs[k] for k in bucketed}))
+        feats.update(_encode_bucketed(model, {k: reqs[k] for k in bucketed}, plan))
     groups: dict[tuple[int, bool], list[str]] = {}
     for k, r in reqs.items():
         if k not in bucketed:
@@ -508,27 +534,106 @@ def _encode_texts(model: Any, reqs: dict[str, TextRequest]) -> Features:
     return feats
 
 
-def _encode_bucketed(model: Any, reqs: dict[str, TextRequest]) -> Features:
+@dataclass
+class TextPlan:
+    """The length buckets of a (micro-)batch's bucketed text requests (:func:`_encode_bucketed`), planned on the
+    CPU where the batch is collated (data-loader workers, :func:`plan_texts`), so that the training step reads
+    no lengths from the device.
+
+    Host-side metadata (Python ints) plus one tensor, ``order``, that travels to the device with the batch
+    (``to`` and ``pin_memory`` are what ``accelerate.utils.send_to_device`` and the DataLoader's pinning call).
+
+    Attributes:
+        keys: the bucketed request keys, in request order; ``counts`` their rows.
+        sizes: rows per bucket, shortest bucket first; ``lengths`` the columns each bucket is cut (or padded) to.
+        order: ``(N,)`` the rows of the concatenated requests, bucket after bucket.
+    """
+
+    keys: tuple[str, ...]
+    counts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    lengths: tuple[int, ...]
+    order: Tensor
+
+    def to(self, device: Any, non_blocking: bool = False) -> "TextPlan":
+        return replace(self, order=self.order.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "TextPlan":
+        return replace(self, order=self.order.pin_memory())
+
+    def matches(self, reqs: dict[str, TextRequest]) -> bool:
+        """Whether this plan was made for these requests (same keys, same row counts)."""
+        return self.keys == tuple(reqs) and self.counts == tuple(int(r.input_ids.shape[0]) for r in reqs.values())
+
+
+def plan_texts(model: Any, reqs: dict[str, TextRequest], *, pad_lengths: tuple[int, ...] | None = None,
+               max_buckets: int | None = None) -> TextPlan | None:
+    """The :class:`TextPlan` of the bucketed requests among ``reqs`` (CPU tensors), or None when there are none or
+    a mask is not right-padded (the tower then needs its padding mask and the step plans itself).
+
+    Args:
+        pad_lengths: sorted lengths a bucket's columns are rounded up to (``train.compile``: a fixed set of
+            shapes, so that compiled towers do not recompile at every batch); None: each bucket's longest row.
+    """
+    reqs = {k: reqs[k] for k in _bucketed_keys(model, reqs)}
+    if not reqs:
+        return None
+    counts = tuple(int(r.input_ids.shape[0]) for r in reqs.values())
+    if not sum(counts):
+        return None
+    lengths = []
+    for r in reqs.values():
+        mask = r.attention_mask
+        n = mask.sum(dim=1)
+        if not torch.equal(mask.bool(), torch.arange(mask.shape[1])[None, :] < n[:, None]):
+            return None  # left padding or holes: the tower needs the mask
+        lengths.append(n)
+    lengths = torch.cat(lengths)
+    groups = length_buckets(lengths, max_buckets)
+    sizes, cut = [], []
+    for rows in groups:
+        longest = max(int(lengths[rows].max()), 1)
+        if pad_lengths:
+            longest = next((p for p in pad_lengths if p >= longest), longest)
+        sizes.append(len(rows))
+        cut.append(longest)
+    return TextPlan(tuple(reqs), counts, tuple(sizes), tuple(cut), torch.cat(groups))
+
+
+def _encode_bucketed(model: Any, reqs: dict[str, TextRequest], plan: TextPlan | None = None) -> Features:
     counts = [r.input_ids.shape[0] for r in reqs.values()]
     if not sum(counts):
         return {k: r.input_ids.new_zeros((0, 0), dtype=torch.float32) for k, r in reqs.items()}
+    if plan is not None and not plan.matches(reqs):
+        plan = None
     width = max(r.input_ids.shape[1] for r in reqs.values())
+    if plan is not None:
+        width = max(width, *plan.lengths)
     pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None) or 0
 
     def widen(t: Tensor, value: int) -> Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) if t.shape[1] < width else t
 
     ids = torch.cat([widen(r.input_ids, pad) for r in reqs.values()])
     mask = torch.cat([widen(r.attention_mask, 0) for r in reqs.values()])
-    lengths = mask.sum(dim=1)
-    order = length_buckets(lengths)
-    groups = []
-    for rows in order:
-        longest = max(int(lengths[rows].max()), 1)
-        groups.append((ids[rows, :longest], mask[rows, :longest]))
-    embeds = torch.cat(model.encode_text_groups(groups))
-    rows = torch.cat(order).to(embeds.device)
-    embeds = torch.empty_like(embeds).index_copy(0, rows, embeds)
+    if plan is not None:  # planned on the CPU: no read from the device
+        order = plan.order.to(ids.device, non_blocking=True)
+        ids, mask = ids.index_select(0, order), mask.index_select(0, order)
+        groups, start = [], 0
+        for size, length in zip(plan.sizes, plan.lengths):
+            groups.append((ids[start:start + size, :length], mask[start:start + size, :length]))
+            start += size
+        embeds = torch.cat(model.encode_text_groups(groups, right_padded=True))
+    else:  # reads the lengths from the device (a direct call without a plan)
+        lengths = mask.sum(dim=1)
+        rows_of = length_buckets(lengths)
+        groups = []
+        for rows in rows_of:
+            longest = max(int(lengths[rows].max()), 1)
+            groups.append((ids[rows, :longest], mask[rows, :longest]))
+        embeds = torch.cat(model.encode_text_groups(groups))
+        order = torch.cat(rows_of).to(embeds.device)
+    embeds = torch.empty_like(embeds).index_copy(0, order, embeds)
     return dict(zip(reqs, embeds.split(counts)))
 
 

@@ -71,7 +71,7 @@ from .checks import non_negative as _non_negative
 from .checks import positive as _positive
 from .checks import unit as _unit
 from .registry import register_term
-from .base import Batch, Features, ImageRequest, Term, TextRequest, length_buckets, scale_of
+from .base import Batch, Features, ImageRequest, Term, TextRequest, host_tensor, length_buckets, scale_of
 from .contrastive import image_request
 
 __all__ = [
@@ -899,8 +899,8 @@ class StructXLIPTerm(Term):
 
 
 def _owners(counts: list[int], device: torch.device) -> Tensor:
-    return torch.repeat_interleave(torch.arange(len(counts), device=device),
-                                   torch.tensor(counts, dtype=torch.long, device=device))
+    """``(sum(counts),)`` the sample index of each row, from host counts (no device read)."""
+    return host_tensor([i for i, c in enumerate(counts) for _ in range(c)], device)
 
 
 def _trim(ids: Tensor, mask: Tensor, model: Any, *, causal: bool | None = None) -> tuple[Tensor, Tensor]:

@@ -50,7 +50,7 @@ def _train_cfg(tmp_path: Path, **train) -> object:
     return load_recipe(path).train
 
 
-def _trainer(tmp_path, scenes, *, adapter="full", objective=None, **train):
+def _trainer(tmp_path, scenes, *, adapter="full", objective=None, num_workers=0, **train):
     torch.manual_seed(0)
     model = load_model("tiny-clip", max_text_len=248)
     model = apply_adapter(model, AdapterConfig(type=adapter, r=4, alpha=8, dropout=0.1))
@@ -58,7 +58,7 @@ def _trainer(tmp_path, scenes, *, adapter="full", objective=None, **train):
     module = TrainModule(model, objective)
     acc = _accelerator()
     cfg = _train_cfg(tmp_path, **train)
-    return Trainer(acc, module, scenes, Collator(model, objective), cfg, tmp_path / "run")
+    return Trainer(acc, module, scenes, Collator(model, objective), cfg, tmp_path / "run", num_workers=num_workers)
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
@@ -265,3 +265,128 @@ def test_build_objective_from_recipe(tmp_path):
     assert obj.base.name == "longclip" and obj.base.label_smoothing == 0.1
     assert "short_caption" in obj.needs
     copy.deepcopy(obj)
+
+
+def _counting_trainer(tmp_path, objective_section: dict, *, size: int = 48):
+    """A Trainer built as ``finetune.run`` builds it (recipe objective, cached preprocessing, skipping dataset,
+    collator in one data-loader worker) on tiny-clip at 248 tokens and synthetic scenes."""
+    from finetune.data.skipping import SkippingDataset, SkipReportingCollate
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"objective": objective_section}))
+    objective = build_objective(load_recipe(path).objective)
+    torch.manual_seed(0)
+    model = load_model("tiny-clip", max_text_len=248)
+    objective.prepare_model(model)
+    rows = load_source({"name": "synthetic", "size": size, "seed": 0, "options": {"image_size": 32}}).dataset
+    rows = objective.preprocess(rows, model, cache_dir=str(tmp_path / "cache"))
+    cfg = _train_cfg(tmp_path, max_steps=6, log_every=3, batch_size=8, grad_clip=1.0, logit_scale_max=4.6)
+    collator = Collator(model, objective, tensor_images=True)
+    assert collator.images is not None  # uint8 pixels, normalised in the step
+    return Trainer(_accelerator(), TrainModule(model, objective), SkippingDataset(rows, "raise", decode=collator.decode),
+                   SkipReportingCollate(collator), cfg, tmp_path / "run", num_workers=1)
+
+
+def _reads_between_logging_steps(trainer) -> list:
+    """Train with a :class:`HostReads` counter active from the end of each read to the start of the next (the
+    steps between logging steps: the log step's own read is the one the loop is allowed)."""
+    from tests.finetune.host_reads import HostReads
+
+    read = trainer._read
+    windows: list[HostReads] = []
+
+    def counted_read(*args, **kwargs):
+        if windows and windows[-1]._saved:
+            windows[-1].__exit__(None, None, None)
+        values = read(*args, **kwargs)
+        if trainer.state.step < trainer.total_steps:
+            windows.append(HostReads())
+            windows[-1].__enter__()
+        return values
+
+    trainer._read = counted_read
+    result = trainer.train()
+    assert [h["step"] for h in result.history] == [1, 3, 6]
+    assert len(windows) == 2  # steps 2-3 and 4-6 (the windows end where the reads of steps 3 and 6 start)
+    return [e for w in windows for e in w.events]
+
+
+@pytest.mark.parametrize("objective_section", [
+    {"base": "clip"},
+    {"base": "clip", "terms": {"structxlip": {"regions": {"source": "dataset", "k": 3, "per_image": None,
+                                                          "encode": "pool"}}}},
+], ids=["clip", "structxlip-pool"])
+def test_the_loop_reads_no_tensor_between_logging_steps(tmp_path, objective_section):
+    trainer = _counting_trainer(tmp_path, objective_section)
+    events = _reads_between_logging_steps(trainer)
+    assert not events, "host reads between logging steps:\n" + "\n".join(f"{e.what}: {e.where}" for e in events)
+
+
+@pytest.mark.slow
+def test_compile_gives_the_losses_of_eager(tmp_path, scenes):
+    """train.compile: the towers' blocks compiled (captions padded to compile_lengths) train to the same losses
+    as eager, step for step."""
+    from finetune.models.compile import transformer_blocks
+
+    eager = _trainer(tmp_path / "eager", scenes, max_steps=3, log_every=1)
+    compiled = _trainer(tmp_path / "compiled", scenes, max_steps=3, log_every=1, compile=True)
+    blocks = transformer_blocks(compiled.module.model)
+    assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)  # 2 + 2 CLIP layers
+    a, b = eager.train(), compiled.train()
+    assert [h["step"] for h in b.history] == [1, 2, 3]
+    for x, y in zip(a.history, b.history):
+        for key in ("loss", "clip"):
+            assert y[key] == pytest.approx(x[key], abs=1e-3), (x["step"], key)
+
+
+class _EpochProbe(Term):
+    """Writes the epoch its copy of the term was told into every example (``prepare`` runs where the batch is
+    collated: in the data-loader worker)."""
+
+    name = "probe"
+    produces = frozenset({"probe_epoch"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = -1
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def prepare(self, example):
+        return {"probe_epoch": self.epoch}
+
+    def collate(self, examples, model):
+        return {"probe_epoch": torch.tensor([e["probe_epoch"] for e in examples])}
+
+    def loss(self, model, feats, *, detach_params=False):
+        return {"probe": feats["image"].sum() * 0.0}
+
+
+def test_persistent_workers_prepare_each_batch_for_its_epoch(tmp_path, scenes):
+    """32 scenes, batch 8: 4 steps per epoch; one persistent worker collates steps 1-6 ahead of time and still
+    prepares steps 5-6 for epoch 1, with the same batches as one shuffled pass per epoch."""
+    objective = Objective(ClipTerm(), [(_EpochProbe(), 0.0)])
+    trainer = _trainer(tmp_path, scenes, objective=objective, max_steps=6, num_workers=1)
+    seen = []
+    step = trainer._step
+    trainer._step = lambda batch: (seen.append((batch["probe_epoch"].tolist(), batch["ids"])), step(batch))[1]
+    trainer.train()
+    assert [epochs for epochs, _ in seen] == [[0] * 8] * 4 + [[1] * 8] * 2
+    ids = [i for _, batch_ids in seen for i in batch_ids]
+    order = [torch.randperm(32, generator=torch.Generator().manual_seed(epoch)).tolist() for epoch in (0, 1)]
+    assert ids == [scenes[i]["id"] for i in order[0] + order[1][:16]]
+
+
+def test_a_run_reports_its_steady_throughput_and_flops(tmp_path, scenes):
+    trainer = _trainer(tmp_path, scenes, max_steps=4, log_every=2)
+    result = trainer.train()
+    t = result.throughput
+    # marks at steps 1, 2, 4: the steady window is steps 1-4 (the first step, with its warm-up, left out)
+    assert t["steady_steps"] == 3 and t["steady_samples_per_s"] > 0 and 0 <= t["data_wait_share"] <= 1
+    # the first step's FLOPs: ViT and text tower forward and backward of tiny-clip on 8 samples, more than the
+    # image tower's patch projection alone
+    patches = 8 * 16 * (3 * 8 * 8) * 32 * 2 * 3
+    assert t["flops_per_sample"] * 8 > patches and t["tflops_per_device"] > 0
+    assert t["mfu"] is None  # no known peak on a CPU
+    assert trainer.state.flops_per_step == t["flops_per_sample"] * 8

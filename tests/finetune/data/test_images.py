@@ -7,6 +7,7 @@ import io
 import numpy as np
 import PIL.Image
 import pytest
+import torch
 
 from finetune.data.images import DataError, ImageReadError, probe_image, read_image, to_rgb
 
@@ -150,3 +151,82 @@ def test_probe_reports_mode_size_and_when_conversion_is_needed():
     assert probe_image(_png(PIL.Image.fromarray(np.zeros((2, 2), np.uint16)))).needs_conversion is True
     keyed = PIL.Image.new("P", (2, 2))
     assert probe_image(_png(keyed, transparency=0)).needs_conversion is True
+
+
+def _jpeg(image: PIL.Image.Image, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=90, **kwargs)
+    return buffer.getvalue()
+
+
+def test_read_image_tensor_gives_read_images_pixels(tmp_path):
+    """JPEG (RGB, grayscale, EXIF-rotated) through torchvision's decoder, others through read_image: the same
+    uint8 pixels as read_image, channels first."""
+    from finetune.data.images import read_image_tensor
+
+    rng = np.random.default_rng(1)
+    photo = PIL.Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(_jpeg(photo))
+    rgba = PIL.Image.fromarray(rng.integers(0, 256, (5, 6, 4), dtype=np.uint8), mode="RGBA")
+    sources = [str(path), {"bytes": None, "path": str(path)}, _jpeg(photo.convert("L")),
+               _jpeg(photo, exif=exif.tobytes()), _png(rgba), photo]
+    for src in sources:
+        got = read_image_tensor(src)
+        want = np.asarray(read_image(src)).transpose(2, 0, 1)
+        assert got.dtype == torch.uint8 and tuple(got.shape) == want.shape
+        assert np.array_equal(got.numpy(), want)
+    assert tuple(read_image_tensor(_jpeg(photo, exif=exif.tobytes())).shape) == (3, 40, 30)
+
+
+def test_read_image_tensor_names_the_file_of_a_bad_jpeg(tmp_path):
+    from finetune.data.images import read_image_tensor
+
+    rng = np.random.default_rng(2)
+    data = _jpeg(PIL.Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)))
+    cut = tmp_path / "cut.jpg"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ImageReadError, match="cut.jpg"):
+        read_image_tensor(cut)
+    body = bytearray(data)
+    body[len(body) // 2:len(body) // 2 + 200] = b"\xff" * 200  # a damaged body behind a good header
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(bytes(body))
+    with pytest.raises(ImageReadError, match="bad.jpg"):
+        read_image_tensor(bad)
+    with pytest.raises(ImageReadError, match="nope.jpg.*not found"):
+        read_image_tensor(tmp_path / "nope.jpg")
+
+
+def test_jpeg_frame_reads_size_and_components_from_the_header(monkeypatch):
+    """The tensor path sizes a JPEG from its start-of-frame segment and decodes it with torchvision (read_image
+    is not called); CMYK and other files go through read_image."""
+    import finetune.data.images as images
+    from finetune.data.images import jpeg_frame, read_image_tensor
+
+    rgb = PIL.Image.new("RGB", (37, 21), (200, 10, 10))
+    assert jpeg_frame(_jpeg(rgb)) == (21, 37, 3)
+    assert jpeg_frame(_jpeg(rgb.convert("L"))) == (21, 37, 1)
+    assert jpeg_frame(_jpeg(rgb, progressive=True)) == (21, 37, 3)
+    assert jpeg_frame(_jpeg(rgb.convert("CMYK"))) == (21, 37, 4)
+    assert jpeg_frame(_png(rgb)) is None and jpeg_frame(b"\xff\xd8\xff") is None
+    real = images.read_image
+    monkeypatch.setattr(images, "read_image", lambda src: (_ for _ in ()).throw(AssertionError("PIL path")))
+    assert tuple(read_image_tensor(_jpeg(rgb)).shape) == (3, 21, 37)
+    monkeypatch.setattr(images, "read_image", real)
+    cmyk = read_image_tensor(_jpeg(rgb.convert("CMYK")))
+    assert np.array_equal(cmyk.numpy(), np.asarray(read_image(_jpeg(rgb.convert("CMYK")))).transpose(2, 0, 1))
+
+
+def test_read_image_tensor_refuses_a_jpeg_over_the_pixel_limit():
+    from finetune.data.images import max_image_pixels, read_image_tensor, set_max_image_pixels
+
+    before = max_image_pixels()
+    set_max_image_pixels(100)
+    try:
+        with pytest.raises(ImageReadError, match="too large"):
+            read_image_tensor(_jpeg(PIL.Image.new("RGB", (20, 10))))
+    finally:
+        set_max_image_pixels(before)

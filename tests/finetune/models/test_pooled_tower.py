@@ -172,3 +172,25 @@ def test_text_groups_share_one_token_lookup_and_equal_encode_text(load_tiny) -> 
     for g, e in zip(got, expected):
         assert g.shape == e.shape and torch.allclose(g, e, atol=1e-5)
     _assert_same_grads(_grads(model), expected_grads)
+
+
+def test_clip_text_states_with_padding_read_nothing_from_the_device():
+    """encode_text(states=True) on padded rows: the causal padding mask is made on the device (transformers would
+    check the 2-D mask on the host first); states of the real tokens and embeddings as transformers computes them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from host_reads import HostReads
+
+    from finetune.models.registry import build_model
+
+    model = build_model("tiny-clip").eval()
+    tok = model.tokenize(["a red circle", "a blue square on the left of a green star near the top", "a dog"])
+    with HostReads() as reads:
+        out = model.encode_text(tok.input_ids, tok.attention_mask, states=True)
+    assert not reads.events, reads.report()
+    ref = model.model.text_model(input_ids=tok.input_ids, attention_mask=tok.attention_mask, output_hidden_states=True)
+    real = tok.attention_mask.bool()
+    torch.testing.assert_close(out.states[real], ref.hidden_states[-1][real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.embeds, model.model.text_projection(ref.pooler_output), atol=1e-5, rtol=1e-5)

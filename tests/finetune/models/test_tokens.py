@@ -47,3 +47,19 @@ def test_hf_tokenize_rejects_bad_input() -> None:
         hf_tokenize(clip_tokenizer(), "one caption", 10)
     with pytest.raises(ValueError, match="padding"):
         hf_tokenize(clip_tokenizer(), ["x"], 10, padding="do_not_pad")
+
+
+def test_fast_backend_encoding_gives_the_tokenizers_ids():
+    """hf_tokenize calls a fast tokenizer's backend directly (encode_batch_fast); the ids are the tokenizer's
+    own, and a backend with truncation set goes through the tokenizer."""
+    from finetune.models.offline_tokenizers import clip_tokenizer, word_tokenizer
+    from finetune.models.tokens import _encode
+    from finetune.models.vision_text import tiny_bert_tokenizer
+
+    texts = ["A red circle sits left of a blue square.", "", "two  cats, one dog!" * 30]
+    for tok in (clip_tokenizer(77), word_tokenizer(64), tiny_bert_tokenizer()):
+        want = tok(texts, add_special_tokens=True, truncation=False, padding=False, verbose=False)["input_ids"]
+        assert _encode(tok, texts) == want
+        tok._tokenizer.enable_truncation(8)
+        assert _encode(tok, texts) == tok(texts, add_special_tokens=True, truncation=False, padding=False,
+                                          verbose=False)["input_ids"]
