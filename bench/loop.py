@@ -278,12 +278,12 @@ def count_syncs(device: str):
 
 
 def _device_batches(trainer: Any, n: int) -> list[dict]:
-    """``n`` batches of the trainer's own loader, on the device (the accelerate loader moves them)."""
+    """``n`` batches of the trainer's own loader, moved to the device as the loop moves them."""
     out = []
     trainer.sampler.start_step, trainer.sampler.total_steps = 0, n
     for batch in trainer.loader:
         trainer._note_skipped(batch)
-        out.append(batch)
+        out.append(trainer.to_device(batch))
         if len(out) == n:
             break
     return out
