@@ -15,6 +15,7 @@ import yaml
 from accelerate.state import AcceleratorState, GradientState
 
 from finetune.config import RecipeError, list_recipes, load_recipe, recipe_json_schema, recipe_to_dict
+from finetune.objectives import build_objective
 from tests.recipes.shipped import (
     RECIPES,
     ROOT,
@@ -155,6 +156,47 @@ def test_longclip_docci_through_accelerate_launch(project, tmp_path):
     assert set(metrics["after"]) >= {"docci", "urban1k", "dci"}
     assert metrics["after"]["docci"]["n_images"] == 6  # the DOCCI test split of the fixture
     assert "Recall@K before -> after training" in proc.stdout
+
+
+def _is_stream(path: Path) -> bool:
+    train = (yaml.safe_load(path.read_text()).get("data") or {}).get("train")
+    return isinstance(train, dict) and train.get("name") in ("webdataset", "parquet", "hub")
+
+
+STREAM_RECIPES = [p for p in RECIPES if _is_stream(p)]
+
+
+@pytest.mark.parametrize("path", STREAM_RECIPES, ids=lambda p: p.stem)
+def test_stream_recipe_passes_the_fields_its_terms_read(path):
+    """A stream recipe passes every caption field its term reads (issue 23, item 10: fcast_cc3m_recap did not,
+    and its first batch raised after the pre-training evaluation); leaving fields out is a RecipeError naming
+    the term's key and the fields, from the check that runs before anything slow."""
+    from finetune.data.streams import check_stream_recipe
+
+    recipe = load_recipe(path)
+    check_stream_recipe(recipe)
+    reads = {name: key for term in build_objective(recipe.objective).all_terms
+             for name, key in term.example_fields().items()}
+    assert reads, "a shipped stream recipe reads DreamLIP's pre-split caption fields"
+    first, *rest = sorted(reads)
+    with pytest.raises(RecipeError) as err:
+        check_stream_recipe(load_recipe(path, [f"data.train.options.fields=[json.{first}]"]))
+    assert err.value.key == "data.train.options.fields"
+    message = str(err.value)
+    assert all(f"json.{name}" in message for name in rest) and f"json.{first}," not in message
+    assert next(iter(reads.values())) in message and path.name in message
+
+
+def test_a_stream_without_the_terms_fields_stops_before_anything_runs(tmp_path, capsys):
+    """`finetune/run.py` exits 2 with the recipe error and writes nothing (no run folder, no evaluation)."""
+    from finetune.run import main
+
+    out = tmp_path / "run"
+    status = main([str(ROOT / "recipes" / "fcast_cc3m_recap.yaml"), "data.train.options={}", f"output.dir={out}"])
+    err = capsys.readouterr().err
+    assert status == 2, err[-2000:]
+    assert "recipe error" in err and "data.train.options.fields" in err and "json.longLLA_captions" in err
+    assert not out.exists()
 
 
 def test_bad_recipe_exits_2_with_a_message(tmp_path):
