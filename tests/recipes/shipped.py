@@ -8,20 +8,27 @@ model for its family's tiny config, and nothing else:
   name where it names a registry config (:data:`TINY_REGISTRY`). Registry configs that are already CPU-size
   (``small-clip``, ``small-flair``, ``fcast-tiny``) stay as they are.
 - ``data.train`` / ``eval.sets[i]``: ``path`` (``urls`` for webdataset shards) of a fixture in that
-  dataset's on-disk format (``tests/finetune/data/fixtures.py``), big enough for the recipe's batch. The
-  synthetic scenes are generated data and need no fixture.
-- ``objective.terms.fastgoal.regions.detector``: a hub id (YOLOS) is pointed at the tiny random-weight YOLOS
+  dataset's on-disk format (``tests/finetune/data/fixtures.py``, DreamLIP shards here), with one global batch
+  of training examples; the synthetic scenes are generated, so their ``size`` is what changes (one batch
+  for training, :data:`SYNTHETIC_EVAL` scenes for an evaluation set).
+- ``objective.terms.fastgoal.regions.detector``: a hub id (YOLOS) is pointed at a tiny random-weight YOLOS
   saved like a hub checkpoint. Files a recipe names by a path it cannot have here (FastSAM's
   ``checkpoints/FastSAM-x.pt``, F-CAST's ``checkpoints/sfcn_bsds.safetensors``) are written, tiny and with
   random weights, at that very path under :class:`Project`'s root, the current directory of the run, so the
   recipe's own key and loading code are used unchanged.
+- ``train.batch_size`` of the four recipes in :data:`CPU_BATCH` only, whose shipped batch cannot fit one
+  CPU process (the reason is there).
 
 :func:`changed_keys` compares the resolved recipe with the shipped one; the tests assert that only the keys
-above differ (:data:`ALLOWED_CHANGES`), so an override that hides a real path cannot creep in.
+above differ (:func:`allowed`), so an override that hides a real path cannot creep in. The recipes a run
+builds on (``model.init_from``, ``eval.compare_with``) get the same overrides when the run loads them
+(:func:`prerequisites_as_shipped`).
 
 A run is stopped after :data:`STEPS` optimiser steps by :func:`cap_steps`, which lowers the trainer's
 step count after it is built: the recipe's keys, the learning-rate schedule (built from the recipe's own
-``epochs`` / ``max_steps``) and the data loader stay as shipped.
+``epochs`` / ``max_steps`` and warm-up) and the data loader stay as shipped. ``train.max_steps=2`` would
+not do: it changes the schedule (a 2,000-step warm-up inside 2 steps), the recorded recipe, and for
+map-style data replaces the epochs -> steps count the recipe relies on.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 
 #: optimiser steps of an as-shipped run
 STEPS = 2
+#: scenes in a synthetic evaluation set (the benchmark fixtures hold 6-10 test images)
+SYNTHETIC_EVAL = 16
 
 #: a registry config -> its family's tiny registry config
 TINY_REGISTRY = {"flair-vit-b-16": "tiny-flair", "fcast-b": "fcast-tiny", "fcast-s": "fcast-tiny"}
@@ -63,8 +72,16 @@ ALLOWED_CHANGES = (
     "model.name_or_path", "model.vision", "model.text",
     "data.train.path", "data.train.urls", "data.train.urls.*",
     "eval.sets.*.path",
+    "data.train.size", "eval.sets.*.size",  # the synthetic scenes: generated data, as many as a fixture holds
     "objective.terms.fastgoal.regions.detector",
 )
+
+#: the only recipes that do not train at their shipped global batch. FLAIR's L_tcs and F-CAST's L_part score
+#: B x (K + B - 1) text-conditioned image embeddings at once, O(B^2) memory in one process: one step of the
+#: tiny FLAIR model's loss at flair_cc3m_recap's 1,024 (run as shipped) peaks at 3.6 GB on the CPU, so F-CAST's
+#: 2,048 would need about 14 GB and FLAIR's 6,144 about 130 GB. These run at the batch below, every other key
+#: as shipped; no code path depends on the batch size beyond its divisibility by processes x accumulation.
+CPU_BATCH = {"fcast_cc3m_recap": 256, "flair_cc12m_recap": 256, "flair_merged30m": 256, "flair_yfcc15m_recap": 256}
 
 #: DreamLIP's re-captioned fields in the FLAIR / F-CAST shards (KEY.json), pre-split into sentence lists
 DREAMLIP_FIELDS = ("raw_caption", "shortIB_captions", "longIB_captions", "shortSV_captions", "longSV_captions",
@@ -86,8 +103,11 @@ def changed_keys(shipped: Any, tested: Any, prefix: str = "") -> list[str]:
     return [] if shipped == tested else [prefix.rstrip(".")]
 
 
-def allowed(key: str) -> bool:
-    """Whether ``key`` (a dotted path) is one of :data:`ALLOWED_CHANGES`."""
+def allowed(key: str, recipe: str = "") -> bool:
+    """Whether ``key`` (a dotted path) is one of :data:`ALLOWED_CHANGES` (or ``train.batch_size`` of a recipe
+    named in :data:`CPU_BATCH`)."""
+    if key == "train.batch_size" and recipe in CPU_BATCH:
+        return True
     return any(re.fullmatch(p.replace(".", r"\.").replace("*", r"[^.]+"), key) for p in ALLOWED_CHANGES)
 
 
@@ -131,10 +151,14 @@ class Project:
 
         return self._once("towers", lambda: save_tiny_towers(self.fixtures / "models" / "towers"))
 
-    def yolos(self) -> Path:
-        from tests.finetune.preprocess.tiny_detectors import save_tiny_yolos
+    def yolo(self) -> Path:
+        """An ultralytics detector checkpoint (FLISM's alternative to YOLOS), narrow, random weights."""
+        return self._once("yolo", lambda: save_narrow_yolo(self.fixtures / "models" / "yolo.pt"))
 
-        return self._once("yolos", lambda: save_tiny_yolos(self.fixtures / "models" / "yolos"))
+    def yolos(self) -> Path:
+        """The tiny random-weight YOLOS, saved like ``hustvl/yolos-base``, sure of its boxes (see
+        :func:`save_confident_yolos`)."""
+        return self._once("yolos", lambda: save_confident_yolos(self.fixtures / "models" / "yolos"))
 
     # -- files the recipes name by path ----------------------------------------------------------
     def place(self, relative: str) -> None:
@@ -166,8 +190,8 @@ class Project:
             return self._once(key, lambda: write_urban1k_fixture(folder, 6))
         if name == "flickr30k":  # five captions an image: the training examples are captions (expand_captions)
             return self._once(key, lambda: write_flickr30k_fixture(folder, n_train=n_train, n_val=1, n_test=6))
-        if name == "coco":
-            return self._once(key, lambda: write_coco_fixture(folder, 0, karpathy=(n_train, 1, 6)))
+        if name == "coco":  # 10 test images: the 1k protocol averages 5 folds of equal size
+            return self._once(key, lambda: write_coco_fixture(folder, 0, karpathy=(n_train, 1, 10)))
         raise AssertionError(f"no fixture for data source {name!r}: add one to tests/recipes/shipped.py")
 
     def shards(self, urls: str | list[str], n_examples: int) -> str | list[str]:
@@ -215,15 +239,20 @@ def model_overrides(raw: dict, project: Project) -> list[str]:
     raise AssertionError(f"model {name!r}: no tiny config of its family known to tests/recipes/shipped.py")
 
 
-def _train_examples(raw: dict) -> int:
+def batch_overrides(path: Path) -> list[str]:
+    """``train.batch_size`` of the recipes in :data:`CPU_BATCH`; none for every other recipe."""
+    return [f"train.batch_size={CPU_BATCH[path.stem]}"] if path.stem in CPU_BATCH else []
+
+
+def _train_examples(raw: dict, path: Path) -> int:
     """Examples a map-style training fixture needs: one global batch (later steps start new epochs)."""
-    return int((raw.get("train") or {}).get("batch_size", 16))
+    return CPU_BATCH.get(path.stem) or int((raw.get("train") or {}).get("batch_size", 16))
 
 
-def data_overrides(raw: dict, project: Project) -> list[str]:
+def data_overrides(raw: dict, project: Project, path: Path) -> list[str]:
     """``path`` / ``urls`` of every data set pointed at a fixture in that dataset's format."""
     out = []
-    batch = _train_examples(raw)
+    batch = _train_examples(raw, path)
     train = _entry((raw.get("data") or {}).get("train") or {"name": "synthetic"})
     name = train["name"]
     if name == "webdataset":
@@ -231,14 +260,18 @@ def data_overrides(raw: dict, project: Project) -> list[str]:
         out.append(f"data.train.urls={json.dumps(project.shards(train['urls'], steps))}")
     elif name in ("parquet", "hub"):
         raise AssertionError(f"data.train {name!r}: no stream fixture in tests/recipes/shipped.py yet")
-    elif name != "synthetic":
+    elif name == "synthetic":
+        out.append(f"data.train.size={batch}")
+    else:
         n = batch
         if name in ("coco", "flickr30k"):  # five captions an image, each its own training example
             n = -(-batch // 5)
         out.append(f"data.train.path={project.dataset(name, n)}")
     for i, spec in enumerate((raw.get("eval") or {}).get("sets") or []):
         spec = _entry(spec)
-        if spec["name"] != "synthetic":
+        if spec["name"] == "synthetic":
+            out.append(f"eval.sets.{i}.size={SYNTHETIC_EVAL}")
+        else:
             out.append(f"eval.sets.{i}.path={project.dataset(spec['name'], 4)}")
     return out
 
@@ -267,7 +300,8 @@ def file_overrides(raw: dict, project: Project) -> list[str]:
 def as_shipped_overrides(path: Path, project: Project) -> list[str]:
     """Overrides that run recipe ``path`` as shipped on fixtures and its family's tiny model."""
     raw = yaml.safe_load(path.read_text())
-    return model_overrides(raw, project) + data_overrides(raw, project) + file_overrides(raw, project)
+    return (model_overrides(raw, project) + data_overrides(raw, project, path) + file_overrides(raw, project)
+            + batch_overrides(path))
 
 
 def output_dir(path: Path, project: Project) -> Path:
@@ -294,28 +328,77 @@ def cap_steps(monkeypatch: Any, steps: int = STEPS) -> None:
     monkeypatch.setattr(train.Trainer, "__init__", capped)
 
 
+def prerequisites_as_shipped(monkeypatch: Any, project: Project) -> None:
+    """The recipes a run builds on (``model.init_from``, ``eval.compare_with``), which the run loads and trains
+    itself (:mod:`finetune.prerequisites`), get the same data and model overrides as a recipe run directly."""
+    from finetune import prerequisites
+    from finetune.config import RecipeError, load_recipe
+
+    def load(ref: str, key: str) -> Any:
+        try:
+            return load_recipe(ref, as_shipped_overrides(Path(ref), project))
+        except RecipeError as exc:
+            raise prerequisites.PrerequisiteError(f"{key}: {ref} is not a valid recipe: {exc}") from exc
+
+    monkeypatch.setattr(prerequisites, "_load", load)
+
+
+def enter(monkeypatch: Any, project: Project) -> None:
+    """What every as-shipped run needs: the project root as the current directory, the step cap, the
+    prerequisites loaded like the recipe, and no log handler left by an earlier run in this process (it
+    would write to that test's closed stderr)."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("xlipkit"), "handlers", [])
+    monkeypatch.chdir(project.root)
+    cap_steps(monkeypatch)
+    prerequisites_as_shipped(monkeypatch, project)
+
+
 # ------------------------------------------------------------------------------------------ tiny files
 
 
-def save_tiny_fastsam(path: Path, seed: int = 0) -> Path:
-    """An ultralytics segmentation model with FastSAM's head (one class, YOLOv8-seg layout) at 1/16 of
-    YOLOv8n's width, random weights, saved as a ``.pt`` checkpoint like ``FastSAM-x.pt``."""
+def save_confident_yolos(folder: Path, seed: int = 0) -> Path:
+    """The tiny random-weight YOLOS of ``tests/finetune/preprocess/tiny_detectors.py`` with its class head's bias
+    raised for one label, so that its (random) boxes score above the shipped threshold (0.9) and FLISM keeps
+    detector boxes, as it does with the real weights; with plain random weights no box passes and only the
+    default regions would be tested."""
+    import torch
+    from transformers import YolosForObjectDetection
+
+    from tests.finetune.preprocess.tiny_detectors import save_tiny_yolos
+
+    save_tiny_yolos(folder, seed=seed)
+    model = YolosForObjectDetection.from_pretrained(folder)
+    with torch.no_grad():
+        model.class_labels_classifier.layers[-1].bias[1] += 10.0  # "person"
+    model.save_pretrained(folder)
+    return folder
+
+
+def save_narrow_yolo(path: Path, model_yaml: str = "yolov8n.yaml", *, nc: int = 80, seed: int = 0) -> Path:
+    """An ultralytics model of ``model_yaml``'s layout at 1/16 of YOLOv8n's width (about 3 GFLOPs at 640 px
+    instead of 9-12), ``nc`` classes, random weights, saved as a ``.pt`` checkpoint as ultralytics saves one."""
     import torch
     from ultralytics import YOLO
     from ultralytics.nn.tasks import yaml_model_load
 
     from finetune.preprocess.regions import preserve_thread_settings
 
-    cfg = yaml_model_load("yolov8n-seg.yaml")
-    cfg = {k: v for k, v in cfg.items() if k not in ("yaml_file", "scale")}
-    cfg.update(nc=1, scales={"n": [0.33, 0.0625, 1024]})
-    spec = path.with_name("tiny-fastsam-seg.yaml")
+    cfg = {k: v for k, v in yaml_model_load(model_yaml).items() if k not in ("yaml_file", "scale")}
+    cfg.update(nc=nc, scales={"n": [0.33, 0.0625, 1024]})
+    spec = path.with_name(f"{path.stem}-narrow.yaml")
     spec.write_text(yaml.safe_dump(cfg))
     torch.manual_seed(seed)
     with preserve_thread_settings():
         YOLO(str(spec)).save(str(path))
     spec.unlink()
     return path
+
+
+def save_tiny_fastsam(path: Path, seed: int = 0) -> Path:
+    """FastSAM's layout (a one-class YOLOv8-seg) narrowed by :func:`save_narrow_yolo`, like ``FastSAM-x.pt``."""
+    return save_narrow_yolo(path, "yolov8n-seg.yaml", nc=1, seed=seed)
 
 
 def save_random_sfcn(path: Path, seed: int = 0) -> Path:

@@ -23,9 +23,9 @@ from tests.recipes.shipped import (
     Project,
     allowed,
     as_shipped_overrides,
-    cap_steps,
     changed_keys,
     clear_run,
+    enter,
     output_dir,
 )
 
@@ -80,7 +80,7 @@ def test_as_shipped_overrides_change_only_data_and_model(path, project):
     overrides = as_shipped_overrides(path, project)
     shipped, tested = recipe_to_dict(load_recipe(path)), recipe_to_dict(load_recipe(path, overrides))
     changed = changed_keys(shipped, tested)
-    assert [k for k in changed if not allowed(k)] == []
+    assert [k for k in changed if not allowed(k, path.stem)] == []
     keys = [o.partition("=")[0] for o in overrides]
     assert sorted({next(k for k in keys if c == k or c.startswith(k + ".")) for c in changed}) == sorted(keys)
     assert not allowed("train.batch_size") and not allowed("objective.terms.fcast.caption_fields")
@@ -96,9 +96,8 @@ def test_recipe_runs_as_shipped(path, project, monkeypatch, capsys):
 
     overrides = as_shipped_overrides(path, project)
     out = output_dir(path, project)
-    monkeypatch.chdir(project.root)
+    enter(monkeypatch, project)
     clear_run(out)
-    cap_steps(monkeypatch)
     _reset_accelerate()
     status = main([f"recipes/{path.name}", *overrides])
     assert status == 0, capsys.readouterr().err[-3000:]
@@ -108,7 +107,7 @@ def test_recipe_runs_as_shipped(path, project, monkeypatch, capsys):
     assert metrics["final_losses"] and all(math.isfinite(v) for v in metrics["final_losses"].values())
     # the run folder's recipe is the shipped one but for data and model
     written = recipe_to_dict(load_recipe(out / "recipe.yaml"))
-    assert [k for k in changed_keys(recipe_to_dict(load_recipe(path)), written) if not allowed(k)] == []
+    assert [k for k in changed_keys(recipe_to_dict(load_recipe(path)), written) if not allowed(k, path.stem)] == []
     ev = recipe.eval
     if ev.after:
         assert len(metrics["after"]) == len(ev.sets)
@@ -133,8 +132,30 @@ def test_recipe_runs_as_shipped(path, project, monkeypatch, capsys):
     if terms.get("grm") is not None:  # the GRM head is saved with the model; rSum is reported
         assert (out / "final" / "xlipkit_inference.json").is_file()
         assert all(r["rsum"] >= 0 for r in metrics["after"].values())
-    if metrics["train_stream"] is not None:
-        assert metrics["train_stream"]["used"] == STEPS * recipe.train.batch_size
+    if _is_stream(path):
+        from finetune.data.sources import SourceSpec
+
+        assert metrics["train_stream"]["format"] == SourceSpec.parse(recipe.data.train).name
+
+
+@pytest.mark.slow
+def test_fastgoal_recipe_with_an_ultralytics_detector(project, monkeypatch, capsys):
+    """The route fastgoal_docci.yaml's header offers (`regions.detector=checkpoints/yolov8x.pt`): FLISM's boxes
+    from an ultralytics checkpoint, the recipe otherwise as in test_recipe_runs_as_shipped."""
+    from finetune.run import main
+
+    path = ROOT / "recipes" / "fastgoal_docci.yaml"
+    overrides = [o for o in as_shipped_overrides(path, project) if "regions.detector" not in o]
+    overrides.append(f"objective.terms.fastgoal.regions.detector={project.yolo()}")
+    out = output_dir(path, project)
+    enter(monkeypatch, project)
+    clear_run(out)
+    _reset_accelerate()
+    assert main([f"recipes/{path.name}", *overrides]) == 0, capsys.readouterr().err[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {"fastgoal/local", "fastgoal/tsl"} <= set(metrics["final_losses"])
+    assert metrics["terms"]["fastgoal"]["flism"]["images"] == metrics["train_examples"]
+    assert str(load_recipe(out / "recipe.yaml").objective.terms["fastgoal"].regions.detector).endswith("yolo.pt")
 
 
 @pytest.mark.slow
