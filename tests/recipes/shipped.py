@@ -77,10 +77,11 @@ ALLOWED_CHANGES = (
 )
 
 #: the only recipes that do not train at their shipped global batch. FLAIR's L_tcs and F-CAST's L_part score
-#: B x (K + B - 1) text-conditioned image embeddings at once, O(B^2) memory in one process: one step of the
-#: tiny FLAIR model's loss at flair_cc3m_recap's 1,024 (run as shipped) peaks at 3.6 GB on the CPU, so F-CAST's
-#: 2,048 would need about 14 GB and FLAIR's 6,144 about 130 GB. These run at the batch below, every other key
-#: as shipped; no code path depends on the batch size beyond its divisibility by processes x accumulation.
+#: B x (K + B - 1) text-conditioned image embeddings at once, O(B^2) memory in one process: the tiny FLAIR
+#: model's loss alone, forward and backward at flair_cc3m_recap's 1,024 (run as shipped: about 5 GB for the
+#: whole test), peaks at 3.6 GB on the CPU, so F-CAST's 2,048 would need about 14 GB and FLAIR's 6,144 about
+#: 130 GB. These run at the batch below, every other key as shipped; no code path depends on the batch size
+#: beyond its divisibility by processes x accumulation.
 CPU_BATCH = {"fcast_cc3m_recap": 256, "flair_cc12m_recap": 256, "flair_merged30m": 256, "flair_yfcc15m_recap": 256}
 
 #: DreamLIP's re-captioned fields in the FLAIR / F-CAST shards (KEY.json), pre-split into sentence lists

@@ -81,6 +81,9 @@ def test_as_shipped_overrides_change_only_data_and_model(path, project):
     shipped, tested = recipe_to_dict(load_recipe(path)), recipe_to_dict(load_recipe(path, overrides))
     changed = changed_keys(shipped, tested)
     assert [k for k in changed if not allowed(k, path.stem)] == []
+    for key in (k for k in changed if k.endswith(".size")):  # only the synthetic scenes' count
+        entry = tested["data"]["train"] if key.startswith("data.") else tested["eval"]["sets"][int(key.split(".")[2])]
+        assert entry["name"] == "synthetic", key
     keys = [o.partition("=")[0] for o in overrides]
     assert sorted({next(k for k in keys if c == k or c.startswith(k + ".")) for c in changed}) == sorted(keys)
     assert not allowed("train.batch_size") and not allowed("objective.terms.fcast.caption_fields")
