@@ -193,7 +193,22 @@ class Project:
             return self._once(key, lambda: write_flickr30k_fixture(folder, n_train=n_train, n_val=1, n_test=6))
         if name == "coco":  # 10 test images: the 1k protocol averages 5 folds of equal size
             return self._once(key, lambda: write_coco_fixture(folder, 0, karpathy=(n_train, 1, 10)))
+        if name == "jsonl":  # FAST-GOAL's pairs file: step 1's output on a DOCCI-format fixture
+            return self._once(key, lambda: self.pairs(n_train))
         raise AssertionError(f"no fixture for data source {name!r}: add one to tests/recipes/shipped.py")
+
+    def pairs(self, n_images: int) -> Path:
+        """A FAST-GOAL pairs file as users build it (``python -m finetune.preprocess.flism``, README step 1): FLISM
+        on a DOCCI-format fixture of ``n_images`` training images with the tiny CLIP and its default regions
+        (4 quadrants + the centre box)."""
+        from finetune import load_model
+        from finetune.preprocess.flism import write_pairs
+
+        docci = self.dataset("docci", n_images)
+        out = self.fixtures / "data" / f"pairs-{n_images}" / "pairs.jsonl"
+        model = load_model(str(self.tiny_model("tiny-clip")), max_text_len=248)
+        write_pairs({"name": "docci", "split": "train", "path": str(docci)}, out, model, progress=False)
+        return out
 
     def shards(self, urls: str | list[str], n_examples: int) -> str | list[str]:
         """Webdataset shards in DreamLIP's re-captioned layout for each url pattern, together at least
