@@ -501,9 +501,14 @@ def _check_batch(recipe: Any, data: dict[str, Any], num_processes: int) -> None:
                              f"train.accumulation_steps = {num_processes} x {t.accumulation_steps}; change "
                              "train.batch_size or train.accumulation_steps")
     train = data.get("train")
-    if train is not None and len(train.dataset) < t.batch_size:
+    if train is None:
+        return
+    from finetune.objectives import build_objective
+
+    examples = build_objective(recipe.objective).training_examples(train.dataset)  # GRM: one per caption
+    if examples < t.batch_size:
         skipped = f" ({train.skipped} unreadable examples skipped)" if train.skipped else ""
-        raise RunFolderError(f"the training set (data.train) has {len(train.dataset)} usable examples{skipped}, "
+        raise RunFolderError(f"the training set (data.train) has {examples} usable examples{skipped}, "
                              f"fewer than one batch (train.batch_size={t.batch_size}): lower train.batch_size or "
                              "add data")
 

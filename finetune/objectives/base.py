@@ -125,6 +125,12 @@ class Term(nn.Module):
         """Add this term's cached per-example fields to ``dataset`` (runs once, before training)."""
         return dataset
 
+    def training_examples(self, dataset: Any, count: int) -> int:
+        """How many training examples ``count`` examples of ``dataset`` become after :meth:`preprocess` (a term
+        that turns one row into several says so), known before the model loads so that a training set smaller
+        than one batch is a recipe error then."""
+        return count
+
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
         """The per-example form of :meth:`preprocess`, for streamed data (``finetune.data.streams``): the
         fields ``preprocess`` would add to this example (no cache, no whole-dataset pass).
@@ -295,6 +301,14 @@ class Objective(nn.Module):
         for t in self.all_terms:
             dataset = t.preprocess(dataset, model, cache_dir=cache_dir, log=log)
         return dataset
+
+    def training_examples(self, dataset: Any) -> int:
+        """The training examples ``dataset`` becomes after every term's :meth:`Term.preprocess`
+        (:meth:`Term.training_examples`, in term order)."""
+        count = len(dataset)
+        for t in self.all_terms:
+            count = t.training_examples(dataset, count)
+        return count
 
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
         """Every term's :meth:`Term.stream_map` on one streamed example, in term order (a term sees the

@@ -149,15 +149,20 @@ def install_head(model: Any, options: GRMOptions) -> GRMHead:
     return head
 
 
+def _caption_counts(dataset: Any) -> list[int] | None:
+    """The training examples each row of a multi-caption dataset becomes (its non-empty ``captions``, at least
+    one); None when the dataset has no ``captions`` column (or cannot be expanded)."""
+    names = getattr(dataset, "column_names", None) or []
+    if "captions" not in names or not hasattr(dataset, "select"):
+        return None
+    return [max(1, len([c for c in (caps or []) if isinstance(c, str) and c.strip()])) for caps in dataset["captions"]]
+
+
 def _expand(dataset: Any) -> Any:
     """One row per caption of each multi-caption row: ``caption`` = that caption, ``grm_image`` = the row's
     id (rows are selected by index: images are not decoded)."""
-    names = getattr(dataset, "column_names", None) or []
-    if "captions" not in names or not hasattr(dataset, "select"):
-        return dataset
-    counts = [max(1, len([c for c in (caps or []) if isinstance(c, str) and c.strip()]))
-              for caps in dataset["captions"]]
-    if all(n == 1 for n in counts):
+    counts = _caption_counts(dataset)
+    if counts is None or all(n == 1 for n in counts):
         return dataset
     index = [i for i, n in enumerate(counts) for _ in range(n)]
     expanded = dataset.select(index)
@@ -208,6 +213,11 @@ class GRMTerm(Term):
             if log is not None:
                 log.info("grm: %d images -> %d training examples (one per caption)", before, len(out))
         return out
+
+    def training_examples(self, dataset: Any, count: int) -> int:
+        """With ``expand_captions``, one example per caption of each multi-caption row."""
+        counts = _caption_counts(dataset) if self.options.expand_captions else None
+        return sum(counts) if counts is not None else count
 
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
         """Streams: nothing to add; each streamed example is one image with one caption (its id keys the

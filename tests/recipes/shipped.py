@@ -242,11 +242,14 @@ def model_overrides(raw: dict, project: Project) -> list[str]:
         towers = project.towers()
         vision = towers["swin" if "swin" in str(model.get("vision", "")).lower() else "vit"]
         return [f"model.vision={vision}", f"model.text={towers['bert']}"]
+    from finetune.models.registry import RANDOM_PREFIX
+
     name = str(model.get("name_or_path", ""))
-    if name in CPU_REGISTRY:
+    bare = name.removeprefix(RANDOM_PREFIX)
+    if bare in CPU_REGISTRY:
         return []
-    if name in TINY_REGISTRY:
-        return [f"model.name_or_path={TINY_REGISTRY[name]}"]
+    if bare in TINY_REGISTRY:  # random weights stay asked for as the recipe asks for them
+        return [f"model.name_or_path={RANDOM_PREFIX if name != bare else ''}{TINY_REGISTRY[bare]}"]
     lowered = name.lower()
     if "siglip" in lowered:  # SigLIP2's fixed-resolution checkpoints are SiglipModel in transformers
         return [f"model.name_or_path={project.tiny_model('tiny-siglip')}"]
