@@ -18,20 +18,17 @@ from finetune.scorers_grm import GRMScorer, pairwise_token_similarity
 
 
 def _brute_force(text, text_mask, image, image_mask, text_gate=None, image_gate=None, slope=None):
-    """Eq. 7 pair by pair, token by token (python loops)."""
+    """Eq. 7 pair by pair, token by token (python loops), over the kept tokens (real, gate != 0; 0/1 gates)."""
     out = torch.zeros(image.shape[0], text.shape[0], dtype=torch.float64)
     for i in range(image.shape[0]):
         for j in range(text.shape[0]):
-            ts = [t for t in range(text.shape[1]) if text_mask[j, t]]
-            vs = [v for v in range(image.shape[1]) if image_mask is None or image_mask[i, v]]
+            ts = [t for t in range(text.shape[1]) if text_mask[j, t] and (text_gate is None or text_gate[j, t])]
+            vs = [v for v in range(image.shape[1])
+                  if (image_mask is None or image_mask[i, v]) and (image_gate is None or image_gate[i, v])]
 
             def cos(t, v):
                 a = torch.nn.functional.normalize(text[j, t].double(), dim=0)
                 b = torch.nn.functional.normalize(image[i, v].double(), dim=0)
-                if text_gate is not None:
-                    a = a * text_gate[j, t]
-                if image_gate is not None:
-                    b = b * image_gate[i, v]
                 c = float(a @ b)
                 return c if slope is None or c >= 0 else slope * c
 
@@ -52,6 +49,7 @@ def _payloads(seed=0, nt=7, ni=5, lt=6, lv=4, d=8, k=3):
               "mask": torch.ones(ni, lv, dtype=torch.bool), "gate": (torch.rand(ni, lv, generator=g) > 0.3).float(),
               "regions": torch.randn(ni, k, d, generator=g)}
     images["mask"][0, -1] = False  # a padded image token (NaFlex)
+    texts["gate"][:, 0] = images["gate"][:, 0] = 1.0  # every item keeps a token (the head's floor)
     return texts, images
 
 
