@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import two_rank_grm_cases
+from grm_host_reads import CountHostReads
 from losses import (
     GRMHead,
     GRMLoss,
@@ -21,6 +22,7 @@ from losses import (
     grm_loss,
     grm_similarity,
     gumbel_gate,
+    keep_floor,
     sample_regions,
     token_wise_similarity,
     vse_hinge_loss,
@@ -106,6 +108,45 @@ def _identity_adapter(adapter: TokenAdapter) -> None:
         adapter.fc1.bias.zero_()
         adapter.fc2.weight.copy_(_t([0.0, 0.0], [1.0, -1.0]))
         adapter.fc2.bias.zero_()
+
+
+def test_keep_floor_keeps_the_preferred_real_tokens_hand_computed() -> None:
+    preference = _t([3.0, 1.0, 2.0, 0.0, 5.0], [0.5, -1.0, 0.2, 0.1, 0.3])
+    mask = torch.tensor([[True, True, True, True, False], [True, True, True, True, True]])
+    # Row 0: 4 real tokens (5.0 is padding); row 1: 5. ceil(0.5 * 4) = 2, ceil(0.5 * 5) = 3.
+    assert keep_floor(preference, mask, 0.5).tolist() == [[True, False, True, False, False],
+                                                          [True, False, True, False, True]]
+    # At least one token even with min_keep = 0; all real tokens with 1.
+    assert keep_floor(preference, mask, 0.0).sum(1).tolist() == [1, 1]
+    assert keep_floor(preference, mask, 0.0)[0, 0] and keep_floor(preference, mask, 0.0)[1, 0]
+    assert torch.equal(keep_floor(preference, mask, 1.0), mask)
+    # ceil in exact arithmetic: 0.3 * 10 = 3 tokens, not 4 (0.3 * 10 is 3.0000000000000004 in floats).
+    assert keep_floor(torch.arange(10.0)[None], None, 0.3).sum().item() == 3
+    with pytest.raises(ValueError, match="min_keep"):
+        keep_floor(preference, mask, -0.1)
+
+
+def test_gumbel_gate_floor_keeps_tokens_the_logits_would_all_drop() -> None:
+    logits = torch.zeros(3, 8, 2, dtype=torch.float64)
+    logits[..., 0] = 30.0  # drop wins by 30 on every token, also with Gumbel noise (practically)
+    logits.requires_grad_()
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[2, 5:] = False  # 5 real tokens: ceil(0.25 * 5) = 2
+    assert gumbel_gate(logits, generator=torch.Generator().manual_seed(0), mask=mask).sum() == 0  # eq. 1 alone
+    gate = gumbel_gate(logits, generator=torch.Generator().manual_seed(0), mask=mask, min_keep=0.25)
+    assert set(gate.detach().unique().tolist()) == {0.0, 1.0}
+    assert gate.detach().sum(1).tolist() == [2.0, 2.0, 2.0] and not gate[2, 5:].any()
+    # The floor takes the tokens whose sampled keep-minus-drop logit is highest, with the soft gradient.
+    noisy = logits.detach().clone()
+    g = torch.Generator().manual_seed(0)
+    noisy = noisy - torch.empty_like(noisy).exponential_(generator=g).log()
+    margin = (noisy[..., 1] - noisy[..., 0]).masked_fill(~mask, float("-inf"))
+    assert torch.equal(gate.detach().bool(), margin.argsort(1, descending=True).argsort(1) < 2)
+    gate.sum().backward()
+    assert logits.grad.abs().sum() > 0
+    # At evaluation: the argmax, then the floor by the logits' margin.
+    ev = gumbel_gate(logits.detach(), stochastic=False, mask=mask, min_keep=0.0)
+    assert ev.sum(1).tolist() == [1.0, 1.0, 1.0]
 
 
 def test_token_adapter_eq1_hand_computed() -> None:
@@ -787,6 +828,65 @@ def test_grm_under_bfloat16_autocast_is_finite_and_trains() -> None:
     values["loss"].float().backward()
     for name, p in head.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+# --- the gates cannot collapse (issue 23, item 1) ---------------------------------------------
+
+
+def test_gates_that_want_to_drop_everything_keep_the_floor_and_scores_still_differ() -> None:
+    """Read literally (dropped tokens as zero vectors in the means), closing every gate scores every pair
+    0 at the key level and sets mu = 0: the state the paper recipes collapsed into. With the floor and
+    the kept-token means, the key level still ranks."""
+    torch.manual_seed(4)
+    head = GRMHead(8, num_regions=3, keep_bias=-40.0, min_keep=0.2).double()
+    image, text = _randn(5, 10, 8, seed=100), _randn(5, 7, 8, seed=101)
+    text_mask = torch.arange(7)[None] < torch.tensor([7, 3, 5, 1, 6])[:, None]
+    for training in (True, False):
+        head.train(training)
+        out = head(image, text, None, text_mask, generator=torch.Generator().manual_seed(5))
+        # max(1, ceil(0.2 n)) tokens: 2 of 10 image tokens; 2, 1, 1, 1, 2 of the texts' 7, 3, 5, 1, 6.
+        assert out.image.gate.sum(1).tolist() == [2.0] * 5
+        assert out.text.gate.sum(1).tolist() == [2.0, 1.0, 1.0, 1.0, 2.0]
+        torch.testing.assert_close(out.image.keep_ratio(), torch.full((5,), 0.2, dtype=torch.float64))
+        key = grm_similarity(out.image, out.text, "key")
+        assert key.max() - key.min() > 0.1  # not one score for every pair
+        values = grm_loss(out.image, out.text)
+        assert all(torch.isfinite(v) for v in values.values())
+        assert out.image.mu.norm(dim=-1).min() > 0.5  # the regions are kept tokens' means, not 0
+
+
+def test_dropping_tokens_does_not_shrink_the_regions() -> None:
+    """With every token the same vector c, mu_k (eq. 3) and eq. 10's patch mean are c whichever tokens are
+    kept; counting dropped tokens as zero vectors would shrink both towards 0 (lower L_KL: the pull that
+    closed the gates)."""
+    c = _t(0.5, -1.0, 2.0, 0.25)
+    tokens = c.expand(3, 6, 4).clone()
+    head = GRMHead(4, num_regions=2).double().eval()
+    with torch.no_grad():
+        head.vision_adapter.fc2.weight.zero_()
+        head.vision_adapter.fc2.bias.copy_(_t(0.0, -1.0))  # every gate 0 but the floor's
+    out = head.encode_image(tokens)
+    assert out.gate.sum(1).tolist() == [1.0, 1.0, 1.0]
+    torch.testing.assert_close(out.mu, c.expand(3, 2, 4))
+    torch.testing.assert_close(out.regions, c.expand(3, 2, 4))
+    torch.testing.assert_close(reconstruction(out), torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("anchors", ["own", "positives"])
+@pytest.mark.parametrize("max_violation", [True, False])
+def test_the_training_path_reads_nothing_back_to_the_host(anchors: str, max_violation: bool) -> None:
+    torch.manual_seed(6)
+    head = GRMHead(8, num_regions=3).train()
+    image, text = torch.randn(6, 9, 8, requires_grad=True), torch.randn(6, 5, 8, requires_grad=True)
+    text_mask = torch.arange(5)[None] < torch.tensor([5, 2, 4, 5, 1, 3])[:, None]
+    same = torch.eye(6, dtype=torch.bool)
+    same[0, 1] = same[1, 0] = True  # two captions of one image
+    with CountHostReads() as counter:
+        out = head(image, text, None, text_mask)
+        values = grm_loss(out.image, out.text, positives=same, anchors=anchors, max_violation=max_violation)
+        values["loss"].backward()
+    assert counter.reads == []
+    assert image.grad.abs().sum() > 0 and all(p.grad is not None for p in head.parameters())
 
 
 # --- two ranks -----------------------------------------------------------------------------
