@@ -104,7 +104,7 @@ class GRMScorer(Scorer):
     """Token-wise bidirectional similarity (GRM eq. 7) for retrieval; see the module docstring.
 
     Args:
-        level: ``"key"`` (the GRM head's adapted tokens, default), ``"ori"`` (raw tokens) or ``"unc"``
+        level: ``"key"`` (the tokens the GRM head keeps, default), ``"ori"`` (raw tokens) or ``"unc"``
             (kept text tokens against the K region means).
         leaky_slope: LAPS's ``leaky_relu(cos, slope)`` before the max. ``"trained"`` (default): the
             slope the model's GRM head was trained with (``objective.terms.grm.leaky_slope``, recorded

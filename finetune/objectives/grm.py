@@ -99,7 +99,7 @@ class GRMOptions:
     Attributes:
         num_regions: K region prompts (5 for ViT backbones, 50 for Swin).
         tau: Gumbel-softmax temperature of eq. 1 (not in the paper: 1.0).
-        hard: straight-through hard gate (a soft gate cancels under eq. 7's normalisation).
+        hard: straight-through hard gate (ours: a soft gate cancels under LAPS's normalisation of eq. 7).
         hidden_dim: width of each adapter's W1 (not in the paper: null = d).
         keep_bias: initial keep-minus-drop bias of both adapters' W2 (not in the paper: 0 =
             PyTorch's initialisation; > 0 starts with the tokens kept, see :class:`losses.TokenAdapter`).
