@@ -6,10 +6,18 @@ masked), and scores a text block against an image block with :func:`losses.token
 ``level`` chooses the tokens:
 
 - ``key`` (default): the adapted tokens of the GRM head in ``model.inference_modules["grm"]`` (the
-  ``grm`` objective term trains it): the significance- / granularity-aware gates of eq. 1, argmax at
-  evaluation, applied to the normalised tokens (S^key);
+  ``grm`` objective term trains it): the tokens the significance- / granularity-aware gates of eq. 1
+  keep (argmax at evaluation, with the head's floor ``min_keep``), S^key;
 - ``ori``: the raw projected tokens (S^ori), which needs no head (also registered as ``grm_ori``);
-- ``unc``: the gated text tokens against the K region means (U = mu at evaluation, S^unc).
+- ``unc``: the kept text tokens against the K region means (U = mu at evaluation, S^unc).
+
+Ranking with the key level alone is the toolkit's choice: the paper does not say which of its three
+levels it ranks with; LAPS, its likely base code, ranks with its one similarity. The token
+normalisation of eq. 7 is LAPS's; LAPS's leaky ReLU is used when the head was trained with it (the
+scorer's ``leaky_slope`` defaults to the head's).
+
+``prepare`` logs the gates' keep ratios and warns when the scores of a probe block of pairs are all
+the same (collapsed gates or a collapsed model: Recall@K is then meaningless).
 
 ``score_pairs`` scores text j with image j directly (one ``(Lv, Lt)`` cosine block per pair, in chunks),
 not through the diagonal of ``score``. Payloads keep the global ``embeds`` too, so ``eval.rerank_top_k``
@@ -18,6 +26,7 @@ can prefilter with cosine.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -25,12 +34,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from finetune.scorers import Payload, Scorer, register_scorer
+from finetune.scorers import Payload, Scorer, payload_len, register_scorer, take
 from losses.grm import DEFAULT_BLOCK_ELEMENTS, LAPS_LEAKY_SLOPE, token_wise_similarity
 
-__all__ = ["GRMScorer", "grm_ori", "pairwise_token_similarity", "LAPS_LEAKY_SLOPE"]
+__all__ = ["GRMScorer", "grm_ori", "pairwise_token_similarity", "LAPS_LEAKY_SLOPE", "TRAINED"]
+
+log = logging.getLogger("xlipkit")
 
 Level = Literal["key", "ori", "unc"]
+#: ``leaky_slope`` of :class:`GRMScorer`: the slope the model's GRM head was trained with (None without a head)
+TRAINED = "trained"
+#: texts x images scored by :meth:`GRMScorer.prepare` to detect scores that are all the same
+PROBE = 64
 
 
 def pairwise_token_similarity(
@@ -50,7 +65,8 @@ def pairwise_token_similarity(
     Args:
         text: ``(n, Lt, d)`` text tokens; text_mask: ``(n, Lt)`` True / 1 for real tokens.
         image: ``(n, Lv, d)`` image tokens (or regions); image_mask: ``(n, Lv)`` or None (all real).
-        text_weights, image_weights: ``(n, L)`` gates on the normalised tokens (the key level).
+        text_weights, image_weights: ``(n, L)`` gates (the key level): a token with gate 0 leaves the
+            maxima and the means, the means are gate-weighted.
         leaky_slope: LAPS's leaky ReLU before the max (None: eq. 7).
         block_elements: token cosines computed at once (memory bound).
 
@@ -63,23 +79,22 @@ def pairwise_token_similarity(
     image_mask = torch.ones(n, lv, dtype=torch.bool, device=image.device) if image_mask is None else image_mask.bool()
     step = max(1, block_elements // max(1, lv * lt))
     low = torch.finfo(image.dtype).min
+    text_w = text_mask.to(text.dtype) if text_weights is None else text_weights.to(text.dtype) * text_mask
+    image_w = image_mask.to(image.dtype) if image_weights is None else image_weights.to(image.dtype) * image_mask
+    text_keep, image_keep = text_w != 0, image_w != 0
     out = []
     for j0 in range(0, n, step):
         j = slice(j0, min(j0 + step, n))
         t = F.normalize(text[j], dim=-1)
         v = F.normalize(image[j], dim=-1)
-        if text_weights is not None:
-            t = t * text_weights[j, :, None].to(t.dtype)
-        if image_weights is not None:
-            v = v * image_weights[j, :, None].to(v.dtype)
         s = v @ t.transpose(1, 2)  # (c, Lv, Lt)
         if leaky_slope is not None:
             s = F.leaky_relu(s, leaky_slope)
-        tm, im = text_mask[j], image_mask[j]
-        t2i = s.masked_fill(~im[:, :, None], low).max(dim=1).values  # (c, Lt)
-        t2i = (t2i * tm).sum(-1) / tm.sum(-1)
-        i2t = s.masked_fill(~tm[:, None, :], low).max(dim=2).values  # (c, Lv)
-        i2t = (i2t * im).sum(-1) / im.sum(-1)
+        tk, ik, tw, iw = text_keep[j], image_keep[j], text_w[j], image_w[j]
+        t2i = s.masked_fill(~ik[:, :, None], low).max(dim=1).values  # (c, Lt)
+        t2i = (t2i * tw).sum(-1) / tw.sum(-1)
+        i2t = s.masked_fill(~tk[:, None, :], low).max(dim=2).values  # (c, Lv)
+        i2t = (i2t * iw).sum(-1) / iw.sum(-1)
         out.append(t2i + i2t)
     return torch.cat(out) if out else image.new_zeros(0)
 
@@ -89,19 +104,37 @@ class GRMScorer(Scorer):
     """Token-wise bidirectional similarity (GRM eq. 7) for retrieval; see the module docstring.
 
     Args:
-        level: ``"key"`` (the GRM head's adapted tokens, default), ``"ori"`` (raw tokens) or ``"unc"``
-            (gated text tokens against the K region means).
-        leaky_slope: LAPS's ``leaky_relu(cos, 0.1)`` before the max (None: eq. 7).
+        level: ``"key"`` (the tokens the GRM head keeps, default), ``"ori"`` (raw tokens) or ``"unc"``
+            (kept text tokens against the K region means).
+        leaky_slope: LAPS's ``leaky_relu(cos, slope)`` before the max. ``"trained"`` (default): the
+            slope the model's GRM head was trained with (``objective.terms.grm.leaky_slope``, recorded
+            with the head; None for a model without a head), read when the scorer encodes. A number
+            or None (eq. 7) overrides it.
         block_elements: token cosines per block of :func:`losses.token_wise_similarity`.
     """
 
-    def __init__(self, level: Level = "key", leaky_slope: float | None = None,
+    def __init__(self, level: Level = "key", leaky_slope: float | None | str = TRAINED,
                  block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> None:
         if level not in ("key", "ori", "unc"):
             raise ValueError(f"scorer grm: level must be 'key', 'ori' or 'unc', got {level!r}")
+        if isinstance(leaky_slope, str) and leaky_slope != TRAINED:
+            raise ValueError(f"scorer grm: leaky_slope must be a number, None or {TRAINED!r}, got {leaky_slope!r}")
+        if isinstance(leaky_slope, (int, float)) and leaky_slope < 0:
+            raise ValueError(f"scorer grm: leaky_slope must be >= 0, got {leaky_slope!r}")
         self.level = level
-        self.leaky_slope = leaky_slope
+        self.slope_option = leaky_slope
+        #: the slope in use: the option, or the head's once the scorer has encoded with a model
+        self.leaky_slope: float | None = None if leaky_slope == TRAINED else leaky_slope
         self.block_elements = int(block_elements)
+
+    def _resolve_slope(self, model: Any) -> None:
+        if self.slope_option != TRAINED:
+            return
+        from finetune.objectives.grm import HEAD_KEY
+
+        modules = getattr(model, "inference_modules", None)
+        head = modules[HEAD_KEY] if modules is not None and HEAD_KEY in modules else None
+        self.leaky_slope = getattr(head, "leaky_slope", None)
 
     def _head(self, model: Any) -> Any:
         from finetune.objectives.grm import HEAD_KEY
@@ -116,6 +149,7 @@ class GRMScorer(Scorer):
     def encode_images(self, model: Any, inputs: Mapping[str, Any]) -> Payload:
         """``{"embeds" (B, D), "tokens" (B, Lv, D), "mask" (B, Lv)}`` plus ``"gate"`` (key) or ``"regions"``
         ``(B, K, D)`` (unc), float32."""
+        self._resolve_slope(model)
         feats = model.encode_image(**inputs, states=True)
         tokens = model.project_image_states(feats.states)
         mask = feats.patch_mask if feats.patch_mask is not None else torch.ones(tokens.shape[:2], dtype=torch.bool,
@@ -131,6 +165,7 @@ class GRMScorer(Scorer):
 
     def encode_texts(self, model: Any, input_ids: Tensor, attention_mask: Tensor) -> Payload:
         """``{"embeds" (B, D), "tokens" (B, Lt, D), "mask" (B, Lt)}`` plus ``"gate"`` (key, unc), float32."""
+        self._resolve_slope(model)
         feats = model.encode_text(input_ids, attention_mask, states=True)
         tokens = model.project_text_states(feats.states)
         mask = attention_mask.bool()
@@ -149,6 +184,34 @@ class GRMScorer(Scorer):
                 "image_weights": images.get("gate") if self.level == "key" else None,
                 "leaky_slope": self.leaky_slope, "block_elements": self.block_elements}
 
+    def prepare(self, texts: Payload, images: Payload) -> tuple[Payload, Payload]:
+        """Unchanged payloads. Logs the gates' keep ratios and warns, with them, when the scores of the
+        first ``PROBE`` texts x ``PROBE`` images are all the same (every pair tied: Recall@K is then
+        meaningless; collapsed gates or a collapsed model do this)."""
+        ratios = self._keep_ratios(texts, images)
+        if ratios:
+            log.info("scorer grm (level %s): the gates keep %s", self.level, ratios)
+        n_t, n_i = min(PROBE, payload_len(texts)), min(PROBE, payload_len(images))
+        if n_t * n_i > 1:
+            probe = self.score(take(texts, slice(0, n_t)), take(images, slice(0, n_i)))
+            low, high = float(probe.min()), float(probe.max())
+            if high - low <= self.tie_tolerance(texts, images):
+                log.warning("scorer grm (level %s): all %d x %d probed text-image scores are %.6g: every pair "
+                            "scores the same, so the ranking (and Recall@K) is meaningless. Gates: %s. Collapsed "
+                            "gates (keep ratios near 0) or collapsed token states cause this.", self.level, n_t,
+                            n_i, low, ratios or "none at this level")
+        return texts, images
+
+    def _keep_ratios(self, texts: Payload, images: Payload) -> str:
+        """``"images mean a (min b), texts mean c (min d)"`` over the payloads' gates ('' without gates)."""
+        parts = []
+        for side, payload in (("images", images), ("texts", texts)):
+            if "gate" in payload:
+                mask = payload["mask"].to(payload["gate"].dtype)
+                ratio = (payload["gate"] * mask).sum(1) / mask.sum(1).clamp(min=1)
+                parts.append(f"{side} mean {float(ratio.mean()):.3f} (min {float(ratio.min()):.3f}) of their tokens")
+        return ", ".join(parts)
+
     def score(self, texts: Payload, images: Payload) -> Tensor:
         """``(Tt, Ti)``: eq. 7 of every text with every image."""
         return token_wise_similarity(**self._sides(texts, images)).T
@@ -166,7 +229,7 @@ class GRMScorer(Scorer):
 
 
 @register_scorer("grm_ori")
-def grm_ori(leaky_slope: float | None = None, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> GRMScorer:
+def grm_ori(leaky_slope: float | None | str = TRAINED, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> GRMScorer:
     """``eval.scorer: grm_ori``: :class:`GRMScorer` with ``level="ori"`` (eq. 7 on the raw projected tokens,
     S^ori; no GRM head needed)."""
     scorer = GRMScorer(level="ori", leaky_slope=leaky_slope, block_elements=block_elements)

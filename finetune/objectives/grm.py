@@ -13,15 +13,25 @@ restored by ``load_finetuned``; the ``grm`` scorer (:mod:`finetune.scorers_grm`)
 ``objective.base: none`` makes the hinge loss the only contrastive objective (the paper); beside
 ``clip`` both train. The term's values are logged as ``grm/ori``, ``grm/key``, ``grm/unc`` (eq. 8 on
 each level), ``grm/con`` (eq. 9), ``grm/recon`` (eq. 10), ``grm/kl``, ``grm/ent`` (eqs. 11-12),
-``grm/reg`` (eq. 13); the total is ``con + recon_weight * recon + reg_weight * reg``.
+``grm/reg`` (eq. 13); the total is ``con + recon_weight * recon + reg_weight * reg``. With weight 0
+(logged, not trained on): ``grm/keep_image`` and ``grm/keep_text``, the fraction of real tokens the
+significance- and granularity-aware gates keep, so that a run shows its gates.
+
+Eq. 8 as printed sums the hinge over every negative; the text cites VSE++'s hard negative mining
+(the hardest negative of each row and column): ``max_violation: true`` is that reading, from the
+first step when ``warmup_sum_epochs`` is 0 (the default). LAPS sums over all negatives for its first
+epoch and takes the hardest negative afterwards: ``warmup_sum_epochs: 1``.
 
 Multi-caption data (COCO, Flickr30k: ``captions`` holds five per image): with ``expand_captions``
-(default) every caption is a training example, as LAPS trains, and captions of one image in a batch
-are positives of each other, never negatives (``positives`` of :func:`losses.vse_hinge_loss`, from the
-image id of each example).
+(default) every caption is a training example, as LAPS trains. Captions of one image in a batch are
+never negatives of each other; as LAPS's ``ContrastiveLoss``, each example's own image-caption pair is
+its anchor (``anchors: own``; ``anchors: positives`` makes every same-image pair an anchor), from the
+image id of each example.
 
-LAPS's schedule (sum over negatives for the first epoch, hardest negative after) is
-``warmup_sum_epochs: 1``; the paper's eq. 8 with VSE++ hard negatives from the start is the default 0.
+What LAPS does and the toolkit does not: image augmentation (RandomResizedCrop 0.6-1, horizontal
+flip) and BERT token masking / deletion; GRM's paper mentions none. Retrieval (the ``grm`` scorer)
+ranks with the key level alone (LAPS ranks with its one similarity; the paper does not say which of
+its three levels it ranks with).
 """
 
 from __future__ import annotations
@@ -34,7 +44,14 @@ import torch
 from torch import Tensor
 
 from finetune.models.inference_modules import register_inference_module
-from losses.grm import PAPER_LEVEL_WEIGHTS, PAPER_MARGIN, PAPER_NUM_REGIONS, GRMHead, grm_loss
+from losses.grm import (
+    DEFAULT_MIN_KEEP,
+    PAPER_LEVEL_WEIGHTS,
+    PAPER_MARGIN,
+    PAPER_NUM_REGIONS,
+    GRMHead,
+    grm_loss,
+)
 
 from .base import Batch, Features, ImageRequest, Term, TextRequest
 from .registry import register_term
@@ -71,6 +88,10 @@ def _slope(value: Any) -> str | None:
     return None if value is None or value >= 0 else f"must be >= 0 or null, got {value!r}"
 
 
+def _fraction(value: Any) -> str | None:
+    return None if 0 <= value <= 1 else f"must be a fraction in [0, 1], got {value!r}"
+
+
 @dataclass
 class GRMOptions:
     """``grm``: the paper's settings (GRM, "Implementation Details", eqs. 1-13) unless noted.
@@ -78,17 +99,26 @@ class GRMOptions:
     Attributes:
         num_regions: K region prompts (5 for ViT backbones, 50 for Swin).
         tau: Gumbel-softmax temperature of eq. 1 (not in the paper: 1.0).
-        hard: straight-through hard gate (a soft gate cancels under eq. 7's normalisation).
+        hard: straight-through hard gate (ours: a soft gate cancels under LAPS's normalisation of eq. 7).
         hidden_dim: width of each adapter's W1 (not in the paper: null = d).
         keep_bias: initial keep-minus-drop bias of both adapters' W2 (not in the paper: 0 =
             PyTorch's initialisation; > 0 starts with the tokens kept, see :class:`losses.TokenAdapter`).
+        min_keep: the gates' floor (ours; the paper has none): every sample keeps at least
+            ``max(1, ceil(min_keep * n))`` of its n real tokens, in training and at retrieval
+            (:func:`losses.grm.keep_floor`). Recorded with the head.
         level_weights: a, b, c of eq. 9 (0.4, 0.4, 0.2).
         margin: alpha of eq. 8 (0.2).
-        max_violation: hardest negative per row and column (VSE++) after the warm-up epochs.
+        max_violation: hardest negative per row and column (VSE++'s hard negative mining, which
+            the paper's text cites) after the warm-up epochs; false: the sum over negatives of eq. 8
+            as printed.
         warmup_sum_epochs: epochs that sum over all negatives first (LAPS: 1; paper: 0).
+        anchors: ``own`` (LAPS's ContrastiveLoss: each example's own pair is its anchor, other
+            captions of its image only leave the negatives) or ``positives`` (every same-image pair
+            an anchor).
         recon_weight: weight of L_recon (eq. 10; not in the paper: 1).
         reg_weight: weight of L_reg = L_KL + L_ent (eq. 13; not in the paper: 1).
         leaky_slope: LAPS's leaky ReLU of the token cosines in eq. 7 (null: eq. 7 as written).
+            Recorded with the head: the ``grm`` scorer ranks with the slope the head was trained with.
         entropy_of: A of eq. 12: ``normalised`` (A_hat_r) or ``sigmoid`` (A_r).
         expand_captions: train on every caption of multi-caption rows (``captions``), as LAPS.
     """
@@ -98,11 +128,13 @@ class GRMOptions:
     hard: bool = True
     hidden_dim: int | None = field(default=None, metadata={"check": _at_least_one})
     keep_bias: float = 0.0
+    min_keep: float = field(default=DEFAULT_MIN_KEEP, metadata={"check": _fraction})
     level_weights: list[float] = field(default_factory=lambda: list(PAPER_LEVEL_WEIGHTS),
                                        metadata={"check": _level_weights})
     margin: float = field(default=PAPER_MARGIN, metadata={"check": _non_negative})
     max_violation: bool = True
     warmup_sum_epochs: int = field(default=0, metadata={"check": _non_negative})
+    anchors: Literal["own", "positives"] = "own"
     recon_weight: float = field(default=1.0, metadata={"check": _non_negative})
     reg_weight: float = field(default=1.0, metadata={"check": _non_negative})
     leaky_slope: float | None = field(default=None, metadata={"check": _slope})
@@ -125,7 +157,8 @@ def _joint_dim(model: Any) -> int:
 
 def install_head(model: Any, options: GRMOptions) -> GRMHead:
     """Put a new :class:`losses.GRMHead` of the model's joint width d into ``model.inference_modules["grm"]``
-    (on the model's device and dtype), or keep the one there (a GRM model fine-tuned further).
+    (on the model's device and dtype), or keep the one there (a GRM model fine-tuned further; its floor
+    ``min_keep`` and ``leaky_slope`` become this run's, so that retrieval scores as this training does).
 
     Raises:
         MissingCapabilityError: the model has no token states (``states`` capability).
@@ -140,10 +173,12 @@ def install_head(model: Any, options: GRMOptions) -> GRMHead:
                              f"{getattr(head, 'dim', '?')}, K {getattr(head, 'num_regions', '?')}) that does not fit "
                              f"objective.terms.grm (dim {dim}, num_regions {options.num_regions}): set num_regions to "
                              f"the head's K")
+        head.min_keep, head.leaky_slope = float(options.min_keep), options.leaky_slope
         head.train()
         return head
     head = GRMHead(dim, num_regions=options.num_regions, tau=options.tau, hard=options.hard,
-                   hidden_dim=options.hidden_dim, keep_bias=options.keep_bias)
+                   hidden_dim=options.hidden_dim, keep_bias=options.keep_bias, min_keep=options.min_keep,
+                   leaky_slope=options.leaky_slope)
     head.to(device=model.device, dtype=model.dtype)
     model.inference_modules[HEAD_KEY] = head
     return head
@@ -272,8 +307,9 @@ class GRMTerm(Term):
         positives = keys[:, None] == all_keys[None, :]
         o = self.options
         values = grm_loss(image, text, level_weights=tuple(o.level_weights), margin=o.margin,
-                          max_violation=self.max_violation, positives=positives, recon_weight=o.recon_weight,
-                          reg_weight=o.reg_weight, leaky_slope=o.leaky_slope, entropy_of=o.entropy_of)
+                          max_violation=self.max_violation, positives=positives, anchors=o.anchors,
+                          recon_weight=o.recon_weight, reg_weight=o.reg_weight, leaky_slope=o.leaky_slope,
+                          entropy_of=o.entropy_of)
         values.pop("loss")
         return values
 
@@ -297,9 +333,10 @@ def _all_keys(keys: Tensor) -> Tensor:
 
 
 def _weights(options: GRMOptions) -> dict[str, float]:
-    """The objective sums ``con``, ``recon`` and ``reg`` (eq. 13); the parts are logged with weight 0."""
-    return {"ori": 0.0, "key": 0.0, "unc": 0.0, "kl": 0.0, "ent": 0.0, "con": 1.0,
-            "recon": float(options.recon_weight), "reg": float(options.reg_weight)}
+    """The objective sums ``con``, ``recon`` and ``reg`` (eq. 13); the parts and the gates' keep ratios are
+    logged with weight 0."""
+    return {"ori": 0.0, "key": 0.0, "unc": 0.0, "kl": 0.0, "ent": 0.0, "keep_image": 0.0, "keep_text": 0.0,
+            "con": 1.0, "recon": float(options.recon_weight), "reg": float(options.reg_weight)}
 
 
 @register_term("grm", GRMOptions)

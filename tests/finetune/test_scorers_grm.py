@@ -18,20 +18,17 @@ from finetune.scorers_grm import GRMScorer, pairwise_token_similarity
 
 
 def _brute_force(text, text_mask, image, image_mask, text_gate=None, image_gate=None, slope=None):
-    """Eq. 7 pair by pair, token by token (python loops)."""
+    """Eq. 7 pair by pair, token by token (python loops), over the kept tokens (real, gate != 0; 0/1 gates)."""
     out = torch.zeros(image.shape[0], text.shape[0], dtype=torch.float64)
     for i in range(image.shape[0]):
         for j in range(text.shape[0]):
-            ts = [t for t in range(text.shape[1]) if text_mask[j, t]]
-            vs = [v for v in range(image.shape[1]) if image_mask is None or image_mask[i, v]]
+            ts = [t for t in range(text.shape[1]) if text_mask[j, t] and (text_gate is None or text_gate[j, t])]
+            vs = [v for v in range(image.shape[1])
+                  if (image_mask is None or image_mask[i, v]) and (image_gate is None or image_gate[i, v])]
 
             def cos(t, v):
                 a = torch.nn.functional.normalize(text[j, t].double(), dim=0)
                 b = torch.nn.functional.normalize(image[i, v].double(), dim=0)
-                if text_gate is not None:
-                    a = a * text_gate[j, t]
-                if image_gate is not None:
-                    b = b * image_gate[i, v]
                 c = float(a @ b)
                 return c if slope is None or c >= 0 else slope * c
 
@@ -52,6 +49,7 @@ def _payloads(seed=0, nt=7, ni=5, lt=6, lv=4, d=8, k=3):
               "mask": torch.ones(ni, lv, dtype=torch.bool), "gate": (torch.rand(ni, lv, generator=g) > 0.3).float(),
               "regions": torch.randn(ni, k, d, generator=g)}
     images["mask"][0, -1] = False  # a padded image token (NaFlex)
+    texts["gate"][:, 0] = images["gate"][:, 0] = 1.0  # every item keeps a token (the head's floor)
     return texts, images
 
 
@@ -114,6 +112,89 @@ def test_registered_and_needs_a_head_for_the_adapted_levels():
         GRMScorer().encode_images(model, pixels)
     payload = GRMScorer(level="ori").encode_images(model, pixels)
     assert payload["tokens"].shape == (1, 16, 32) and payload["embeds"].shape == (1, 32)
+
+
+def _scene_model(**options):
+    from finetune.objectives.grm import GRMOptions, install_head
+
+    torch.manual_seed(0)
+    model = load_model("tiny-clip")
+    install_head(model, GRMOptions(**options))
+    return model.eval()
+
+
+def _encode(scorer, model, n=6):
+    from finetune.data.sources import load_source
+
+    rows = load_source({"name": "synthetic", "split": "test", "size": n, "seed": 1,
+                        "options": {"image_size": 32}}).dataset
+    with torch.no_grad():
+        images = scorer.encode_images(model, model.preprocess_images([rows[i]["image"] for i in range(n)]))
+        tok = model.tokenize([rows[i]["caption"] for i in range(n)])
+        texts = scorer.encode_texts(model, tok.input_ids, tok.attention_mask)
+    return texts, images
+
+
+def test_the_scorer_ranks_with_the_leaky_slope_the_head_was_trained_with(tmp_path):
+    """Issue 23 item 3: objective.terms.grm.leaky_slope is recorded with the head; eval.scorer: grm (no
+    options) scores with it, also after the model is saved and loaded."""
+    from finetune import load_finetuned
+    from finetune.models.adapters import save_finetuned
+
+    model = _scene_model(leaky_slope=0.1)
+    scorer = get_scorer("grm")
+    texts, images = _encode(scorer, model)
+    assert scorer.leaky_slope == 0.1
+    with torch.no_grad():
+        got = scorer.score(texts, images)
+        torch.testing.assert_close(got, GRMScorer(leaky_slope=0.1).score(texts, images))
+        assert not torch.allclose(got, GRMScorer(leaky_slope=None).score(texts, images))
+    loaded = load_finetuned(save_finetuned(model, tmp_path / "final")).eval()
+    again = get_scorer("grm")
+    texts2, images2 = _encode(again, loaded)
+    assert again.leaky_slope == 0.1
+    with torch.no_grad():
+        torch.testing.assert_close(again.score(texts2, images2), got)
+    # an explicit option wins; a model without a head (level ori) has none
+    explicit = GRMScorer(leaky_slope=None)
+    _encode(explicit, model)
+    assert explicit.leaky_slope is None
+    ori = get_scorer("grm_ori")
+    _encode(ori, load_model("tiny-clip").eval())
+    assert ori.leaky_slope is None
+    with pytest.raises(ValueError, match="leaky_slope"):
+        GRMScorer(leaky_slope="head")
+
+
+def test_gates_that_want_to_drop_everything_still_rank_and_tied_scores_are_reported(caplog):
+    """Issue 23 item 1: a head whose gates would drop every token (keep bias -40) still scores pairs
+    differently (the floor keeps the preferred tokens); scores that are all the same are reported with the
+    gates' keep ratios."""
+    import logging
+
+    model = _scene_model(keep_bias=-40.0, min_keep=0.1)
+    scorer = get_scorer("grm")
+    texts, images = _encode(scorer, model)
+    n_image_tokens = images["mask"].shape[1]  # tiny-clip: 16 patches, ceil(0.1 * 16) = 2 kept
+    assert images["gate"].sum(1).tolist() == [2.0] * 6 and n_image_tokens == 16
+    with caplog.at_level(logging.INFO, logger="xlipkit"), torch.no_grad():
+        scorer.prepare(texts, images)
+        scores = scorer.score(texts, images)
+    assert scores.max() - scores.min() > 1e-3
+    assert "the gates keep images mean 0.125 (min 0.125)" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # every item with the same tokens: every pair ties -> a warning with the keep ratios
+    tied_texts = {**texts, "tokens": texts["tokens"][:1].expand_as(texts["tokens"]).clone(),
+                  "mask": texts["mask"][:1].expand_as(texts["mask"]).clone(),
+                  "gate": texts["gate"][:1].expand_as(texts["gate"]).clone()}
+    tied_images = {**images, "tokens": images["tokens"][:1].expand_as(images["tokens"]).clone(),
+                   "gate": images["gate"][:1].expand_as(images["gate"]).clone()}
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="xlipkit"), torch.no_grad():
+        scorer.prepare(tied_texts, tied_images)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "every pair scores the same" in warnings[0]
+    assert "images mean 0.125 (min 0.125)" in warnings[0] and "texts mean" in warnings[0]
 
 
 def test_evaluation_with_the_grm_scorer_reports_rsum():

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import two_rank_grm_cases
+from grm_host_reads import CountHostReads
 from losses import (
     GRMHead,
     GRMLoss,
@@ -21,6 +22,7 @@ from losses import (
     grm_loss,
     grm_similarity,
     gumbel_gate,
+    keep_floor,
     sample_regions,
     token_wise_similarity,
     vse_hinge_loss,
@@ -108,6 +110,45 @@ def _identity_adapter(adapter: TokenAdapter) -> None:
         adapter.fc2.bias.zero_()
 
 
+def test_keep_floor_keeps_the_preferred_real_tokens_hand_computed() -> None:
+    preference = _t([3.0, 1.0, 2.0, 0.0, 5.0], [0.5, -1.0, 0.2, 0.1, 0.3])
+    mask = torch.tensor([[True, True, True, True, False], [True, True, True, True, True]])
+    # Row 0: 4 real tokens (5.0 is padding); row 1: 5. ceil(0.5 * 4) = 2, ceil(0.5 * 5) = 3.
+    assert keep_floor(preference, mask, 0.5).tolist() == [[True, False, True, False, False],
+                                                          [True, False, True, False, True]]
+    # At least one token even with min_keep = 0; all real tokens with 1.
+    assert keep_floor(preference, mask, 0.0).sum(1).tolist() == [1, 1]
+    assert keep_floor(preference, mask, 0.0)[0, 0] and keep_floor(preference, mask, 0.0)[1, 0]
+    assert torch.equal(keep_floor(preference, mask, 1.0), mask)
+    # ceil in exact arithmetic: 0.3 * 10 = 3 tokens, not 4 (0.3 * 10 is 3.0000000000000004 in floats).
+    assert keep_floor(torch.arange(10.0)[None], None, 0.3).sum().item() == 3
+    with pytest.raises(ValueError, match="min_keep"):
+        keep_floor(preference, mask, -0.1)
+
+
+def test_gumbel_gate_floor_keeps_tokens_the_logits_would_all_drop() -> None:
+    logits = torch.zeros(3, 8, 2, dtype=torch.float64)
+    logits[..., 0] = 30.0  # drop wins by 30 on every token, also with Gumbel noise (practically)
+    logits.requires_grad_()
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[2, 5:] = False  # 5 real tokens: ceil(0.25 * 5) = 2
+    assert gumbel_gate(logits, generator=torch.Generator().manual_seed(0), mask=mask).sum() == 0  # eq. 1 alone
+    gate = gumbel_gate(logits, generator=torch.Generator().manual_seed(0), mask=mask, min_keep=0.25)
+    assert set(gate.detach().unique().tolist()) == {0.0, 1.0}
+    assert gate.detach().sum(1).tolist() == [2.0, 2.0, 2.0] and not gate[2, 5:].any()
+    # The floor takes the tokens whose sampled keep-minus-drop logit is highest, with the soft gradient.
+    noisy = logits.detach().clone()
+    g = torch.Generator().manual_seed(0)
+    noisy = noisy - torch.empty_like(noisy).exponential_(generator=g).log()
+    margin = (noisy[..., 1] - noisy[..., 0]).masked_fill(~mask, float("-inf"))
+    assert torch.equal(gate.detach().bool(), margin.argsort(1, descending=True).argsort(1) < 2)
+    gate.sum().backward()
+    assert logits.grad.abs().sum() > 0
+    # At evaluation: the argmax, then the floor by the logits' margin.
+    ev = gumbel_gate(logits.detach(), stochastic=False, mask=mask, min_keep=0.0)
+    assert ev.sum(1).tolist() == [1.0, 1.0, 1.0]
+
+
 def test_token_adapter_eq1_hand_computed() -> None:
     adapter = TokenAdapter(2, hidden_dim=3).double()
     with torch.no_grad():
@@ -157,9 +198,17 @@ def test_head_has_two_adapter_instances_and_rejects_bad_arguments() -> None:
         GRMHead(4, num_regions=0)
     with pytest.raises(ValueError, match="tau"):
         GRMHead(4, tau=0)
+    with pytest.raises(ValueError, match="min_keep"):
+        GRMHead(4, min_keep=1.5)
+    with pytest.raises(ValueError, match="leaky_slope"):
+        GRMHead(4, leaky_slope=-0.1)
     with pytest.raises(ValueError, match="width 3"):
         head.encode_image(torch.randn(1, 2, 3))
-    with pytest.raises(ValueError, match="no real token"):
+    # A sample without a real token: a ValueError naming the rows, or under autograd (the training
+    # step) a device-side assertion, which reads nothing back to the host.
+    with torch.no_grad(), pytest.raises(ValueError, match=r"rows \[1\] have no real token"):
+        head.encode_text(torch.randn(2, 2, 4), torch.tensor([[1, 0], [0, 0]]))
+    with pytest.raises(RuntimeError, match="a sample has no real token"):
         head.encode_text(torch.randn(2, 2, 4), torch.tensor([[1, 0], [0, 0]]))
     with pytest.raises(ValueError, match=r"\(B, L\)"):
         head.encode_text(torch.randn(2, 2, 4), torch.ones(2, 3, dtype=torch.bool))
@@ -182,10 +231,11 @@ def _region_head() -> GRMHead:
 
 
 def _regions_by_hand(keep: list[bool]) -> dict:
-    """Eqs. 1-4 with lists: gate, A_r, A_hat_r, mu, log sigma^2 of the two real tokens."""
+    """Eqs. 1-4 with lists over the kept tokens: A_r (0 on a dropped token), A_hat_r, mu, log sigma^2
+    of the two real tokens."""
     v_hat = [t if k else [0.0, 0.0] for t, k in zip(TOKENS[:2], keep)]
     p_hat = [_unit(p) for p in PROMPTS]
-    a = [[_sigmoid(_dot(v, p)) for p in p_hat] for v in v_hat]
+    a = [[_sigmoid(_dot(v, p)) if kept else 0.0 for p in p_hat] for v, kept in zip(v_hat, keep)]
     a_hat = [[a[l][k] / (a[0][k] + a[1][k]) for k in range(4)] for l in range(2)]
     mu = [[sum(a_hat[l][k] * v_hat[l][j] for l in range(2)) for j in range(2)] for k in range(4)]
     log_var = [[0.5 * m[0] + 0.1, -1.0 * m[1] + 0.2] for m in mu]
@@ -195,12 +245,15 @@ def _regions_by_hand(keep: list[bool]) -> dict:
 def test_regions_eqs2_to_4_hand_computed_with_padding_a_dropped_token_and_k_above_tokens() -> None:
     head = _region_head().eval()
     out = head.encode_image(_t(*TOKENS)[None], torch.tensor([[True, True, False]]))
-    # Token 1 is dropped by the adapter (GELU(0) - GELU(1) < 0): V_hat_1 = 0, A_r = sigmoid(0).
+    # Token 1 is dropped by the adapter (GELU(0) - GELU(1) < 0): V_hat_1 = 0 and no region weight;
+    # each region is then token 0 alone (A_hat = 1 on it).
     hand = _regions_by_hand([True, False])
     assert out.gate.tolist() == [[1.0, 0.0, 0.0]]
     torch.testing.assert_close(out.key_tokens[0, :2], _t(*hand["v_hat"]))
     torch.testing.assert_close(out.region_scores[0], _t(*hand["a"], [0.0] * 4))
+    torch.testing.assert_close(out.region_weights[0], _t([1.0] * 4, [0.0] * 4, [0.0] * 4))
     torch.testing.assert_close(out.region_weights[0], _t(*hand["a_hat"], [0.0] * 4))
+    torch.testing.assert_close(out.mu[0], _t(*[TOKENS[0]] * 4))
     torch.testing.assert_close(out.region_weights.sum(dim=1), torch.ones(1, 4, dtype=torch.float64))
     torch.testing.assert_close(out.mu[0], _t(*hand["mu"]))
     torch.testing.assert_close(out.log_var[0], _t(*hand["log_var"]))
@@ -268,27 +321,28 @@ def test_training_regions_are_stochastic_and_eval_regions_are_not() -> None:
 
 
 def _brute_force_similarity(text, text_mask, image, image_mask, text_w=None, image_w=None, slope=None):
-    """Eq. 7 one pair and one token at a time, on Python lists."""
-    def units(tokens, weights):
+    """Eq. 7 one pair and one token at a time, on Python lists. A token is kept when it is real and
+    its gate (weight) is not 0; the maxima run over the kept tokens, the means are gate-weighted
+    means over them (for 0/1 gates: the plain mean over the kept tokens)."""
+    def side(tokens, mask, weights):
         w = weights.tolist() if weights is not None else [[1.0] * tokens.shape[1]] * tokens.shape[0]
-        return [
-            [[x * w[b][l] for x in _unit(tok)] for l, tok in enumerate(seq)]
-            for b, seq in enumerate(tokens.tolist())
-        ]
+        units = [[_unit(tok) for tok in seq] for seq in tokens.tolist()]
+        kept = [[m for m in range(tokens.shape[1]) if mask[b, m] and w[b][m] != 0] for b in range(tokens.shape[0])]
+        return units, kept, w
 
-    t_units, v_units = units(text, text_w), units(image, image_w)
+    t_units, t_kept, t_w = side(text, text_mask, text_w)
+    v_units, v_kept, v_w = side(image, image_mask, image_w)
     out = torch.zeros(image.shape[0], text.shape[0], dtype=torch.float64)
     for i in range(image.shape[0]):
         for j in range(text.shape[0]):
-            t_idx = [m for m in range(text.shape[1]) if text_mask[j, m]]
-            v_idx = [l for l in range(image.shape[1]) if image_mask[i, l]]
+            t_idx, v_idx = t_kept[j], v_kept[i]
             cos = {}
             for m in t_idx:
                 for l in v_idx:
                     c = _dot(t_units[j][m], v_units[i][l])
                     cos[m, l] = c if slope is None or c >= 0 else slope * c
-            t2i = sum(max(cos[m, l] for l in v_idx) for m in t_idx) / len(t_idx)
-            i2t = sum(max(cos[m, l] for m in t_idx) for l in v_idx) / len(v_idx)
+            t2i = sum(t_w[j][m] * max(cos[m, l] for l in v_idx) for m in t_idx) / sum(t_w[j][m] for m in t_idx)
+            i2t = sum(v_w[i][l] * max(cos[m, l] for m in t_idx) for l in v_idx) / sum(v_w[i][l] for l in v_idx)
             out[i, j] = t2i + i2t
     return out
 
@@ -327,7 +381,9 @@ def test_token_wise_similarity_agrees_with_brute_force_in_every_block_size(slope
     text, text_mask, image, image_mask = _random_tokens(20)
     g = torch.Generator().manual_seed(23)
     text_w = (torch.rand(7, 6, generator=g) > 0.5).double()
+    text_w[:, 0] = 1.0  # every text keeps a real token
     image_w = torch.rand(4, 9, generator=g, dtype=torch.float64)
+    image_w[:, 1] = 0.0  # a dropped image token (soft weights elsewhere)
     expected = _brute_force_similarity(text, text_mask, image, image_mask, slope=slope)
     weighted = _brute_force_similarity(text, text_mask, image, image_mask, text_w, image_w, slope=slope)
     for block in (1, 54, 200, 10**9):
@@ -384,8 +440,14 @@ def test_token_wise_similarity_rejects_bad_inputs() -> None:
     text, image = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
     with pytest.raises(ValueError, match="width"):
         token_wise_similarity(text, None, torch.randn(2, 5, 3), None)
-    with pytest.raises(ValueError, match="no real token"):
+    with pytest.raises(ValueError, match=r"rows \[1\] have no real token"):
         token_wise_similarity(text, torch.tensor([[1, 1, 0], [0, 0, 0]]), image, None)
+    # Every sample must keep a token: gates all 0 on a row (on its real tokens) are an error.
+    with pytest.raises(ValueError, match=r"rows \[0\] have no kept token"):
+        token_wise_similarity(text, torch.tensor([[1, 1, 0], [1, 1, 1]]), image, None,
+                              text_weights=torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]))
+    with pytest.raises(RuntimeError, match="a sample has no kept token"):  # under autograd: device-side
+        token_wise_similarity(text.requires_grad_(), None, image, None, image_weights=torch.zeros(2, 5))
     with pytest.raises(ValueError, match="text_weights"):
         token_wise_similarity(text, None, image, None, text_weights=torch.ones(2, 4))
     with pytest.raises(ValueError, match="block_elements"):
@@ -454,25 +516,28 @@ def _pairs(seed: int = 40):
     return image, text, text_mask
 
 
-def test_soft_gates_cancel_under_normalisation_and_hard_gates_do_not() -> None:
+def test_soft_gates_cancel_under_normalisation_and_the_key_level_drops_tokens() -> None:
     image, text, text_mask = _pairs()
     torch.manual_seed(0)
     head = GRMHead(8, num_regions=3, hard=False).double().train()
     original = token_wise_similarity(text, text_mask, image, None)
     soft = head(image, text, None, text_mask, generator=torch.Generator().manual_seed(1))
     assert 0 < soft.image.gate.min() and soft.image.gate.max() < 1
-    # eq. 7 on the normalised soft-gated tokens V_hat = A V: the gate cancels.
+    # Why the default gate is hard: eq. 7 on the normalised soft-gated tokens V_hat = A V cancels A.
     torch.testing.assert_close(
         token_wise_similarity(soft.text.key_tokens, text_mask, soft.image.key_tokens, None), original
     )
+    # The key level weights the means by a soft gate instead (no cancellation).
+    assert (grm_similarity(soft.image, soft.text, "key") - original).abs().max() > 1e-3
     head.hard = True
     hard = head(image, text, None, text_mask, generator=torch.Generator().manual_seed(1))
     assert set(hard.image.gate.unique().tolist()) == {0.0, 1.0}
     key = grm_similarity(hard.image, hard.text, "key")
     assert (key - original).abs().max() > 0.05
-    # The key level is eq. 7 on normalize(A * X) (a dropped token is the zero vector).
+    # The key level is eq. 7 with the dropped tokens out of the maxima and the means, as if padding.
     torch.testing.assert_close(
-        key, token_wise_similarity(hard.text.key_tokens, text_mask, hard.image.key_tokens, None)
+        key,
+        _brute_force_similarity(text, text_mask & (hard.text.gate > 0), image, hard.image.gate > 0),
     )
     torch.testing.assert_close(grm_similarity(hard.image, hard.text, "ori"), original)
 
@@ -517,14 +582,80 @@ def test_vse_hinge_loss_hand_computed() -> None:
 
 
 def test_vse_hinge_loss_positives_are_never_negatives() -> None:
-    # Images 1 and 2 are one image: texts 1 and 2 describe both; every positive pair is an anchor.
+    # Images 1 and 2 are one image: texts 1 and 2 describe both.
     positives = torch.tensor([[True, False, False], [False, True, True], [False, True, True]])
     sim = _t(*SIM)
-    # Image queries: row 1 vs text 0: 0.4 (anchor 0.6) + 0.3 (anchor 0.7); row 2: 0.1 (anchor 0.3).
-    # Text queries: column 0 vs image 1: 0.1; column 1 vs image 0: 0.1 (anchor 0.6).
+    # LAPS (anchors "own"): anchors are the diagonal 0.9, 0.6, 0.3; (1, 2) and (2, 1) are only no negatives.
+    # Image queries: row 1 vs text 0: 0.2 + 0.8 - 0.6 = 0.4; row 2 vs text 0: 0.2 + 0.2 - 0.3 = 0.1.
+    # Text queries: column 0 vs image 1: 0.2 + 0.8 - 0.9 = 0.1; column 1 vs image 0: 0.2 + 0.5 - 0.6 = 0.1.
+    # Every other term is <= 0. One violation per query at most, so the hardest and the sum agree.
     for max_violation in (True, False):
         got = vse_hinge_loss(sim, positives=positives, max_violation=max_violation)
+        assert got.item() == pytest.approx(0.7)
+    # Every positive pair an anchor adds (1, 2) = 0.7 and (2, 1) = 0.75: row 1 vs text 0: 0.2 + 0.8 - 0.7
+    # = 0.3; column 2 vs image 0, row 2 vs text 0 and column 1 vs image 0 are <= 0: 0.7 + 0.3 = 1.0.
+    for max_violation in (True, False):
+        got = vse_hinge_loss(sim, positives=positives, max_violation=max_violation, anchors="positives")
         assert got.item() == pytest.approx(1.0)
+
+
+# 4 samples of 3 images: samples 0 and 1 are two captions of image A (rows 0 and 1 both its image),
+# sample 2 is image B, sample 3 image C. Rows: the samples' images; columns: their captions.
+SIM4 = [[0.7, 0.6, 0.5, 0.1], [0.6, 0.8, 0.2, 0.65], [0.4, 0.3, 0.5, 0.2], [0.3, 0.1, 0.45, 0.6]]
+SAME4 = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+
+
+def test_vse_hinge_loss_with_two_captions_of_one_image_is_laps_contrastive_loss_by_hand() -> None:
+    """Issue 23 item 2. LAPS's ContrastiveLoss (lib/loss.py): anchors are the diagonal (0.7, 0.8, 0.5,
+    0.6); the same-image mask only removes (0, 1) and (1, 0) from the negatives. Margin 0.2.
+
+    Image queries (rows), negatives = the other images' captions:
+      row 0: 0.2 + 0.5 - 0.7 = 0, 0.2 + 0.1 - 0.7 < 0              -> 0
+      row 1: 0.2 + 0.2 - 0.8 < 0, 0.2 + 0.65 - 0.8 = 0.05           -> 0.05
+      row 2: 0.2 + 0.4 - 0.5 = 0.1, 0.2 + 0.3 - 0.5 = 0, 0.2 + 0.2 - 0.5 < 0 -> 0.1
+      row 3: 0.2 + 0.3 - 0.6 < 0, 0.2 + 0.1 - 0.6 < 0, 0.2 + 0.45 - 0.6 = 0.05 -> 0.05
+    Text queries (columns), negatives = the other images:
+      col 0: 0.2 + 0.4 - 0.7 < 0, 0.2 + 0.3 - 0.7 < 0              -> 0
+      col 1: 0.2 + 0.3 - 0.8 < 0, 0.2 + 0.1 - 0.8 < 0              -> 0
+      col 2: 0.2 + 0.5 - 0.5 = 0.2, 0.2 + 0.2 - 0.5 < 0, 0.2 + 0.45 - 0.5 = 0.15 -> sum 0.35, hardest 0.2
+      col 3: 0.2 + 0.1 - 0.6 < 0, 0.2 + 0.65 - 0.6 = 0.25, 0.2 + 0.2 - 0.6 < 0 -> 0.25
+    Sum: 0.8; hardest: 0.65.
+
+    The toolkit's earlier form (every same-image pair an anchor, ``anchors="positives"``) adds the
+    anchors (0, 1) = 0.6 and (1, 0) = 0.6: row 0 vs caption 2: 0.2 + 0.5 - 0.6 = 0.1; row 1 vs
+    caption 3: 0.2 + 0.65 - 0.6 = 0.25; columns 1 and 0: 0 -> sum 1.15, hardest 1.0.
+    """
+    sim = _t(*SIM4)
+    assert vse_hinge_loss(sim, positives=SAME4, max_violation=False).item() == pytest.approx(0.8, abs=1e-12)
+    assert vse_hinge_loss(sim, positives=SAME4, max_violation=True).item() == pytest.approx(0.65, abs=1e-12)
+    assert vse_hinge_loss(sim, positives=SAME4, max_violation=False, anchors="positives").item() == pytest.approx(1.15)
+    assert vse_hinge_loss(sim, positives=SAME4, max_violation=True, anchors="positives").item() == pytest.approx(1.0)
+
+
+def _laps_contrastive_loss(sim: torch.Tensor, image_ids: list[int], margin: float, max_violation: bool) -> float:
+    """LAPS's ContrastiveLoss (lib/loss.py) transcribed to loops: d1 / d2 are the diagonal, the cost
+    matrices are masked where the image ids agree, max over each row (i2t) and each column (t2i)."""
+    n = sim.shape[0]
+    s = sim.tolist()
+    cost_s = [[0.0 if image_ids[i] == image_ids[j] else max(0.0, margin + s[i][j] - s[i][i]) for j in range(n)]
+              for i in range(n)]
+    cost_im = [[0.0 if image_ids[i] == image_ids[j] else max(0.0, margin + s[i][j] - s[j][j]) for j in range(n)]
+               for i in range(n)]
+    if max_violation:
+        return sum(max(row) for row in cost_s) + sum(max(cost_im[i][j] for i in range(n)) for j in range(n))
+    return sum(map(sum, cost_s)) + sum(map(sum, cost_im))
+
+
+@pytest.mark.parametrize("max_violation", [True, False])
+def test_vse_hinge_loss_matches_laps_on_six_samples_of_four_images(max_violation: bool) -> None:
+    image_ids = [0, 0, 1, 2, 2, 3]
+    sim = _randn(6, 6, seed=62) * 0.3
+    same = torch.tensor([[a == b for b in image_ids] for a in image_ids])
+    expected = _laps_contrastive_loss(sim, image_ids, 0.2, max_violation)
+    assert vse_hinge_loss(sim, positives=same, max_violation=max_violation).item() == pytest.approx(expected, rel=1e-12)
+    every = vse_hinge_loss(sim, positives=same, max_violation=max_violation, anchors="positives").item()
+    assert every == pytest.approx(_brute_force_hinge(sim, same, 0.2, max_violation), rel=1e-12)
+    assert every > expected  # the extra same-image anchors add cost
 
 
 def _brute_force_hinge(sim: torch.Tensor, positives: torch.Tensor, margin: float, max_violation: bool) -> float:
@@ -549,18 +680,31 @@ def test_vse_hinge_loss_matches_brute_force_with_several_captions_per_image(max_
     for j in range(10):
         positives[j % 4, j] = True
     positives[2, 0] = True
-    got = vse_hinge_loss(sim, positives=positives, margin=0.25, max_violation=max_violation)
+    got = vse_hinge_loss(sim, positives=positives, margin=0.25, max_violation=max_violation, anchors="positives")
     assert got.item() == pytest.approx(_brute_force_hinge(sim, positives, 0.25, max_violation), rel=1e-12)
+    with pytest.raises(ValueError, match="anchors='own'"):  # LAPS's own anchors need one text per image
+        vse_hinge_loss(sim, positives=positives, margin=0.25, max_violation=max_violation)
 
 
 def test_vse_hinge_loss_gradients() -> None:
     sim = (_randn(5, 5, seed=61) * 0.3).requires_grad_()
     assert torch.autograd.gradcheck(lambda s: vse_hinge_loss(s, max_violation=False), (sim,))
     assert torch.autograd.gradcheck(lambda s: vse_hinge_loss(s, max_violation=True), (sim,))
+    positives = torch.eye(5, dtype=torch.bool)
+    positives[1, 3] = positives[3, 1] = positives[0, 2] = True
+    for anchors in ("own", "positives"):
+        for max_violation in (True, False):
+            assert torch.autograd.gradcheck(
+                lambda s: vse_hinge_loss(s, positives=positives, anchors=anchors, max_violation=max_violation), (sim,)
+            )
     # Nothing but positives: no negatives, 0 with the graph intact.
-    loss = vse_hinge_loss(sim, positives=torch.ones(5, 5, dtype=torch.bool))
-    loss.backward()
-    assert loss.item() == 0.0 and torch.equal(sim.grad, torch.zeros_like(sim))
+    for anchors in ("own", "positives"):
+        for max_violation in (True, False):
+            sim.grad = None
+            loss = vse_hinge_loss(sim, positives=torch.ones(5, 5, dtype=torch.bool), anchors=anchors,
+                                  max_violation=max_violation)
+            loss.backward()
+            assert loss.item() == 0.0 and torch.equal(sim.grad, torch.zeros_like(sim))
 
 
 def test_vse_hinge_loss_rejects_bad_inputs() -> None:
@@ -572,6 +716,8 @@ def test_vse_hinge_loss_rejects_bad_inputs() -> None:
         vse_hinge_loss(torch.zeros(2, 2), margin=-1.0)
     with pytest.raises(ValueError, match="gather=True"):
         vse_hinge_loss(torch.zeros(2, 2), gather=True)
+    with pytest.raises(ValueError, match="anchors"):
+        vse_hinge_loss(torch.zeros(2, 2), anchors="every")
 
 
 # --- eqs. 9-13: grm_loss --------------------------------------------------------------------
@@ -592,11 +738,12 @@ def _batch(seed: int = 70, hard: bool = True):
 def test_regularisers_eqs10_to_12_hand_computed() -> None:
     _, out = _batch()
     img = out.image
+    assert (img.gate == 0).logical_and(img.mask).any()  # some real tokens are dropped
     for b in range(4):
-        real = [l for l in range(5) if img.mask[b, l]]
+        kept = [l for l in range(5) if img.mask[b, l] and img.gate[b, l] != 0]  # the means run over these
         k_count = img.mu.shape[1]
         region_mean = [sum(img.regions[b, k, j].item() for k in range(k_count)) / k_count for j in range(6)]
-        patch_mean = [sum(img.key_tokens[b, l, j].item() for l in real) / len(real) for j in range(6)]
+        patch_mean = [sum(img.tokens[b, l, j].item() for l in kept) / len(kept) for j in range(6)]
         recon = sum((r - p) ** 2 for r, p in zip(region_mean, patch_mean))
         assert reconstruction(img)[b].item() == pytest.approx(recon, rel=1e-10)
         kl = -0.5 * sum(
@@ -606,7 +753,7 @@ def test_regularisers_eqs10_to_12_hand_computed() -> None:
         )
         assert region_kl(img)[b].item() == pytest.approx(kl, rel=1e-10)
         for entropy_of, a in (("normalised", img.region_weights), ("sigmoid", img.region_scores)):
-            ent = -sum(a[b, l, k].item() * math.log(a[b, l, k].item()) for k in range(k_count) for l in real) / k_count
+            ent = -sum(a[b, l, k].item() * math.log(a[b, l, k].item()) for k in range(k_count) for l in kept) / k_count
             assert region_entropy(img, entropy_of=entropy_of)[b].item() == pytest.approx(ent, rel=1e-10)
 
 
@@ -615,11 +762,10 @@ def test_grm_loss_combines_the_levels_and_regularisers() -> None:
     got = grm_loss(out.image, out.text, max_violation=False, recon_weight=0.5, reg_weight=2.0, leaky_slope=0.1)
     text, image = out.text, out.image
     s_ori = _brute_force_similarity(text.tokens, text.mask, image.tokens, image.mask, slope=0.1)
-    s_key = _brute_force_similarity(
-        text.key_tokens, text.mask, image.key_tokens, image.mask, slope=0.1
-    )  # eq. 7 on the gated tokens (0/1 gates)
+    # Eq. 7 on the kept tokens (0/1 gates: the dropped ones leave the maxima and the means).
+    s_key = _brute_force_similarity(text.tokens, text.mask, image.tokens, image.mask, text.gate, image.gate, slope=0.1)
     all_regions = torch.ones(4, 7, dtype=torch.bool)
-    s_unc = _brute_force_similarity(text.key_tokens, text.mask, image.regions, all_regions, slope=0.1)
+    s_unc = _brute_force_similarity(text.tokens, text.mask, image.regions, all_regions, text.gate, slope=0.1)
     diag = torch.eye(4, dtype=torch.bool)
     for name, sim in (("ori", s_ori), ("key", s_key), ("unc", s_unc)):
         assert got[name].item() == pytest.approx(_brute_force_hinge(sim, diag, 0.2, False), rel=1e-9)
@@ -630,6 +776,10 @@ def test_grm_loss_combines_the_levels_and_regularisers() -> None:
     assert got["reg"].item() == pytest.approx(got["kl"].item() + got["ent"].item())
     assert got["loss"].item() == pytest.approx(got["con"].item() + 0.5 * got["recon"].item() + 2.0 * got["reg"].item())
     assert len({round(got[k].item(), 6) for k in ("ori", "key", "unc")}) == 3
+    # The gates' keep ratios, for the logs (not part of the loss).
+    for side, key in ((image, "keep_image"), (text, "keep_text")):
+        kept = ((side.gate != 0) & side.mask).sum(1) / side.mask.sum(1)
+        assert got[key].item() == pytest.approx(kept.mean().item()) and not got[key].requires_grad
 
 
 def test_grm_loss_module_and_per_call_max_violation() -> None:
@@ -678,6 +828,65 @@ def test_grm_under_bfloat16_autocast_is_finite_and_trains() -> None:
     values["loss"].float().backward()
     for name, p in head.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+# --- the gates cannot collapse (issue 23, item 1) ---------------------------------------------
+
+
+def test_gates_that_want_to_drop_everything_keep_the_floor_and_scores_still_differ() -> None:
+    """Read literally (dropped tokens as zero vectors in the means), closing every gate scores every pair
+    0 at the key level and sets mu = 0: the state the paper recipes collapsed into. With the floor and
+    the kept-token means, the key level still ranks."""
+    torch.manual_seed(4)
+    head = GRMHead(8, num_regions=3, keep_bias=-40.0, min_keep=0.2).double()
+    image, text = _randn(5, 10, 8, seed=100), _randn(5, 7, 8, seed=101)
+    text_mask = torch.arange(7)[None] < torch.tensor([7, 3, 5, 1, 6])[:, None]
+    for training in (True, False):
+        head.train(training)
+        out = head(image, text, None, text_mask, generator=torch.Generator().manual_seed(5))
+        # max(1, ceil(0.2 n)) tokens: 2 of 10 image tokens; 2, 1, 1, 1, 2 of the texts' 7, 3, 5, 1, 6.
+        assert out.image.gate.sum(1).tolist() == [2.0] * 5
+        assert out.text.gate.sum(1).tolist() == [2.0, 1.0, 1.0, 1.0, 2.0]
+        torch.testing.assert_close(out.image.keep_ratio(), torch.full((5,), 0.2, dtype=torch.float64))
+        key = grm_similarity(out.image, out.text, "key")
+        assert key.max() - key.min() > 0.1  # not one score for every pair
+        values = grm_loss(out.image, out.text)
+        assert all(torch.isfinite(v) for v in values.values())
+        assert out.image.mu.norm(dim=-1).min() > 0.5  # the regions are kept tokens' means, not 0
+
+
+def test_dropping_tokens_does_not_shrink_the_regions() -> None:
+    """With every token the same vector c, mu_k (eq. 3) and eq. 10's patch mean are c whichever tokens are
+    kept; counting dropped tokens as zero vectors would shrink both towards 0 (lower L_KL: the pull that
+    closed the gates)."""
+    c = _t(0.5, -1.0, 2.0, 0.25)
+    tokens = c.expand(3, 6, 4).clone()
+    head = GRMHead(4, num_regions=2).double().eval()
+    with torch.no_grad():
+        head.vision_adapter.fc2.weight.zero_()
+        head.vision_adapter.fc2.bias.copy_(_t(0.0, -1.0))  # every gate 0 but the floor's
+    out = head.encode_image(tokens)
+    assert out.gate.sum(1).tolist() == [1.0, 1.0, 1.0]
+    torch.testing.assert_close(out.mu, c.expand(3, 2, 4))
+    torch.testing.assert_close(out.regions, c.expand(3, 2, 4))
+    torch.testing.assert_close(reconstruction(out), torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("anchors", ["own", "positives"])
+@pytest.mark.parametrize("max_violation", [True, False])
+def test_the_training_path_reads_nothing_back_to_the_host(anchors: str, max_violation: bool) -> None:
+    torch.manual_seed(6)
+    head = GRMHead(8, num_regions=3).train()
+    image, text = torch.randn(6, 9, 8, requires_grad=True), torch.randn(6, 5, 8, requires_grad=True)
+    text_mask = torch.arange(5)[None] < torch.tensor([5, 2, 4, 5, 1, 3])[:, None]
+    same = torch.eye(6, dtype=torch.bool)
+    same[0, 1] = same[1, 0] = True  # two captions of one image
+    with CountHostReads() as counter:
+        out = head(image, text, None, text_mask)
+        values = grm_loss(out.image, out.text, positives=same, anchors=anchors, max_violation=max_violation)
+        values["loss"].backward()
+    assert counter.reads == []
+    assert image.grad.abs().sum() > 0 and all(p.grad is not None for p in head.parameters())
 
 
 # --- two ranks -----------------------------------------------------------------------------

@@ -30,10 +30,11 @@ def _make_hinge(rank: int | None, positives: bool = False):
     return inputs, {}, {"sim": rows}
 
 
-def _hinge(max_violation: bool):
+def _hinge(max_violation: bool, anchors: str = "own"):
     def loss(inputs: Tensors, params: Tensors, gather: bool | None) -> torch.Tensor:
         return vse_hinge_loss(
-            inputs["sim"], max_violation=max_violation, positives=inputs.get("positives"), gather=gather
+            inputs["sim"], max_violation=max_violation, positives=inputs.get("positives"), anchors=anchors,
+            gather=gather,
         )
 
     return loss
@@ -63,6 +64,8 @@ def _make_grm(rank: int | None):
     text_mask = torch.arange(5)[None] < torch.tensor(_TEXT_LENGTHS)[:, None]
     image_mask = torch.ones(8, 6, dtype=torch.bool)
     image_mask[2, 4:] = image_mask[5, 1:] = False
+    same = torch.eye(8, dtype=torch.bool)
+    same[1, 6] = same[6, 1] = True  # images 1 (rank 0) and 6 (rank 1) are one image (LAPS's anchors)
     torch.manual_seed(0)
     head = GRMHead(4, num_regions=7).double().eval()  # deterministic: Gumbel and Gaussian noise off
     inputs = {
@@ -71,13 +74,14 @@ def _make_grm(rank: int | None):
         "text": _leaf(_randn(8, 5, 4, seed=44)[rows][:, :width]),
         "text_mask": text_mask[rows][:, :width],
         "head": head,
+        "positives": same[rows],
     }
     return inputs, dict(head.named_parameters()), {"image": rows, "text": text_rows}
 
 
 def _grm(inputs: Tensors, params: Tensors, gather: bool | None) -> torch.Tensor:
     out = inputs["head"](inputs["image"], inputs["text"], inputs["image_mask"], inputs["text_mask"])
-    parts = grm_loss(out.image, out.text, max_violation=True, gather=gather)
+    parts = grm_loss(out.image, out.text, max_violation=True, positives=inputs["positives"], gather=gather)
     # Each part is compared through the total and through a sum with distinct weights.
     names = ("ori", "key", "unc", "recon", "kl", "ent")
     return parts["loss"] + sum((i + 1) * parts[n] for i, n in enumerate(names))
@@ -88,6 +92,8 @@ GRM_CASES: dict[str, Case] = {
     "vse_hinge_sum": Case(_make_hinge, _hinge(False)),
     "vse_hinge_positives": Case(lambda r: _make_hinge(r, positives=True), _hinge(True)),
     "vse_hinge_positives_sum": Case(lambda r: _make_hinge(r, positives=True), _hinge(False)),
+    "vse_hinge_every_positive": Case(lambda r: _make_hinge(r, positives=True), _hinge(True, "positives")),
+    "vse_hinge_every_positive_sum": Case(lambda r: _make_hinge(r, positives=True), _hinge(False, "positives")),
     "vse_hinge_from_tokens": Case(_make_tokens, _from_tokens),
     "grm_loss": Case(_make_grm, _grm),
 }

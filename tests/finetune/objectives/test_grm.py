@@ -49,10 +49,27 @@ def test_term_installs_the_head_and_computes_grm_loss_on_projected_states() -> N
     tokens = model.model.visual_projection(vm.post_layernorm(img.states))  # CLIP's own norm and projection
     text_tokens = model.model.text_projection(model.model.text_model.final_layer_norm(txt.states))
     want = grm_loss(head.encode_image(tokens), head.encode_text(text_tokens, batch["attention_mask"]))
-    for key in ("ori", "key", "unc", "con", "recon", "kl", "ent", "reg"):
+    for key in ("ori", "key", "unc", "con", "recon", "kl", "ent", "reg", "keep_image", "keep_text"):
         torch.testing.assert_close(out[f"grm/{key}"], want[key])
+    # The keep ratios are logged with weight 0: not in the total.
     torch.testing.assert_close(out["loss"], want["con"] + want["recon"] + want["reg"])
     assert "clip" not in out
+
+
+def test_the_gates_keep_ratios_are_logged_in_the_loss_history() -> None:
+    model = load_model("tiny-clip")
+    objective = _objective(min_keep=0.3)
+    objective.prepare_model(model)
+    rows = objective.preprocess(_scenes(), model)
+    batch = _batch(model, objective, [rows[i] for i in range(4)])
+    model.train()
+    out = objective.loss(model, objective.encode(model, batch))
+    head = model.inference_modules[HEAD_KEY]
+    assert head.min_keep == 0.3
+    for key in ("grm/keep_image", "grm/keep_text"):
+        assert out[key].shape == () and not out[key].requires_grad
+        assert 0.3 <= out[key].item() <= 1.0  # the floor: at least 30 % of the real tokens
+    assert objective.term_weights[0]["keep_image"] == objective.term_weights[0]["keep_text"] == 0.0
 
 
 def test_keep_bias_option_initialises_the_installed_head() -> None:
@@ -101,9 +118,37 @@ def test_captions_of_one_image_are_positives_not_negatives(tmp_path: Path) -> No
     image = head.encode_image(model.project_image_states(feats["image_states"]))
     text = head.encode_text(model.project_text_states(feats["text_states"]), feats["text_mask"])
     same = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    # LAPS's ContrastiveLoss: each example's own pair anchors, the other caption of its image leaves the negatives.
     torch.testing.assert_close(out["grm/ori"], grm_loss(image, text, margin=0.5, positives=same)["ori"])
     diagonal = grm_loss(image, text, margin=0.5)["ori"]
     assert not torch.allclose(out["grm/ori"], diagonal)
+    # anchors: positives (every same-image pair an anchor) is the option.
+    every = _objective(margin=0.5, anchors="positives")
+    every_out = every.loss(model, every.encode(model, batch))
+    torch.testing.assert_close(every_out["grm/ori"],
+                               grm_loss(image, text, margin=0.5, positives=same, anchors="positives")["ori"])
+    assert every_out["grm/ori"] > out["grm/ori"]
+    with pytest.raises(ValueError, match="anchors"):
+        ObjectiveConfig(base="none", terms={"grm": {"anchors": "every"}})
+
+
+def test_the_term_loss_reads_nothing_back_to_the_host() -> None:
+    """The loss and its backward run without ``.item()``, ``nonzero``, boolean-mask indexing or ``bool()``
+    of a tensor (on an accelerator each is a synchronisation per step)."""
+    from tests.losses.grm_host_reads import CountHostReads
+
+    model = load_model("tiny-clip")
+    objective = _objective(base="clip")
+    objective.prepare_model(model)
+    rows = objective.preprocess(_scenes(), model)
+    model.train()
+    batch = _batch(model, objective, [rows[i] for i in range(4)])
+    feats = objective.encode(model, batch)
+    with CountHostReads() as counter:
+        out = objective.loss(model, feats)
+        out["loss"].backward()
+    assert counter.reads == []
+    assert model.inference_modules[HEAD_KEY].vision_adapter.fc1.weight.grad is not None
 
 
 def test_warmup_sum_epochs_sums_over_negatives_first() -> None:
@@ -131,7 +176,7 @@ def test_head_is_saved_with_the_model_and_restored(tmp_path: Path, adapter: str)
     base = tmp_path / "base"
     load_model("tiny-clip").save_pretrained(str(base))
     model = apply_adapter(load_model(str(base)), {"type": adapter, "r": 2, "alpha": 4})
-    objective = _objective(num_regions=3)
+    objective = _objective(num_regions=3, leaky_slope=0.1, min_keep=0.2)
     objective.prepare_model(model)
     head = model.inference_modules[HEAD_KEY]
     assert head.prompts.requires_grad and head.num_regions == 3
@@ -144,8 +189,11 @@ def test_head_is_saved_with_the_model_and_restored(tmp_path: Path, adapter: str)
     assert isinstance(restored, GRMHead) and restored.num_regions == 3
     for (name, a), (_, b) in zip(head.state_dict().items(), restored.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-    # a second run on the saved model keeps its head; a head of another K is refused
+    # the similarity and floor it was trained with travel with it (the scorer reads them)
+    assert (restored.leaky_slope, restored.min_keep) == (0.1, 0.2)
+    # a second run on the saved model keeps its head (with that run's slope and floor); another K is refused
     assert install_head(loaded, GRMOptions(num_regions=3)) is restored
+    assert (restored.leaky_slope, restored.min_keep) == (None, GRMOptions().min_keep)
     with pytest.raises(ValueError, match="set num_regions to the head's K"):
         install_head(loaded, GRMOptions(num_regions=5))
 
