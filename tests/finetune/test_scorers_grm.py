@@ -106,7 +106,7 @@ def test_registered_and_needs_a_head_for_the_adapted_levels():
     assert alias.level == "ori" and alias.name == "grm_ori" and get_scorer("grm").name == "grm"
     with pytest.raises(ValueError, match="level must be"):
         GRMScorer(level="sum")
-    model = load_model("tiny-clip")
+    model = load_model("random:tiny-clip")
     pixels = model.preprocess_images([__import__("PIL.Image").Image.new("RGB", (32, 32))])
     with pytest.raises(ValueError, match=r"needs the GRM head .* level 'ori'"):
         GRMScorer().encode_images(model, pixels)
@@ -118,7 +118,7 @@ def _scene_model(**options):
     from finetune.objectives.grm import GRMOptions, install_head
 
     torch.manual_seed(0)
-    model = load_model("tiny-clip")
+    model = load_model("random:tiny-clip")
     install_head(model, GRMOptions(**options))
     return model.eval()
 
@@ -160,7 +160,7 @@ def test_the_scorer_ranks_with_the_leaky_slope_the_head_was_trained_with(tmp_pat
     _encode(explicit, model)
     assert explicit.leaky_slope is None
     ori = get_scorer("grm_ori")
-    _encode(ori, load_model("tiny-clip").eval())
+    _encode(ori, load_model("random:tiny-clip").eval())
     assert ori.leaky_slope is None
     with pytest.raises(ValueError, match="leaky_slope"):
         GRMScorer(leaky_slope="head")
@@ -200,7 +200,7 @@ def test_gates_that_want_to_drop_everything_still_rank_and_tied_scores_are_repor
 def test_evaluation_with_the_grm_scorer_reports_rsum():
     from finetune.objectives.grm import GRMOptions, install_head
 
-    model = load_model("tiny-clip")
+    model = load_model("random:tiny-clip")
     install_head(model, GRMOptions())
     sets = [{"name": "synthetic", "split": "test", "size": 6, "seed": 1, "options": {"image_size": 32}}]
     result = evaluate_sets(model.eval(), sets, scorer="grm", ks=(1, 5, 10), progress=False)["synthetic"]
