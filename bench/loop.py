@@ -138,22 +138,22 @@ def _adapter(kind: str) -> Callable[[dict], None]:
 
 
 CASES = [
-    Case("clip-77", "longclip_docci.yaml", "clip-vit-base-patch16", "tiny-clip", _length(77), clip=True),
-    Case("clip-248", "longclip_docci.yaml", "clip-vit-base-patch16", "tiny-clip", clip=True),
-    Case("lora", "structxlip_lora_docci.yaml", "clip-vit-base-patch16", "tiny-clip", _clip_only,
+    Case("clip-77", "longclip_docci.yaml", "random:clip-vit-base-patch16", "random:tiny-clip", _length(77), clip=True),
+    Case("clip-248", "longclip_docci.yaml", "random:clip-vit-base-patch16", "random:tiny-clip", clip=True),
+    Case("lora", "structxlip_lora_docci.yaml", "random:clip-vit-base-patch16", "random:tiny-clip", _clip_only,
          note="LoRA r 16 on the attention and MLP linears, clip loss, 248 tokens"),
-    Case("dora", "structxlip_dora_docci.yaml", "clip-vit-base-patch16", "tiny-clip", _clip_only,
+    Case("dora", "structxlip_dora_docci.yaml", "random:clip-vit-base-patch16", "random:tiny-clip", _clip_only,
          note="DoRA r 16 on the attention and MLP linears, clip loss, 248 tokens"),
-    Case("structxlip-crop", "structxlip_docci.yaml", "clip-vit-base-patch16", "tiny-clip", _structxlip("crop"),
+    Case("structxlip-crop", "structxlip_docci.yaml", "random:clip-vit-base-patch16", "random:tiny-clip", _structxlip("crop"),
          batch=128, note="2B + 3B images per step (crops of the edge maps)"),
-    Case("structxlip-pool", "structxlip_docci.yaml", "clip-vit-base-patch16", "tiny-clip", _structxlip("pool")),
-    Case("fastgoal", "fastgoal_docci.yaml", "clip-vit-base-patch16", "tiny-clip", _fastgoal),
-    Case("grm", "grm_clip_lora_docci.yaml", "clip-vit-base-patch16", "tiny-clip"),
-    Case("flair", "flair_cc3m_recap.yaml", "flair-vit-b-16", "tiny-flair", _flair, batch=128,
+    Case("structxlip-pool", "structxlip_docci.yaml", "random:clip-vit-base-patch16", "random:tiny-clip", _structxlip("pool")),
+    Case("fastgoal", "fastgoal_docci.yaml", "random:clip-vit-base-patch16", "random:tiny-clip", _fastgoal),
+    Case("grm", "grm_clip_lora_docci.yaml", "random:clip-vit-base-patch16", "random:tiny-clip"),
+    Case("flair", "flair_cc3m_recap.yaml", "random:flair-vit-b-16", "random:tiny-flair", _flair, batch=128,
          note="K = 8 sub-captions of 77 tokens per image; the recipe's 128 per GPU"),
-    Case("fcast", "fcast_cc3m_recap.yaml", "fcast-b", "fcast-tiny", _fcast, batch=64,
+    Case("fcast", "fcast_cc3m_recap.yaml", "random:fcast-b", "random:fcast-tiny", _fcast, batch=64,
          note="superpixels (SFCN, random weights) computed in the workers and cached: the first epoch computes them"),
-    Case("siglip2", "structxlip_siglip2_docci.yaml", "siglip2-base-patch16-224", "tiny-siglip", _siglip_only,
+    Case("siglip2", "structxlip_siglip2_docci.yaml", "random:siglip2-base-patch16-224", "random:tiny-siglip", _siglip_only,
          note="SigLIP loss, 248 tokens (KPS), captions padded to 248"),
 ]
 
@@ -278,12 +278,12 @@ def count_syncs(device: str):
 
 
 def _device_batches(trainer: Any, n: int) -> list[dict]:
-    """``n`` batches of the trainer's own loader, on the device (the accelerate loader moves them)."""
+    """``n`` batches of the trainer's own loader, moved to the device as the loop moves them."""
     out = []
     trainer.sampler.start_step, trainer.sampler.total_steps = 0, n
     for batch in trainer.loader:
         trainer._note_skipped(batch)
-        out.append(batch)
+        out.append(trainer.to_device(batch))
         if len(out) == n:
             break
     return out
@@ -478,7 +478,7 @@ def cpu_figures(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     batch, per_round = args.cpu_batch, args.cpu_batches
     data = write_scenes(root / "scenes", batch * (per_round + 1) * 2, image_size=224)
     table = load_source({"name": "jsonl", "path": str(data)}).dataset
-    model = load_model("clip-vit-base-patch16", max_text_len=248, kps={"keep": 20, "freeze_kept": True})
+    model = load_model("random:clip-vit-base-patch16", max_text_len=248, kps={"keep": 20, "freeze_kept": True})
     objective = Objective(ClipTerm())
     collator = Collator(model, objective, tensor_images=True)
     assert collator.images is not None, "the tensor path does not cover this model's processor"

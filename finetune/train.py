@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 
+from .data.prefetch import DevicePrefetcher
 from .models.weight_decay import param_groups
 from .objectives.base import Features, Objective, merge_features
 
@@ -511,7 +512,6 @@ class Trainer:
 
             loader = self.stream = StreamLoader(
                 dataset, batch_size=cfg.batch_size // world, collate_fn=collate_fn, num_workers=num_workers,
-                pin_memory=accelerator.device.type == "cuda",
                 on_epoch=functools.partial(set_terms_epoch, module.objective))
             self.steps_per_epoch = 0
             self.total_steps = cfg.max_steps
@@ -523,13 +523,11 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(cfg.schedule, cfg.warmup_steps, self.total_steps, min_ratio)
         )
-        if self.stream is not None:
-            self.wrapped, self.optimizer, self.scheduler = accelerator.prepare(module, optimizer, scheduler)
-            self.loader = loader
-        else:
-            self.wrapped, self.optimizer, self.loader, self.scheduler = accelerator.prepare(
-                module, optimizer, loader, scheduler
-            )
+        self.wrapped, self.optimizer, self.scheduler = accelerator.prepare(module, optimizer, scheduler)
+        # batches stay on the host here and reach the device through the loop's DevicePrefetcher (a side-stream
+        # copy from pageable memory: finetune.data.prefetch says why not pinned memory)
+        self.loader = loader if self.stream is not None else accelerator.prepare_data_loader(
+            loader, device_placement=False)
         self.state = TrainState()
         self._model = self._unwrapped_model()
         self.meter = StepMeter(accelerator.device, reduce=accelerator.reduce if world > 1 else None,
@@ -565,8 +563,7 @@ class Trainer:
             )
         self.sampler = EpochShuffleSampler(len(dataset), cfg.seed, cfg.batch_size)
         # workers stay up and keep batches ready over the whole run (one pass of the sampler spans every epoch);
-        # pinned batches let the copy to an accelerator overlap the step (accelerate copies with non_blocking when
-        # its DataLoaderConfiguration says so)
+        # batches are not pinned: DevicePrefetcher copies them on a side stream (finetune.data.prefetch)
         loader = DataLoader(
             EpochIndexed(dataset),
             batch_size=cfg.batch_size,
@@ -576,7 +573,6 @@ class Trainer:
             num_workers=num_workers,
             persistent_workers=num_workers > 0,
             prefetch_factor=PREFETCH_BATCHES if num_workers > 0 else None,
-            pin_memory=self.acc.device.type == "cuda",
             generator=torch.Generator().manual_seed(cfg.seed),
         )
         self.steps_per_epoch = self.sampler.steps_per_epoch
@@ -742,13 +738,13 @@ class Trainer:
         clock.mark(first, self.state.samples_seen)
         bar = tqdm(total=self.total_steps, initial=first, disable=not acc.is_local_main_process,
                    desc="train", dynamic_ncols=True)
-        batches = self._batches()
+        batches = iter(DevicePrefetcher(self._batches(), acc.device))
         while self.state.step < self.total_steps:
             waited = time.perf_counter()
             try:
                 batch = next(batches)
             except StopIteration:  # a stream that ended: open it again (it counts its epochs)
-                batches = self._batches()
+                batches = iter(DevicePrefetcher(self._batches(), acc.device))
                 continue
             clock.wait_s += time.perf_counter() - waited
             self._note_skipped(batch)
@@ -840,12 +836,9 @@ class Trainer:
         """The batches from the current step on, epoch after epoch; the model in train mode.
 
         Map-style data: one seeded permutation per epoch (:class:`EpochShuffleSampler`), from the current step
-        on, in one pass of the loader. A stream: its own loader, continuing from the stream's position (the stream counts epochs),
-        batches moved to the device here (they do not pass through an accelerate loader)."""
-        acc = self.acc
+        on, in one pass of the loader. A stream: its own loader, continuing from the stream's position (the stream
+        counts epochs). Batches are on the host: :meth:`train` moves them (:class:`DevicePrefetcher`)."""
         if self.stream is not None:
-            from accelerate.utils import send_to_device
-
             epoch = None
             for batch in self.loader:
                 if self.stream.epoch != epoch:
@@ -853,7 +846,7 @@ class Trainer:
                     for term in self.module.objective.all_terms:
                         term.set_epoch(epoch)
                     self.wrapped.train()
-                yield send_to_device(batch, acc.device)
+                yield batch
             return
         # one pass from the current step to the end; the terms get each epoch as its first batch arrives (the
         # workers got it with the indices)
@@ -867,6 +860,10 @@ class Trainer:
                 self.wrapped.train()
             step += 1
             yield batch
+
+    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A batch of :attr:`loader` (on the host) on the training device, as the loop moves it."""
+        return next(iter(DevicePrefetcher([batch], self.acc.device)))
 
     def _note_skipped(self, batch: dict[str, Any]) -> None:
         """Record the examples the data loader passed over (unreadable images, ``data.on_error: skip``)."""

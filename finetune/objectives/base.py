@@ -136,6 +136,13 @@ class Term(nn.Module):
         """
         return {}
 
+    def example_fields(self) -> dict[str, str]:
+        """Raw example fields the term reads besides ``id``, ``image`` and ``caption``, each with the recipe key
+        that names it (``{"raw_caption": "objective.terms.flair.caption_fields"}``): a stream must pass them
+        through (``data.train.options.fields``), which :func:`finetune.data.streams.check_stream_recipe` checks
+        before anything runs. The default reads none."""
+        return {}
+
     def check_stream(self) -> None:
         """Raise ``ValueError`` naming the recipe option that makes this term streamable when it cannot
         run on streamed examples (called before training on a stream)."""

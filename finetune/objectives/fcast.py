@@ -163,6 +163,10 @@ class FCastTerm(Term):
                          model.superpixels.n_segments, model.superpixel_cache_dir)
         return dataset
 
+    def example_fields(self) -> dict[str, str]:
+        """``caption_fields``: what a stream must pass through (``data.train.options.fields``)."""
+        return {name: "objective.terms.fcast.caption_fields" for name in self.options.caption_fields or ()}
+
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
         """Streams: nothing to add (superpixels are computed with the pixels, uncached; the model got its
         settings in :meth:`prepare_model`)."""

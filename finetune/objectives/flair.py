@@ -245,6 +245,10 @@ class FlairTerm(Term):
                                   consecutive=o.consecutive, join=join_public_code if o.join == "public_code" else None)
         return {FIELD_SUBCAPTIONS: subs}
 
+    def example_fields(self) -> dict[str, str]:
+        """``caption_fields``: what a stream must pass through (``data.train.options.fields``)."""
+        return {name: "objective.terms.flair.caption_fields" for name in self.options.caption_fields or ()}
+
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
         """Nothing is cached: sub-captions are drawn in :meth:`prepare` (also for streamed examples)."""
         return {}

@@ -52,3 +52,14 @@ def test_cpu_figures_are_ratios_against_a_baseline_of_the_same_run(tmp_path):
     assert d["ratio_per_worker_cpu_s"] > 0 and d["ratio_median_of_rounds"] > 0
     assert o["trainer_ms_per_step"] > 0 and o["bare_ms_per_step"] > 0
     assert json.loads(out.read_text())["data_path"]["workers"] == 1
+
+
+def test_every_case_names_its_models_as_random_registry_configs():
+    """The GPU command builds each case's real-size model from the registry: a bare real-size name is refused
+    (random weights must be asked for), which the CPU cases, on tiny configs, would never show."""
+    from finetune.models.registry import RANDOM_PREFIX, random_config
+
+    for case in loop.CASES:
+        for name in (case.model, case.tiny):
+            assert name.startswith(RANDOM_PREFIX), (case.name, name)
+            assert random_config(name[len(RANDOM_PREFIX):], "auto") is not None, name

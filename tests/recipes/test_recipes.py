@@ -1,4 +1,5 @@
-"""Every recipe in `recipes/` validates, and runs a few steps on a tiny model and fixture data."""
+"""Every recipe in `recipes/` validates, and runs as shipped (only its data and model size changed: fixtures in
+the datasets' formats, its family's tiny model; see tests/recipes/shipped.py) for 2 steps and its evaluation."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ import yaml
 from accelerate.state import AcceleratorState, GradientState
 
 from finetune.config import RecipeError, list_recipes, load_recipe, recipe_json_schema, recipe_to_dict
-from finetune.models.registry import save_tiny
-from tests.finetune.data.fixtures import (
-    write_coco_fixture,
-    write_dci_fixture,
-    write_docci_fixture,
-    write_flickr30k_fixture,
-    write_urban1k_fixture,
+from finetune.objectives import build_objective
+from tests.recipes.shipped import (
+    RECIPES,
+    ROOT,
+    STEPS,
+    Project,
+    allowed,
+    as_shipped_overrides,
+    changed_keys,
+    clear_run,
+    enter,
+    output_dir,
 )
-from tests.finetune.objectives.test_flair import DREAMLIP_FIELDS, write_dreamlip_shards
-
-ROOT = Path(__file__).resolve().parents[2]
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 
 def test_recipes_exist_and_list():
@@ -57,118 +59,13 @@ def test_recipe_as_resolved_satisfies_the_json_schema(path, recipe_schema):
         jsonschema.Draft202012Validator(recipe_schema).validate(resolved)
 
 
-@pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fixtures")
-    return {
-        "tiny-clip": save_tiny("tiny-clip", root / "tiny-clip"),
-        "tiny-siglip": save_tiny("tiny-siglip", root / "tiny-siglip"),
-        "docci": write_docci_fixture(root / "docci", n_train=8, n_test=6, n_qual_test=2),
-        "dci": write_dci_fixture(root / "dci", n_train=3, n_valid=2, n_test=2),
-        "urban1k": write_urban1k_fixture(root / "urban1k", 6),
-        "tiny-flair": save_tiny("tiny-flair", root / "tiny-flair"),
-        "dreamlip": write_dreamlip_shards(root / "dreamlip", fields=DREAMLIP_FIELDS),
-        "flickr30k": write_flickr30k_fixture(root / "flickr30k", n_train=4, n_val=1, n_test=5),
-        "coco": write_coco_fixture(root / "coco", 0, karpathy=(4, 1, 10)),
-        "towers": _tiny_towers(root / "towers"),
-        **_detector_fixtures(root),
-    }
-
-
-def _tiny_towers(folder):
-    from finetune.models.vision_text import save_tiny_towers
-
-    return save_tiny_towers(folder)
-
-
-def _detector_fixtures(root: Path) -> dict:
-    """Tiny random-weight detectors saved like real checkpoints: YOLOS (FAST-GOAL's FLISM), an ultralytics YOLO
-    and a FastSAM-style segmenter (StructXLIP's regions)."""
-    import torch
-    from ultralytics import YOLO
-
-    from finetune.preprocess.regions import preserve_thread_settings
-    from tests.finetune.preprocess.tiny_detectors import save_tiny_yolo, save_tiny_yolos
-
-    torch.manual_seed(0)
-    with preserve_thread_settings():
-        YOLO("yolov8n-seg.yaml").save(str(root / "fastsam-random.pt"))
-    return {"yolos": save_tiny_yolos(root / "yolos"), "yolo": save_tiny_yolo(root / "yolo.pt"),
-            "fastsam": root / "fastsam-random.pt"}
-
-
-def _fixture_set(entry, fixtures) -> dict:
-    spec = {"name": entry} if isinstance(entry, str) else dict(entry)
-    name = spec["name"]
-    if name == "docci_fg":
-        spec["path"] = str(fixtures["docci"])
-    elif name == "webdataset":  # FLAIR's DreamLIP shards: local ones with the same json fields
-        spec["urls"] = fixtures["dreamlip"]
-    elif name in ("docci", "dci", "urban1k", "flickr30k", "coco"):
-        spec["path"] = str(fixtures[name])
-        if name == "docci" and spec.get("protocol") not in (None, "test", "goal"):
-            spec.pop("protocol")
-    elif name == "synthetic":
-        spec.update(size=8, options={"image_size": 32})
-    return spec
-
-
-def tiny_overrides(path: Path, fixtures: dict, out_dir: Path, *, detector: str = "yolos") -> list[str]:
-    """Overrides that keep a recipe's method, objective and adapter but swap in a tiny saved model, fixture
-    data and a few steps (and FAST-GOAL's detector: the tiny YOLOS, or the tiny ultralytics YOLO)."""
-    raw = yaml.safe_load(path.read_text())
-    model_name = str(raw.get("model", {}).get("name_or_path", ""))
-    tiny = fixtures["tiny-siglip"] if "siglip" in model_name.lower() else fixtures["tiny-clip"]
-    if "flair" in model_name.lower():
-        tiny = fixtures["tiny-flair"]
-    model = [f"model.name_or_path={tiny}"]
-    if raw.get("model", {}).get("family") == "vision_text":  # GRM's ViT / Swin + BERT: tiny towers as hub ids
-        swin = "swin" in str(raw["model"].get("vision", "")).lower()
-        model = [f"model.vision={fixtures['towers']['swin' if swin else 'vit']}",
-                 f"model.text={fixtures['towers']['bert']}"]
-    if raw.get("model", {}).get("family") == "fcast":  # F-CAST: the tiny registry model of its own family
-        model = ["model.name_or_path=fcast-tiny"]
-    train = _fixture_set(raw.get("data", {}).get("train", {"name": "synthetic"}), fixtures)
-    if train["name"] == "synthetic":
-        train["size"] = 16
-    sets = [_fixture_set(s, fixtures) for s in raw.get("eval", {}).get("sets", [])]
-    terms = (raw.get("objective") or {}).get("terms") or {}
-    extra = []
-    regions = (terms.get("fastgoal") or {}).get("regions") or {}
-    if "fastgoal" in terms and regions.get("method", "detector") == "detector":
-        extra += [f"objective.terms.fastgoal.regions.detector={fixtures[detector]}",
-                  "objective.terms.fastgoal.regions.threshold=0.0", "objective.terms.fastgoal.regions.imgsz=64"]
-    if "structxlip" in terms and "fastgoal" in terms:
-        extra += [f"objective.terms.structxlip.regions.checkpoint={fixtures['fastsam']}",
-                  "objective.terms.structxlip.regions.imgsz=64"]
-    return extra + [
-        *model,
-        "model.dtype=null",
-        f"data.train={json.dumps(train)}",
-        f"eval.sets={json.dumps(sets)}",
-        "eval.batch_size=8",
-        "data.num_workers=0",
-        "train.max_steps=2",
-        f"train.batch_size={2 if train['name'] == 'dci' else 4}",  # the DCI fixture has 3 training images
-        "train.accumulation_steps=1",
-        "train.mixed_precision=no",
-        "train.checkpoint_every=0",
-        "train.trackers=[]",
-        f"output.dir={out_dir}",
-        "model.init_from=null",  # a start from another recipe: tests/finetune/test_prerequisites.py
-        "eval.compare_with=[]",
-    ] + _fcast_overrides(raw)
-
-
-def _fcast_overrides(raw: dict) -> list[str]:
-    """F-CAST recipes: the fixtures' plain captions, SLIC superpixels (no SFCN weights in tests)."""
-    if "fcast" not in (raw.get("objective", {}).get("terms") or {}):
-        return []
-    out = ["objective.terms.fcast.caption_fields=null", "objective.terms.fcast.long_fields=null",
-           "objective.terms.fcast.superpixels=null", "objective.terms.fcast.report_images=2"]
-    if raw.get("data", {}).get("train", {}).get("name") in ("webdataset", "parquet", "hub"):  # shards: scenes
-        out.append('data.train={"name": "synthetic", "size": 16, "options": {"image_size": 32}}')
-    return out
+@pytest.fixture(scope="session")
+def project(tmp_path_factory):
+    """The stand-in checkout every as-shipped run starts in (fixtures and tiny models made on first use)."""
+    root = tmp_path_factory.mktemp("project")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLIPKIT_CACHE", str(root / "cache"))  # preprocessing cache: shared by the session's runs
+        yield Project(root)
 
 
 def _reset_accelerate() -> None:
@@ -176,66 +73,154 @@ def _reset_accelerate() -> None:
     GradientState._reset_state()
 
 
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_as_shipped_overrides_change_only_data_and_model(path, project):
+    """The as-shipped harness changes a recipe's data paths, its model and the files it cannot have here, and
+    no other key (batch size, workers, precision, steps, eval settings, term options stay as shipped)."""
+    overrides = as_shipped_overrides(path, project)
+    shipped, tested = recipe_to_dict(load_recipe(path)), recipe_to_dict(load_recipe(path, overrides))
+    changed = changed_keys(shipped, tested)
+    assert [k for k in changed if not allowed(k, path.stem)] == []
+    for key in (k for k in changed if k.endswith(".size")):  # only the synthetic scenes' count
+        entry = tested["data"]["train"] if key.startswith("data.") else tested["eval"]["sets"][int(key.split(".")[2])]
+        assert entry["name"] == "synthetic", key
+    keys = [o.partition("=")[0] for o in overrides]
+    assert sorted({next(k for k in keys if c == k or c.startswith(k + ".")) for c in changed}) == sorted(keys)
+    assert not allowed("train.batch_size") and not allowed("objective.terms.fcast.caption_fields")
+    assert changed_keys({"a": [{"b": 1}]}, {"a": [{"b": 2}]}) == ["a.0.b"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
-def test_recipe_runs_on_tiny_model_and_fixtures(path, fixtures, tmp_path):
-    from finetune.run import run
+def test_recipe_runs_as_shipped(path, project, monkeypatch, capsys):
+    """Every shipped recipe, with only its data pointed at fixtures and its model at its family's tiny config,
+    trains 2 steps and evaluates every set, from `finetune/run.py recipes/NAME.yaml` in a checkout."""
+    from finetune.run import main
 
-    out = tmp_path / "run"
-    recipe = load_recipe(path, tiny_overrides(path, fixtures, out))
-    terms = recipe.objective.terms
-    if terms.get("structxlip") is not None and terms.get("fastgoal") is None:
-        pytest.skip("StructXLIP recipes run end to end in tests/finetune/objectives/test_structxlip.py")
+    overrides = as_shipped_overrides(path, project)
+    out = output_dir(path, project)
+    enter(monkeypatch, project)
+    clear_run(out)
     _reset_accelerate()
-    assert run(recipe) == 0
+    status = main([f"recipes/{path.name}", *overrides])
+    assert status == 0, capsys.readouterr().err[-3000:]
+    recipe = load_recipe(path, overrides)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["steps"] == 2
+    assert metrics["steps"] == STEPS
     assert metrics["final_losses"] and all(math.isfinite(v) for v in metrics["final_losses"].values())
-    if terms.get("fastgoal") is not None:
-        assert {"fastgoal/local", "fastgoal/tsl"} <= set(metrics["final_losses"])
-    assert len(metrics["after"]) == len(recipe.eval.sets)
-    if recipe.eval.compare_base_length:
+    # the run folder's recipe is the shipped one but for data and model
+    written = recipe_to_dict(load_recipe(out / "recipe.yaml"))
+    assert [k for k in changed_keys(recipe_to_dict(load_recipe(path)), written) if not allowed(k, path.stem)] == []
+    ev = recipe.eval
+    if ev.after:
+        assert len(metrics["after"]) == len(ev.sets)
+        assert all(r["n_images"] > 0 for r in metrics["after"].values())
+    if ev.before:
+        assert len(metrics["before"]) == len(ev.sets)
+    if ev.compare_base_length:
         assert set(metrics["after_at_base_length"]) == set(metrics["after"])
         assert "What reading past 77 tokens buys" in (out / "report.md").read_text()
     assert (out / "report.md").is_file() and (out / "plots" / "loss.png").is_file()
     assert (out / "final" / "xlipkit.json").is_file()
-    assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["max_steps"] == 2
-    if "fcast" in recipe.objective.terms:
+    terms = recipe.objective.terms
+    if terms.get("fastgoal") is not None:
+        assert {"fastgoal/local", "fastgoal/tsl"} <= set(metrics["final_losses"])
+    if terms.get("structxlip") is not None:
+        assert any(k.startswith("structxlip/") for k in metrics["final_losses"])
+    if terms.get("fcast") is not None:
+        assert {"fcast/part", "fcast/whole"} <= set(metrics["final_losses"])
         assert (out / "plots" / "fcast_hierarchy.png").is_file() and (out / "plots" / "fcast_attention.png").is_file()
-    if "grm" in recipe.objective.terms:  # the GRM head is saved with the model; rSum is reported
+    if terms.get("flair") is not None:
+        assert {"flair/tcs", "flair/mps"} <= set(metrics["final_losses"])
+    if terms.get("grm") is not None:  # the GRM head is saved with the model; rSum is reported
         assert (out / "final" / "xlipkit_inference.json").is_file()
         assert all(r["rsum"] >= 0 for r in metrics["after"].values())
+    if _is_stream(path):
+        from finetune.data.sources import SourceSpec
+
+        assert metrics["train_stream"]["format"] == SourceSpec.parse(recipe.data.train).name
 
 
 @pytest.mark.slow
-def test_fastgoal_recipe_with_an_ultralytics_yolo_detector(fixtures, tmp_path):
-    """FAST-GOAL's FLISM with `regions.detector: <a .pt file>` (the ultralytics path) runs a recipe end to end."""
-    from finetune.run import run
+def test_fastgoal_recipe_with_an_ultralytics_detector(project, monkeypatch, capsys):
+    """The route fastgoal_docci.yaml's header offers (`regions.detector=checkpoints/yolov8x.pt`): FLISM's boxes
+    from an ultralytics checkpoint, the recipe otherwise as in test_recipe_runs_as_shipped."""
+    from finetune.run import main
 
     path = ROOT / "recipes" / "fastgoal_docci.yaml"
-    out = tmp_path / "run"
-    recipe = load_recipe(path, tiny_overrides(path, fixtures, out, detector="yolo"))
-    assert str(recipe.objective.terms["fastgoal"].regions.detector).endswith("yolo.pt")
+    overrides = [o for o in as_shipped_overrides(path, project) if "regions.detector" not in o]
+    overrides.append(f"objective.terms.fastgoal.regions.detector={project.yolo()}")
+    out = output_dir(path, project)
+    enter(monkeypatch, project)
+    clear_run(out)
     _reset_accelerate()
-    assert run(recipe) == 0
+    assert main([f"recipes/{path.name}", *overrides]) == 0, capsys.readouterr().err[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert {"fastgoal/local", "fastgoal/tsl"} <= set(metrics["final_losses"])
-    assert metrics["terms"]["fastgoal"]["flism"]["images"] == 8
+    assert metrics["terms"]["fastgoal"]["flism"]["images"] == metrics["train_examples"]
+    assert str(load_recipe(out / "recipe.yaml").objective.terms["fastgoal"].regions.detector).endswith("yolo.pt")
 
 
 @pytest.mark.slow
-def test_longclip_docci_through_accelerate_launch(fixtures, tmp_path):
+def test_longclip_docci_through_accelerate_launch(project, tmp_path):
+    """`accelerate launch finetune/run.py recipes/longclip_docci.yaml` on one CPU process. The subprocess
+    cannot take the in-process step cap, so `train.max_steps=2` stops it: the epochs -> steps path is run by
+    test_recipe_runs_as_shipped[longclip_docci]."""
     path = ROOT / "recipes" / "longclip_docci.yaml"
-    out = tmp_path / "run"
+    out = output_dir(path, project)
+    clear_run(out)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
-           str(ROOT / "finetune" / "run.py"), str(path), *tiny_overrides(path, fixtures, out)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+           str(ROOT / "finetune" / "run.py"), f"recipes/{path.name}", *as_shipped_overrides(path, project),
+           f"train.max_steps={STEPS}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT), "XLIPKIT_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=project.root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["after"]) >= {"docci", "urban1k", "dci"}
     assert metrics["after"]["docci"]["n_images"] == 6  # the DOCCI test split of the fixture
     assert "Recall@K before -> after training" in proc.stdout
+
+
+def _is_stream(path: Path) -> bool:
+    train = (yaml.safe_load(path.read_text()).get("data") or {}).get("train")
+    return isinstance(train, dict) and train.get("name") in ("webdataset", "parquet", "hub")
+
+
+STREAM_RECIPES = [p for p in RECIPES if _is_stream(p)]
+
+
+@pytest.mark.parametrize("path", STREAM_RECIPES, ids=lambda p: p.stem)
+def test_stream_recipe_passes_the_fields_its_terms_read(path):
+    """A stream recipe passes every caption field its term reads (issue 23, item 10: fcast_cc3m_recap did not,
+    and its first batch raised after the pre-training evaluation); leaving fields out is a RecipeError naming
+    the term's key and the fields, from the check that runs before anything slow."""
+    from finetune.data.streams import check_stream_recipe
+
+    recipe = load_recipe(path)
+    check_stream_recipe(recipe)
+    reads = {name: key for term in build_objective(recipe.objective).all_terms
+             for name, key in term.example_fields().items()}
+    assert reads, "a shipped stream recipe reads DreamLIP's pre-split caption fields"
+    first, *rest = sorted(reads)
+    with pytest.raises(RecipeError) as err:
+        check_stream_recipe(load_recipe(path, [f"data.train.options.fields=[json.{first}]"]))
+    assert err.value.key == "data.train.options.fields"
+    message = str(err.value)
+    assert all(f"json.{name}" in message for name in rest) and f"json.{first}," not in message
+    assert next(iter(reads.values())) in message and path.name in message
+
+
+def test_a_stream_without_the_terms_fields_stops_before_anything_runs(tmp_path, capsys):
+    """`finetune/run.py` exits 2 with the recipe error and writes nothing (no run folder, no evaluation)."""
+    from finetune.run import main
+
+    out = tmp_path / "run"
+    status = main([str(ROOT / "recipes" / "fcast_cc3m_recap.yaml"), "data.train.options={}", f"output.dir={out}"])
+    err = capsys.readouterr().err
+    assert status == 2, err[-2000:]
+    assert "recipe error" in err and "data.train.options.fields" in err and "json.longLLA_captions" in err
+    assert not out.exists()
 
 
 def test_bad_recipe_exits_2_with_a_message(tmp_path):
