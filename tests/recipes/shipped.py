@@ -243,10 +243,11 @@ def model_overrides(raw: dict, project: Project) -> list[str]:
         vision = towers["swin" if "swin" in str(model.get("vision", "")).lower() else "vit"]
         return [f"model.vision={vision}", f"model.text={towers['bert']}"]
     name = str(model.get("name_or_path", ""))
-    if name in CPU_REGISTRY:
+    bare = name.removeprefix("random:")  # a registry config with random weights keeps the prefix
+    if bare in CPU_REGISTRY:
         return []
-    if name in TINY_REGISTRY:
-        return [f"model.name_or_path={TINY_REGISTRY[name]}"]
+    if bare in TINY_REGISTRY:
+        return [f"model.name_or_path={name[: len(name) - len(bare)]}{TINY_REGISTRY[bare]}"]
     lowered = name.lower()
     if "siglip" in lowered:  # SigLIP2's fixed-resolution checkpoints are SiglipModel in transformers
         return [f"model.name_or_path={project.tiny_model('tiny-siglip')}"]
