@@ -328,10 +328,10 @@ class GRMHead(nn.Module):
             raise ValueError(f"GRMHead(dim={self.dim}): {name} has width {tokens.shape[-1]}")
 
     def _gated(self, side: str, adapter: nn.Module, tokens: Tensor, mask: Tensor | None, stochastic: bool,
-               generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+               generator: torch.Generator | None, check: bool = True) -> tuple[Tensor, Tensor, Tensor]:
         """Eq. 1 on one side: the checked mask, the adapter's logits D and the gate A (0 on padding)."""
         self._check_dim(f"{side} tokens", tokens)
-        mask = _token_mask(f"{side} mask", mask, tokens)
+        mask = _token_mask(f"{side} mask", mask, tokens, need_one=check)
         logits = adapter(tokens)
         gate = gumbel_gate(logits, tau=self.tau, hard=self.hard, stochastic=stochastic, generator=generator) * mask
         return mask, logits, gate
@@ -343,6 +343,7 @@ class GRMHead(nn.Module):
         *,
         stochastic: bool | None = None,
         generator: torch.Generator | None = None,
+        check: bool = True,
     ) -> GRMTextOutput:
         """Granularity-aware adapter on text tokens (eq. 1).
 
@@ -351,12 +352,14 @@ class GRMHead(nn.Module):
             mask: ``(B, Lt)`` bool or 0/1 attention mask; None: no padding.
             stochastic: Gumbel noise on/off; None follows ``self.training``.
             generator: RNG of the Gumbel noise.
+            check: raise when a row of ``mask`` has no real token. The check reads the mask back to the host
+                (a device sync); a training loop whose tokenizer always emits BOS/EOS passes False.
 
         Returns:
             :class:`GRMTextOutput` (gate 0 on padding).
         """
         mask, logits, gate = self._gated("text", self.text_adapter, tokens, mask, self._stochastic(stochastic),
-                                         generator)
+                                         generator, check)
         return GRMTextOutput(tokens, mask, logits, gate, tokens * gate[..., None])
 
     def encode_image(
@@ -461,6 +464,7 @@ def token_wise_similarity(
     image_weights: Tensor | None = None,
     leaky_slope: float | None = None,
     block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+    check: bool = True,
 ) -> Tensor:
     """Bidirectional token-wise similarity (GRM eq. 7) of every image with every text.
 
@@ -483,6 +487,8 @@ def token_wise_similarity(
         leaky_slope: LAPS's ``leaky_relu(cos, 0.1)`` before the max when set (0.1); None is eq. 7.
             (Computed after the max, the same value since leaky_relu is increasing.)
         block_elements: cosines per block (memory bound).
+        check: raise when a row of a mask has no real token (a host read; :func:`grm_similarity` passes False
+            for the masks of :class:`GRMHead` outputs, checked when they were made).
 
     Returns:
         ``(Bi, Bt)`` similarities, in [-2, 2].
@@ -495,8 +501,8 @@ def token_wise_similarity(
         )
     if block_elements < 1:
         raise ValueError(f"block_elements must be >= 1, got {block_elements}")
-    text_mask = _token_mask("text_mask", text_mask, text)
-    image_mask = _token_mask("image_mask", image_mask, image)
+    text_mask = _token_mask("text_mask", text_mask, text, need_one=check)
+    image_mask = _token_mask("image_mask", image_mask, image, need_one=check)
     text_weights = _token_weights("text_weights", text_weights, text)
     image_weights = _token_weights("image_weights", image_weights, image)
     n_image, lv = image.shape[:2]
@@ -536,16 +542,29 @@ def token_wise_similarity(
 
 
 def _hinge(scores: Tensor, positives: Tensor, margin: float, max_violation: bool) -> Tensor:
-    """Sum over anchors (q, a) of ``[margin + scores[q, c] - scores[q, a]]_+`` over negatives c
-    (or the largest one). ``scores`` ``(Q, C)``: queries x candidates."""
-    q_index, a_index = positives.nonzero(as_tuple=True)
-    anchor = scores[q_index, a_index]
-    cost = (margin + scores[q_index] - anchor[:, None]).clamp(min=0)
-    cost = cost.masked_fill(positives[q_index], 0.0)
-    if cost.shape[1] == 0:
+    """Sum over anchors (q, a) (``positives[q, a]``) of ``[margin + scores[q, c] - scores[q, a]]_+`` over the
+    negatives c of row q (or the largest one). ``scores`` ``(Q, C)``: queries x candidates.
+
+    Dense, with no host read (no ``nonzero``): the hardest negative is the row's largest negative score; the sum
+    over negatives of ``[s_c - t]_+`` with ``t = s_a - margin`` is ``sum_{s_c > t} s_c - t * #{s_c > t}``, read
+    from the row's sorted negatives (prefix sums at ``searchsorted(t)``): O(Q C log C), never (Q, C, C).
+    """
+    if scores.shape[1] == 0:
         return scores.sum() * 0.0
-    per_anchor = cost.max(dim=1).values if max_violation else cost.sum(dim=1)
-    return per_anchor.sum() + scores.sum() * 0.0
+    negatives = scores.masked_fill(positives, float("-inf"))
+    threshold = scores - margin
+    if max_violation:
+        hardest = negatives.max(dim=1, keepdim=True).values  # -inf where a row has no negative: cost 0
+        cost = (hardest - threshold).clamp(min=0)
+    else:
+        ordered = negatives.sort(dim=1).values  # ascending; positives (-inf) first
+        finite = ordered.masked_fill(ordered == float("-inf"), 0.0)
+        prefix = F.pad(finite.cumsum(dim=1), (1, 0))  # prefix[:, k] = sum of the k smallest
+        above = torch.searchsorted(ordered.detach().contiguous(), threshold.detach().contiguous(), right=True)
+        count = ordered.shape[1] - above
+        larger = prefix[:, -1:] - prefix.gather(1, above)
+        cost = larger - count * threshold
+    return cost.masked_fill(~positives, 0.0).sum() + scores.sum() * 0.0
 
 
 def vse_hinge_loss(
@@ -697,7 +716,7 @@ def grm_similarity(
     ``"ori"``: (T, V), the raw tokens. ``"key"``: (T_hat, V_hat), the gated tokens.
     ``"unc"``: (T_hat, U), gated text tokens against the K regions.
     """
-    common = {"leaky_slope": leaky_slope, "block_elements": block_elements}
+    common = {"leaky_slope": leaky_slope, "block_elements": block_elements, "check": False}
     if level == "ori":
         return token_wise_similarity(text.tokens, text.mask, image.tokens, image.mask, **common)
     if level == "key":

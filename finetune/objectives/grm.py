@@ -256,7 +256,7 @@ class GRMTerm(Term):
         image_tokens = model.project_image_states(feats["image_states"])
         text_tokens = model.project_text_states(feats["text_states"])
         image = head.encode_image(image_tokens)
-        text = head.encode_text(text_tokens, feats["text_mask"])
+        text = head.encode_text(text_tokens, feats["text_mask"], check=False)  # the tokenizer's masks: never empty
         keys = feats["grm_image_key"]
         all_keys = _all_keys(keys)
         positives = keys[:, None] == all_keys[None, :]
