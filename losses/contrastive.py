@@ -47,6 +47,28 @@ def _check_mask(name: str, mask: Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must be a bool tensor of shape {shape}, got {got}")
 
 
+def _masked_cross_entropy(
+    logits: Tensor, labels: Tensor, valid_rows: Tensor, valid_cols: Tensor, n_classes: Tensor, label_smoothing: float
+) -> Tensor:
+    """``F.cross_entropy(logits[valid_rows][:, valid_cols], remapped labels, label_smoothing, reduction="sum")``
+    without boolean indexing (whose output size is a read of the mask on the host): invalid columns get the
+    dtype's lowest logit, so that their softmax weight is exactly 0 (a finite fill, not -inf: a row with no valid
+    column stays finite, also in backward), invalid rows are dropped with ``where``, and the smoothing term sums
+    ``-log p`` over the ``n_classes`` valid columns only, in the order ``F.cross_entropy`` computes it:
+    ``(1 - eps) * nll + eps / C * sum_j -log p_j``.
+
+    ``logits`` ``(B, N)``; ``labels`` ``(B,)`` column of each row's pair (valid where the row is valid)."""
+    masked = logits.masked_fill(~valid_cols[None, :], torch.finfo(logits.dtype).min)
+    logp = F.log_softmax(masked, dim=1)
+    nll = -logp.gather(1, labels[:, None])[:, 0]
+    loss = torch.where(valid_rows, nll, 0.0).sum()
+    if label_smoothing:
+        smooth = -torch.where(valid_cols[None, :], logp, 0.0).sum(dim=1)
+        smooth = torch.where(valid_rows, smooth, 0.0).sum()
+        loss = (1 - label_smoothing) * loss + smooth * (label_smoothing / n_classes)
+    return loss
+
+
 def _symmetric_infonce(
     image_rows: Tensor,
     text_rows: Tensor,
@@ -65,23 +87,21 @@ def _symmetric_infonce(
     Rows ``(B, D)`` are this rank's pairs, columns ``(world * B, D)`` all ranks' pairs (the rows
     included, starting at ``row_offset``). Returns ``world / N * sum over local valid rows`` of
     ``(CE_i->t + CE_t->i) / 2``, N the number of valid pairs over all ranks, so that the mean over
-    ranks is the mean over the global batch.
+    ranks is the mean over the global batch. Invalid pairs leave the batch (neither queries nor
+    candidates) through masks, not boolean indexing: nothing is read back to the host.
     """
     labels = torch.arange(image_rows.shape[0], device=image_rows.device) + row_offset
-    if valid_cols is None:
-        n_pairs: Tensor | int = image_cols.shape[0]
-    else:
-        # Invalid pairs leave the batch: they are neither queries nor candidates.
-        column_index = torch.cumsum(valid_cols.long(), dim=0) - 1
-        labels = column_index[labels][valid_rows]
-        image_rows, text_rows = image_rows[valid_rows], text_rows[valid_rows]
-        image_cols, text_cols = image_cols[valid_cols], text_cols[valid_cols]
-        n_pairs = valid_cols.sum().clamp(min=1)
     logits_per_image = logit_scale * image_rows @ text_cols.T
     logits_per_text = logit_scale * text_rows @ image_cols.T
-    ce = F.cross_entropy(
-        logits_per_image, labels, label_smoothing=label_smoothing, reduction="sum"
-    ) + F.cross_entropy(logits_per_text, labels, label_smoothing=label_smoothing, reduction="sum")
+    if valid_cols is None:
+        ce = F.cross_entropy(
+            logits_per_image, labels, label_smoothing=label_smoothing, reduction="sum"
+        ) + F.cross_entropy(logits_per_text, labels, label_smoothing=label_smoothing, reduction="sum")
+        return ce / 2 * (world / image_cols.shape[0])
+    n_pairs = valid_cols.sum().clamp(min=1)
+    ce = _masked_cross_entropy(
+        logits_per_image, labels, valid_rows, valid_cols, n_pairs, label_smoothing
+    ) + _masked_cross_entropy(logits_per_text, labels, valid_rows, valid_cols, n_pairs, label_smoothing)
     return ce / 2 * (world / n_pairs)
 
 

@@ -204,7 +204,12 @@ def _check_text_indices(indices: Tensor, num_images: int, k: int, what: str) -> 
 
 def _check_rows(rows: Tensor, first_image: int, num_images: int, k: int) -> None:
     """FLAIR's structure of rows ``first_image ..`` of ``text_indices``: in range, each row
-    holding its image's K sub-captions (once each) and one sub-caption of every other image."""
+    holding its image's K sub-captions (once each) and one sub-caption of every other image.
+
+    It reads the rows on the host, so it runs on ``text_indices`` where the caller made them (a fixed draw, given
+    on the CPU: no device sync), before they move to the texts' device. A training step gives no
+    ``text_indices``: its rows are drawn on the device by construction (:func:`sample_flair_text_indices`) and
+    not checked."""
     if rows.min() < 0 or rows.max() >= num_images * k:
         raise ValueError(f"flair_loss: text_indices must index the {num_images} x {k} image-major "
                          f"sub-captions, i.e. lie in [0, {num_images * k})")
@@ -294,8 +299,8 @@ def _global_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor
         rows = sample_flair_text_indices(total, k, rows=mine, seed=seed, device=text_embeds.device)
     else:  # each process checks its own rows
         _check_text_indices(text_indices, total, k, "the global batch, the same on every process")
+        _check_rows(text_indices[mine].long(), rank * b, total, k)  # where they were given (the CPU: no sync)
         rows = text_indices[mine].to(text_embeds.device).long()
-        _check_rows(rows, rank * b, total, k)
     owner = torch.arange(rank * b, (rank + 1) * b, device=text_embeds.device).unsqueeze(1)
     paper_mps = add_mps and mps_negatives == "paper"
     tcs, mps = _pair_sums(texts, rows, rows // k == owner, local_image, local_mask,
@@ -325,8 +330,8 @@ def _ring_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
         rows = sample_flair_text_indices(b, k, seed=seed, device=text_embeds.device)
     else:
         _check_text_indices(text_indices, b, k, "this process's batch")
+        _check_rows(text_indices.long(), 0, b, k)  # where they were given (the CPU: no sync)
         rows = text_indices.to(text_embeds.device).long()
-        _check_rows(rows, 0, b, k)
     owner = torch.arange(b, device=text_embeds.device).unsqueeze(1)
     paper_mps = add_mps and mps_negatives == "paper"
     tcs, mps = _pair_sums(texts, rows, rows // k == owner, local_image, local_mask,

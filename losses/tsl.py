@@ -628,7 +628,8 @@ def tsl_similarity_loss(
     columns = gather_with_grad(target) if world > 1 else target
     sim = pooled @ columns.T  # (B, world * B): local rows against every rank's columns
     own = torch.arange(batch, device=pooled.device) + rank * batch
-    eye = F.one_hot(own, sim.shape[1]).to(sim.dtype)
+    # a comparison, not F.one_hot: one_hot checks its indices' range on the host (off CUDA)
+    eye = (own[:, None] == torch.arange(sim.shape[1], device=sim.device)[None, :]).to(sim.dtype)
     cells = torch.where(all_valid[None, :], (sim - eye) ** 2, 0.0)  # invalid pairs leave the columns ...
     errors = cells.sum(dim=1)
     return torch.where(local_valid, errors * row_weight, 0.0).sum() * (world / n**2)  # ... and the rows

@@ -115,18 +115,20 @@ class MicroPlans:
     plans: list[Any]
 
     def to(self, device: Any, non_blocking: bool = False) -> "MicroPlans":
-        return MicroPlans([p.to(device, non_blocking=non_blocking) if p is not None else None for p in self.plans])
+        return MicroPlans([p.to(device, non_blocking=non_blocking) if hasattr(p, "to") else p for p in self.plans])
 
     def pin_memory(self) -> "MicroPlans":
-        return MicroPlans([p.pin_memory() if p is not None else None for p in self.plans])
+        return MicroPlans([p.pin_memory() if hasattr(p, "pin_memory") else p for p in self.plans])
 
 
 class PlannedCollate:
     """Wraps a collate function for the training loop: gives the terms the batch's epoch (per-epoch choices made in
     ``prepare``, in the worker's copy of the objective), adds the batch's text plan
     (:meth:`~finetune.objectives.base.Objective.plan`, the length buckets of its causal text requests, made here
-    on the CPU so that the step reads no lengths from the device) and, under ``train.compile``, pads the captions
-    to a fixed set of lengths.
+    on the CPU so that the step reads no lengths from the device), the terms' own host values
+    (:meth:`~finetune.objectives.base.Term.plan`, e.g. F-CAST's segment count, under
+    :data:`~finetune.objectives.base.TERM_PLANS` when a term plans anything) and, under ``train.compile``, pads the
+    captions to a fixed set of lengths.
 
     Args:
         collate_fn: examples -> batch (a :class:`Collator`, possibly wrapped).
@@ -147,7 +149,7 @@ class PlannedCollate:
         self._epoch: int | None = None
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        from finetune.objectives.base import TEXT_PLAN
+        from finetune.objectives.base import TERM_PLANS, TEXT_PLAN
 
         epochs = {e.pop(EPOCH_KEY) for e in examples if EPOCH_KEY in e}
         if len(epochs) == 1 and self._epoch not in epochs:  # this process's copy of the terms learns the epoch
@@ -157,12 +159,17 @@ class PlannedCollate:
         batch = self.collate_fn(examples)
         if self.pad_lengths:
             batch.update(self._padded(batch["input_ids"], batch["attention_mask"]))
-        plan = self.objective.plan
+        plan, term_plans = self.objective.plan, self.objective.term_plans
         if self.micro_batches == 1:
             batch[TEXT_PLAN] = plan(self.model, batch, pad_lengths=self.pad_lengths)
+            terms = term_plans(self.model, batch)
         else:
             parts = split_batch(batch, self.micro_batches)
             batch[TEXT_PLAN] = MicroPlans([plan(self.model, p, pad_lengths=self.pad_lengths) for p in parts])
+            terms = [term_plans(self.model, p) for p in parts]
+            terms = MicroPlans(terms) if any(terms) else None
+        if terms:  # the terms' host values (Term.plan), per micro-batch
+            batch[TERM_PLANS] = terms
         return batch
 
     def _padded(self, ids: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -178,19 +185,23 @@ class PlannedCollate:
 
 def split_batch(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
     """Split a collated batch into ``n`` equal micro-batches along dim 0 of every per-sample field (tensors and
-    lists with one entry per sample); a :class:`MicroPlans` gives each micro-batch its own plan."""
-    from finetune.objectives.base import TEXT_PLAN
+    lists with one entry per sample); a :class:`MicroPlans` gives each micro-batch its own plan (text plan, terms'
+    plans)."""
+    from finetune.objectives.base import TERM_PLANS, TEXT_PLAN
 
     if n == 1:
         return [batch]
     size = len(batch["input_ids"])
     step = size // n
     plans = batch.get(TEXT_PLAN)
+    terms = batch.get(TERM_PLANS)
     parts = []
     for i in range(n):
         sl = slice(i * step, (i + 1) * step)
-        part = {k: _slice(v, sl, size) for k, v in batch.items() if k != TEXT_PLAN}
+        part = {k: _slice(v, sl, size) for k, v in batch.items() if k not in (TEXT_PLAN, TERM_PLANS)}
         part[TEXT_PLAN] = plans.plans[i] if isinstance(plans, MicroPlans) else None
+        if isinstance(terms, MicroPlans) and terms.plans[i]:
+            part[TERM_PLANS] = terms.plans[i]
         parts.append(part)
     return parts
 

@@ -118,13 +118,15 @@ def farthest_point_sampling(x: Tensor, m: int, start: int = 0, valid: Tensor | N
     return out
 
 
-def segment_mean(x: Tensor, labels: Tensor, n_segments: int) -> tuple[Tensor, Tensor]:
+def segment_mean(x: Tensor, labels: Tensor, n_segments: int, *, check: bool = True) -> tuple[Tensor, Tensor]:
     """Mean of ``x`` over the pixels of each segment (CAST's ``segment_mean_nd``).
 
     Args:
         x: ``(B, P, C)`` per-pixel values (``(P, C)`` is shared by every row, e.g. positions).
         labels: ``(B, P)`` int64 segment of each pixel, in ``[0, n_segments)``.
         n_segments: S.
+        check: raise on labels out of range, which reads them on the host; the encoder passes False where S was
+            counted from these labels (:meth:`CastEncoder.segment_count`), so that a training step does not sync.
     Returns:
         ``(means (B, S, C), counts (B, S))``; an empty segment's mean is 0 and its count 0.
     """
@@ -132,7 +134,7 @@ def segment_mean(x: Tensor, labels: Tensor, n_segments: int) -> tuple[Tensor, Te
     if x.dim() == 2:
         x = x.unsqueeze(0).expand(b, -1, -1)
     c = x.shape[-1]
-    if labels.min() < 0 or labels.max() >= n_segments:
+    if check and (labels.min() < 0 or labels.max() >= n_segments):
         raise ValueError(f"segment_mean: labels must be in [0, {n_segments}), got [{int(labels.min())}, "
                          f"{int(labels.max())}]")
     flat = (labels + n_segments * torch.arange(b, device=labels.device)[:, None]).reshape(-1)
@@ -288,23 +290,45 @@ class CastEncoder(nn.Module):
         self.proj = nn.Linear(c.width, c.embed_dim, bias=False)
         self.apply(_init)
 
-    def tokens(self, pixel_values: Tensor, superpixels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    @staticmethod
+    def token_grid(height: int, width: int) -> tuple[int, int]:
+        """The stem's output grid for ``height x width`` pixels (three stride-2 3x3 convolutions with padding 1:
+        ``ceil(H / 8) x ceil(W / 8)``), on which the superpixels are resized."""
+        return -(-height // 8), -(-width // 8)
+
+    def segment_count(self, pixel_values: Tensor, superpixels: Tensor) -> int:
+        """S of :meth:`tokens`: one more than the largest superpixel label on the token grid. It reads the labels:
+        call it where they are on the CPU (the data loader's collate, :meth:`~finetune.objectives.base.Term.plan`)
+        and pass it to :meth:`forward` as ``n_segments``.
+
+        Raises:
+            ValueError: a negative label."""
+        labels = resize_labels(superpixels, self.token_grid(*pixel_values.shape[-2:]))
+        if labels.numel() and int(labels.min()) < 0:
+            raise ValueError(f"CAST superpixels must be labels >= 0, got {int(labels.min())}")
+        return int(labels.max()) + 1 if labels.numel() else 1
+
+    def tokens(self, pixel_values: Tensor, superpixels: Tensor,
+               n_segments: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Segment tokens: ``(tokens (B, S, C), valid (B, S), labels (B, h, w))``, each token the mean of
-        the stem features plus the mean of the sin-cos positions inside its superpixel."""
+        the stem features plus the mean of the sin-cos positions inside its superpixel. ``n_segments``: S as
+        :meth:`segment_count` counted it on the CPU; None counts it here (a read of the labels)."""
         feats = self.stem(pixel_values)
         b, c, h, w = feats.shape
         labels = resize_labels(superpixels.to(feats.device), (h, w))
         flat = labels.reshape(b, -1)
-        n_seg = int(flat.max()) + 1
+        check = n_segments is None
+        n_seg = int(flat.max()) + 1 if n_segments is None else int(n_segments)
         # sums and counts in float32 (a bf16 count is not exact past 256 pixels)
-        tok, counts = segment_mean(feats.flatten(2).transpose(1, 2).float(), flat, n_seg)
+        tok, counts = segment_mean(feats.flatten(2).transpose(1, 2).float(), flat, n_seg, check=check)
         pos = self.pos_embed if self.pos_embed.shape[0] == h * w else sincos_2d(h, w, c).to(feats.device)
-        pos_mean, _ = segment_mean(pos.float(), flat, n_seg)
+        pos_mean, _ = segment_mean(pos.float(), flat, n_seg, check=check)
         return (tok + pos_mean).to(feats.dtype), counts > 0, labels
 
-    def forward(self, pixel_values: Tensor, superpixels: Tensor) -> CastOutput:
-        """Encode ``pixel_values (B, 3, H, W)`` with their ``superpixels (B, H, W)`` int labels."""
-        x, valid, labels = self.tokens(pixel_values, superpixels)
+    def forward(self, pixel_values: Tensor, superpixels: Tensor, n_segments: int | None = None) -> CastOutput:
+        """Encode ``pixel_values (B, 3, H, W)`` with their ``superpixels (B, H, W)`` int labels; ``n_segments``:
+        their :meth:`segment_count`, counted on the CPU (None: counted here, which reads the labels)."""
+        x, valid, labels = self.tokens(pixel_values, superpixels, n_segments)
         segment_valid = valid
         cls = self.cls_token.expand(x.shape[0], -1, -1)[:, 0]
         assignments, centres, fine = [], [], None

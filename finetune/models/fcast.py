@@ -128,9 +128,18 @@ class ChunkEncoder(nn.Module):
         self.text_projection = nn.Parameter(torch.randn(width, embed_dim) * width ** -0.5)
         nn.init.normal_(self.token_embedding.weight, std=0.02)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    @staticmethod
+    def longest(attention_mask: Tensor) -> int:
+        """Columns the rows are cut to: the longest real row (at least 1). It reads the mask: call it where the mask
+        is on the CPU (the data loader's collate) and pass it to :meth:`forward`."""
+        return max(int(attention_mask.long().sum(dim=1).max()), 1) if attention_mask.shape[0] else 1
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, longest: int | None = None) -> Tensor:
+        """``(n, 77)`` ids -> ``(n, D)``; ``longest``: :meth:`longest` of the mask, counted on the CPU (None: counted
+        here, a read of the mask)."""
         # causal: trailing padding never reaches the end token, so rows are cut to the longest real one
-        longest = max(int(attention_mask.long().sum(dim=1).max()), 1) if input_ids.shape[0] else 1
+        if longest is None:
+            longest = self.longest(attention_mask)
         input_ids, attention_mask = input_ids[:, :longest], attention_mask[:, :longest]
         n, length = input_ids.shape
         x = self.token_embedding(input_ids) + self.positional_embedding[:length]
@@ -266,9 +275,11 @@ class FCastModel(DualEncoder):
         self._count_truncation(truncated)
         return TokenizedText(tok.input_ids.reshape(b, -1), mask.reshape(b, -1), truncated)
 
-    def encode_subcaptions(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """Stage 1 (eqs. 1-2): ``(n, 77)`` ids -> ``t_sub (n, D)``."""
-        return self.model.text(input_ids, attention_mask)
+    def encode_subcaptions(self, input_ids: Tensor, attention_mask: Tensor, *, longest: int | None = None) -> Tensor:
+        """Stage 1 (eqs. 1-2): ``(n, 77)`` ids -> ``t_sub (n, D)``. ``longest``: the longest real row of the mask,
+        counted where it is on the CPU (``ChunkEncoder.longest``), so that the step does not read it; None counts it
+        here."""
+        return self.model.text(input_ids, attention_mask, longest)
 
     def encode_long(self, t_sub: Tensor, valid: Tensor | None = None) -> Tensor:
         """Adapter + stage 2 (eq. 3): ``t_sub (B, N, D)`` -> ``t_long (B, D)``."""
@@ -322,13 +333,19 @@ class FCastModel(DualEncoder):
         labels = torch.from_numpy(np.stack([self.superpixels_of(a) for a in arrays])).long()
         return {"pixel_values": pixels, "superpixels": labels}
 
-    def encode_image_hierarchy(self, pixel_values: Tensor, superpixels: Tensor | None) -> CastOutput:
+    def encode_image_hierarchy(self, pixel_values: Tensor, superpixels: Tensor | None, *,
+                               n_segments: int | None = None) -> CastOutput:
         """The CAST encoder's full output (``v_fine``, ``v_coarse``, assignments) for ``pixel_values
-        (B, 3, S, S)`` and ``superpixels (B, S, S)``."""
+        (B, 3, S, S)`` and ``superpixels (B, S, S)``. ``n_segments``: the segment count of the superpixels, counted
+        where they are on the CPU (:meth:`segment_count`), so that the step does not read it; None counts it here."""
         if superpixels is None:
             raise ValueError("the F-CAST image encoder needs superpixels: pass the `superpixels` that "
                              "FCastModel.preprocess_images returns next to pixel_values")
-        return self.model.visual(pixel_values, superpixels)
+        return self.model.visual(pixel_values, superpixels, n_segments)
+
+    def segment_count(self, pixel_values: Tensor, superpixels: Tensor) -> int:
+        """The segment count of ``superpixels`` (``CastEncoder.segment_count``): call it on the CPU."""
+        return self.model.visual.segment_count(pixel_values, superpixels)
 
     def encode_image(self, pixel_values: Tensor, *, states: bool = False, states_rows: int | None = None,
                      superpixels: Tensor | None = None, **kwargs: Any) -> ImageFeatures:

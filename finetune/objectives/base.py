@@ -37,6 +37,8 @@ N_SAMPLES = "n_samples"
 TEXT_BUCKETS = 6
 #: batch key of the :class:`TextPlan` the collator adds (host-side metadata, see :meth:`Objective.plan`)
 TEXT_PLAN = "_text_plan"
+#: batch key of the terms' host plans, ``{term name: plan}`` (:meth:`Term.plan`, :func:`term_plan`)
+TERM_PLANS = "_term_plans"
 #: names no term may take: the total, and what the trainer logs beside the losses
 RESERVED_NAMES = frozenset({"loss", "lr", "logit_scale", "step", "none"})
 #: batch fields the collator fills before the terms' ``collate`` (``finetune.data.collate.Collator``)
@@ -172,6 +174,14 @@ class Term(nn.Module):
         """Texts to encode, by feature key."""
         return {}
 
+    def plan(self, model: Any, batch: Batch) -> Any:
+        """Host values the step needs from a collated (micro-)batch: sizes and counts as Python numbers, computed
+        where the batch is collated, on the CPU (:class:`~finetune.data.collate.PlannedCollate`, in the data-loader
+        workers), so that the step does not read them back from the device. The step finds them with
+        :func:`term_plan`; a batch collated without a plan (a direct call) has none, and the term then computes
+        them itself. None (the default): nothing to plan."""
+        return None
+
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
         """Add non-embedding features (owners, masks, pooled states) after the encoders ran."""
 
@@ -198,6 +208,11 @@ class Term(nn.Module):
                 parameters receive their gradient exactly once.
         """
         raise NotImplementedError(f"term {type(self).__name__} must implement loss()")
+
+
+def term_plan(batch: Batch, name: str) -> Any:
+    """The plan term ``name`` made for ``batch`` where it was collated (:meth:`Term.plan`), or None."""
+    return (batch.get(TERM_PLANS) or {}).get(name)
 
 
 def host_tensor(values: list, device: torch.device | str, dtype: torch.dtype = torch.long) -> Tensor:
@@ -420,6 +435,16 @@ class Objective(nn.Module):
         text tower in, made where the batch is collated so that the step reads no lengths from the device."""
         _, text_reqs, _ = self.requests(batch)
         return plan_texts(model, text_reqs, pad_lengths=pad_lengths)
+
+    def term_plans(self, model: Any, batch: Batch) -> dict[str, Any] | None:
+        """``{term name: plan}`` of the terms that plan ``batch`` (:meth:`Term.plan`, on the CPU), or None when none
+        does."""
+        plans = {}
+        for t in self.all_terms:
+            p = t.plan(model, batch)
+            if p is not None:
+                plans[t.name] = p
+        return plans or None
 
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
         """Weighted total and every unweighted value: ``{"<term>" or "<term>/<value>": value, ..., "loss": total}``

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from losses import fcast_loss, flair_draw_seed
 
-from .base import Batch, Features, Term, scale_of
+from .base import Batch, Features, Term, scale_of, term_plan
 from .flair import DrawCounter
 from .registry import register_term
 
@@ -227,13 +227,29 @@ class FCastTerm(Term):
         return {"fcast_sub_ids": tok.input_ids.reshape(b, k, -1), "fcast_sub_mask": tok.attention_mask.reshape(b, k, -1)}
 
     # -- model --------------------------------------------------------------------------------------
+    def plan(self, model: Any, batch: Batch) -> dict[str, int] | None:
+        """The sizes the step would otherwise read from the device, counted on the CPU where the batch is collated:
+        ``segments``, the CAST segment count of the superpixels (``CastEncoder.segment_count``), and ``longest``,
+        the longest real sub-caption the chunk encoder cuts the rows to."""
+        inputs = batch.get("image_inputs") or {}
+        if inputs.get("superpixels") is None or "fcast_sub_mask" not in batch:
+            return None
+        from finetune.models.fcast import ChunkEncoder
+
+        mask = batch["fcast_sub_mask"]
+        return {"segments": model.segment_count(inputs["pixel_values"], inputs["superpixels"]),
+                "longest": ChunkEncoder.longest(mask.reshape(-1, mask.shape[-1]))}
+
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
         self._attach(model)
         inputs = batch["image_inputs"]
-        hier = model.encode_image_hierarchy(inputs["pixel_values"], inputs.get("superpixels"))
+        plan = term_plan(batch, self.name) or {}  # None: a batch collated without a plan counts on the device
+        hier = model.encode_image_hierarchy(inputs["pixel_values"], inputs.get("superpixels"),
+                                            n_segments=plan.get("segments"))
         ids, mask = batch["fcast_sub_ids"], batch["fcast_sub_mask"]
         b, k, length = ids.shape
-        sub = model.encode_subcaptions(ids.reshape(b * k, length), mask.reshape(b * k, length)).reshape(b, k, -1)
+        sub = model.encode_subcaptions(ids.reshape(b * k, length), mask.reshape(b * k, length),
+                                       longest=plan.get("longest")).reshape(b, k, -1)
         feats["fcast_fine"] = hier.fine
         feats["fcast_coarse"] = hier.coarse
         feats["fcast_sub"] = sub

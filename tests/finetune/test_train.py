@@ -287,9 +287,10 @@ def _counting_trainer(tmp_path, objective_section: dict, *, size: int = 48):
                    SkipReportingCollate(collator), cfg, tmp_path / "run", num_workers=1)
 
 
-def _reads_between_logging_steps(trainer) -> list:
+def _reads_between_logging_steps(trainer, train=None) -> list:
     """Train with a :class:`HostReads` counter active from the end of each read to the start of the next (the
-    steps between logging steps: the log step's own read is the one the loop is allowed)."""
+    steps between logging steps: the log step's own read is the one the loop is allowed); ``train`` runs the
+    loop (default ``trainer.train``)."""
     from tests.finetune.host_reads import HostReads
 
     read = trainer._read
@@ -305,21 +306,88 @@ def _reads_between_logging_steps(trainer) -> list:
         return values
 
     trainer._read = counted_read
-    result = trainer.train()
+    try:
+        result = (train or trainer.train)()
+    finally:
+        del trainer._read  # no cycle (trainer -> counted_read -> trainer): the run frees its loader's workers
     assert [h["step"] for h in result.history] == [1, 3, 6]
     assert len(windows) == 2  # steps 2-3 and 4-6 (the windows end where the reads of steps 3 and 6 start)
     return [e for w in windows for e in w.events]
 
 
-@pytest.mark.parametrize("objective_section", [
-    {"base": "clip"},
-    {"base": "clip", "terms": {"structxlip": {"regions": {"source": "dataset", "k": 3, "per_image": None,
-                                                          "encode": "pool"}}}},
-], ids=["clip", "structxlip-pool"])
-def test_the_loop_reads_no_tensor_between_logging_steps(tmp_path, objective_section):
-    trainer = _counting_trainer(tmp_path, objective_section)
-    events = _reads_between_logging_steps(trainer)
-    assert not events, "host reads between logging steps:\n" + "\n".join(f"{e.what}: {e.where}" for e in events)
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A stand-in checkout for runs of shipped recipes (tests/recipes/shipped.py): fixtures in each dataset's format,
+    tiny models and the tiny stand-ins of the files recipes name, made on first use."""
+    from tests.recipes.shipped import Project
+
+    root = tmp_path_factory.mktemp("project")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLIPKIT_CACHE", str(root / "cache"))
+        yield Project(root)
+
+
+#: every method, as ``(recipe, overrides beyond the as-shipped ones)``: its shipped recipe run by
+#: ``finetune/run.py`` as shipped (tests/recipes/shipped.py: fixtures in its dataset's format, its family's tiny
+#: model, tiny random-weight FastSAM / YOLOS / SFCN where it names them), and for every case the loop's cadence
+#: (6 steps, a read at steps 1, 3 and 6), a CPU batch of 8 and no evaluation sets. The variants bench/loop.py
+#: measures change the model's text length (clip-77) or StructXLIP's region encoding (pool); the NaFlex case runs
+#: the SigLIP2 recipe on the NaFlex architecture of the family.
+METHODS = {
+    "clip-77": ("longclip_docci", ["model.max_text_len=77"]),
+    "clip-248": ("longclip_docci", []),
+    "lora": ("structxlip_lora_docci", []),
+    "dora": ("structxlip_dora_docci", []),
+    "structxlip-crop": ("structxlip_docci", []),
+    "structxlip-pool": ("structxlip_docci", ["objective.terms.structxlip.regions.encode=pool"]),
+    "fastgoal": ("fastgoal_docci", []),
+    "grm": ("grm_clip_lora_docci", []),
+    "flair": ("flair_cc3m_recap", []),
+    "fcast": ("fcast_cc3m_recap", []),
+    "siglip2": ("structxlip_siglip2_docci", []),
+}
+#: cases that take more than ~15 s on a shared 2-core CPU (preprocessing and the workers' start included)
+SLOW_METHODS = {}
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_METHODS else m
+                                    for m in METHODS])
+def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeypatch, capsys):
+    """Every method's shipped recipe, run by ``finetune/run.py``, reads no tensor back to the host between two
+    logging steps (``train.log_every``): no ``.item()`` / ``.tolist()`` / ``.cpu()``, no ``nonzero``, boolean-mask
+    indexing or other op whose size depends on values (tests/finetune/host_reads.py), in forward, backward or the
+    optimiser step, counted in the training process (the data-loader workers work on the CPU)."""
+    import logging
+
+    from finetune import train
+    from finetune.run import main
+    from tests.recipes.shipped import RECIPES_DIR, as_shipped_overrides, clear_run, output_dir, \
+        prerequisites_as_shipped
+
+    name, extra = METHODS[method]
+    path = RECIPES_DIR / f"{name}.yaml"
+    overrides = [*as_shipped_overrides(path, project), "train.log_every=3", "train.batch_size=8", "eval.sets=[]",
+                 *extra]
+    monkeypatch.setattr(logging.getLogger("xlipkit"), "handlers", [])
+    monkeypatch.chdir(project.root)
+    prerequisites_as_shipped(monkeypatch, project)
+    original, found = train.Trainer.train, []
+
+    def counted(self):
+        self.total_steps = min(self.total_steps, 6)  # after the schedule was built from the recipe's length
+        result = []
+        found.extend(_reads_between_logging_steps(self, lambda: result.append(original(self)) or result[0]))
+        return result[0]
+
+    monkeypatch.setattr(train.Trainer, "train", counted)
+    out = output_dir(path, project)
+    clear_run(out)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    assert main([f"recipes/{path.name}", *overrides]) == 0, capsys.readouterr().err[-3000:]
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 6
+    assert not found, f"{method}: host reads between logging steps:\n" + "\n".join(
+        f"{e.what}: {e.where}" for e in found)
 
 
 @pytest.mark.slow

@@ -97,6 +97,73 @@ def test_clip_loss_without_valid_rows_is_zero_with_a_graph() -> None:
     assert torch.equal(image.grad, torch.zeros_like(image))
 
 
+def _indexed_infonce(image_rows, text_rows, image_cols, text_cols, scale, *, row_offset, world, label_smoothing,
+                     valid_rows, valid_cols):
+    """The boolean-indexed reference (the form before the masked one): invalid pairs cut out of rows and columns."""
+    labels = torch.arange(image_rows.shape[0]) + row_offset
+    column_index = torch.cumsum(valid_cols.long(), dim=0) - 1
+    labels = column_index[labels][valid_rows]
+    image_rows, text_rows = image_rows[valid_rows], text_rows[valid_rows]
+    image_cols, text_cols = image_cols[valid_cols], text_cols[valid_cols]
+    n_pairs = valid_cols.sum().clamp(min=1)
+    ce = F.cross_entropy(scale * image_rows @ text_cols.T, labels, label_smoothing=label_smoothing, reduction="sum") \
+        + F.cross_entropy(scale * text_rows @ image_cols.T, labels, label_smoothing=label_smoothing, reduction="sum")
+    return ce / 2 * (world / n_pairs)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1, 0.3])
+@pytest.mark.parametrize("world", [1, 3])
+def test_masked_infonce_equals_the_boolean_indexed_form(label_smoothing, world) -> None:
+    """The masked InfoNCE (no host read) gives the value and gradients of the boolean-indexed form to 1e-6, on
+    random float32 data and masks (rows of one rank among ``world`` ranks' columns), label smoothing included."""
+    from losses.contrastive import _symmetric_infonce
+
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        b, d = 7, 5
+        cols = [F.normalize(torch.randn(world * b, d, generator=g), dim=-1) for _ in range(2)]
+        valid_cols = torch.rand(world * b, generator=g) > 0.4
+        valid_cols[seed % (world * b)] = seed % 3 != 0  # some batches without their first valid pair
+        rank = seed % world
+        mine = slice(rank * b, (rank + 1) * b)
+        if seed == 7:
+            valid_cols[mine] = False  # this rank without a valid pair
+        if not valid_cols.any():  # the indexed form is NaN there with smoothing (0 / 0 classes); see the next test
+            continue
+        scale = 1 + 9 * torch.rand((), generator=g)
+        got_and_want = []
+        for fn in (_symmetric_infonce, _indexed_infonce):
+            image_cols, text_cols = (c.clone().requires_grad_() for c in cols)
+            loss = fn(image_cols[mine], text_cols[mine], image_cols, text_cols, scale, row_offset=rank * b, world=world,
+                      label_smoothing=label_smoothing, valid_rows=valid_cols[mine], valid_cols=valid_cols)
+            loss.backward()
+            got_and_want.append((loss.detach(), image_cols.grad, text_cols.grad))
+        for got, want in zip(*got_and_want):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_masked_infonce_without_any_valid_pair_is_zero_with_finite_gradients() -> None:
+    """No valid pair: 0 with zero gradients, label smoothing included (the boolean-indexed form gave NaN there:
+    ``F.cross_entropy`` smooths over 0 classes)."""
+    image = _randn(4, 3, seed=13, dtype=torch.float32).requires_grad_()
+    text = _randn(4, 3, seed=14, dtype=torch.float32).requires_grad_()
+    loss = clip_loss(image, text, 9.0, label_smoothing=0.1, valid=torch.zeros(4, dtype=torch.bool))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(image.grad, torch.zeros_like(image))
+    assert torch.equal(text.grad, torch.zeros_like(text))
+
+
+def test_clip_loss_with_valid_reads_nothing_back_to_the_host() -> None:
+    from tests.finetune.host_reads import HostReads
+
+    image = _randn(6, 4, seed=15, dtype=torch.float32).requires_grad_()
+    text = _randn(6, 4, seed=16, dtype=torch.float32).requires_grad_()
+    valid = torch.tensor([True, False, True, True, False, True])
+    with HostReads() as reads:
+        clip_loss(image, text, torch.tensor(9.0), label_smoothing=0.1, valid=valid).backward()
+    assert not reads.events, reads.report()
+
+
 def test_clip_loss_rejects_bad_shapes_and_masks() -> None:
     with pytest.raises(ValueError, match="paired row by row"):
         clip_loss(torch.randn(3, 4), torch.randn(2, 4), 1.0)

@@ -291,6 +291,21 @@ def test_pooling_and_the_loss_read_nothing_back_in_a_training_step():
         pool_patch_states(states, masks, valid=torch.ones(2, 2, dtype=torch.bool))
 
 
+def test_the_loss_and_its_backward_dispatch_no_host_read():
+    """Counted at the dispatcher (``tests.finetune.host_reads``), which also sees the reads ops make inside
+    (``F.one_hot`` checks its indices' range with ``.item()``): eq. 14 in both forms, forward and backward."""
+    from tests.finetune.host_reads import HostReads as DispatchReads
+
+    g = torch.Generator().manual_seed(1)
+    a, b, c, d = (torch.randn(4, 3, generator=g).requires_grad_() for _ in range(4))
+    box_valid, span_valid = torch.tensor([True, False, True, True]), torch.tensor([True, True, False, True])
+    weights = torch.tensor([1.0, 0.5, 2.0, 1.0])
+    for form in ("matrix", "diagonal"):
+        with DispatchReads() as reads:
+            tsl_loss(a, b, c, d, form=form, box_valid=box_valid, span_valid=span_valid, weights=weights).backward()
+        assert not reads.events, reads.report()
+
+
 def test_naflex_boxes_follow_each_images_grid(tiny_dir):
     model = load_model(str(tiny_dir("tiny-siglip2")))  # NaFlex, at most 16 patches of 8 px
     rng = np.random.RandomState(0)

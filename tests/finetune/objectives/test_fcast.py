@@ -197,3 +197,46 @@ def test_a_resumed_fcast_run_draws_the_negatives_of_the_uninterrupted_run(tmp_pa
         return load_model("fcast-tiny", family="fcast")
 
     assert_resume_draws_what_the_straight_run_draws(tmp_path, rows, make_model, lambda: _term(cache_superpixels=False))
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_the_step_uses_the_segment_count_and_cut_planned_on_the_cpu(model, scenes, micro_batches):
+    """PlannedCollate counts each micro-batch's CAST segments and longest sub-caption on the CPU (Term.plan): the
+    features are those the step computes when it counts them on the device itself, and encoding a planned batch
+    reads nothing back to the host."""
+    from accelerate.utils import send_to_device
+
+    from finetune.data.collate import Collator, PlannedCollate, split_batch
+    from finetune.objectives.base import TERM_PLANS
+    from finetune.models.cast import resize_labels
+    from tests.finetune.host_reads import HostReads
+
+    term = _term()
+    objective = Objective(None, [(term, 1.0)])
+    objective.prepare_model(model)
+    batch = PlannedCollate(Collator(model, objective), objective, model, micro_batches=micro_batches)(
+        [dict(e) for e in scenes])
+    batch = send_to_device(batch, torch.device("cpu"), non_blocking=True)  # as the loader hands it to the step
+    parts = split_batch(batch, micro_batches)
+    model.eval()  # no dropout: the two encodings must agree
+    for part in parts:
+        plan = part[TERM_PLANS]["fcast"]
+        sp = part["image_inputs"]["superpixels"]
+        labels = resize_labels(sp, model.model.visual.token_grid(*part["image_inputs"]["pixel_values"].shape[-2:]))
+        assert plan["segments"] == int(labels.max()) + 1
+        assert plan["longest"] == int(part["fcast_sub_mask"].sum(-1).max())
+        with torch.no_grad(), HostReads() as reads:
+            planned = objective.encode(model, part)
+        assert not reads.events, reads.report()
+        with torch.no_grad():
+            counted = objective.encode(model, {k: v for k, v in part.items() if k != TERM_PLANS})
+        for key in ("fcast_fine", "fcast_coarse", "fcast_sub", "fcast_long"):
+            assert torch.equal(planned[key], counted[key]), key
+    model.train()
+
+
+def test_segment_count_refuses_negative_labels(model):
+    pixels = torch.zeros(1, 3, 64, 64)
+    with pytest.raises(ValueError, match="labels >= 0"):
+        model.segment_count(pixels, torch.full((1, 64, 64), -1))
+    assert model.segment_count(pixels, torch.arange(64 * 64).reshape(1, 64, 64) % 5) == 5
