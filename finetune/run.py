@@ -169,13 +169,13 @@ def _stopped_or_failed(exc: BaseException, recipe: Any) -> int | None:
         return 128 + exc.signum
     if isinstance(exc, RunInterrupted):
         if _main_rank():
-            print(f"{exc.args[0]}: stopped before training started; nothing was saved in {out} (nothing to resume)",
-                  file=sys.stderr, flush=True)
+            print(f"{exc.args[0]}: stopped before training started (no checkpoint was written in {out}: start the "
+                  "run again to train)", file=sys.stderr, flush=True)
         return 128 + exc.signum
     if isinstance(exc, SaveFailedError):
         if _main_rank():
-            then = ("free some space (or move output.dir and the run folder with it), then continue with:"
-                    if exc.disk_full else "fix the cause, then continue with:")
+            then = ("Free some space (or move output.dir and the run folder with it), then continue with:"
+                    if exc.disk_full else "Fix the cause, then continue with:")
             print(f"error: {exc}. {then}{resume}" if exc.kept is not None else f"error: {exc}",
                   file=sys.stderr, flush=True)
         return 1

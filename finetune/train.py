@@ -291,26 +291,23 @@ class SaveFailedError(RuntimeError):
         self.disk_full = disk_full
 
 
-def save_errors() -> tuple[type[BaseException], ...]:
-    """What a failed write raises: ``OSError`` (``ENOSPC``, ``EIO``, ...), torch's zip writer ``RuntimeError``
-    (``[enforce fail at inline_container.cc] ... unexpected pos``, ``PytorchStreamWriter failed writing``) and
-    safetensors' ``SafetensorError`` (``No space left on device``)."""
-    from safetensors import SafetensorError
-
-    return (OSError, RuntimeError, SafetensorError)
-
-
 _WRITER_WORDS = ("inline_container", "PytorchStreamWriter", "file write failed")
+#: how the writers that name no errno (safetensors, tokenizers: Rust ``io::Error``) say that the disk is full
+_FULL_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded", "os error 28", "os error 122")
 
 
 def is_write_error(error: BaseException) -> bool:
-    """Whether ``error`` is a failed write (:func:`save_errors`; a ``RuntimeError`` only when it is torch's zip
-    writer's)."""
+    """Whether ``error`` is a failed write: an ``OSError``, safetensors' ``SafetensorError``, torch's zip writer's
+    ``RuntimeError``, or any error that says the disk is full (the tokenizers library raises a bare ``Exception``:
+    ``No space left on device (os error 28)``)."""
     from safetensors import SafetensorError
 
     if isinstance(error, (OSError, SafetensorError)):
         return True
-    return isinstance(error, RuntimeError) and any(words in str(error) for words in _WRITER_WORDS)
+    text = str(error)
+    if any(words in text for words in _FULL_WORDS):
+        return True
+    return isinstance(error, RuntimeError) and any(words in text for words in _WRITER_WORDS)
 
 
 def _size(n: float) -> str:
@@ -347,7 +344,7 @@ def describe_save_failure(error: BaseException, folder: Path, need: int | None) 
         existing = existing.parent
     free = shutil.disk_usage(existing).free
     full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain) or any(
-        words in text for words in ("No space left on device", "StorageFull", "Disk quota exceeded", "os error 28"))
+        words in text for words in _FULL_WORDS)
     if not full and need is not None and free < need and any(words in text for words in _WRITER_WORDS):
         full = True  # torch's zip writer names no errno; it fails so when the data no longer fits
     if full:
@@ -393,7 +390,6 @@ def save_checkpoint(
     from .resume import STATE_NAME, file_manifest
     from .run_folder import folder_bytes, process_tag
 
-    errors = save_errors()
     main = accelerator.is_main_process
     final = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
     name = f"{CHECKPOINT_PREFIX}{state.step}.{process_tag()}.tmp"
@@ -413,7 +409,10 @@ def save_checkpoint(
     def attempt(write: Callable[[], None]) -> str | None:
         try:
             write()
-        except errors as error:
+        except Exception as error:  # noqa: BLE001 - every process must learn of it, or the others wait forever
+            if not is_write_error(error):
+                log.error("saving checkpoint %s failed on process %d", final.name, accelerator.process_index,
+                          exc_info=True)
             why, _ = describe_save_failure(error, ckpt_dir, need())
             return why
         return None

@@ -623,6 +623,15 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
     state = json.loads(ckpt.read_text())
     assert (state["num_workers"], state["num_shards"]) == (2, 4)
     assert [state["reports"][w]["used"] for w in ("0", "1")] == [12, 12]  # 3 batches of 4 from each worker
+    # the stream position is part of the checkpoint's manifest: a changed byte is named on resume
+    import hashlib
+
+    from finetune.resume import checkpoint_problem
+
+    manifest = json.loads((ckpt.parent / "train_state.json").read_text())["files"]
+    assert manifest["stream_state_0.json"]["sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    ckpt.write_text(ckpt.read_text().replace('"version": 2', '"version": 3', 1))  # same size, other bytes
+    assert checkpoint_problem(ckpt.parent).startswith("stream_state_0.json is damaged")
 
 
 _TWO_PROCESS_SCRIPT = textwrap.dedent('''
