@@ -507,6 +507,9 @@ class TrainConfig:
     resume_ignore_changes: Annotated[Bool, _doc(
         "resume even where the recipe differs from the checkpoint's in what matters for continuation "
         "(the differences are logged)")] = False
+    resume_ignore_rng: Annotated[Bool, _doc(
+        "resume from a checkpoint whose RNG state (random_states_<rank>.pkl) is missing or damaged, with a fresh "
+        "one seeded from train.seed and the step (the run then differs from an uninterrupted one)")] = False
     seed: Int = 42
     log_every: Annotated[_int(ge=1), _doc(
         "steps between loss-history entries and tracker logs; an entry holds each term's mean over those steps")] = 10

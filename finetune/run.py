@@ -106,6 +106,22 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
         recipe: a loaded :class:`finetune.config.Recipe`.
         chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
     """
+    if chain:  # a prerequisite: its stops and failures end the run that needs it, which says what to do
+        return _run_locked(recipe, chain)
+    from finetune.train import stop_signals
+
+    with stop_signals():
+        try:
+            return _run_locked(recipe, chain)
+        except BaseException as exc:  # noqa: B036 - a signal's RunInterrupted is a KeyboardInterrupt
+            status = _stopped_or_failed(exc, recipe)
+            if status is None:
+                raise
+            return status
+
+
+def _run_locked(recipe: Any, chain: tuple[str, ...]) -> int:
+    """:func:`run` with ``output.dir`` locked."""
     lock, refused = _lock_output_dir(recipe)
     if refused:
         print(f"recipe error: {refused}", file=sys.stderr)
@@ -115,6 +131,104 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _main_rank() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _stopped_or_failed(exc: BaseException, recipe: Any) -> int | None:
+    """The exit status and message of a run that a signal stopped or that failed in a way the user can act on
+    (no traceback), or None for anything else (re-raised with its traceback).
+
+    - SIGINT / SIGTERM during training: the step was finished and a checkpoint saved; the resume command is
+      printed; status 128 + the signal (130, 143).
+    - SIGINT / SIGTERM before training: nothing to save; the same status.
+    - a checkpoint or ``final/`` that could not be written, weights that diverged, a non-finite loss under
+      ``on_nonfinite: raise``, data that broke during training: the message, what was kept, status 1.
+    """
+    from finetune.data.images import DataError
+    from finetune.train import (DivergedError, NonFiniteLossError, RunInterrupted, SaveFailedError,
+                                TrainingStopped)
+
+    out = Path(recipe.output.dir)
+    resume = f"\n  {_resume_command()}"
+    if isinstance(exc, TrainingStopped):
+        import signal
+
+        name = signal.Signals(exc.signum).name
+        if _main_rank():
+            if exc.checkpoint is not None:
+                print(f"{name}: stopped after step {exc.step}; saved {exc.checkpoint}. Continue the run with:{resume}",
+                      file=sys.stderr, flush=True)
+            else:
+                print(f"{name}: stopped after step {exc.step}, but its checkpoint could not be saved: {exc.error}. "
+                      f"Continue from the kept checkpoint with:{resume}", file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    if isinstance(exc, RunInterrupted):
+        if _main_rank():
+            print(f"{exc.args[0]}: stopped before training started (no checkpoint was written in {out}: start the "
+                  "run again to train)", file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    if isinstance(exc, SaveFailedError):
+        if _main_rank():
+            then = ("Free some space (or move output.dir and the run folder with it), then continue with:"
+                    if exc.disk_full else "Fix the cause, then continue with:")
+            print(f"error: {exc}. {then}{resume}" if exc.kept is not None else f"error: {exc}",
+                  file=sys.stderr, flush=True)
+        return 1
+    if isinstance(exc, (DivergedError, NonFiniteLossError)):
+        if _main_rank():
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if isinstance(exc, DataError):  # raised while training (a stream's shard, a worker): every rank says its own
+        print(f"data error: {_worker_message(exc)}", file=sys.stderr, flush=True)
+        return 1
+    return None
+
+
+def _worker_message(exc: BaseException) -> str:
+    """The message of an exception, without the traceback text torch adds when it re-raises an exception of a
+    data-loader worker (``Caught DataError in DataLoader worker process 0. Original Traceback ...``)."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return text
+    marker = f"{type(exc).__name__}: "
+    return text[text.rindex(marker) + len(marker):].strip() if marker in text else text.splitlines()[-1]
+
+
+def _launch_argv() -> list[str]:
+    """The command line that started this run: the launcher's (``accelerate launch``, ``torchrun``) when one started
+    this process, else this process's own; an interpreter running a console script is shown as the script."""
+    import os
+
+    own = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    argv = own
+    try:
+        parent = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
+    except (OSError, UnicodeDecodeError):
+        parent = []
+    names = [Path(a).name for a in parent]
+    launchers = {"torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
+                 "accelerate.commands.accelerate_cli"}
+    if ("torchrun" in names or ("accelerate" in names and "launch" in parent)
+            or any(a == "-m" and b in launchers for a, b in zip(parent, parent[1:]))):
+        argv = parent
+    if len(argv) > 1 and Path(argv[0]).name.startswith("python") and not argv[1].startswith("-") \
+            and not argv[1].endswith(".py"):
+        argv = [Path(argv[1]).name, *argv[2:]]  # /venv/bin/python /venv/bin/accelerate launch ... -> accelerate launch
+    return argv
+
+
+def _resume_command() -> str:
+    """This run's command line with ``train.resume=latest`` (and without ``output.overwrite=...``, which would remove
+    the checkpoints it resumes from)."""
+    import shlex
+
+    argv = [a for a in _launch_argv() if not a.startswith(("train.resume=", "output.overwrite="))]
+    return shlex.join([*argv, "train.resume=latest"])
 
 
 def _lock_output_dir(recipe: Any) -> tuple[Any, str | None]:
@@ -290,18 +404,20 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
     from finetune.data.images import DEFAULT_MAX_IMAGE_PIXELS, DataError, set_max_image_pixels
     from finetune.data.sources import SourceSpec, load_source
     from finetune.evaluate import set_label
-    from finetune.resume import find_checkpoint
 
-    resume = find_checkpoint(recipe.train.resume, Path(recipe.output.dir) / "checkpoints")
+    resume = _find_resume(recipe, accelerator)
     set_max_image_pixels(getattr(recipe.data, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
     validate = getattr(recipe.data, "validate", "header")
     options = dict(on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir, validate=validate)
     train = None  # a stream (finetune.data.streams) is opened by the training loop; its shard count checked here
     if SourceSpec.parse(recipe.data.train).is_stream:
-        from finetune.data.streams import check_stream_shards
+        from finetune.data.streams import check_stream_columns, check_stream_shards
 
         try:
             check_stream_shards(recipe.data.train, accelerator.num_processes)
+            # the columns (a caption column of numbers) before the model loads, on every process (its own shards)
+            check_stream_columns(recipe.data.train, rank=accelerator.process_index,
+                                 world_size=accelerator.num_processes)
         except DataError as exc:
             raise DataError(f"training set (data.train): {exc}") from exc
     else:
@@ -323,6 +439,34 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
     return {"train": train, "eval": sets, "resume": resume}
 
 
+def _find_resume(recipe: Any, accelerator: Any) -> Path | None:
+    """The checkpoint ``train.resume`` names (:func:`finetune.resume.find_checkpoint`: every file's sha256 checked,
+    ``latest`` falling back past damaged ones), found by the main process and told to the others, so that the
+    files are read once.
+
+    Raises:
+        CheckpointError: on every process, naming the file.
+    """
+    from finetune.resume import CheckpointError, find_checkpoint
+
+    t = recipe.train
+    found, error = None, None
+    if accelerator.is_main_process:
+        try:
+            found = find_checkpoint(t.resume, Path(recipe.output.dir) / "checkpoints",
+                                    world_size=accelerator.num_processes,
+                                    ignore_rng=bool(getattr(t, "resume_ignore_rng", False)))
+        except CheckpointError as exc:
+            error = str(exc)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        found, error = broadcast_object_list([found, error])
+    if error:
+        raise CheckpointError(error)
+    return found
+
+
 def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: dict[str, Any],
          prerequisites: dict[str, Any] | None = None) -> int:
     import torch
@@ -335,7 +479,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     from finetune.report import (comparison_section, plot_losses, plot_recall, verdict, write_json_atomic,
                                  write_report)
     from finetune.scorers import get_scorer
-    from finetune.train import TrainModule, Trainer
+    from finetune.train import RunInterrupted, TrainingStopped, TrainModule, Trainer
 
     from finetune.data.sources import SourceSpec
     from finetune.data.streams import check_stream_recipe
@@ -400,6 +544,38 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     trainer.maybe_resume(recipe.train.resume, checkpoint=data["resume"], recipe=recipe_dict,
                          ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)))
     result = trainer.train()
+    try:
+        return _finish(recipe, recipe_dict, accelerator, out_dir, data, prerequisites, t0, model, objective,
+                       trainer, result, before, eval_kwargs, streaming, train_src, train_ds, n_train, n_total)
+    except RunInterrupted as exc:  # the training is done: keep it in a checkpoint before stopping
+        raise TrainingStopped(exc.signum, trainer.state.step, _final_checkpoint(trainer)) from None
+
+
+def _final_checkpoint(trainer: Any) -> Path:
+    """A checkpoint of the finished training (the newest one when it is of the last step already), so that a run
+    stopped during its evaluation or final save resumes at its end."""
+    from finetune.train import list_checkpoints
+
+    kept = list_checkpoints(trainer.ckpt_dir)
+    if kept and kept[-1].name == f"step-{trainer.state.step}":
+        return kept[-1]
+    return trainer._save(trainer.clock)
+
+
+def _finish(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: dict[str, Any],
+            prerequisites: dict[str, Any], t0: float, model: Any, objective: Any, trainer: Any, result: Any,
+            before: Any, eval_kwargs: dict, streaming: bool, train_src: Any, train_ds: Any, n_train: int,
+            n_total: int) -> int:
+    """After training: Recall@K after, ``final/``, ``metrics.json``, the report and plots, the hub push."""
+    import torch
+
+    from finetune.evaluate import evaluate_sets, format_table
+    from finetune.models.adapters import save_finetuned
+    from finetune.report import (comparison_section, plot_losses, plot_recall, verdict, write_json_atomic,
+                                 write_report)
+    from finetune.train import is_write_error
+
+    ev = recipe.eval
     accelerator.wait_for_everyone()
     model = accelerator.unwrap_model(trainer.wrapped).model
     model.eval()
@@ -412,78 +588,111 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     truncated = int(accelerator.reduce(truncated, reduction="sum")) if accelerator.num_processes > 1 else int(truncated)
     stream_report = _stream_report(trainer.stream, accelerator) if streaming else None
 
+    status, failure = 0, None
     if accelerator.is_main_process:
-        save_finetuned(model, out_dir / "final", recipe=recipe_dict)
-        table = format_table(before, after) if after else "(no evaluation sets)"
-        shown = trainer.stream.preview() if streaming else train_ds  # a stream: its first examples
-        extra = [section for term in objective.all_terms for section in term.report_sections(out_dir, shown)]
-        compared = [(p.ref, p.metrics()) for p in prerequisites["compare"]]
-        if compared:
-            extra.append(comparison_section([(str(recipe.source or out_dir), _partial_metrics(
-                recipe, model, result, before, after, at_base, objective)), *compared]))
-        if at_base:
-            extra.append(
-                f"## What reading past {model.base_text_len} tokens buys\n\nThe trained model evaluated "
-                f"with every caption cut at {model.base_text_len} tokens (left) and read up to "
-                f"{model.max_text_len} tokens (right):\n\n" + format_table(at_base, after))
-        print("Recall@K before -> after training:\n" + table, flush=True)
-        metrics = {
-            "recipe": recipe_dict,
-            "model_family": model.backend,  # the README's names: the family that loaded it (hf, open_clip, ...)
-            "architecture": model.family,   # and what it is (clip, siglip, siglip2)
-            "max_text_len": model.max_text_len,
-            "base_text_len": model.base_text_len,
-            "objective": ", ".join([b for b in [recipe.objective.base] if b != "none"] + list(recipe.objective.terms)),
-            "train_set": train_ds.spec.name if streaming else train_src.name,
-            "train_examples": stream_report["used"] if streaming else len(train_src.dataset),
-            "skipped": ({"train": stream_report["skipped"], "train_examples": stream_report["skipped_examples"]}
-                        if streaming else
-                        {"train": train_src.skipped + len(result.skipped_examples),
-                         "train_examples": [*train_src.skipped_examples, *result.skipped_examples],
-                         "train_ids": [*train_src.skipped_ids, *(e["id"] for e in result.skipped_examples)]}),
-            "train_stream": stream_report,
-            "before": before,
-            "after": after,
-            "after_at_base_length": at_base,
-            "terms": {t.name: t.summary() for t in objective.all_terms if t.summary()},
-            "final_losses": result.final_losses,
-            "steps": result.steps,
-            "skipped_steps": result.skipped_steps,
-            "truncated_captions": truncated,
-            "wall_time_s": result.wall_time_s,
-            "total_time_s": time.perf_counter() - t0,
-            "samples_per_s": result.samples_per_s,
-            "throughput": result.throughput,  # steady samples/s, data-wait share, FLOPs, TFLOP/s, MFU
-            "num_processes": accelerator.num_processes,
-            "trainable_parameters": n_train,
-            "total_parameters": n_total,
-            "history": result.history,
-            "init_from": prerequisites["init"].record() if prerequisites["init"] is not None else None,
-            "compare_with": [p.record() for p in prerequisites["compare"]],
-        }
-        label = str(recipe.source or out_dir)
-        plot_losses(result.history, out_dir / "plots" / "loss.png",
-                    compare={ref: m.get("history") or [] for ref, m in compared}, batch_size=recipe.train.batch_size,
-                    label=Path(label).name)
-        plot_recall(before, after, out_dir / "plots" / "recall.png", label=Path(label).name, compare=compared,
-                    at_base=at_base, base_text_len=model.base_text_len)
-        write_json_atomic(out_dir / "metrics.json", metrics)
-        report = write_report(out_dir, metrics, table=table, extra_sections=extra, compare=compared, label=label)
-        said = verdict((label, metrics), compared, recipe.eval.seed_spread) if compared else None
-        if said:
-            print(f"Verdict: {said}", flush=True)
-        print(f"wrote {out_dir / 'metrics.json'}, {report}, {out_dir / 'final'}", flush=True)
-        if recipe.hub.push:
-            from finetune.hub import HubPushError, push
+        try:
+            save_finetuned(model, out_dir / "final", recipe=recipe_dict)
+            table = format_table(before, after) if after else "(no evaluation sets)"
+            shown = trainer.stream.preview() if streaming else train_ds  # a stream: its first examples
+            extra = [section for term in objective.all_terms for section in term.report_sections(out_dir, shown)]
+            compared = [(p.ref, p.metrics()) for p in prerequisites["compare"]]
+            if compared:
+                extra.append(comparison_section([(str(recipe.source or out_dir), _partial_metrics(
+                    recipe, model, result, before, after, at_base, objective)), *compared]))
+            if at_base:
+                extra.append(
+                    f"## What reading past {model.base_text_len} tokens buys\n\nThe trained model evaluated "
+                    f"with every caption cut at {model.base_text_len} tokens (left) and read up to "
+                    f"{model.max_text_len} tokens (right):\n\n" + format_table(at_base, after))
+            print("Recall@K before -> after training:\n" + table, flush=True)
+            metrics = {
+                "recipe": recipe_dict,
+                "model_family": model.backend,  # the README's names: the family that loaded it (hf, open_clip, ...)
+                "architecture": model.family,   # and what it is (clip, siglip, siglip2)
+                "max_text_len": model.max_text_len,
+                "base_text_len": model.base_text_len,
+                "objective": ", ".join([b for b in [recipe.objective.base] if b != "none"] + list(recipe.objective.terms)),
+                "train_set": train_ds.spec.name if streaming else train_src.name,
+                "train_examples": stream_report["used"] if streaming else len(train_src.dataset),
+                "skipped": ({"train": stream_report["skipped"], "train_examples": stream_report["skipped_examples"]}
+                            if streaming else
+                            {"train": train_src.skipped + len(result.skipped_examples),
+                             "train_examples": [*train_src.skipped_examples, *result.skipped_examples],
+                             "train_ids": [*train_src.skipped_ids, *(e["id"] for e in result.skipped_examples)]}),
+                "train_stream": stream_report,
+                "before": before,
+                "after": after,
+                "after_at_base_length": at_base,
+                "terms": {t.name: t.summary() for t in objective.all_terms if t.summary()},
+                "final_losses": result.final_losses,
+                "steps": result.steps,
+                "skipped_steps": result.skipped_steps,
+                "truncated_captions": truncated,
+                "wall_time_s": result.wall_time_s,
+                "total_time_s": time.perf_counter() - t0,
+                "samples_per_s": result.samples_per_s,
+                "throughput": result.throughput,  # steady samples/s, data-wait share, FLOPs, TFLOP/s, MFU
+                "num_processes": accelerator.num_processes,
+                "trainable_parameters": n_train,
+                "total_parameters": n_total,
+                "history": result.history,
+                "init_from": prerequisites["init"].record() if prerequisites["init"] is not None else None,
+                "compare_with": [p.record() for p in prerequisites["compare"]],
+            }
+            label = str(recipe.source or out_dir)
+            plot_losses(result.history, out_dir / "plots" / "loss.png",
+                        compare={ref: m.get("history") or [] for ref, m in compared}, batch_size=recipe.train.batch_size,
+                        label=Path(label).name)
+            plot_recall(before, after, out_dir / "plots" / "recall.png", label=Path(label).name, compare=compared,
+                        at_base=at_base, base_text_len=model.base_text_len)
+            write_json_atomic(out_dir / "metrics.json", metrics)
+            report = write_report(out_dir, metrics, table=table, extra_sections=extra, compare=compared, label=label)
+            said = verdict((label, metrics), compared, recipe.eval.seed_spread) if compared else None
+            if said:
+                print(f"Verdict: {said}", flush=True)
+            print(f"wrote {out_dir / 'metrics.json'}, {report}, {out_dir / 'final'}", flush=True)
+            if recipe.hub.push:
+                from finetune.hub import HubPushError, push
 
-            try:
-                push(out_dir, recipe.hub.repo_id, private=recipe.hub.private, revision=recipe.hub.revision,
-                     token=recipe.hub.token)
-            except HubPushError as exc:  # the run itself is complete and saved
-                log.error("hub push failed (the run folder %s is intact): %s", out_dir, exc)
-                return 1
+                try:
+                    push(out_dir, recipe.hub.repo_id, private=recipe.hub.private, revision=recipe.hub.revision,
+                         token=recipe.hub.token)
+                except HubPushError as exc:  # the run itself is complete and saved
+                    log.error("hub push failed (the run folder %s is intact): %s", out_dir, exc)
+                    status = 1
+        except Exception as exc:  # noqa: BLE001 - only write errors are handled, the rest re-raised
+            if not is_write_error(exc):
+                raise
+            failure = exc
     accelerator.wait_for_everyone()
-    return 0
+    if failure is not None:
+        raise _final_save_failed(failure, trainer, out_dir, model)
+    return status
+
+
+def _final_save_failed(error: BaseException, trainer: Any, out_dir: Path, model: Any) -> Any:
+    """The :class:`~finetune.train.SaveFailedError` of a run whose outputs (``final/``, ``metrics.json``, the report)
+    could not be written after training: why (a full disk: how much was needed and is free, where), and which
+    checkpoint keeps the training."""
+    from finetune.train import SaveFailedError, describe_save_failure, list_checkpoints
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    full = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    need = full if len(trained) == len(list(model.parameters())) else sum(p.numel() * p.element_size() for p in trained)
+    why, disk_full = describe_save_failure(error, out_dir, need)
+    kept = list_checkpoints(trainer.ckpt_dir)
+    step, total = trainer.state.step, trainer.total_steps
+    if not kept:
+        said = ("no checkpoint was kept (train.checkpoint_every is 0), so the training cannot be continued; set "
+                "train.checkpoint_every to keep one next time")
+    elif kept[-1].name == f"step-{step}":
+        said = (f"the training is kept in {kept[-1]} (its last step, {step}): continuing the run trains no more steps, "
+                "it evaluates and writes final/ again")
+    else:
+        said = (f"the newest checkpoint is {kept[-1]}, {step - int(kept[-1].name[5:])} of the run's {total} steps "
+                "before its end: continuing the run trains from there")
+    return SaveFailedError(f"the run's outputs could not be written in {out_dir} after training: {why}; {said}",
+                           kept=kept[-1] if kept else None, disk_full=disk_full)
 
 
 def _check_batch(recipe: Any, data: dict[str, Any], num_processes: int) -> None:
@@ -591,8 +800,9 @@ def _open_train_stream(recipe: Any, objective: Any, model: Any, accelerator: Any
 
 def _stream_report(loader: Any, accelerator: Any) -> dict:
     """The streams' counts summed over processes and their data-loader workers: examples ``read``, ``used``,
-    ``skipped`` (and the first skipped ones), the ``epoch`` of process 0 (its slowest worker's),
-    ``num_processes``, ``num_workers`` (of process 0)."""
+    ``skipped`` (and the first skipped ones), broken webdataset shards whose rest was skipped
+    (``skipped_shard_count``, each time; ``skipped_shards``, the first few with why), the ``epoch`` of process 0 (its
+    slowest worker's), ``num_processes``, ``num_workers`` (of process 0)."""
     from accelerate.utils import gather_object
 
     reports = gather_object([loader.report()]) if accelerator.num_processes > 1 else [loader.report()]
@@ -601,9 +811,15 @@ def _stream_report(loader: Any, accelerator: Any) -> dict:
     if skipped:
         log.warning("train stream %s: skipped %d unreadable examples (first: %s)", loader.spec.name, skipped,
                     ", ".join(str(e["id"]) for e in skipped_examples))
+    shards = list({e["shard"]: e for r in reports for e in r.get("skipped_shards", [])}.values())[:5]
+    broken = sum(r.get("skipped_shard_count", 0) for r in reports)
+    if broken:
+        log.warning("train stream %s: skipped the rest of %d broken shard(s) %d time(s) in all: %s", loader.spec.name,
+                    len(shards), broken, ", ".join(f"{e['shard']} ({e['reason']})" for e in shards))
     return {"format": loader.spec.name, "num_processes": len(reports), "num_workers": reports[0]["num_workers"],
             "epoch": reports[0]["epoch"], "read": sum(r["read"] for r in reports),
-            "used": sum(r["used"] for r in reports), "skipped": skipped, "skipped_examples": skipped_examples}
+            "used": sum(r["used"] for r in reports), "skipped": skipped, "skipped_examples": skipped_examples,
+            "skipped_shard_count": broken, "skipped_shards": shards}
 
 
 def _evaluate_at_length(model: Any, length: int, sets: list, eval_kwargs: dict) -> dict:

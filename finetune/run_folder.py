@@ -66,8 +66,8 @@ RECIPE_NAME = "recipe.yaml"
 #: what a run writes into its folder (removed by ``output.overwrite: true``)
 RUN_OUTPUTS = ("final", "metrics.json", "report.md", "plots", "checkpoints", "logs", RECIPE_NAME)
 #: train keys that do not change the weights a continued run reaches
-_BOOKKEEPING_TRAIN_KEYS = frozenset({"resume", "resume_ignore_changes", "checkpoint_every", "keep_checkpoints",
-                                     "log_every", "trackers"})
+_BOOKKEEPING_TRAIN_KEYS = frozenset({"resume", "resume_ignore_changes", "resume_ignore_rng", "checkpoint_every",
+                                     "keep_checkpoints", "log_every", "trackers"})
 
 
 class RunFolderError(ValueError):
@@ -121,7 +121,7 @@ def _comparable(recipe: dict[str, Any]) -> dict[str, Any]:
     out = json.loads(json.dumps(recipe, default=str))
     out.pop("output", None)
     (out.get("hub") or {}).pop("token", None)
-    for key in ("resume", "resume_ignore_changes"):
+    for key in ("resume", "resume_ignore_changes", "resume_ignore_rng"):
         (out.get("train") or {}).pop(key, None)
     return out
 
@@ -222,7 +222,8 @@ def check_run_folder(out_dir: str | os.PathLike, recipe: dict[str, Any], *, over
 
 def _resumable_checkpoints(folder: Path) -> list[str]:
     """The ``checkpoints/step-N`` folders of ``folder`` that ``train.resume: latest`` could continue from
-    (complete, :func:`finetune.resume.checkpoint_problem`), oldest first, as ``checkpoints/step-N``."""
+    (complete, :func:`finetune.resume.checkpoint_problem` without reading every byte: the resume itself checks the
+    sha256 of each file), oldest first, as ``checkpoints/step-N``."""
     from finetune.resume import CHECKPOINT_PREFIX, checkpoint_problem  # finetune.resume imports this module
 
     ckpt = folder / "checkpoints"
@@ -230,7 +231,7 @@ def _resumable_checkpoints(folder: Path) -> list[str]:
         return []
     steps = sorted((p for p in ckpt.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
                     and p.name[len(CHECKPOINT_PREFIX):].isdigit()), key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
-    return [f"checkpoints/{p.name}" for p in steps if checkpoint_problem(p) is None]
+    return [f"checkpoints/{p.name}" for p in steps if checkpoint_problem(p, hashes=False) is None]
 
 
 def clear_previous_run(out_dir: str | os.PathLike) -> list[str]:

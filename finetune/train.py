@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -220,8 +221,8 @@ class TrainState:
     train_time_s: float = 0.0
     #: the recipe's continuation view (``finetune.run_folder.continuation_view``), checked on resume
     recipe: dict[str, Any] | None = None
-    #: ``{file: bytes}`` of the checkpoint beside this state, checked on resume
-    files: dict[str, int] = field(default_factory=dict)
+    #: ``{file: {"bytes": size, "sha256": hex}}`` of the checkpoint beside this state, checked on resume
+    files: dict[str, Any] = field(default_factory=dict)
     #: FLOPs of one step on one process (counted at step 1, :func:`finetune.throughput.count_flops`)
     flops_per_step: int | None = None
 
@@ -276,35 +277,185 @@ def stream_state_file(folder: Path, rank: int) -> Path:
     return folder / f"stream_state_{rank}.json"
 
 
-def save_checkpoint(
-    accelerator: Any, ckpt_dir: Path, state: TrainState, keep: int, stream_state: dict | None = None
-) -> Path:
-    """``accelerator.save_state`` into ``step-N.tmp``, then an atomic rename to ``step-N``.
+class SaveFailedError(RuntimeError):
+    """A checkpoint (or ``final/``) could not be written: the disk is full, or another I/O error. The message says
+    how much was needed and free, where, and what was kept; :mod:`finetune.run` prints it and exits 1.
 
-    ``stream_state``: this process's stream position (``StreamLoader.state_dict()``: its data-loader workers'
-    positions), written by each process as ``stream_state_<rank>.json`` into the temporary folder before the
-    rename; every other file is written by accelerate (the main process for shared files), so on a filesystem
-    shared by several nodes each file has one writer.
+    Attributes:
+        kept: the newest complete checkpoint (None when there is none).
+        disk_full: whether the disk (or quota) ran out.
     """
-    final = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
-    tmp = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}.tmp"
-    if accelerator.is_main_process:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if stream_state is not None:
-        stream_state_file(tmp, accelerator.process_index).write_text(json.dumps(stream_state))
-        accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        from .resume import file_manifest
 
-        state.files = file_manifest(tmp)
-        (tmp / "train_state.json").write_text(state.to_json())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+    def __init__(self, message: str, *, kept: Path | None = None, disk_full: bool = False) -> None:
+        super().__init__(message)
+        self.kept = kept
+        self.disk_full = disk_full
+
+
+_WRITER_WORDS = ("inline_container", "PytorchStreamWriter", "file write failed")
+#: how the writers that name no errno (safetensors, tokenizers: Rust ``io::Error``) say that the disk is full
+_FULL_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded", "os error 28", "os error 122")
+
+
+def is_write_error(error: BaseException) -> bool:
+    """Whether ``error`` is a failed write: an ``OSError``, safetensors' ``SafetensorError``, torch's zip writer's
+    ``RuntimeError``, or any error that says the disk is full (the tokenizers library raises a bare ``Exception``:
+    ``No space left on device (os error 28)``)."""
+    from safetensors import SafetensorError
+
+    if isinstance(error, (OSError, SafetensorError)):
+        return True
+    text = str(error)
+    if any(words in text for words in _FULL_WORDS):
+        return True
+    return isinstance(error, RuntimeError) and any(words in text for words in _WRITER_WORDS)
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists() or not os.path.ismount(path):
+        if path.parent == path:
+            break
+        path = path.parent
+    return path
+
+
+def describe_save_failure(error: BaseException, folder: Path, need: int | None) -> tuple[str, bool]:
+    """``(why, disk_full)`` for a failed write into ``folder`` of about ``need`` bytes: a full disk (``ENOSPC`` or
+    ``EDQUOT`` anywhere in the exception chain, the words of torch's and safetensors' writers, or a torch zip
+    writer error while the disk has less free space than the save needs) is said so, with how much was needed,
+    how much is free and on which file system; any other error is named as it is."""
+    import errno
+
+    chain, seen = [], error
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(f"{type(e).__name__}: {e}" for e in chain)
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain) or any(
+        words in text for words in _FULL_WORDS)
+    if not full and need is not None and free < need and any(words in text for words in _WRITER_WORDS):
+        full = True  # torch's zip writer names no errno; it fails so when the data no longer fits
+    if full:
+        needed = f"about {_size(need)} are needed, " if need else ""
+        return (f"the disk is full ({needed}{_size(free)} free now in {existing}, on the file system mounted at "
+                f"{_mount_point(existing)})", True)
+    first = chain[-1] if chain else error
+    return f"{type(first).__name__}: {first}".splitlines()[0], False
+
+
+def _agree(accelerator: Any, failure: str | None) -> str | None:
+    """The first failure any process reports (every process gets the same answer; a collective, so every process
+    calls it at the same point)."""
+    if accelerator.num_processes == 1:
+        return failure
+    from accelerate.utils import gather_object
+
+    return next((f for f in gather_object([failure]) if f), None)
+
+
+def save_checkpoint(
+    accelerator: Any, ckpt_dir: Path, state: TrainState, keep: int, stream_state: dict | None = None, *,
+    need_bytes: Callable[[], int] | None = None,
+) -> Path:
+    """``accelerator.save_state`` into a temporary folder, then an atomic rename to ``step-N``; the older
+    checkpoints beyond the last ``keep`` (and any of a later step, left by the trajectory a resume from an
+    earlier checkpoint abandoned) are removed only once the new one is complete.
+
+    The temporary folder is ``step-N.<PID@HOST>.tmp`` (the main process's :func:`finetune.run_folder.process_tag`:
+    a later run removes it only once that process is gone). ``stream_state``: this process's stream position
+    (``StreamLoader.state_dict()``), written by each process as ``stream_state_<rank>.json``; every other file is
+    written by accelerate (the main process for shared files, each process its ``random_states_<rank>.pkl``), so
+    on a filesystem shared by several nodes each file has one writer. The main process then records the size and
+    sha256 of every file (:func:`finetune.resume.file_manifest`) in ``train_state.json``, gives the files the
+    user's umask (safetensors writes ``0600``) and renames the folder.
+
+    Raises:
+        SaveFailedError: a write failed on some process (every process raises it): the temporary folder is
+            removed, the earlier checkpoints are kept, and the message says why (a full disk: how much was
+            needed and is free, where) and which checkpoint is the newest complete one.
+    """
+    from .models.atomic import apply_umask, replace_dir
+    from .resume import STATE_NAME, file_manifest
+    from .run_folder import folder_bytes, process_tag
+
+    main = accelerator.is_main_process
+    final = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
+    name = f"{CHECKPOINT_PREFIX}{state.step}.{process_tag()}.tmp"
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        name = broadcast_object_list([name])[0]  # the main process's tag
+    tmp = ckpt_dir / name
+
+    def need() -> int | None:
+        previous = list_checkpoints(ckpt_dir)
+        sizes = [folder_bytes(previous[-1])] if previous else []
+        if need_bytes is not None:
+            sizes.append(need_bytes())
+        return max(sizes) if sizes else None
+
+    def attempt(write: Callable[[], None]) -> str | None:
+        try:
+            write()
+        except Exception as error:  # noqa: BLE001 - every process must learn of it, or the others wait forever
+            if not is_write_error(error):
+                log.error("saving checkpoint %s failed on process %d", final.name, accelerator.process_index,
+                          exc_info=True)
+            why, _ = describe_save_failure(error, ckpt_dir, need())
+            return why
+        return None
+
+    def begin() -> None:
+        if main:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+
+    def write_state() -> None:
+        accelerator.save_state(str(tmp))
+        if stream_state is not None:
+            stream_state_file(tmp, accelerator.process_index).write_text(json.dumps(stream_state))
+
+    def finish() -> None:
+        if main:
+            state.files = file_manifest(tmp)
+            (tmp / STATE_NAME).write_text(state.to_json())
+            apply_umask(tmp)
+            replace_dir(tmp, final)
+
+    failure = None
+    for write in (begin, write_state, finish):
+        failure = _agree(accelerator, attempt(write))  # also the barrier between the phases
+        if failure:
+            break
+    if failure:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = list_checkpoints(ckpt_dir)
+        last = kept[-1] if kept else None
+        said = (f"the newest complete checkpoint, {last.parent.name}/{last.name}, is kept" if last is not None
+                else "no earlier checkpoint exists")
+        raise SaveFailedError(f"checkpoint {final.name} could not be saved in {ckpt_dir}: {failure}; {said}",
+                              kept=last, disk_full=failure.startswith("the disk is full"))
+    if main:
+        from .resume import _steps
+
+        # checkpoints past this step belong to the trajectory a resume left (from an earlier or damaged one):
+        # `latest` must not go back to them
+        for old in [p for p in _steps(ckpt_dir) if int(p.name[len(CHECKPOINT_PREFIX):]) > state.step]:
+            log.info("removed %s: the run continued from an earlier checkpoint", old)
+            shutil.rmtree(old, ignore_errors=True)
         for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -459,6 +610,197 @@ def _split(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
     return split_batch(batch, n)
 
 
+# -- stopping on SIGINT / SIGTERM ----------------------------------------------------------------------------------
+#: the signals a run stops on: Ctrl-C, and what SLURM, Kubernetes and torchrun send before they kill a process
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM while no training step runs (loading, evaluation, the final save): raised at once, like
+    Ctrl-C's ``KeyboardInterrupt``; :mod:`finetune.run` exits with status 128 + the signal, without a traceback."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class TrainingStopped(Exception):
+    """The loop stopped on SIGINT / SIGTERM: the current step was finished and ``checkpoint`` saved (None when
+    saving it failed: then ``error`` says why).
+
+    Attributes:
+        signum: the signal (``signal.SIGTERM`` ...); the process exits with 128 + it (130 for SIGINT, 143 for
+            SIGTERM), as a shell reports a process killed by it.
+        step: the last step trained.
+        checkpoint: the checkpoint that continues the run (``train.resume: latest`` finds it).
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, error: str | None = None) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(f"{name}: stopped after step {step}" + (f"; saved {checkpoint}" if checkpoint else ""))
+        self.signum, self.step, self.checkpoint, self.error = signum, step, checkpoint, error
+
+
+def _say(message: str) -> None:
+    """Write a line to stderr from a signal handler (no logging locks, no buffering)."""
+    try:
+        os.write(2, f"\n{message}\n".encode())
+    except OSError:
+        pass
+
+
+class StopSignals:
+    """SIGINT and SIGTERM handlers for one run (installed by :func:`stop_signals`).
+
+    Inside the training loop (``graceful``) the first signal only sets :attr:`received`: the loop finishes the
+    step it is in, every process agrees to stop after the same step, a checkpoint is saved and
+    :class:`TrainingStopped` raised. Elsewhere the first signal raises :class:`RunInterrupted` at once. A second
+    signal always ends the process at once (``os._exit(128 + signal)``), saving nothing more; what it was
+    writing is a temporary folder tagged with its PID, which the next run removes.
+    """
+
+    #: the handlers installed now, if any
+    active: "StopSignals | None" = None
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.graceful = False
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> bool:
+        """Install the handlers (only the main thread may); False where they cannot be installed."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        StopSignals.active = self
+        return True
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        if StopSignals.active is self:
+            StopSignals.active = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            _say(f"{name} again: exiting at once (status {128 + signum}), without saving")
+            os._exit(128 + signum)
+        self.received = signum
+        if not self.graceful:
+            raise RunInterrupted(signum)
+        _say(f"{name} received: finishing this step and saving a checkpoint before stopping (send it again to exit "
+             "at once)")
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[StopSignals]:
+    """:class:`StopSignals` installed for the block (the ones already installed, when a caller did it), and the
+    previous handlers restored after it."""
+    if StopSignals.active is not None:
+        yield StopSignals.active
+        return
+    stop = StopSignals()
+    installed = stop.install()
+    try:
+        yield stop
+    finally:
+        if installed:
+            stop.uninstall()
+
+
+#: set (in a worker) to the training process's "exiting" event (:func:`worker_signals`)
+_EXITING: Any = None
+
+
+def _exiting_event() -> Any:
+    """An event the training process sets as it exits (``atexit``, which runs before multiprocessing's own
+    exit handler terminates the daemonic data-loader workers with SIGTERM)."""
+    global _EXITING
+    if _EXITING is None:
+        import atexit
+        import multiprocessing
+
+        _EXITING = multiprocessing.Event()
+        atexit.register(_EXITING.set)
+    return _EXITING
+
+
+def _worker_sigterm(signum: int, frame: Any) -> None:
+    if _EXITING is not None and _EXITING.is_set():
+        os._exit(0)  # the training process is exiting and terminates its workers
+
+
+def ignore_stop_signals(worker_id: int = 0, exiting: Any = None) -> None:
+    """``worker_init_fn`` of the data-loader workers (with ``exiting``: :func:`worker_signals`): they ignore SIGINT
+    and SIGTERM (Ctrl-C reaches the whole process group, SLURM signals every process of a job step), so that a
+    stopping run still gets the batches it needs and no worker death interrupts its checkpoint; the training
+    process decides. A SIGTERM after the training process began to exit (its shutdown of the workers) ends the
+    worker; a worker whose training process died ends by itself (torch's worker watchdog)."""
+    global _EXITING
+    _EXITING = exiting
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _worker_sigterm)
+
+
+def worker_signals() -> Callable[[int], None]:
+    """The ``worker_init_fn`` that makes data-loader workers leave SIGINT / SIGTERM to the training process
+    (:func:`ignore_stop_signals`)."""
+    return functools.partial(ignore_stop_signals, exiting=_exiting_event())
+
+
+class StopVote:
+    """Whether to stop after the current step, the same answer on every process.
+
+    One process: the handler's flag, a host variable (no cost). Several: a signal may reach one process first (or
+    only one), and each process must stop after the same step (they meet in every step's gradient all-reduce and
+    in the checkpoint's collectives). After each step every process posts its flag in an all-reduce (MAX) over a
+    gloo group on the CPU, without waiting, and reads the one it posted after the previous step: all read the
+    same value after the same step, so they agree, one step after the first process saw a signal. The device is
+    never waited for; the cost is one small CPU collective per step that completes while the step runs (measured
+    by ``bench/stop_vote.py``).
+    """
+
+    def __init__(self, stop: StopSignals, world_size: int, group: Any = None) -> None:
+        self.stop = stop
+        self.world_size = world_size
+        self.group = group
+        self.signum = 0
+        self._pending: tuple[Any, Tensor] | None = None
+
+    def __call__(self) -> bool:
+        """Post this step's flag; True when the process group agreed to stop now (:attr:`signum` set)."""
+        flag = self.stop.received or 0
+        if self.world_size == 1:
+            self.signum = flag
+            return bool(flag)
+        import torch.distributed as dist
+
+        if self._pending is not None:
+            work, posted = self._pending
+            work.wait()
+            self.signum = int(posted[0])  # a CPU tensor: no device read
+        posted = torch.tensor([flag], dtype=torch.int32)
+        self._pending = (dist.all_reduce(posted, op=dist.ReduceOp.MAX, group=self.group, async_op=True), posted)
+        return bool(self.signum)
+
+    def close(self) -> None:
+        """Wait for the last posted flag (every process posted as many)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+
+class DivergedError(RuntimeError):
+    """The trainable weights became NaN or infinite; the run stops without saving them (names the steps, the
+    newest checkpoint with finite weights and what to change)."""
+
+
+
 class Trainer:
     """Runs the optimisation of a :class:`TrainModule` on a dataset with a collate function.
 
@@ -512,7 +854,7 @@ class Trainer:
 
             loader = self.stream = StreamLoader(
                 dataset, batch_size=cfg.batch_size // world, collate_fn=collate_fn, num_workers=num_workers,
-                on_epoch=functools.partial(set_terms_epoch, module.objective))
+                on_epoch=functools.partial(set_terms_epoch, module.objective), worker_init_fn=worker_signals())
             self.steps_per_epoch = 0
             self.total_steps = cfg.max_steps
         else:
@@ -530,6 +872,12 @@ class Trainer:
             loader, device_placement=False)
         self.state = TrainState()
         self._model = self._unwrapped_model()
+        #: what the divergence check reads at each logging step (the weights an update can change)
+        self._trainable = [p for p in module.parameters() if p.requires_grad]
+        #: a gloo group for the per-step stop flag of several processes (:class:`StopVote`)
+        self._vote_group = None
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._vote_group = torch.distributed.new_group(backend="gloo")
         self.meter = StepMeter(accelerator.device, reduce=accelerator.reduce if world > 1 else None,
                                sticky=cfg.on_nonfinite == "raise",
                                optimizer=getattr(self.optimizer, "optimizer", self.optimizer),
@@ -573,6 +921,7 @@ class Trainer:
             num_workers=num_workers,
             persistent_workers=num_workers > 0,
             prefetch_factor=PREFETCH_BATCHES if num_workers > 0 else None,
+            worker_init_fn=worker_signals() if num_workers > 0 else None,
             generator=torch.Generator().manual_seed(cfg.seed),
         )
         self.steps_per_epoch = self.sampler.steps_per_epoch
@@ -584,7 +933,8 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def maybe_resume(self, resume: str | None, *, checkpoint: str | Path | None = None,
-                     recipe: dict[str, Any] | None = None, ignore_changes: bool = False) -> bool:
+                     recipe: dict[str, Any] | None = None, ignore_changes: bool = False,
+                     ignore_rng: bool | None = None) -> bool:
         """Continue from ``train.resume`` (``latest`` or a checkpoint folder); True when resumed.
 
         Args:
@@ -594,21 +944,33 @@ class Trainer:
             recipe: the run's recipe (``recipe_to_dict``): its continuation view is saved in every
                 checkpoint and compared with the checkpoint's on resume.
             ignore_changes: ``train.resume_ignore_changes``: continue despite a different recipe.
+            ignore_rng: ``train.resume_ignore_rng`` (None: the recipe's): resume from a checkpoint whose RNG state
+                is missing or damaged, with a fresh one seeded from ``train.seed`` and the step.
         Raises:
             finetune.resume.CheckpointError: no usable checkpoint at a given path (names the file).
             finetune.run_folder.RunFolderError: the checkpoint was saved with a different recipe.
         """
-        from .resume import check_continuation, find_checkpoint
+        from .resume import check_continuation, find_checkpoint, rng_problem
         from .run_folder import continuation_view
 
         view = continuation_view(recipe) if recipe is not None else None
         self.state.recipe = view
-        path = Path(checkpoint) if checkpoint is not None else find_checkpoint(resume, self.ckpt_dir)
+        if ignore_rng is None:
+            ignore_rng = bool(getattr(self.cfg, "resume_ignore_rng", False))
+        path = Path(checkpoint) if checkpoint is not None else find_checkpoint(
+            resume, self.ckpt_dir, world_size=self.acc.num_processes, ignore_rng=ignore_rng)
         if path is None:
             return False
         saved = TrainState.from_json((path / "train_state.json").read_text())
         check_continuation(saved.recipe, view, path, ignore_changes=ignore_changes)
+        rng_missing = rng_problem(path, self.acc.process_index) if ignore_rng else None
         self.acc.load_state(str(path))
+        if rng_missing:  # accelerate skipped (or loaded a damaged) RNG state: a fresh one, reproducible from the step
+            from accelerate.utils import set_seed
+
+            set_seed(self.cfg.seed + saved.step + 1_000_003 * self.acc.process_index)
+            log.warning("train.resume_ignore_rng: %s; process %d continues with a fresh RNG state seeded from "
+                        "train.seed and step %d", rng_missing, self.acc.process_index, saved.step)
         self.state = saved
         self.state.recipe = view if view is not None else saved.recipe
         if self.stream is not None:
@@ -698,7 +1060,10 @@ class Trainer:
             and the number of steps applied since the previous read.
         """
         cfg = self.cfg
-        r = self.meter.read([model.logit_scale.detach().float().exp()])
+        r = self.meter.read([model.logit_scale.detach().float().exp(), self._nonfinite_weights()])
+        if r.extra[1] > 0:
+            self._diverged(step, r.first_bad)
+        self._last_read_step = step
         if r.first_bad is not None:
             bad_step, term, value = r.first_bad
             msg = (f"non-finite loss at step {bad_step}: term '{term}' = {value}. Lower train.lr, enable "
@@ -716,6 +1081,39 @@ class Trainer:
             self.state.last_values = values
         return values, r.applied
 
+    def _nonfinite_weights(self) -> Tensor:
+        """``1.`` (a 0-dim tensor on the device) when a trainable weight is NaN or infinite, else ``0.``, summed over
+        processes: the max-abs of every trainable tensor in one fused ``torch._foreach_norm(ord=inf)`` (no overflow:
+        the max of finite values is finite), read with the meter's read at logging steps only."""
+        if not self._trainable:
+            return torch.zeros((), device=self.acc.device)
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for p in self._trainable:
+            by_device.setdefault(p.device, []).append(p.detach())
+        bad = [(~torch.stack(torch._foreach_norm(ps, math.inf)).float().isfinite()).any().float().to(self.acc.device)
+               for ps in by_device.values()]
+        flag = torch.stack(bad).max()
+        if self.meter.reduce is not None:  # a sharded model (FSDP) holds other weights on each process
+            flag = self.meter.reduce(flag, reduction="sum")
+        return flag
+
+    def _diverged(self, step: int, first_bad: tuple[int, str, float] | None) -> None:
+        """Stop the run: the weights are no longer finite (checked at each read). Nothing is saved."""
+        kept = list_checkpoints(self.ckpt_dir)
+        since = f"between step {self._last_read_step} and step {step}" if self._last_read_step < step - 1 else \
+            f"at step {step}"
+        loss = (f"; the first non-finite loss was at step {first_bad[0]} (term '{first_bad[1]}' = {first_bad[2]})"
+                if first_bad else "")
+        skip = (" With train.on_nonfinite: skip every later step would be skipped; " if self.cfg.on_nonfinite == "skip"
+                else " ")
+        where = (f"The newest checkpoint, {kept[-1]}, was saved with finite weights: resume from it with those "
+                 "changes (train.resume=latest train.resume_ignore_changes=true)" if kept else
+                 "No checkpoint was saved before it (train.checkpoint_every keeps some)")
+        raise DivergedError(
+            f"the trainable weights became NaN or infinite {since} (checked at each logging step, train.log_every)"
+            f"{loss}.{skip}the run stops here and saves nothing of these weights. {where}. To avoid it: lower "
+            "train.lr, set train.grad_clip (e.g. 1.0), raise train.warmup_steps, or check the data")
+
     def train(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
         """Run until ``total_steps``; returns the history, the final per-term losses and the throughput.
 
@@ -723,7 +1121,44 @@ class Trainer:
         and truncation counts stay on the device (:class:`StepMeter`) and are read at logging steps
         (``train.log_every``, step 1 and the last step) and checkpoints. ``on_step(step, values)``, when given,
         is called after every applied step with its values, which reads them every step (for tests and tools).
+
+        SIGINT / SIGTERM (:class:`StopSignals`, installed here unless the caller did): the step in progress is
+        finished, every process stops after the same step (:class:`StopVote`), a checkpoint is saved and
+        :class:`TrainingStopped` raised; a second signal exits at once.
+
+        Raises:
+            TrainingStopped: a signal stopped the run (after saving a checkpoint).
+            NonFiniteLossError: a non-finite loss under ``on_nonfinite: raise``.
+            DivergedError: the trainable weights became non-finite (nothing saved).
+            SaveFailedError: a checkpoint could not be written (the earlier ones are kept).
         """
+        with stop_signals() as stop:
+            graceful, stop.graceful = stop.graceful, True
+            vote = StopVote(stop, self.acc.num_processes, self._vote_group)
+            try:
+                return self._train(on_step, vote)
+            finally:
+                stop.graceful = graceful
+
+    def _save(self, clock: Any) -> Path:
+        """A checkpoint of the current step (time spent saving left out of the throughput)."""
+        saving = time.perf_counter()
+        self.state.train_time_s = self._time_before + clock.elapsed() - clock.excluded_s
+        stream_state = self.stream.state_dict() if self.stream is not None else None
+        path = save_checkpoint(self.acc, self.ckpt_dir, self.state, self.cfg.keep_checkpoints, stream_state,
+                               need_bytes=self._checkpoint_bytes)
+        clock.excluded_s += time.perf_counter() - saving
+        return path
+
+    def _checkpoint_bytes(self) -> int:
+        """About what one checkpoint takes: the model's and objective's tensors and the optimiser's state."""
+        tensors = list(self.module.state_dict().values())
+        for entry in getattr(self.optimizer, "state", {}).values():
+            tensors += [v for v in entry.values() if torch.is_tensor(v)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _train(self, on_step: Callable[[int, dict[str, float]], None] | None, vote: StopVote) -> TrainResult:
+        """:meth:`train`'s loop."""
         from tqdm.auto import tqdm
 
         from .throughput import LoopClock, count_flops
@@ -736,6 +1171,7 @@ class Trainer:
         remaining = self.total_steps - first
         self.clock = clock = LoopClock(skip_steps=first + max(1, min(10, remaining // 10)))
         clock.mark(first, self.state.samples_seen)
+        self._last_read_step = first
         bar = tqdm(total=self.total_steps, initial=first, disable=not acc.is_local_main_process,
                    desc="train", dynamic_ncols=True)
         batches = iter(DevicePrefetcher(self._batches(), acc.device))
@@ -756,13 +1192,14 @@ class Trainer:
                 self.train_step(batch, step)
             self.state.step = step
             bar.update(1)
-            log_now = step % cfg.log_every == 0 or step == self.total_steps or step == first + 1
-            save_now = bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0
+            stopping = vote()  # a host flag (several processes: agreed through a CPU all-reduce, one step behind)
+            log_now = step % cfg.log_every == 0 or step == self.total_steps or step == first + 1 or stopping
+            save_now = bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0 or stopping
             if not (log_now or save_now or on_step is not None):
                 continue
             try:
                 values, applied = self._read(model, step)
-            except NonFiniteLossError:
+            except (NonFiniteLossError, DivergedError):
                 bar.close()
                 raise
             clock.mark(step, self.state.samples_seen)
@@ -776,15 +1213,23 @@ class Trainer:
                 bar.set_postfix({"loss": f"{values['loss']:.4f}",
                                  **{k: f"{v:.4f}" for k, v in term_values(values)},
                                  "samples_s": f"{rate:.1f}"})
+            if stopping:
+                bar.close()
+                try:
+                    saved = self._save(clock)
+                except SaveFailedError as error:
+                    raise TrainingStopped(vote.signum, step, None, str(error)) from error
+                raise TrainingStopped(vote.signum, step, saved)
             if save_now:
-                saving = time.perf_counter()
-                self.state.train_time_s = self._time_before + clock.elapsed() - clock.excluded_s
-                stream_state = self.stream.state_dict() if self.stream is not None else None
-                save_checkpoint(acc, self.ckpt_dir, self.state, cfg.keep_checkpoints, stream_state)
-                clock.excluded_s += time.perf_counter() - saving
+                try:
+                    self._save(clock)
+                except SaveFailedError:
+                    bar.close()
+                    raise
             if on_step is not None and applied:
                 on_step(step, values)
         bar.close()
+        vote.close()
         wall = self._time_before + clock.elapsed() - clock.excluded_s
         self.state.train_time_s = wall
         throughput = self._throughput(clock, self.state.flops_per_step)

@@ -35,11 +35,12 @@ it). Resume with the same number of processes and ``data.num_workers``.
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ import torch
 
 from finetune.data.images import DataError, ImageReadError, read_image
 from finetune.data.sources import STREAM_SOURCES, SourceSpec, _data_files, register_source
+from finetune.data.text import as_captions
 
 __all__ = [
     "STREAM_SOURCES",
@@ -55,6 +57,7 @@ __all__ = [
     "ExampleStream",
     "StreamCollate",
     "StreamLoader",
+    "check_stream_columns",
     "check_stream_recipe",
     "check_stream_shards",
     "expand_urls",
@@ -164,6 +167,72 @@ def shard_layout(num_shards: int, world_size: int = 1, num_workers: int = 0) -> 
     return text
 
 
+#: the member name (``KEY.err``) that marks where a webdataset shard broke (:class:`_WholeSamples`)
+_UNREADABLE_SHARD = "__xlipkit_unreadable_shard__"
+#: why each shard that broke could not be read, keyed by its path (in the process that read it)
+_SHARD_ERRORS: dict[str, str] = {}
+_SAMPLE_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # datasets' (webdataset's) base_plus_ext
+
+
+class _WholeSamples:
+    """One webdataset shard's members, as ``datasets``' webdataset builder iterates them (``(name, file)``), read
+    here one whole sample at a time. A shard that breaks (a truncated last member: ``tarfile.ReadError: unexpected
+    end of data``, a damaged header) drops the sample it broke in and ends with a marker member, so that
+    :class:`ExampleStream` skips the rest of the shard (counted, named) or raises naming it, per ``data.on_error``,
+    and ``datasets`` goes on with the next shard; its own position stays exact for a resume."""
+
+    def __init__(self, path: str, members: Iterable) -> None:
+        self.path = path
+        self.members = members
+
+    def __iter__(self) -> Iterator[tuple[str, io.BytesIO]]:
+        pending: list[tuple[str, io.BytesIO]] = []
+        key = None
+        members = iter(self.members)
+        while True:
+            try:
+                name, handle = next(members)
+                data = handle.read()
+            except StopIteration:
+                break
+            except Exception as error:  # tarfile, gzip, OS errors: the rest of this shard cannot be read
+                _SHARD_ERRORS[self.path] = f"{type(error).__name__}: {error}"
+                yield f"{_UNREADABLE_SHARD}.err", io.BytesIO(b"")
+                return
+            match = _SAMPLE_KEY.match(name)
+            sample = match.group(1) if match else None
+            if pending and sample != key:
+                yield from pending
+                pending = []
+            key = sample
+            pending.append((name, io.BytesIO(data)))
+        yield from pending
+
+
+def _read_whole_samples(ds: datasets.IterableDataset) -> None:
+    """Wrap each shard of a webdataset stream in :class:`_WholeSamples` (in ``datasets``' generator arguments, which
+    its shuffling and sharding carry along); left as it is where ``datasets`` keeps them otherwise."""
+    ex = getattr(ds, "_ex_iterable", None)
+    while ex is not None and not hasattr(ex, "kwargs"):
+        ex = getattr(ex, "ex_iterable", None)
+    kwargs = getattr(ex, "kwargs", None)
+    if not isinstance(kwargs, dict) or not isinstance(kwargs.get("tar_iterators"), list):
+        logger.debug("webdataset stream: datasets keeps its shards otherwise; broken shards are not skipped")
+        return
+    kwargs["tar_iterators"] = [m if isinstance(m, _WholeSamples) else _WholeSamples(str(path), m)
+                               for path, m in zip(kwargs["tar_paths"], kwargs["tar_iterators"])]
+
+
+def _shard_files(ds: datasets.IterableDataset) -> list[str]:
+    """The shard files a stream view reads, where ``datasets`` says (else ``[]``), for messages."""
+    ex = getattr(ds, "_ex_iterable", None)
+    while ex is not None and not hasattr(ex, "kwargs"):
+        ex = getattr(ex, "ex_iterable", None)
+    kwargs = getattr(ex, "kwargs", None) or {}
+    files = kwargs.get("tar_paths") or kwargs.get("files") or []
+    return [str(f) for f in files] if isinstance(files, list) else []
+
+
 def _own_shards(files: list[str], spec: SourceSpec, rank: int, world_size: int) -> list[str]:
     """Process ``rank``'s shard files, ``files[rank::world_size]`` (DataError when some process gets none)."""
     if len(files) < world_size:
@@ -223,11 +292,14 @@ def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int
     _check_fields(spec)
     if unused:
         raise DataError(f"data source {spec.name!r}: {', '.join(unused)} is not used by a stream; remove it")
+    own: list[str] = []
     try:
         if spec.name in ("webdataset", "parquet"):
             files = _stream_files(spec, ".tar" if spec.name == "webdataset" else ".parquet")
             own = _own_shards(files, spec, rank, world_size)
             ds = datasets.load_dataset(spec.name, data_files={"train": own}, split="train", streaming=True)
+            if spec.name == "webdataset":
+                _read_whole_samples(ds)
         else:
             if not spec.path:
                 raise DataError("data source 'hub' needs path: a hub dataset id (org/dataset) or a local dataset "
@@ -244,7 +316,9 @@ def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int
         raise
     except Exception as error:  # datasets raises several types for unreadable / unknown sources
         where = spec.path or spec.urls
-        raise DataError(f"data source {spec.name!r} ({where!r}): cannot open as a stream: {error}") from error
+        first = f" (datasets reads the first examples of {own[0]} to learn the columns)" if own else ""
+        raise DataError(f"data source {spec.name!r} ({where!r}): cannot open as a stream: {type(error).__name__}: "
+                        f"{error}{first}") from error
     if not isinstance(ds, datasets.IterableDataset):
         raise DataError(f"data source {spec.name!r}: expected one split as a stream, got {type(ds).__name__}; "
                         "set split")
@@ -330,6 +404,48 @@ def _check_example_fields(spec: SourceSpec, objective: Any, recipe: Any) -> None
             file=getattr(recipe, "source", None), key="data.train.options.fields")
 
 
+def _caption_feature_problem(feature: Any) -> str | None:
+    """What a caption column's ``datasets`` feature holds when it cannot hold text (``"int64 values"``), else None:
+    strings, or lists of strings (several captions of one image), are captions."""
+    inner = getattr(feature, "feature", None)
+    if inner is not None and getattr(feature, "dtype", None) is None:  # List / Sequence / LargeList
+        problem = _caption_feature_problem(inner)
+        return f"lists of {problem}" if problem else None
+    dtype = getattr(feature, "dtype", None)
+    if dtype in ("string", "large_string"):
+        return None
+    return f"{dtype} values" if dtype else f"{type(feature).__name__} values"
+
+
+def check_stream_columns(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int = 1) -> None:
+    """Recipe-time check of a stream's columns (before the model loads): the image and caption columns exist, and
+    the caption column's type (the parquet schema, or what ``datasets`` learned from the first examples of a
+    webdataset shard) can hold text. A parquet column of numbers would otherwise make every example a bad one,
+    found only when training starts.
+
+    Raises:
+        DataError: a missing column, or a caption column that cannot hold text (naming it, its type and the
+            shard, and the key to set).
+    """
+    spec = SourceSpec.parse(spec)
+    if not spec.is_stream:
+        return
+    ds = open_stream(spec, rank=rank, world_size=world_size)
+    features = ds.features
+    if not features:
+        return  # a hub stream whose columns datasets only learns while reading
+    _, caption, _ = _resolve_columns(spec, list(features))
+    if caption not in features:  # json.FIELD of a webdataset KEY.json: checked example by example
+        return
+    problem = _caption_feature_problem(features[caption])
+    if problem:
+        shard = _shard_files(ds)[:1]
+        raise DataError(
+            f"data source {spec.name!r}: the caption column {caption!r} holds {problem}, not text"
+            + (f" (in {shard[0]})" if shard else "") + f"; columns: {', '.join(features)}. Set data.train.caption_column "
+            "to the column that holds the captions (strings, or lists of strings)")
+
+
 # --------------------------------------------------------------------------- examples
 
 
@@ -351,6 +467,36 @@ def _lookup(raw: dict[str, Any], key: str) -> Any:
 
 def _has(columns: list[str], key: str) -> bool:
     return key in columns or key.partition(".")[0] in columns and "." in key
+
+
+def _resolve_columns(spec: SourceSpec, columns: list[str]) -> tuple[str, str, str | None]:
+    """``(image, caption, id or None)``: the columns of a stream that hold each (see :class:`ExampleStream`).
+
+    Raises:
+        DataError: a missing image, caption or (given) id column, naming the recipe key to set.
+    """
+
+    def pick(given: str, default: str, fallbacks: tuple[str, ...], what: str, key: str) -> str:
+        candidates = (given, *fallbacks) if given == default else (given,)
+        for candidate in candidates:
+            if _has(columns, candidate):
+                return candidate
+        raise DataError(
+            f"data source {spec.name!r}: no {what} column {given!r}"
+            + (f" (nor {', '.join(fallbacks)})" if given == default else "")
+            + f"; columns: {', '.join(columns)}. Set data.train.{key} to the column that holds the {what}."
+        )
+
+    image = pick(spec.image_column, "image", WEBDATASET_IMAGE_KEYS, "image", "image_column")
+    caption = pick(spec.caption_column, "caption", DEFAULT_CAPTION_KEYS, "caption", "caption_column")
+    if spec.id_column is not None:
+        if not _has(columns, spec.id_column):
+            raise DataError(f"data source {spec.name!r}: no id column {spec.id_column!r}; columns: "
+                            f"{', '.join(columns)}. Set data.train.id_column or remove it.")
+        ident: str | None = spec.id_column
+    else:
+        ident = next((c for c in ("id", "__key__") if c in columns), None)
+    return image, caption, ident
 
 
 class ExampleStream(torch.utils.data.IterableDataset):
@@ -409,6 +555,9 @@ class ExampleStream(torch.utils.data.IterableDataset):
         self.yielded = 0
         self.skipped = 0
         self.skipped_examples: list[dict[str, str]] = []
+        #: webdataset shards whose rest was skipped (every time; the first few named, each once)
+        self.skipped_shard_count = 0
+        self.skipped_shards: list[dict[str, str]] = []
         self._resumed = False
         self._dataset_state: dict | None = None  # datasets' position in the current epoch, from a checkpoint
         self._current: datasets.IterableDataset | None = None  # the current epoch's view of ``dataset``
@@ -428,30 +577,7 @@ class ExampleStream(torch.utils.data.IterableDataset):
 
     # -- columns ---------------------------------------------------------------------------------
     def _resolve_keys(self, raw: dict[str, Any]) -> tuple[str, str, str | None]:
-        spec = self.spec
-        columns = list(self.dataset.column_names or raw.keys())
-
-        def pick(given: str, default: str, fallbacks: tuple[str, ...], what: str, key: str) -> str:
-            candidates = (given, *fallbacks) if given == default else (given,)
-            for candidate in candidates:
-                if _has(columns, candidate):
-                    return candidate
-            raise DataError(
-                f"data source {spec.name!r}: no {what} column {given!r}"
-                + (f" (nor {', '.join(fallbacks)})" if given == default else "")
-                + f"; columns: {', '.join(columns)}. Set data.train.{key} to the column that holds the {what}."
-            )
-
-        image = pick(spec.image_column, "image", WEBDATASET_IMAGE_KEYS, "image", "image_column")
-        caption = pick(spec.caption_column, "caption", DEFAULT_CAPTION_KEYS, "caption", "caption_column")
-        if spec.id_column is not None:
-            if not _has(columns, spec.id_column):
-                raise DataError(f"data source {spec.name!r}: no id column {spec.id_column!r}; columns: "
-                                f"{', '.join(columns)}. Set data.train.id_column or remove it.")
-            ident: str | None = spec.id_column
-        else:
-            ident = next((c for c in ("id", "__key__") if c in columns), None)
-        return image, caption, ident
+        return _resolve_columns(self.spec, list(self.dataset.column_names or raw.keys()))
 
     def _example(self, raw: dict[str, Any]) -> tuple[dict[str, Any], str | None, str]:
         """(example, reason it is bad or None, where it came from)."""
@@ -471,10 +597,16 @@ class ExampleStream(torch.utils.data.IterableDataset):
                 caption = caption.decode("utf-8")
             except UnicodeDecodeError:
                 return example, "caption is not UTF-8 text", url
-        if isinstance(caption, (list, tuple)):
-            example["captions"] = [str(c) for c in caption if isinstance(c, str)]
-            caption = next((c for c in example["captions"] if c.strip()), "")
-        if not isinstance(caption, str) or not caption.strip():
+        if caption is None:
+            return example, f"no caption ({caption_key!r} is missing)", url
+        try:  # the caption rules of map-style sources: a string, or a list of strings
+            captions = as_captions(caption)
+        except (TypeError, ValueError) as error:
+            return example, str(error), url
+        if not isinstance(caption, str):
+            example["captions"] = captions
+        caption = next((c for c in captions if c.strip()), "")
+        if not caption.strip():
             return example, "empty caption", url
         example["caption"] = caption
         image = _lookup(raw, image_key)
@@ -514,9 +646,19 @@ class ExampleStream(torch.utils.data.IterableDataset):
             usable = 0
             # ``iter`` reads exactly this view: iterating the dataset itself in a DataLoader worker would split
             # it by worker again (and datasets 5.2 then cannot load a shuffled stream's saved position)
-            for rows in self._current.iter(batch_size=1):
+            rows_of_epoch = self._current.iter(batch_size=1)
+            while True:
+                try:
+                    rows = next(rows_of_epoch)
+                except StopIteration:
+                    break
+                except Exception as error:  # a shard datasets cannot read (webdataset shards end in a marker)
+                    self._unreadable(error)
                 raw = {key: values[0] for key, values in rows.items()}
                 self.position += 1
+                if raw.get("__key__") == _UNREADABLE_SHARD:
+                    self._skip_shard(str(raw.get("__url__") or ""))
+                    continue
                 self.read += 1
                 example, reason, url = self._example(raw)
                 if reason is not None:
@@ -533,17 +675,51 @@ class ExampleStream(torch.utils.data.IterableDataset):
                 where = f"process {self.rank} of {self.world_size}"
                 if self.num_workers:
                     where += f", data-loader worker {self.worker} of {self.num_workers},"
+                first = self.skipped_examples[0] if self.skipped_examples else None
+                why = (f"; the first skipped: id={first['id']!r} in {first['path']}: {first['reason']}" if first else "")
+                broken = (f"; broken shards skipped: {', '.join(e['shard'] for e in self.skipped_shards)}"
+                          if self.skipped_shards else "")
                 raise DataError(
                     f"data source {self.spec.name!r}: {where} found no usable examples in epoch {self.epoch} "
-                    f"({self.position} read, {self.skipped} skipped in all; first: {self.skipped_examples[:1]}); "
-                    "check data.train (urls, columns) and that there are at least as many shards as processes "
-                    "x data.num_workers"
+                    f"({self.read} read, {self.skipped} skipped in all{why}{broken}); check data.train (urls, "
+                    "columns) and that there are at least as many shards as processes x data.num_workers"
                 )
             resumed = False
             self._dataset_state = None
             self._current = None
             self.epoch += 1
             self.position = 0
+
+    def _where(self) -> str:
+        where = f"process {self.rank} of {self.world_size}"
+        if self.num_workers:
+            where += f", data-loader worker {self.worker} of {self.num_workers}"
+        return where
+
+    def _skip_shard(self, shard: str) -> None:
+        """A webdataset shard broke (:class:`_WholeSamples`): raise naming it, or skip its rest, counted."""
+        reason = _SHARD_ERRORS.pop(shard, "it ended early")
+        if self.on_error == "raise":
+            raise DataError(
+                f"data source {self.spec.name!r}: shard {shard} cannot be read to its end ({reason}): it is truncated "
+                "or damaged (the samples before the break were read). Replace or remove the shard, or set "
+                "data.on_error: skip to skip the rest of a broken shard (counted in metrics.json)")
+        self.skipped_shard_count += 1
+        if shard not in {e["shard"] for e in self.skipped_shards} and len(self.skipped_shards) < _SKIPPED_EXAMPLES_KEPT:
+            self.skipped_shards.append({"shard": shard, "reason": reason})
+        logger.warning("data source %r (%s): skipped the rest of shard %s, which cannot be read to its end (%s); "
+                       "data.on_error: skip", self.spec.name, self._where(), shard, reason)
+
+    def _unreadable(self, error: Exception) -> None:
+        """A read error of ``datasets`` with no shard to skip to (a parquet or hub shard): a DataError naming this
+        reader's shards."""
+        files = _shard_files(self._current) if self._current is not None else []
+        shards = (f"one of its {len(files)} shard(s) ({', '.join(files[:3])}{', ...' if len(files) > 3 else ''})"
+                  if files else "one of its shards")
+        raise DataError(
+            f"data source {self.spec.name!r}: {self._where()} cannot read {shards} in epoch {self.epoch}: "
+            f"{type(error).__name__}: {error}. Replace or remove the damaged shard (data.on_error: skip passes over "
+            "a broken webdataset shard, not a parquet or hub one)") from error
 
     def _skip(self, ident: str, url: str, reason: str) -> None:
         if self.on_error == "raise":
@@ -576,6 +752,8 @@ class ExampleStream(torch.utils.data.IterableDataset):
             "yielded": self.yielded,
             "skipped": self.skipped,
             "skipped_examples": list(self.skipped_examples),
+            "skipped_shard_count": self.skipped_shard_count,
+            "skipped_shards": list(self.skipped_shards),
             "dataset": current if current is not None else self._dataset_state,
         }
 
@@ -607,16 +785,27 @@ class ExampleStream(torch.utils.data.IterableDataset):
         self.yielded = int(state["yielded"])
         self.skipped = int(state["skipped"])
         self.skipped_examples = list(state["skipped_examples"])
+        self.skipped_shard_count = int(state.get("skipped_shard_count", 0))
+        self.skipped_shards = list(state.get("skipped_shards", []))
         self._dataset_state = state["dataset"]
         self._resumed = True
 
     def report(self) -> dict[str, Any]:
         """Counts for ``metrics.json``: examples read, used and skipped (this reader) and the first skipped."""
         return {"epoch": self.epoch, "read": self.read, "used": self.yielded, "skipped": self.skipped,
-                "skipped_examples": list(self.skipped_examples)}
+                "skipped_examples": list(self.skipped_examples), "skipped_shard_count": self.skipped_shard_count,
+                "skipped_shards": list(self.skipped_shards)}
 
 
 # --------------------------------------------------------------------------- loader
+
+
+def _unique_shards(entries: Iterable[dict[str, str]]) -> list[dict[str, str]]:
+    """The first few skipped shards, each once."""
+    out: dict[str, dict[str, str]] = {}
+    for entry in entries:
+        out.setdefault(entry["shard"], entry)
+    return list(out.values())[:_SKIPPED_EXAMPLES_KEPT]
 
 
 def set_terms_epoch(objective: Any, epoch: int) -> None:
@@ -684,11 +873,13 @@ class StreamLoader:
         pin_memory: page-locked batches, for fast non-blocking copies to an accelerator.
         prefetch_factor: batches each worker prepares ahead.
         on_epoch: ``Term.set_epoch`` of every term (see :class:`StreamCollate`).
+        worker_init_fn: run in each worker as it starts (the trainer's makes workers ignore SIGINT / SIGTERM).
     """
 
     def __init__(self, stream: ExampleStream, *, batch_size: int, collate_fn: Callable[[list[dict]], dict[str, Any]],
                  num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int = 2,
-                 on_epoch: Callable[[int], None] | None = None) -> None:
+                 on_epoch: Callable[[int], None] | None = None,
+                 worker_init_fn: Callable[[int], None] | None = None) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         self.stream = stream
@@ -707,6 +898,7 @@ class StreamLoader:
                 stream, batch_size=batch_size, collate_fn=StreamCollate(collate_fn, stream, on_epoch), drop_last=True,
                 num_workers=self.num_workers, pin_memory=pin_memory,
                 prefetch_factor=prefetch_factor if self.num_workers else None, snapshot_every_n_steps=1,
+                worker_init_fn=worker_init_fn if self.num_workers else None,
             )
         #: the epoch of the reader of the last batch yielded
         self.epoch = 0
@@ -758,6 +950,8 @@ class StreamLoader:
         return {"epoch": min(r["epoch"] for r in reports), "read": sum(r["read"] for r in reports),
                 "used": sum(r["used"] for r in reports), "skipped": sum(r["skipped"] for r in reports),
                 "skipped_examples": [e for r in reports for e in r["skipped_examples"]][:_SKIPPED_EXAMPLES_KEPT],
+                "skipped_shard_count": sum(r.get("skipped_shard_count", 0) for r in reports),
+                "skipped_shards": _unique_shards(e for r in reports for e in r.get("skipped_shards", [])),
                 "num_workers": self.num_workers}
 
     def preview(self) -> list[dict[str, Any]]:

@@ -48,13 +48,32 @@ def _trainer(tmp_path, scenes, **train):
                    tmp_path / "run")
 
 
+#: the folders ``Accelerator.save_state`` wrote the checkpoints of :func:`finished` into
+SAVED_INTO: list[str] = []
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, scenes):
-    """A run of 4 steps with checkpoints at steps 2 and 4, saved with recipe ``_recipe()``."""
+    """A run of 4 steps with checkpoints at steps 2 and 4, saved with recipe ``_recipe()`` under umask 027 (the
+    folders accelerate wrote into recorded in :data:`SAVED_INTO`)."""
+    import os
+
     tmp = tmp_path_factory.mktemp("finished")
     trainer = _trainer(tmp, scenes)
     trainer.maybe_resume(None, recipe=_recipe())
-    result = trainer.train()
+    save_state = Accelerator.save_state
+
+    def recording(self, output_dir=None, **kwargs):
+        SAVED_INTO.append(output_dir)
+        return save_state(self, output_dir, **kwargs)
+
+    before = os.umask(0o027)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Accelerator, "save_state", recording)
+            result = trainer.train()
+    finally:
+        os.umask(before)
     return tmp, result
 
 
@@ -66,13 +85,103 @@ def _copy(finished, tmp_path):
     return tmp_path / "run" / "checkpoints"
 
 
-def test_a_checkpoint_records_its_files_and_recipe(finished):
+def test_a_checkpoint_records_the_size_and_sha256_of_every_file(finished):
+    import hashlib
     import json
 
-    state = json.loads((finished[0] / "run" / "checkpoints" / "step-4" / "train_state.json").read_text())
+    folder = finished[0] / "run" / "checkpoints" / "step-4"
+    state = json.loads((folder / "train_state.json").read_text())
     assert state["step"] == 4 and state["recipe"]["train"]["lr"] == 1e-3
-    assert "model.safetensors" in state["files"] and state["files"]["model.safetensors"] > 0
-    assert checkpoint_problem(finished[0] / "run" / "checkpoints" / "step-4") is None
+    files = sorted(p.name for p in folder.iterdir() if p.name != "train_state.json")
+    assert sorted(state["files"]) == files and {"model.safetensors", "optimizer.bin", "random_states_0.pkl"} <= set(files)
+    for name, entry in state["files"].items():
+        data = (folder / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    assert checkpoint_problem(folder) is None
+
+
+def test_checkpoint_files_follow_the_umask_and_temp_folders_name_their_writer(finished):
+    """safetensors writes 0600 whatever the umask; the temporary folder carries the writer's PID@HOST, so that a
+    cleanup never removes the folder of a live run."""
+    import os
+    import stat
+
+    from finetune.run_folder import process_tag, tag_owner
+
+    assert [os.path.basename(w) for w in SAVED_INTO] == [f"step-2.{process_tag()}.tmp", f"step-4.{process_tag()}.tmp"]
+    assert tag_owner(os.path.basename(SAVED_INTO[0]))[0] == os.getpid()
+    folder = finished[0] / "run" / "checkpoints" / "step-4"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o750
+    for path in folder.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, path.name
+
+
+def _flip(path, offset_from_end: int = 100) -> None:
+    """Flip one bit of a file, keeping its size (a bad disk sector, a bit rot)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) - offset_from_end] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_same_size_bit_flip_is_named_and_latest_falls_back(finished, tmp_path, caplog):
+    ckpt = _copy(finished, tmp_path)
+    _flip(ckpt / "step-4" / "model.safetensors")  # a weight, not the header: the header still parses
+    with pytest.raises(CheckpointError, match=r"step-4 is not a checkpoint folder \(model\.safetensors is damaged "
+                                              r"\(its sha256 differs from the one recorded when it was saved"):
+        find_checkpoint(str(ckpt / "step-4"), ckpt)
+    with caplog.at_level(logging.WARNING, logger="xlipkit"):
+        assert find_checkpoint("latest", ckpt) == ckpt / "step-2"
+    assert "skipped step-4: model.safetensors is damaged (its sha256 differs" in caplog.text
+    _flip(ckpt / "step-2" / "optimizer.bin", 5000)
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*step-4: model.safetensors is damaged .*; "
+                                              r"step-2: optimizer.bin is damaged"):
+        find_checkpoint("latest", ckpt)
+
+
+def test_a_damaged_or_missing_rng_state_is_an_error_unless_ignored(finished, tmp_path, scenes, caplog):
+    """accelerate skips an unreadable RNG state with an INFO line, and the resumed run silently stops repeating an
+    uninterrupted one: here it is an error naming the file, or (train.resume_ignore_rng) a warning and a fresh
+    state seeded from the step."""
+    ckpt = _copy(finished, tmp_path)
+    rng = ckpt / "step-4" / "random_states_0.pkl"
+    _flip(rng, 40)
+    with pytest.raises(CheckpointError, match=r"random_states_0\.pkl is damaged \(its sha256 differs.*"
+                                              r"set train\.resume_ignore_rng: true"):
+        find_checkpoint(str(ckpt / "step-4"), ckpt)
+    rng.unlink()
+    with pytest.raises(CheckpointError, match=r"random_states_0\.pkl is missing: the RNG state of process 0"):
+        find_checkpoint(str(ckpt / "step-4"), ckpt)
+    # a launch with more processes than the checkpoint's needs each one's state
+    with pytest.raises(CheckpointError, match=r"step-2 is not .*random_states_1\.pkl is missing"):
+        find_checkpoint(str(ckpt / "step-2"), ckpt, world_size=2)
+    # garbage that is not a pickle, with no manifest to compare against (a checkpoint of an older version)
+    import json
+
+    state_file = ckpt / "step-2" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    state["files"] = {name: entry["bytes"] for name, entry in state["files"].items()}  # sizes only, as before
+    state_file.write_text(json.dumps(state))
+    (ckpt / "step-2" / "random_states_0.pkl").write_bytes(b"x" * state["files"]["random_states_0.pkl"])
+    with pytest.raises(CheckpointError, match=r"random_states_0\.pkl is unreadable"):
+        find_checkpoint(str(ckpt / "step-2"), ckpt)
+    with caplog.at_level(logging.WARNING, logger="xlipkit"):
+        assert find_checkpoint("latest", ckpt, ignore_rng=True) == ckpt / "step-4"
+        trainer = _trainer(tmp_path, scenes, resume_ignore_rng=True)
+        assert trainer.maybe_resume("latest", recipe=_recipe())
+    assert trainer.state.step == 4
+    assert "train.resume_ignore_rng: step-4: random_states_0.pkl is missing" in caplog.text
+    assert "process 0 continues with a fresh RNG state seeded from train.seed and step 4" in caplog.text
+
+
+def test_a_checkpoint_of_an_older_version_without_hashes_still_resumes(finished, tmp_path):
+    import json
+
+    ckpt = _copy(finished, tmp_path)
+    state_file = ckpt / "step-4" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    state["files"] = {name: entry["bytes"] for name, entry in state["files"].items()}
+    state_file.write_text(json.dumps(state))
+    assert find_checkpoint("latest", ckpt) == ckpt / "step-4"
 
 
 def test_latest_without_a_checkpoint_says_so(tmp_path, caplog):
@@ -93,7 +202,14 @@ def test_a_corrupt_safetensors_header_is_named(finished, tmp_path):
     ckpt = _copy(finished, tmp_path)
     weights = ckpt / "step-4" / "model.safetensors"
     size = weights.stat().st_size
-    weights.write_bytes(b"\xff" * size)  # same size: only the header check can tell
+    weights.write_bytes(b"\xff" * size)  # same size: the hash tells, and without one (older checkpoints) the header
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is damaged \(its sha256 differs"):
+        find_checkpoint(str(ckpt / "step-4"), ckpt)
+    import json
+
+    state_file = ckpt / "step-4" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "files": {k: v["bytes"] for k, v in state["files"].items()}}))
     with pytest.raises(CheckpointError, match=r"model\.safetensors is corrupt"):
         find_checkpoint(str(ckpt / "step-4"), ckpt)
     weights.write_bytes(b"\x00" * 10)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -112,3 +113,78 @@ def test_a_recipe_error_under_the_readmes_accelerate_launch_is_one_line():
     assert lines[0].startswith("recipe error: ") and "train.lr" in lines[0]
     assert lines[1].startswith("(accelerate launch answers a failed script with a CalledProcessError traceback")
     assert lines[2] == "Traceback (most recent call last):" and "CalledProcessError" in lines[-1]
+
+
+# ------------------------------------------------------------------------------- how a stopped or failed run ends
+
+
+def test_the_resume_command_is_the_launch_command_with_train_resume_latest(monkeypatch):
+    import finetune.run as run_module
+
+    monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", "finetune/run.py", "recipes/x.yaml", "train.lr=1e-5",
+                                           "train.resume=runs/x/checkpoints/step-3", "output.overwrite=true"])
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # init: not a launcher
+    assert run_module._resume_command() == ("/venv/bin/python finetune/run.py recipes/x.yaml train.lr=1e-5 "
+                                            "train.resume=latest")
+    monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", "/venv/bin/xlipkit", "train", "my recipe.yaml"])
+    assert run_module._resume_command() == "xlipkit train 'my recipe.yaml' train.resume=latest"
+
+
+def test_the_resume_command_of_a_launched_process_is_the_launchers(monkeypatch, tmp_path):
+    """Under torchrun or accelerate launch the command to give again is the launcher's, read from /proc."""
+    import finetune.run as run_module
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "torch.distributed.run",
+                                 "--nproc_per_node", "8", "finetune/run.py", "r.yaml"])
+    try:
+        monkeypatch.setattr(os, "getppid", lambda: launcher.pid)
+        deadline = time.monotonic() + 30
+        while not Path(f"/proc/{launcher.pid}/cmdline").read_bytes().count(b"\0") > 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        command = run_module._resume_command()
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert command.endswith("-m torch.distributed.run --nproc_per_node 8 finetune/run.py r.yaml train.resume=latest")
+
+
+def _recipe_at(out: Path):
+    return SimpleNamespace(output=SimpleNamespace(dir=str(out)))
+
+
+def test_stops_and_failures_end_with_a_status_and_a_message_not_a_traceback(tmp_path, capsys, monkeypatch):
+    import signal
+
+    import finetune.run as run_module
+    from finetune.data.images import DataError
+    from finetune.train import DivergedError, RunInterrupted, SaveFailedError, TrainingStopped
+
+    monkeypatch.setattr(run_module, "_resume_command", lambda: "python finetune/run.py r.yaml train.resume=latest")
+    monkeypatch.delenv("RANK", raising=False)
+    recipe = _recipe_at(tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "step-6"
+    cases = [
+        (TrainingStopped(signal.SIGTERM, 6, ckpt), 143,
+         f"SIGTERM: stopped after step 6; saved {ckpt}. Continue the run with:\n  python finetune/run.py r.yaml "
+         "train.resume=latest"),
+        (TrainingStopped(signal.SIGINT, 6, ckpt), 130, "SIGINT: stopped after step 6"),
+        (RunInterrupted(signal.SIGINT), 130, "SIGINT: stopped before training started"),
+        (SaveFailedError("checkpoint step-8 could not be saved in X: the disk is full (...); the newest complete "
+                         "checkpoint, checkpoints/step-6, is kept", kept=ckpt, disk_full=True), 1,
+         "error: checkpoint step-8 could not be saved in X: the disk is full (...); the newest complete checkpoint, "
+         "checkpoints/step-6, is kept. Free some space (or move output.dir and the run folder with it), then continue "
+         "with:\n  python finetune/run.py r.yaml train.resume=latest"),
+        (DivergedError("the trainable weights became NaN"), 1, "error: the trainable weights became NaN"),
+        (DataError("Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+                   "  File \"x.py\", line 1\nfinetune.data.images.DataError: data source 'webdataset': shard s.tar "
+                   "cannot be read"), 1, "data error: data source 'webdataset': shard s.tar cannot be read"),
+    ]
+    for exc, status, said in cases:
+        assert run_module._stopped_or_failed(exc, recipe) == status, exc
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err
+    assert run_module._stopped_or_failed(ValueError("a bug"), recipe) is None  # re-raised with its traceback
+    monkeypatch.setenv("RANK", "1")  # another rank of an agreed stop prints nothing
+    assert run_module._stopped_or_failed(TrainingStopped(signal.SIGTERM, 6, ckpt), recipe) == 143
+    assert capsys.readouterr().err == ""

@@ -213,6 +213,47 @@ def test_nonfinite_skip_drops_the_step(tmp_path, scenes):
         assert torch.isfinite(p).all()
 
 
+class _NaNGradientAtStep(Term):
+    """A term whose loss is finite (0) on its third call but whose gradient is NaN (``sqrt`` at 0: an infinite slope
+    times 0): the step is applied and poisons the image tower's weights; every later loss is NaN."""
+
+    name = "probe"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def loss(self, model, feats, *, detach_params=False):
+        self.calls += 1
+        x = feats["image"]
+        if self.calls == 3:
+            return {"probe": torch.sqrt((x * 0.0).pow(2).sum())}
+        return {"probe": x.sum() * 0.0}
+
+
+def test_weights_that_diverge_under_skip_stop_the_run_and_are_never_saved(tmp_path, scenes):
+    """on_nonfinite: skip after the weights themselves became NaN would skip every remaining step (and crash in the
+    evaluation): the run stops at the next logging step naming the steps and the last good checkpoint, and no
+    checkpoint holds the NaN weights."""
+    from finetune.train import DivergedError
+
+    objective = Objective(ClipTerm(), [(_NaNGradientAtStep(), 1.0)])
+    trainer = _trainer(tmp_path, scenes, objective=objective, max_steps=8, on_nonfinite="skip", log_every=2,
+                       checkpoint_every=2, keep_checkpoints=5)
+    with pytest.raises(DivergedError, match=r"the trainable weights became NaN or infinite between step 2 and step 4 "
+                                            r"\(checked at each logging step, train\.log_every\); the first non-finite "
+                                            r"loss was at step 4 \(term 'clip' = nan\)\. With train\.on_nonfinite: skip "
+                                            r"every later step would be skipped; the run stops here and saves nothing of "
+                                            r"these weights\. The newest checkpoint, .*step-2, was saved with finite "
+                                            r"weights.*lower train\.lr, set train\.grad_clip"):
+        trainer.train()
+    ckpts = list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert [p.name for p in ckpts] == ["step-2"]
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(ckpts[0] / "model.safetensors").values())
+
+
 class _Stop(Exception):
     pass
 

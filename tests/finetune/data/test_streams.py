@@ -623,6 +623,15 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
     state = json.loads(ckpt.read_text())
     assert (state["num_workers"], state["num_shards"]) == (2, 4)
     assert [state["reports"][w]["used"] for w in ("0", "1")] == [12, 12]  # 3 batches of 4 from each worker
+    # the stream position is part of the checkpoint's manifest: a changed byte is named on resume
+    import hashlib
+
+    from finetune.resume import checkpoint_problem
+
+    manifest = json.loads((ckpt.parent / "train_state.json").read_text())["files"]
+    assert manifest["stream_state_0.json"]["sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    ckpt.write_text(ckpt.read_text().replace('"version": 2', '"version": 3', 1))  # same size, other bytes
+    assert checkpoint_problem(ckpt.parent).startswith("stream_state_0.json is damaged")
 
 
 _TWO_PROCESS_SCRIPT = textwrap.dedent('''
@@ -705,3 +714,71 @@ def test_preview_of_a_stream_recipe(tmp_path):
             assert png.width == 1600
             heights.append(png.height)
     assert heights[1] > 2.5 * heights[0]  # one row per streamed example
+
+
+# --------------------------------------------------------------------------- broken shards and wrong column types
+
+
+def _truncate_last_member(shard: Path) -> None:
+    """Cut a tar shard in the middle of its last member's data (a copy or a download that stopped)."""
+    with tarfile.open(shard) as tar:
+        last = tar.getmembers()[-1]
+    shard.write_bytes(shard.read_bytes()[:last.offset_data + last.size // 2])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_truncated_shard_is_skipped_counted_and_named(tmp_path, num_workers):
+    """datasets raises ``tarfile.ReadError: unexpected end of data`` from inside its iterator, naming no shard: the
+    sample it broke in is dropped, the rest of the shard skipped (counted, named in the report) and the next shards
+    read, in every epoch."""
+    scenes = _scenes(12)
+    shards = write_webdataset(tmp_path, scenes, 3)  # 4 shards of 3 scenes
+    _truncate_last_member(shards[1])  # scene 5's caption is cut: scenes 3 and 4 are read, 5 is lost
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00003}.tar"), "shuffle_buffer": 1, "seed": 2}
+    loader = _loader(spec, num_workers)
+    ids = [i for b in _batches(loader, 11) for i in b["ids"]]  # about two epochs of 11 usable scenes
+    assert set(ids) == {s["id"] for k, s in enumerate(scenes) if k != 5}
+    report = loader.report()
+    assert report["skipped_shards"] == [{"shard": str(shards[1]), "reason": "ReadError: unexpected end of data"}]
+    assert report["skipped_shard_count"] >= 1 and report["skipped"] == 0  # no example blamed for the shard
+
+
+def test_a_truncated_shard_raises_naming_it_with_on_error_raise(tmp_path):
+    shards = write_webdataset(tmp_path, _scenes(12), 3)
+    _truncate_last_member(shards[2])
+    spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00003}.tar"), "shuffle_buffer": 0}
+    with pytest.raises(DataError, match=r"shard .*shard-00002\.tar cannot be read to its end \(ReadError: unexpected "
+                                        r"end of data\): it is truncated or damaged.*data\.on_error: skip"):
+        _batches(_loader(spec, 2, on_error="raise"), 6)
+
+
+def _parquet_with_number_captions(folder: Path) -> list[Path]:
+    scenes = _scenes(8)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s in range(2):
+        rows = scenes[s * 4:(s + 1) * 4]
+        path = folder / f"part-{s:04d}.parquet"
+        pq.write_table(pa.table({"key": [r["id"] for r in rows], "jpg": [r["png"] for r in rows],
+                                 "text": [40 + i for i in range(4)]}), path)
+        paths.append(path)
+    return paths
+
+
+def test_a_caption_column_of_numbers_is_refused_by_its_type_and_named_example_by_example(tmp_path):
+    from finetune.data.streams import check_stream_columns
+
+    paths = _parquet_with_number_captions(tmp_path)
+    spec = {"name": "parquet", "urls": str(tmp_path / "part-{0000..0001}.parquet"), "image_column": "jpg",
+            "caption_column": "text", "id_column": "key"}
+    with pytest.raises(DataError, match=rf"the caption column 'text' holds int64 values, not text \(in {paths[0]}\); "
+                                        r"columns: key, jpg, text\. Set data\.train\.caption_column"):
+        check_stream_columns(spec)
+    # read anyway (a source whose types are known only example by example): the caption rules of map-style
+    # sources name the cause in the loader's workers, and no example is "empty"
+    with pytest.raises(DataError, match=r"found no usable examples in epoch 0 \(4 read, 4 skipped in all; the first "
+                                        r"skipped: id='synthetic-train-s0-00000\d' in <stream>: the caption is a number "
+                                        r"\(4\d\), not text"):
+        _batches(_loader(spec, 2), 1)
+    good = {**spec, "caption_column": "key"}  # strings: accepted
+    check_stream_columns(good)
