@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,11 +205,22 @@ def _too_large(error: Exception) -> str:
             f"to accept it; PIL: {error})")
 
 
+def _pil_open() -> Any:
+    """PIL's own ``Image.open``. Importing ultralytics (FAST-GOAL's YOLO detector) replaces ``PIL.Image.open`` by a
+    wrapper that, on the first file PIL cannot identify, pip-installs and registers a HEIF plugin and retries: a
+    corrupt image in a training set would then install a package mid-run, or fail with ``ModuleNotFoundError``
+    offline, instead of being reported as unreadable."""
+    opener = PIL.Image.open
+    if getattr(opener, "__module__", None) == "PIL.Image":
+        return opener
+    return getattr(sys.modules.get("ultralytics.utils.patches"), "_image_open", opener)
+
+
 def _open_quietly(src: Any) -> PIL.Image.Image:
     """``PIL.Image.open`` without PIL's decompression-bomb warning: :func:`_check_size` decides."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
-        return PIL.Image.open(src)
+        return _pil_open()(src)
 
 
 def _needs_conversion(image: PIL.Image.Image) -> bool:

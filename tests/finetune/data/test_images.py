@@ -230,3 +230,19 @@ def test_read_image_tensor_refuses_a_jpeg_over_the_pixel_limit():
             read_image_tensor(_jpeg(PIL.Image.new("RGB", (20, 10))))
     finally:
         set_max_image_pixels(before)
+
+
+def test_a_corrupt_file_is_unreadable_even_after_ultralytics_patched_pil(tmp_path):
+    # ultralytics replaces PIL.Image.open by a wrapper that pip-installs a HEIF plugin on the first unidentified file
+    pytest.importorskip("ultralytics")
+    import PIL.Image
+
+    import ultralytics.utils.patches  # noqa: F401  (applies the patch)
+
+    assert PIL.Image.open.__module__ != "PIL.Image"
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"not an image at all" * 10)
+    with pytest.raises(ImageReadError, match="corrupt.png.*not a readable image"):
+        read_image(corrupt)
+    with pytest.raises(ImageReadError, match="not a readable image"):
+        read_image(corrupt.read_bytes())
