@@ -1,0 +1,70 @@
+"""The ground floor of registries (finetune/plugins.py): one discovery rule, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from finetune.plugins import Registry, discover_modules, registries
+
+
+def _package(tmp_path, monkeypatch, name="toyplugins"):
+    pkg = tmp_path / name
+    (pkg / "inner").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "inner" / "__init__.py").write_text("")
+    for rel, entry in (("a.py", "a"), ("inner/b.py", "b"), ("_private.py", "hidden")):
+        (pkg / rel).write_text(f"from conftest_registry import REG\nREG.add({entry!r}, {entry!r})\n")
+    (tmp_path / "conftest_registry.py").write_text("from finetune.plugins import Registry\nREG = Registry('toy')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_the_first_lookup_imports_every_module_of_the_packages_but_private_ones(tmp_path, monkeypatch):
+    name = _package(tmp_path, monkeypatch)
+    import conftest_registry
+
+    reg = conftest_registry.REG
+    reg.packages = (name,)
+    assert reg._entries == {}  # nothing imported before a lookup
+    assert reg.names() == ["a", "b"]
+    assert reg.get("b") == "b" and "hidden" not in reg
+
+
+def test_discover_modules_lists_what_it_imported(tmp_path, monkeypatch):
+    name = _package(tmp_path, monkeypatch, "toyplugins2")
+    assert discover_modules([name]) == [name, f"{name}.a", f"{name}.inner", f"{name}.inner.b"]
+
+
+def test_an_unknown_name_lists_the_registered_ones_and_the_closest():
+    reg = Registry("scorer", recipe_key="eval.scorer")
+    reg.add("cosine", object)
+    reg.add("grm", int)
+    with pytest.raises(KeyError, match=r"eval.scorer: unknown scorer 'cosin' \(did you mean 'cosine'\?\); "
+                                       r"registered: cosine, grm"):
+        reg.get("cosin")
+
+
+def test_a_taken_name_is_refused_unless_replaced_and_the_same_entry_may_register_twice():
+    reg = Registry("model family")
+    reg.add("hf", dict)
+    reg.add("hf", dict)  # a module imported twice
+    with pytest.raises(ValueError, match="model family 'hf' is already registered"):
+        reg.add("hf", list)
+    reg.add("hf", list, replace=True)
+    assert reg.get("hf") is list
+    with pytest.raises(ValueError, match="needs a non-empty name"):
+        reg.add("", list)
+
+
+def test_plugins_is_the_ground_floor_it_imports_nothing_of_the_toolkit():
+    code = ("import sys, finetune.plugins as p; "
+            "bad = [m for m in sys.modules if m.startswith(('finetune.', 'losses', 'torch', 'transformers')) "
+            "and m != 'finetune.plugins']; print(bad); assert not bad, bad; print(sorted(p.registries()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "TERMS" in out.stdout and "SCORERS" in out.stdout and "MODEL_FAMILIES" in out.stdout
+    assert set(registries()) >= {"TERMS", "TERM_OPTIONS", "SCORERS", "MODEL_FAMILIES", "NAMED_CONFIGS",
+                                 "INFERENCE_MODULES", "DATA_SOURCES"}
