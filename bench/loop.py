@@ -589,7 +589,7 @@ def _environment(device: str) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--cases", default="all", help="comma-separated: " + ", ".join(c.name for c in CASES))
+    ap.add_argument("--cases", default="all", help="comma-separated, run in this order: " + ", ".join(c.name for c in CASES))
     ap.add_argument("--batch", type=int, default=None, help="per-GPU batch (default 256 on cuda; cases with a batch "
                                                             "of their own keep it unless --batch is given)")
     ap.add_argument("--steps", type=int, default=None, help="loop steps per case (default 15 on cuda: the steady "
@@ -639,7 +639,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.bare_steps = args.bare_steps or (6 if gpu else 2)
     if args.tiny:
         args.workers = min(args.workers, 1)
-    wanted = [c for c in CASES if args.cases == "all" or c.name in args.cases.split(",")]
+    by_name = {c.name: c for c in CASES}  # in the order asked for: the first ones run if the budget runs out
+    wanted = CASES if args.cases == "all" else [by_name[n] for n in args.cases.split(",") if n in by_name]
     unknown = set(args.cases.split(",")) - {c.name for c in CASES} if args.cases != "all" else set()
     if unknown:
         raise SystemExit(f"unknown case(s) {sorted(unknown)}; cases: {', '.join(c.name for c in CASES)}")
@@ -662,6 +663,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"  failed: {type(exc).__name__}: {exc}", flush=True)
             continue
         results.append(r)
+        write_json_atomic(Path(args.out), {**_environment(args.device), "partial": True, "cases": results,
+                                           "skipped": skipped})  # what ran so far, should the run be cut off
         print(f"  loop {_fmt(r['loop_samples_per_s'])} / bare {r['bare_samples_per_s']:.1f} samples/s = "
               f"{_fmt(r['loop_vs_bare'], '.2f')}; data wait {_fmt(r['data_wait_share'], '.0%')}; "
               f"bare {_fmt(r['bare_tflops'], '.1f')} TFLOP/s MFU {_fmt(r['bare_mfu'], '.1%')}; "
