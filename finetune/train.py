@@ -42,6 +42,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -747,10 +748,29 @@ def ignore_stop_signals(worker_id: int = 0, exiting: Any = None) -> None:
     signal.signal(signal.SIGTERM, _worker_sigterm)
 
 
+def limit_worker_threads() -> None:
+    """Keep a data-loader worker on one thread. Hugging Face's fast tokenizers encode a batch on a thread pool as
+    wide as the machine (``TOKENIZERS_PARALLELISM``), and OpenCV runs its own pool: with 8 workers on 16 cores
+    that is about 130 threads competing with the training process, whose one thread must launch thousands of
+    kernels per step. Each worker is already one of several processes working in parallel."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    torch.set_num_threads(1)
+    cv2 = sys.modules.get("cv2")
+    if cv2 is not None:
+        cv2.setNumThreads(1)
+
+
+def init_worker(worker_id: int = 0, exiting: Any = None) -> None:
+    """``worker_init_fn`` of the training loaders: stop signals left to the training process
+    (:func:`ignore_stop_signals`) and one thread per worker (:func:`limit_worker_threads`)."""
+    ignore_stop_signals(worker_id, exiting)
+    limit_worker_threads()
+
+
 def worker_signals() -> Callable[[int], None]:
-    """The ``worker_init_fn`` that makes data-loader workers leave SIGINT / SIGTERM to the training process
-    (:func:`ignore_stop_signals`)."""
-    return functools.partial(ignore_stop_signals, exiting=_exiting_event())
+    """The ``worker_init_fn`` of the training loaders (:func:`init_worker`): workers leave SIGINT / SIGTERM to the
+    training process and run on one thread each."""
+    return functools.partial(init_worker, exiting=_exiting_event())
 
 
 class StopVote:

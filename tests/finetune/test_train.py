@@ -499,3 +499,43 @@ def test_a_run_reports_its_steady_throughput_and_flops(tmp_path, scenes):
     assert t["flops_per_sample"] * 8 > patches and t["tflops_per_device"] > 0
     assert t["mfu"] is None  # no known peak on a CPU
     assert trainer.state.flops_per_step == t["flops_per_sample"] * 8
+
+
+class _TokenizeInWorker(torch.utils.data.Dataset):
+    """Batch-encodes long captions with a Hugging Face fast tokenizer in the worker, as the collators do."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> tuple[int, int, str | None]:
+        import os
+
+        from transformers import CLIPTokenizerFast
+
+        tok = CLIPTokenizerFast.from_pretrained(self.folder)
+        before = len(os.listdir(f"/proc/{os.getpid()}/task"))
+        tok(["a long caption about a red car beside a blue house with many windows " * 4] * 512, max_length=248,
+            truncation=True, padding="max_length")
+        return before, len(os.listdir(f"/proc/{os.getpid()}/task")), os.environ.get("TOKENIZERS_PARALLELISM")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+def test_training_workers_tokenize_on_one_thread(tmp_path, monkeypatch):
+    """A fast tokenizer in a data-loader worker would start a thread pool as wide as the machine (8 workers on 16
+    cores: ~130 threads starving the training process's kernel launches); the trainer's workers stay on one."""
+    import subprocess
+    import sys
+
+    from finetune.train import worker_signals
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    folder = tmp_path / "tiny-clip"  # written by another process: tokenizers disables the pool in a fork of a
+    # process that already used it, and here the training process has not (it only loaded the tokenizer)
+    subprocess.run([sys.executable, "-c", "import sys; from finetune.models.registry import save_tiny; "
+                    "save_tiny('tiny-clip', sys.argv[1])", str(folder)], check=True, capture_output=True)
+    [(before, after, env)] = list(torch.utils.data.DataLoader(_TokenizeInWorker(str(folder)), batch_size=None, num_workers=1,
+                                             worker_init_fn=worker_signals()))
+    assert env == "false" and after <= before, (before, after)
