@@ -177,7 +177,7 @@ DEFAULT_LEXICON: Mapping[str, str] = _default_lexicon()
 
 
 def _trie_alternation(terms: Iterable[str]) -> str:
-    """One regex alternation of ``terms`` factored as a prefix tree, longest alternatives first.
+    r"""One regex alternation of ``terms`` factored as a prefix tree, longest alternatives first.
 
     Equivalent to ``"|".join(sorted(terms, key=len, reverse=True))`` (with ``\s+`` between the words
     of a term) but tried in time proportional to the term's length instead of the vocabulary's
