@@ -1,5 +1,6 @@
-"""What the README tells a newcomer holds: its losses snippet runs and trains StructXLIP's temperature, its
-zero-shot templates are the CLI's, and the accelerate configs its commands name exist."""
+"""What the README tells a newcomer holds: its losses snippet runs and trains StructXLIP's temperature, the
+zero-shot templates the evaluation guide lists (and any the README names) are the CLI's, and the accelerate
+configs its commands name exist."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text(encoding="utf-8")
+EVALUATION_GUIDE = (REPO / "docs" / "guides" / "evaluation.md").read_text(encoding="utf-8")
 
 
-def _section(title: str) -> str:
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start:end if end != -1 else None]
+def _section(title: str, text: str = README) -> str:
+    """The ``## title`` section of ``text`` (the README unless given), up to the next ``## `` heading."""
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else None]
 
 
 def _code_blocks(text: str, language: str) -> list[str]:
@@ -36,16 +39,16 @@ def test_the_losses_snippet_runs_and_its_structxlip_temperature_reaches_the_opti
     assert torch.isfinite(namespace["loss"])
 
 
-def test_the_zero_shot_templates_the_readme_lists_are_the_clis():
+def test_the_zero_shot_templates_the_docs_list_are_the_clis():
     from finetune.evaluate import _parser
     from finetune.zeroshot import TEMPLATES
 
-    match = re.search(r"`--templates ([\w|]+)`, default `(\w+)`", _section("Evaluation"))
-    assert match, "the README names the --templates choices and default"
+    match = re.search(r"`--templates ([\w|]+)`, default `(\w+)`", _section("Zero-shot classification", EVALUATION_GUIDE))
+    assert match, "docs/guides/evaluation.md names the --templates choices and default"
     choices, default = match.group(1).split("|"), match.group(2)
     assert choices == [*TEMPLATES, "FILE"]
     assert default == _parser().get_default("templates")
-    for example in re.findall(r"--templates (\w+)\b", README):
+    for example in re.findall(r"--templates (\w+)\b", README + EVALUATION_GUIDE):
         assert example in TEMPLATES
 
 
