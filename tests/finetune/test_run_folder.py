@@ -67,10 +67,18 @@ def _finished(folder: Path, recipe: dict) -> Path:
 
 
 def _checkpoint(folder: Path, step: int) -> Path:
-    """A complete checkpoint as finetune.resume.checkpoint_problem sees it (a manifest of no files)."""
+    """A complete checkpoint as finetune.resume.checkpoint_problem sees it: weights, process 0's RNG state (as
+    accelerate saves it) and the manifest of both."""
+    import torch
+    from safetensors.torch import save_file
+
+    from finetune.resume import STATE_NAME, file_manifest, rng_state_name
+
     path = folder / "checkpoints" / f"step-{step}"
     path.mkdir(parents=True)
-    (path / "train_state.json").write_text(json.dumps({"step": step, "files": {}}))
+    save_file({"w": torch.zeros(2)}, str(path / "model.safetensors"))
+    torch.save({"torch_manual_seed": torch.get_rng_state()}, path / rng_state_name(0))
+    (path / STATE_NAME).write_text(json.dumps({"step": step, "files": file_manifest(path)}))
     return path
 
 
