@@ -1,10 +1,11 @@
 """Objectives: a recipe's ``objective`` section -> an optional base term plus weighted added terms (DESIGN 3,
 DESIGN 4 Seams).
 
-Bases and added terms share one registry (:func:`register_term`, which also registers the term's options
-dataclass with the recipe schema, so ``objective.terms.<name>`` is validated like every other recipe key).
-``objective.base`` names any registered term or ``none``; every module of this package is imported so that
-its terms register (:func:`discover_terms`), and a recipe's ``objective.import`` imports a user's own.
+Bases and added terms share one registry (:func:`register_term`, over :data:`finetune.plugins.TERMS`; the term's
+options dataclass goes to :data:`finetune.plugins.TERM_OPTIONS`, which the recipe schema reads, so
+``objective.terms.<name>`` is validated like every other recipe key). ``objective.base`` names any registered
+term or ``none``; the first lookup imports every module of this package so that its terms register
+(:func:`discover_terms`), and a recipe's ``objective.import`` imports a user's own.
 """
 
 from __future__ import annotations
@@ -71,8 +72,6 @@ def build_objective(cfg: Any) -> Objective:
     built = [build_term(name, options) for name, options in terms.items()]
     return Objective(base, built, base_weights=base_weights)
 
-
-discover_terms()
 
 __all__ = [
     "BASE_TERMS", "ClipOptions", "ClipTerm", "Features", "ImageRequest", "LongClipOptions", "LongClipTerm",
