@@ -26,6 +26,7 @@ from .contrastive import BASE_TERMS, ClipOptions, ClipTerm, LongClipOptions, Lon
 from .registry import (
     TERM_BUILDERS,
     TERM_OPTIONS,
+    Citation,
     TermBuilder,
     base_options,
     build_term,
@@ -74,7 +75,7 @@ def build_objective(cfg: Any) -> Objective:
 
 
 __all__ = [
-    "BASE_TERMS", "ClipOptions", "ClipTerm", "Features", "ImageRequest", "LongClipOptions", "LongClipTerm",
+    "BASE_TERMS", "Citation", "ClipOptions", "ClipTerm", "Features", "ImageRequest", "LongClipOptions", "LongClipTerm",
     "Objective", "SiglipOptions", "SiglipTerm", "TERM_BUILDERS", "TERM_OPTIONS", "Term", "TermBuilder",
     "TermCollisionError", "TextRequest", "build_base_term", "build_objective", "build_term", "discover_terms",
     "import_term_modules", "loss_name", "merge_features", "register_term",

@@ -54,7 +54,7 @@ from losses.grm import (
 )
 
 from .base import Batch, Features, ImageRequest, Term, TextRequest
-from .registry import register_term
+from .registry import Citation, register_term
 
 #: the key of the GRM head in ``model.inference_modules``
 HEAD_KEY = "grm"
@@ -339,7 +339,9 @@ def _weights(options: GRMOptions) -> dict[str, float]:
             "con": 1.0, "recon": float(options.recon_weight), "reg": float(options.reg_weight)}
 
 
-@register_term("grm", GRMOptions)
+@register_term("grm", GRMOptions, citation=Citation(
+    "Liu et al., Cross Modal Fine-grained Alignment via Granularity-aware and Region-uncertain Modeling",
+    "https://arxiv.org/abs/2511.07710"))
 def build_grm(options: GRMOptions) -> tuple[GRMTerm, dict[str, float]]:
     """The ``grm`` term and its weights (:func:`_weights`)."""
     return GRMTerm(options), _weights(options)

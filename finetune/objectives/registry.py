@@ -62,7 +62,7 @@ TERM_OPTIONS = plugins.TERM_OPTIONS
 
 
 def register_term(name: str, config_cls: type, *,
-                  citation: Citation | str | None = None) -> Callable[[TermBuilder], TermBuilder]:
+                  citation: Citation | Mapping[str, Any] | str | None = None) -> Callable[[TermBuilder], TermBuilder]:
     """Register ``builder(options) -> (term, weights)`` under ``name``, usable as ``objective.base: name``
     (built with the options' defaults) and as ``objective.terms.<name>`` (built with the recipe's options,
     validated against the dataclass ``config_cls``).
@@ -73,8 +73,9 @@ def register_term(name: str, config_cls: type, *,
     allowed.
 
     Args:
-        citation: the term's paper (a :class:`finetune.plugins.Citation`, or its text): the model card of a
-            run that used the term lists it under "Methods" and tags the card with ``citation.tag``.
+        citation: the term's paper (a :class:`finetune.plugins.Citation`, a mapping of its fields, or its
+            text): the model card of a run that used the term lists it under "Methods" and is tagged with
+            ``citation.tag`` (default: the term's name).
     """
     if not isinstance(name, str) or not name or "/" in name or name in RESERVED_NAMES:
         raise ValueError(f"register_term: {name!r} cannot name a term: use a non-empty name without '/', "
@@ -83,9 +84,14 @@ def register_term(name: str, config_cls: type, *,
         raise TypeError(f"register_term({name!r}, ...): the options must be a dataclass type, got {config_cls!r}")
     if isinstance(citation, str):
         citation = Citation(citation)
+    elif isinstance(citation, Mapping):
+        try:
+            citation = Citation(**citation)
+        except TypeError as exc:
+            raise TypeError(f"register_term({name!r}, ...): a citation has the fields text, url and tag ({exc})") from None
     if citation is not None and not isinstance(citation, Citation):
-        raise TypeError(f"register_term({name!r}, ...): citation must be a finetune.plugins.Citation or its text, "
-                        f"got {citation!r}")
+        raise TypeError(f"register_term({name!r}, ...): citation must be a finetune.plugins.Citation, a mapping of "
+                        f"its fields or its text, got {citation!r}")
 
     def deco(builder: TermBuilder) -> TermBuilder:
         known = plugins.TERMS.peek(name)
