@@ -1698,7 +1698,7 @@ def dump_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
     if shown:
         header.append("# overrides: " + " ".join(shown))
     body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True, default_flow_style=None)
-    from finetune.run_folder import process_tag
+    from finetune.run_basics import process_tag
 
     # the writer's PID@HOST in the name: another run's cleanup leaves it alone while this process lives
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{process_tag()}.", suffix=".tmp", dir=target.parent)
