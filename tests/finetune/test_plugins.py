@@ -98,3 +98,21 @@ def test_config_and_the_objectives_do_not_import_each_other():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["False", "True"], code
+
+
+def test_peek_discovers_nothing_and_a_snapshot_restores(tmp_path, monkeypatch):
+    name = _package(tmp_path, monkeypatch, "toyplugins3")
+    monkeypatch.delitem(sys.modules, "conftest_registry", raising=False)  # a fresh registry, not another test's
+    import conftest_registry
+
+    reg = conftest_registry.REG
+    reg.packages = (name,)
+    assert reg.peek("a") is None and reg.snapshot() == {}  # a register_* helper may check a name mid-import
+    assert reg["a"] == "a" and reg.peek("a") == "a"  # indexing is a lookup: it discovered
+    saved = reg.snapshot()
+    reg.add("c", "c")
+    assert reg.names() == ["a", "b", "c"]
+    reg.restore(saved)
+    assert reg.names() == ["a", "b"]
+    with pytest.raises(KeyError, match=r"unknown toy 'c'"):
+        reg["c"]
