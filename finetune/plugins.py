@@ -9,6 +9,9 @@ names (``pkgutil``; a module whose name starts with ``_`` is skipped, a module n
 is imported as it is). A user's own modules register the same way once imported (a recipe's
 ``objective.import``, or an ``import`` in their script).
 
+An entry may carry its paper: a term registers a :class:`Citation` with its :class:`TermEntry`
+(``register_term(name, Options, citation=...)``), and the model card of a run cites the terms it used.
+
 This module imports nothing from the toolkit at import time, so any layer may import it: it is the
 bottom of the import graph, and no import circle can pass through it.
 """

@@ -75,8 +75,8 @@ def build_objective(cfg: Any) -> Objective:
 
 
 __all__ = [
-    "BASE_TERMS", "Citation", "ClipOptions", "ClipTerm", "Features", "ImageRequest", "LongClipOptions", "LongClipTerm",
-    "Objective", "SiglipOptions", "SiglipTerm", "TERM_BUILDERS", "TERM_OPTIONS", "Term", "TermBuilder",
+    "BASE_TERMS", "Citation", "ClipOptions", "ClipTerm", "Features", "ImageRequest", "LongClipOptions",
+    "LongClipTerm", "Objective", "SiglipOptions", "SiglipTerm", "TERM_BUILDERS", "TERM_OPTIONS", "Term", "TermBuilder",
     "TermCollisionError", "TextRequest", "build_base_term", "build_objective", "build_term", "discover_terms",
     "import_term_modules", "loss_name", "merge_features", "register_term",
 ]

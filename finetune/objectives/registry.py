@@ -88,7 +88,8 @@ def register_term(name: str, config_cls: type, *,
         try:
             citation = Citation(**citation)
         except TypeError as exc:
-            raise TypeError(f"register_term({name!r}, ...): a citation has the fields text, url and tag ({exc})") from None
+            raise TypeError(f"register_term({name!r}, ...): a citation has the fields text, url and tag "
+                            f"({exc})") from None
     if citation is not None and not isinstance(citation, Citation):
         raise TypeError(f"register_term({name!r}, ...): citation must be a finetune.plugins.Citation, a mapping of "
                         f"its fields or its text, got {citation!r}")

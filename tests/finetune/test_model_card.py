@@ -191,7 +191,8 @@ def test_a_terms_registered_citation_reaches_the_card() -> None:
             "- Doe et al., A Cited Term (NeurIPS 2031), https://arxiv.org/abs/3101.00001",
             "- Zhang et al., Long-CLIP: Unlocking the Long-Text Capability of CLIP (ECCV 2024), "
             "https://arxiv.org/abs/2403.15378",
-            "- Hu et al., LoRA: Low-Rank Adaptation of Large Language Models (ICLR 2022), https://arxiv.org/abs/2106.09685",
+            "- Hu et al., LoRA: Low-Rank Adaptation of Large Language Models (ICLR 2022), "
+            "https://arxiv.org/abs/2106.09685",
         ]
     finally:
         for registry, entries in saved.items():

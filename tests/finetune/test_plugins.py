@@ -85,7 +85,8 @@ def test_the_toolkits_registries_are_the_ones_their_public_lookups_read():
     assert {n: config.registered_term_configs()[n] for n in terms} == {n: plugins.TERMS[n].options for n in terms}
     assert available_scorers() == plugins.SCORERS.names() == ["cosine", "flair", "flair_global", "grm", "grm_ori"]
     assert sorted(available_sources()) == plugins.DATA_SOURCES.names() and "synthetic" in available_sources()
-    assert inference_module_names() == plugins.INFERENCE_MODULES.names() and {"grm.GRMHead", "tsl.heads"} <= set(inference_module_names())
+    assert inference_module_names() == plugins.INFERENCE_MODULES.names()
+    assert {"grm.GRMHead", "tsl.heads"} <= set(inference_module_names())
 
 
 def test_config_and_the_objectives_do_not_import_each_other():

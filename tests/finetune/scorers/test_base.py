@@ -1,5 +1,5 @@
-"""Scorers (finetune/scorers/base.py, cosine.py, ranking.py): the registry, payloads, ranking from blocks against a brute-force
-ranking of the full score matrix (ties, several captions per image, block sizes that do not divide
+"""Scorers (finetune/scorers/base.py, cosine.py, ranking.py): the registry, payloads, ranking from blocks
+against a brute-force ranking of the full score matrix (ties, several captions per image, block sizes that do not divide
 N), the global-cosine top-k prefilter, and a token-wise scorer whose payloads change shape between
 batches and processes."""
 
