@@ -355,12 +355,12 @@ def test_two_processes_gather_payloads_of_different_lengths(tmp_path):
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     script, out = tmp_path / "states.py", tmp_path / "states.pt"
     script.write_text(STATES_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-                           str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(out, weights_only=True)
     assert got["world"] == 2
