@@ -41,6 +41,8 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+import finetune.plugins as plugins
+
 __all__ = [
     "AdapterConfig",
     "DataConfig",
@@ -450,7 +452,7 @@ def _validate_terms(value: Any) -> dict[str, Any]:
 
 
 def _check_base(value: str) -> str:
-    known = {"none", "clip", "siglip", "longclip", *_TERM_CONFIGS}
+    known = {"none", "clip", "siglip", "longclip", *plugins.TERM_OPTIONS.snapshot()}
     if value not in known:
         known |= set(registered_term_configs())
     if value not in known:
@@ -599,9 +601,8 @@ def _check_registered(value: str, known: Iterable[str] | None, what: str, extra:
 
 
 # -- objective term registry ----------------------------------------------------------------------
-_TERM_CONFIGS: dict[str, type] = {}
-
-
+# The options classes live in the ground floor, finetune.plugins.TERM_OPTIONS (read at call time, so a test may
+# swap it); this module never imports finetune.objectives: the registry's first lookup discovers the terms.
 def _is_options_class(cls: Any) -> bool:
     return isinstance(cls, type) and (dataclasses.is_dataclass(cls) or issubclass(cls, BaseModel))
 
@@ -613,31 +614,33 @@ def register_term_config(name: str, cls: type) -> None:
     ``metadata={"check": fn}`` (``fn(value) -> message or None``) is a range check.
 
     Registering the same class twice is a no-op; a different class under a taken name is an error.
+    (:func:`finetune.objectives.register_term` registers a term's options here itself.)
     """
     if not _is_options_class(cls):
         raise TypeError(f"register_term_config({name!r}, ...): expected a dataclass or a pydantic model "
                         f"type, got {cls!r}")
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_term_config: the term name must be a non-empty string, got {name!r}")
-    known = _TERM_CONFIGS.get(name)
+    known = plugins.TERM_OPTIONS.peek(name)
     if known is not None and known is not cls:
         raise ValueError(
             f"objective term {name!r} is already registered with {known.__module__}.{known.__qualname__}; "
             f"pick another name for {cls.__module__}.{cls.__qualname__}"
         )
-    _TERM_CONFIGS[name] = cls
+    plugins.TERM_OPTIONS.add(name, cls)
 
 
 def registered_term_configs() -> dict[str, type]:
-    """The registered term names and their options classes (importing ``finetune.objectives``
-    first, so that the built-in terms are there)."""
+    """The registered term names and their options classes (the built-in terms discovered first)."""
     _import_objectives()
-    return dict(_TERM_CONFIGS)
+    return plugins.TERM_OPTIONS.snapshot()
 
 
 def _import_objectives() -> None:
+    """Discover the registered terms (the first lookup of ``finetune.plugins.TERM_OPTIONS`` imports the
+    term modules); without their dependencies (torch), only the terms registered so far are known."""
     try:
-        import finetune.objectives  # noqa: F401  (registers the built-in terms)
+        plugins.TERM_OPTIONS.discover()
     except ImportError:
         pass
 
@@ -1015,7 +1018,7 @@ def _fields_of(tp: Any) -> dict[Any, Any] | None:
     if any(m is _SOURCE_MARK for m in meta):
         return _fields_of(_source_spec_class())
     if any(m is _TERMS_MARK for m in meta):
-        return dict(_TERM_CONFIGS)
+        return plugins.TERM_OPTIONS.snapshot()
     for arm in _arms(tp):
         if isinstance(arm, type) and issubclass(arm, BaseModel):
             return {(f.alias or name): f.annotation for name, f in arm.model_fields.items()}
@@ -1695,7 +1698,7 @@ def dump_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
     if shown:
         header.append("# overrides: " + " ".join(shown))
     body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True, default_flow_style=None)
-    from finetune.run_folder import process_tag
+    from finetune.run_basics import process_tag
 
     # the writer's PID@HOST in the name: another run's cleanup leaves it alone while this process lives
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{process_tag()}.", suffix=".tmp", dir=target.parent)

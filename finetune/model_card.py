@@ -24,31 +24,15 @@ PIPELINE_TAG = "zero-shot-image-classification"
 RETRIEVAL_TASKS = {"t2i": ("text-to-image-retrieval", "Text-to-image retrieval"),
                    "i2t": ("image-to-text-retrieval", "Image-to-text retrieval")}
 
-#: the papers behind objective bases, added terms, KPS and adapters: (tag, citation, link or None)
-PAPERS: dict[str, tuple[str, str, str | None]] = {
-    "clip": ("clip", "Radford et al., Learning Transferable Visual Models From Natural Language Supervision "
-             "(ICML 2021)", "https://arxiv.org/abs/2103.00020"),
-    "siglip": ("siglip", "Zhai et al., Sigmoid Loss for Language Image Pre-Training (ICCV 2023)",
-               "https://arxiv.org/abs/2303.15343"),
-    "longclip": ("long-clip", "Zhang et al., Long-CLIP: Unlocking the Long-Text Capability of CLIP (ECCV 2024)",
-                 "https://arxiv.org/abs/2403.15378"),
-    "structxlip": ("structxlip", "Ruan et al., StructXLIP: Enhancing Vision-language Models with Multimodal "
-                   "Structural Cues", None),
-    "fastgoal": ("fast-goal", "Choi, Jang and Eom, FAST-GOAL: Fast and Efficient Global-local Object Alignment "
-                 "Learning", None),
-    "grm": ("grm", "Liu et al., Cross Modal Fine-grained Alignment via Granularity-aware and Region-uncertain "
-            "Modeling", "https://arxiv.org/abs/2511.07710"),
-    "flair": ("flair", "Xiao et al., FLAIR: VLM with Fine-grained Language-informed Image Representations "
-              "(CVPR 2025)", "https://arxiv.org/abs/2412.03561"),
-    "fcast": ("f-cast", "Aligning Forest and Trees in Images and Long Captions for Cross-Domain Grounding "
-              "(F-CAST)", None),
+#: the papers behind the adapters (peft's LoRA / DoRA; not registered terms): (tag, citation, link or None).
+#: A term's paper is part of its registration (``register_term(..., citation=...)``, read from
+#: ``finetune.plugins.TERMS``), so a method of your own is cited on the cards of the runs that use it.
+ADAPTER_PAPERS: dict[str, tuple[str, str, str | None]] = {
     "lora": ("lora", "Hu et al., LoRA: Low-Rank Adaptation of Large Language Models (ICLR 2022)",
              "https://arxiv.org/abs/2106.09685"),
     "dora": ("dora", "Liu et al., DoRA: Weight-Decomposed Low-Rank Adaptation (ICML 2024)",
              "https://arxiv.org/abs/2402.09353"),
 }
-_TERM_ALIASES = {"fast_goal": "fastgoal", "fast-goal": "fastgoal", "goal": "fastgoal", "tsl": "fastgoal",
-                 "f_cast": "fcast", "f-cast": "fcast", "long-clip": "longclip", "long_clip": "longclip"}
 
 #: training sources registered in ``finetune.data`` whose data is a hub dataset
 HUB_DATASETS = {"docci": "google/docci", "docci_fg": "google/docci", "urban1k": "BeichenZhang/Urban1k",
@@ -82,8 +66,25 @@ def is_local_path(name: str) -> bool:
 
 
 def _term_key(name: str) -> str:
-    key = name.strip().lower()
-    return _TERM_ALIASES.get(key, key)
+    return name.strip()
+
+
+def method_paper(key: str) -> tuple[str, str | None] | None:
+    """``(tag, "citation, link")`` of a method key of :func:`method_keys`: an adapter's paper, or the
+    :class:`~finetune.plugins.Citation` the objective term registered (``None``: a term without one, or
+    one not registered in this process)."""
+    if key in ADAPTER_PAPERS:
+        tag, text, url = ADAPTER_PAPERS[key]
+        return tag, text + (f", {url}" if url else "")
+    import finetune.plugins as plugins
+
+    try:
+        citation = plugins.citation_of(plugins.TERMS, key)
+    except ImportError:  # the term modules' dependencies are missing here: no citations, the card still renders
+        return None
+    if citation is None:
+        return None
+    return citation.tag or key, citation.markdown()
 
 
 def method_keys(info: dict[str, Any], recipe: dict[str, Any] | None) -> list[str]:
@@ -106,7 +107,8 @@ def card_tags(info: dict[str, Any], recipe: dict[str, Any] | None) -> list[str]:
     """Hub tags: ``xlipkit``, the model family, ``long-captions`` and one tag per method."""
     tags = ["xlipkit", str(info.get("family") or "clip"), "long-captions"]
     for key in method_keys(info, recipe):
-        tags.append(PAPERS[key][0] if key in PAPERS else key)
+        paper = method_paper(key)
+        tags.append(paper[0] if paper else key)
     if info.get("kind") == "adapter":
         tags.append("peft")
     return list(dict.fromkeys(tags))
@@ -354,7 +356,8 @@ def render_model_card(
     else:
         parts.append("No evaluation was recorded for this run.")
     keys = method_keys(source_info, recipe)
-    refs = [f"- {PAPERS[k][1]}" + (f", {PAPERS[k][2]}" if PAPERS[k][2] else "") for k in keys if k in PAPERS]
+    papers = [method_paper(k) for k in keys]
+    refs = [f"- {paper[1]}" for paper in papers if paper is not None]
     if refs:
         parts += ["## Methods", "\n".join(refs)]
     return "\n\n".join(parts) + "\n"

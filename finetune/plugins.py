@@ -9,22 +9,26 @@ names (``pkgutil``; a module whose name starts with ``_`` is skipped, a module n
 is imported as it is). A user's own modules register the same way once imported (a recipe's
 ``objective.import``, or an ``import`` in their script).
 
+An entry may carry its paper: a term registers a :class:`Citation` with its :class:`TermEntry`
+(``register_term(name, Options, citation=...)``), and the model card of a run cites the terms it used.
+
 This module imports nothing from the toolkit at import time, so any layer may import it: it is the
 bottom of the import graph, and no import circle can pass through it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Registry", "TERMS", "TERM_OPTIONS", "SCORERS", "MODEL_FAMILIES", "NAMED_CONFIGS",
-           "INFERENCE_MODULES", "DATA_SOURCES", "discover_modules", "registries"]
+__all__ = ["Citation", "Registry", "TermEntry", "TERMS", "TERM_OPTIONS", "SCORERS", "MODEL_FAMILIES", "NAMED_CONFIGS",
+           "INFERENCE_MODULES", "DATA_SOURCES", "citation_of", "discover_modules", "registries"]
 
 
 def discover_modules(packages: Iterable[str]) -> list[str]:
@@ -86,6 +90,22 @@ class Registry(Generic[T]):
         with self._lock:
             return self._entries.pop(name, None)
 
+    def peek(self, name: str) -> T | None:
+        """The entry under ``name`` as registered so far, or ``None``; discovers nothing (for a ``register_*``
+        helper that checks a taken name while the registering modules are being imported)."""
+        return self._entries.get(name)
+
+    def snapshot(self) -> dict[str, T]:
+        """A copy of what is registered so far (discovers nothing); :meth:`restore` puts it back (tests: call
+        :meth:`discover` first, since a module imported once does not register again)."""
+        with self._lock:
+            return dict(self._entries)
+
+    def restore(self, entries: dict[str, T]) -> None:
+        """Replace the registered entries by ``entries`` (a :meth:`snapshot`)."""
+        with self._lock:
+            self._entries = dict(entries)
+
     # -- lookup -----------------------------------------------------------------------------------
     def discover(self) -> None:
         """Import the registering modules once (the discovery rule; later calls do nothing)."""
@@ -123,6 +143,9 @@ class Registry(Generic[T]):
         where = f"{self.recipe_key}: " if self.recipe_key else ""
         return (f"{where}unknown {self.what} {name!r}{hint}; registered: {', '.join(names) or 'none'} "
                 f"(a module of your own registers more once imported)")
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
 
     def names(self) -> list[str]:
         """Registered names, sorted."""
@@ -162,8 +185,52 @@ def _describe(entry: Any) -> str:
     return f"{module}.{name}" if module and name else repr(entry)
 
 
-#: objective terms: name -> ``builder(options) -> (term, weights)`` (:func:`finetune.objectives.register_term`)
-TERMS: Registry[Any] = Registry("objective term", ("finetune.objectives",), recipe_key="objective")
+@dataclasses.dataclass(frozen=True)
+class Citation:
+    """The paper behind a registered entry, which model cards list (``## Methods``) and tag.
+
+    Attributes:
+        text: authors, title and venue (``"Zhang et al., Long-CLIP: ... (ECCV 2024)"``).
+        url: a link to the paper, or ``None``.
+        tag: the hub tag of the method (default: the registered name).
+    """
+
+    text: str
+    url: str | None = None
+    tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise ValueError(f"a citation needs the paper's text (authors, title, venue), got {self.text!r}")
+
+    def markdown(self) -> str:
+        """``text, url`` (or the text alone)."""
+        return self.text + (f", {self.url}" if self.url else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class TermEntry:
+    """What :func:`finetune.objectives.register_term` registers in :data:`TERMS`.
+
+    Attributes:
+        builder: ``builder(options) -> (term, weights)``.
+        options: the options dataclass of ``objective.terms.<name>`` (also in :data:`TERM_OPTIONS`).
+        citation: the term's paper (model cards cite it for every run that used the term), or ``None``.
+    """
+
+    builder: Callable[[Any], Any]
+    options: type
+    citation: Citation | None = None
+
+    @property
+    def target(self) -> Callable[[Any], Any]:
+        """The registered callable (names the entry in messages; the same builder re-imported is the same entry)."""
+        return self.builder
+
+
+#: objective terms: name -> :class:`TermEntry` (builder, options class, citation;
+#: :func:`finetune.objectives.register_term`)
+TERMS: Registry[TermEntry] = Registry("objective term", ("finetune.objectives",), recipe_key="objective")
 #: objective terms: name -> the options dataclass that ``objective.terms.<name>`` is validated against
 TERM_OPTIONS: Registry[type] = Registry("objective term", ("finetune.objectives",), recipe_key="objective.terms")
 #: scorers for evaluation: name -> a :class:`finetune.scorers.Scorer` class or factory
@@ -182,3 +249,12 @@ DATA_SOURCES: Registry[Any] = Registry("data source", ("finetune.data",), recipe
 def registries() -> dict[str, Registry[Any]]:
     """Every registry of the toolkit by its attribute name (for ``xlipkit recipes`` and the docs)."""
     return {name: value for name, value in globals().items() if isinstance(value, Registry)}
+
+
+def citation_of(registry: Registry[Any], name: str) -> Citation | None:
+    """The :class:`Citation` registered with ``name`` in ``registry`` (an entry's ``citation``), or ``None``
+    for an unknown name or an entry without one."""
+    if name not in registry:
+        return None
+    citation = getattr(registry.get(name), "citation", None)
+    return citation if isinstance(citation, Citation) else None

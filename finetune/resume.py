@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from finetune.run_folder import RunFolderError
+from finetune.run_basics import RunFolderError
 
 __all__ = ["CheckpointError", "CHECKPOINT_PREFIX", "STATE_NAME", "file_digest", "file_manifest",
            "checkpoint_problem", "rng_problem", "rng_state_name", "find_checkpoint"]
@@ -274,7 +274,7 @@ def check_continuation(saved: dict[str, Any] | None, current: dict[str, Any] | N
     Raises:
         RunFolderError: listing the differing keys, unless ``ignore_changes`` (then logged).
     """
-    from finetune.run_folder import differing_keys
+    from finetune.run_basics import differing_keys
 
     if saved is None or current is None or saved == current:
         return

@@ -27,15 +27,25 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from finetune.run_basics import (  # noqa: F401  (re-exported: this module's public names since before)
+    _LEGACY_PID,
+    _TAG,
+    RunFolderError,
+    _flatten,
+    _host,
+    differing_keys,
+    owner_alive,
+    process_tag,
+    tag_owner,
+)
 
 __all__ = [
     "RunFolderError",
@@ -70,10 +80,6 @@ _BOOKKEEPING_TRAIN_KEYS = frozenset({"resume", "resume_ignore_changes", "resume_
                                      "keep_checkpoints", "log_every", "trackers"})
 
 
-class RunFolderError(ValueError):
-    """``output.dir`` holds a run that this recipe must not overwrite, or a resume that does not fit."""
-
-
 def continuation_view(recipe: dict[str, Any]) -> dict[str, Any]:
     """The part of a recipe (as ``recipe_to_dict`` gives it) that decides what a continued run
     computes: ``model``, ``adapter``, ``objective``, ``data.train`` and the ``train`` keys other
@@ -92,28 +98,6 @@ def continuation_hash(recipe: dict[str, Any]) -> str:
     """sha256 of :func:`continuation_view` (canonical JSON)."""
     text = json.dumps(continuation_view(recipe), sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out if out or not prefix else {prefix[:-1]: {}}
-    return {prefix[:-1]: value}
-
-
-def differing_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """``["train.lr: 0.001 -> 0.002", ...]``: the dotted keys whose values differ, sorted."""
-    a, b = _flatten(old), _flatten(new)
-    missing = object()
-    out = []
-    for key in sorted(set(a) | set(b)):
-        va, vb = a.get(key, missing), b.get(key, missing)
-        if va != vb:
-            show = lambda v: "(unset)" if v is missing else json.dumps(v, default=str)  # noqa: E731
-            out.append(f"{key}: {show(va)} -> {show(vb)}")
-    return out
 
 
 def _comparable(recipe: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +208,7 @@ def _resumable_checkpoints(folder: Path) -> list[str]:
     """The ``checkpoints/step-N`` folders of ``folder`` that ``train.resume: latest`` could continue from
     (complete, :func:`finetune.resume.checkpoint_problem` without reading every byte: the resume itself checks the
     sha256 of each file), oldest first, as ``checkpoints/step-N``."""
-    from finetune.resume import CHECKPOINT_PREFIX, checkpoint_problem  # finetune.resume imports this module
+    from finetune.resume import CHECKPOINT_PREFIX, checkpoint_problem
 
     ckpt = folder / "checkpoints"
     if not ckpt.is_dir():
@@ -284,50 +268,6 @@ def clean_stale_temporaries(out_dir: str | os.PathLike) -> list[str]:
             path.unlink(missing_ok=True)
         removed.append(path)
     return sorted(str(p.relative_to(folder)) for p in removed)
-
-
-# -- temporary names that say who writes them ---------------------------------------------------------
-_TAG = re.compile(r"(?<![0-9])([0-9]+)@([A-Za-z0-9-]+)\.")
-#: the cache folders of older versions: ``.NAME-KEY.tmp-PID-HEX8``
-_LEGACY_PID = re.compile(r"\.tmp-([0-9]+)-[0-9a-f]{8}$")
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:63] or "localhost"
-
-
-def process_tag() -> str:
-    """``PID@HOST``: what this process puts in the names of the temporary files and folders it writes
-    (followed by a ``.``), so that a cleanup can tell a live writer's files from a killed one's."""
-    return f"{os.getpid()}@{_host()}"
-
-
-def tag_owner(name: str) -> tuple[int, str] | None:
-    """``(pid, host)`` of the process whose :func:`process_tag` is in ``name`` (or an older cache folder's
-    ``.tmp-PID-HEX8``, taken as this host's); None for an untagged name."""
-    match = _TAG.search(name)
-    if match:
-        return int(match.group(1)), match.group(2)
-    match = _LEGACY_PID.search(name)
-    if match:
-        return int(match.group(1)), _host()
-    return None
-
-
-def owner_alive(pid: int, host: str) -> bool:
-    """Whether the process ``pid`` on ``host`` may still run: True for another host (this one cannot
-    tell) and for this process; else whether a process with that PID exists here."""
-    if host != _host() or pid == os.getpid() or os.name == "nt":  # Windows: os.kill(pid, 0) would kill it
-        return True
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True
 
 
 # -- one run per folder -------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ import contextvars
 import dataclasses
 import difflib
 import hashlib
-import importlib
 import io
 import json
 import logging
@@ -34,6 +33,7 @@ from typing import Any
 
 import datasets
 
+import finetune.plugins as plugins
 from finetune.data.bad_rows import collecting, decode_utf8, read_utf8_text, report_bad_row, utf8_jsonl
 from finetune.data.images import IMAGE_EXTENSIONS, DataError, ImageReadError, probe_image, read_image
 from finetune.data.text import as_captions, lone_surrogate
@@ -54,8 +54,6 @@ logger = logging.getLogger(__name__)
 
 SourceBuilder = Callable[["SourceSpec"], datasets.Dataset]
 
-# Modules that register built-in sources when imported; a missing optional module is skipped.
-_BUILTIN_MODULES = ("finetune.data.synthetic", "finetune.data.benchmarks", "finetune.data.streams")
 #: sources that can be read as a stream (``finetune.data.streams``); the first two only as a stream
 STREAM_SOURCES = ("webdataset", "hub", "parquet")
 _ON_ERROR = ("skip", "raise")
@@ -247,7 +245,13 @@ class _Entry:
     takes_path: bool = True
 
 
-_REGISTRY: dict[str, _Entry] = {}
+    @property
+    def target(self) -> SourceBuilder:
+        return self.builder
+
+
+# the registry is finetune.plugins.DATA_SOURCES: its first lookup imports every module of finetune.data
+_REGISTRY = plugins.DATA_SOURCES
 
 
 def register_source(
@@ -269,22 +273,17 @@ def register_source(
     """
 
     def decorator(builder: SourceBuilder) -> SourceBuilder:
-        existing = _REGISTRY.get(name)
+        existing = _REGISTRY.peek(name)
         if existing is not None and existing.builder.__qualname__ != builder.__qualname__:
             raise ValueError(f"data source {name!r} is already registered by {existing.builder.__module__}")
-        _REGISTRY[name] = _Entry(builder, description, tuple(protocols), tuple(splits), takes_path)
+        _REGISTRY.add(name, _Entry(builder, description, tuple(protocols), tuple(splits), takes_path), replace=True)
         return builder
 
     return decorator
 
 
 def _import_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as error:
-            if error.name != module:  # the module exists but one of its imports is missing
-                raise
+    _REGISTRY.discover()  # the discovery rule of finetune.plugins: every module of finetune.data
 
 
 def available_sources() -> dict[str, str]:
@@ -297,7 +296,7 @@ def source_takes_path(name: str) -> bool:
     """Whether the registered source ``name`` reads a ``path`` (built-ins imported first);
     ``True`` for a name that is not registered (its own error comes from the name check)."""
     _import_builtins()
-    entry = _REGISTRY.get(name)
+    entry = _REGISTRY.peek(name)
     return True if entry is None else entry.takes_path
 
 
@@ -368,9 +367,9 @@ def load_source(
             "path and remove urls / streaming"
         )
     _import_builtins()
-    entry = _REGISTRY.get(spec.name)
+    entry = _REGISTRY.peek(spec.name)
     if entry is None:
-        names = sorted(_REGISTRY)
+        names = _REGISTRY.names()
         raise DataError(
             f"unknown data source {spec.name!r}{_closest(spec.name, names)}; registered sources: {', '.join(names)}"
         )

@@ -12,8 +12,8 @@ FLAIR's text-conditioned attention pool) goes into ``model.inference_modules`` (
 and ``xlipkit_inference.safetensors`` (its state dict, keys ``<module name>.<tensor name>``)
 beside the model; ``load_model`` / ``load_finetuned`` rebuild them. Only registered classes are
 rebuilt, by the name they were registered under: no class path from a file is ever imported (the
-toolkit's own term modules, which register their heads such as GRM's, are imported when a saved
-class is not registered yet).
+registry is :data:`finetune.plugins.INFERENCE_MODULES`; its discovery imports the toolkit's own term
+modules, which register their heads such as GRM's, when a saved class is not registered yet).
 
 A registered class gives its init kwargs either with an ``inference_config()`` method returning
 a JSON-serialisable dict, or, without one, from the arguments its ``__init__`` was called with
@@ -31,12 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
+import finetune.plugins as plugins
+
 CONFIG_NAME = "xlipkit_inference.json"
 WEIGHTS_NAME = "xlipkit_inference.safetensors"
 FORMAT_VERSION = 1
 _RECORD = "_xlipkit_init_kwargs"
 
-_CLASSES: dict[str, type[nn.Module]] = {}
 
 
 def register_inference_module(cls: type[nn.Module] | None = None, *, name: str | None = None) -> Any:
@@ -61,13 +62,14 @@ def register_inference_module(cls: type[nn.Module] | None = None, *, name: str |
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"register_inference_module needs an nn.Module subclass, got {cls!r}")
     key = name or cls.__qualname__
-    if key in _CLASSES and _CLASSES[key] is not cls:
-        raise ValueError(f"inference module name {key!r} is already taken by {_CLASSES[key].__module__}."
-                         f"{_CLASSES[key].__qualname__}; register {cls.__qualname__} with name=...")
+    known = plugins.INFERENCE_MODULES.peek(key)
+    if known is not None and known is not cls:
+        raise ValueError(f"inference module name {key!r} is already taken by {known.__module__}."
+                         f"{known.__qualname__}; register {cls.__qualname__} with name=...")
     if not callable(getattr(cls, "inference_config", None)) and not getattr(
             vars(cls).get("__init__", cls.__init__), "_xlipkit_records", False):
         cls.__init__ = _recording_init(cls.__init__)
-    _CLASSES[key] = cls
+    plugins.INFERENCE_MODULES.add(key, cls, replace=True)
     return cls
 
 
@@ -93,12 +95,12 @@ def _recording_init(init: Any) -> Any:
 
 
 def inference_module_names() -> list[str]:
-    """Names of the registered inference-module classes."""
-    return sorted(_CLASSES)
+    """Names of the registered inference-module classes (the toolkit's own discovered first)."""
+    return plugins.INFERENCE_MODULES.names()
 
 
 def _registered_name(module: nn.Module) -> str:
-    for key, cls in _CLASSES.items():
+    for key, cls in plugins.INFERENCE_MODULES.snapshot().items():  # the module's class registered before it was made
         if type(module) is cls:
             return key
     raise ValueError(f"inference module of class {type(module).__module__}.{type(module).__qualname__} is not "
@@ -188,11 +190,12 @@ def load_inference_modules(model: nn.Module, folder: str | Path) -> list[str]:
         device, dtype = ref.device, ref.dtype
     except StopIteration:
         device, dtype = torch.device("cpu"), None
-    if any(not isinstance(e, dict) or e.get("class") not in _CLASSES for e in entries.values()):
-        import finetune.objectives  # noqa: F401  the toolkit's terms register their heads (GRM's) on import
+    classes = plugins.INFERENCE_MODULES.snapshot()
+    if any(not isinstance(e, dict) or e.get("class") not in classes for e in entries.values()):
+        classes = dict(plugins.INFERENCE_MODULES.items())  # discovers: the toolkit's terms register their heads
     for name, entry in entries.items():
         cls_name = entry.get("class") if isinstance(entry, dict) else None
-        if cls_name not in _CLASSES:
+        if cls_name not in classes:
             hint = entry.get("defined_in") if isinstance(entry, dict) else None
             raise ValueError(f"{path}: inference module {name!r} is of class {cls_name!r}, which is not registered "
                              f"(registered: {inference_module_names() or 'none'}); import the module that registers "
@@ -201,7 +204,7 @@ def load_inference_modules(model: nn.Module, folder: str | Path) -> list[str]:
         if not isinstance(config, dict):
             raise ValueError(f"{path}: config of inference module {name!r} must be a mapping, got {config!r}")
         try:
-            module = _CLASSES[cls_name](**config)
+            module = classes[cls_name](**config)
         except TypeError as e:
             raise ValueError(f"{path}: inference module {name!r} ({cls_name}) cannot be built from {config}: {e}") from e
         prefix = f"{name}."

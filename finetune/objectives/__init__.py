@@ -1,10 +1,11 @@
 """Objectives: a recipe's ``objective`` section -> an optional base term plus weighted added terms (DESIGN 3,
 DESIGN 4 Seams).
 
-Bases and added terms share one registry (:func:`register_term`, which also registers the term's options
-dataclass with the recipe schema, so ``objective.terms.<name>`` is validated like every other recipe key).
-``objective.base`` names any registered term or ``none``; every module of this package is imported so that
-its terms register (:func:`discover_terms`), and a recipe's ``objective.import`` imports a user's own.
+Bases and added terms share one registry (:func:`register_term`, over :data:`finetune.plugins.TERMS`; the term's
+options dataclass goes to :data:`finetune.plugins.TERM_OPTIONS`, which the recipe schema reads, so
+``objective.terms.<name>`` is validated like every other recipe key). ``objective.base`` names any registered
+term or ``none``; the first lookup imports every module of this package so that its terms register
+(:func:`discover_terms`), and a recipe's ``objective.import`` imports a user's own.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .contrastive import BASE_TERMS, ClipOptions, ClipTerm, LongClipOptions, Lon
 from .registry import (
     TERM_BUILDERS,
     TERM_OPTIONS,
+    Citation,
     TermBuilder,
     base_options,
     build_term,
@@ -72,11 +74,9 @@ def build_objective(cfg: Any) -> Objective:
     return Objective(base, built, base_weights=base_weights)
 
 
-discover_terms()
-
 __all__ = [
-    "BASE_TERMS", "ClipOptions", "ClipTerm", "Features", "ImageRequest", "LongClipOptions", "LongClipTerm",
-    "Objective", "SiglipOptions", "SiglipTerm", "TERM_BUILDERS", "TERM_OPTIONS", "Term", "TermBuilder",
+    "BASE_TERMS", "Citation", "ClipOptions", "ClipTerm", "Features", "ImageRequest", "LongClipOptions",
+    "LongClipTerm", "Objective", "SiglipOptions", "SiglipTerm", "TERM_BUILDERS", "TERM_OPTIONS", "Term", "TermBuilder",
     "TermCollisionError", "TextRequest", "build_base_term", "build_objective", "build_term", "discover_terms",
     "import_term_modules", "loss_name", "merge_features", "register_term",
 ]

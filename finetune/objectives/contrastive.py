@@ -15,7 +15,7 @@ from torch import Tensor
 from losses import clip_loss, longclip_loss, siglip_loss
 
 from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
-from .registry import register_term
+from .registry import Citation, register_term
 
 
 def _smoothing(value: Any) -> str | None:
@@ -157,19 +157,24 @@ class LongClipTerm(Term):
 BASE_TERMS: dict[str, type[Term]] = {"clip": ClipTerm, "siglip": SiglipTerm, "longclip": LongClipTerm}
 
 
-@register_term("clip", ClipOptions)
+@register_term("clip", ClipOptions, citation=Citation(
+    "Radford et al., Learning Transferable Visual Models From Natural Language Supervision (ICML 2021)",
+    "https://arxiv.org/abs/2103.00020"))
 def build_clip(options: ClipOptions) -> tuple[ClipTerm, float]:
     """``clip``: :class:`ClipTerm` with weight 1."""
     return ClipTerm(label_smoothing=options.label_smoothing), 1.0
 
 
-@register_term("siglip", SiglipOptions)
+@register_term("siglip", SiglipOptions, citation=Citation(
+    "Zhai et al., Sigmoid Loss for Language Image Pre-Training (ICCV 2023)", "https://arxiv.org/abs/2303.15343"))
 def build_siglip(options: SiglipOptions) -> tuple[SiglipTerm, float]:
     """``siglip``: :class:`SiglipTerm` with weight 1."""
     return SiglipTerm(exchange=options.exchange), 1.0
 
 
-@register_term("longclip", LongClipOptions)
+@register_term("longclip", LongClipOptions, citation=Citation(
+    "Zhang et al., Long-CLIP: Unlocking the Long-Text Capability of CLIP (ECCV 2024)",
+    "https://arxiv.org/abs/2403.15378", tag="long-clip"))
 def build_longclip(options: LongClipOptions) -> tuple[LongClipTerm, float]:
     """``longclip``: :class:`LongClipTerm` with weight 1."""
     return LongClipTerm(label_smoothing=options.label_smoothing, pca_dim=options.pca_dim), 1.0

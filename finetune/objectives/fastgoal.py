@@ -51,7 +51,7 @@ from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
 from .checks import at_least_one as _at_least_one
 from .checks import non_negative as _non_negative
 from .checks import unit as _unit
-from .registry import register_term
+from .registry import Citation, register_term
 
 __all__ = ["FastGoalOptions", "FastGoalTerm", "FastGoalWeights", "FlismOptions", "build_fastgoal"]
 
@@ -610,7 +610,8 @@ class FastGoalTerm(Term):
                 f"method={r.method!r}, default={r.default}, pairs={r.pairs}")
 
 
-@register_term(TERM_NAME, FastGoalOptions)
+@register_term(TERM_NAME, FastGoalOptions, citation=Citation(
+    "Choi, Jang and Eom, FAST-GOAL: Fast and Efficient Global-local Object Alignment Learning", tag="fast-goal"))
 def build_fastgoal(options: FastGoalOptions | None) -> tuple[FastGoalTerm, dict[str, float]]:
     """Build the term of ``objective.terms.fastgoal`` and its weights (the Objective applies them)."""
     term = FastGoalTerm(options or FastGoalOptions())

@@ -42,7 +42,7 @@ from losses import fcast_loss, flair_draw_seed
 
 from .base import Batch, Features, Term, scale_of, term_plan
 from .flair import DrawCounter
-from .registry import register_term
+from .registry import Citation, register_term
 
 TERM_NAME = "fcast"
 
@@ -321,7 +321,8 @@ class FCastTerm(Term):
         ])]
 
 
-@register_term(TERM_NAME, FCastOptions)
+@register_term(TERM_NAME, FCastOptions, citation=Citation(
+    "Aligning Forest and Trees in Images and Long Captions for Cross-Domain Grounding (F-CAST)", tag="f-cast"))
 def build_fcast(options: FCastOptions | None) -> tuple[FCastTerm, float]:
     """``objective.terms.fcast``: :class:`FCastTerm`, weight 1 for ``part`` and ``whole`` (L = L_part + L_whole)."""
     return FCastTerm(options or FCastOptions()), 1.0

@@ -46,7 +46,7 @@ from losses import FLAIRLoss, flair_draw_seed
 from losses.flair import MPS_NEGATIVES
 
 from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
-from .registry import register_term
+from .registry import Citation, register_term
 
 FIELD_SUBCAPTIONS = "flair_subcaptions"
 FIELD_IDS = "flair_input_ids"
@@ -312,7 +312,9 @@ class FlairTerm(Term):
                 "log_scale_range": list(LOG_SCALE_RANGE)}
 
 
-@register_term("flair", FlairOptions)
+@register_term("flair", FlairOptions, citation=Citation(
+    "Xiao et al., FLAIR: VLM with Fine-grained Language-informed Image Representations (CVPR 2025)",
+    "https://arxiv.org/abs/2412.03561"))
 def build_flair(options: FlairOptions) -> tuple[FlairTerm, dict[str, float]]:
     """``flair``: :class:`FlairTerm`; ``flair/tcs`` and ``flair/mps`` are logged with weight 0 (the loss is
     ``flair``, their mean)."""

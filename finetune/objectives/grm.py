@@ -8,7 +8,7 @@ through one :class:`losses.GRMHead` (the significance- and granularity-aware ada
 prompts, the log-variance network). The head is part of the fine-tuned model: it lives in
 ``model.inference_modules["grm"]`` (installed when the training set is preprocessed, on the model's
 device), so that it is trained with the model, saved in ``final/`` and in adapter folders, pushed, and
-restored by ``load_finetuned``; the ``grm`` scorer (:mod:`finetune.scorers_grm`) reads it at retrieval.
+restored by ``load_finetuned``; the ``grm`` scorer (:mod:`finetune.scorers.grm`) reads it at retrieval.
 
 ``objective.base: none`` makes the hinge loss the only contrastive objective (the paper); beside
 ``clip`` both train. The term's values are logged as ``grm/ori``, ``grm/key``, ``grm/unc`` (eq. 8 on
@@ -54,7 +54,7 @@ from losses.grm import (
 )
 
 from .base import Batch, Features, ImageRequest, Term, TextRequest
-from .registry import register_term
+from .registry import Citation, register_term
 
 #: the key of the GRM head in ``model.inference_modules``
 HEAD_KEY = "grm"
@@ -339,7 +339,9 @@ def _weights(options: GRMOptions) -> dict[str, float]:
             "con": 1.0, "recon": float(options.recon_weight), "reg": float(options.reg_weight)}
 
 
-@register_term("grm", GRMOptions)
+@register_term("grm", GRMOptions, citation=Citation(
+    "Liu et al., Cross Modal Fine-grained Alignment via Granularity-aware and Region-uncertain Modeling",
+    "https://arxiv.org/abs/2511.07710"))
 def build_grm(options: GRMOptions) -> tuple[GRMTerm, dict[str, float]]:
     """The ``grm`` term and its weights (:func:`_weights`)."""
     return GRMTerm(options), _weights(options)

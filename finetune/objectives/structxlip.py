@@ -915,7 +915,8 @@ def _trim(ids: Tensor, mask: Tensor, model: Any, *, causal: bool | None = None) 
     return ids[:, :longest], mask[:, :longest]
 
 
-@register_term(TERM_NAME, StructXLIPOptions)
+@register_term(TERM_NAME, StructXLIPOptions, citation={  # a finetune.plugins.Citation's fields
+    "text": "Ruan et al., StructXLIP: Enhancing Vision-language Models with Multimodal Structural Cues"})
 def build_structxlip(options: StructXLIPOptions | None) -> tuple[StructXLIPTerm, dict[str, float]]:
     """Build the term of ``objective.terms.structxlip`` and its weights (the Objective applies them)."""
     term = StructXLIPTerm(options or StructXLIPOptions())

@@ -58,8 +58,10 @@ class OtherTerm:
 @pytest.fixture
 def term_registry(monkeypatch):
     """An isolated term registry holding one test term with a nested options dataclass."""
-    monkeypatch.setattr(config, "_TERM_CONFIGS", {})
-    monkeypatch.setattr(config, "_import_objectives", lambda: None)
+    from finetune import plugins
+
+    # a registry of its own with nothing to discover (config reads finetune.plugins.TERM_OPTIONS at call time)
+    monkeypatch.setattr(plugins, "TERM_OPTIONS", plugins.Registry("objective term", recipe_key="objective.terms"))
     register_term_config("toy", ToyTerm)
     return ToyTerm, Weights
 

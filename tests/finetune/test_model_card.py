@@ -159,3 +159,49 @@ def test_transformers_snippet_loads_an_export(tmp_path: Path) -> None:
     exec(transformers_snippet(str(out), "clip").replace('["a long, detailed caption ..."]', repr(CAPTIONS)), scope)
     text = scope["text"] if isinstance(scope["text"], torch.Tensor) else scope["text"].pooler_output
     torch.testing.assert_close(text, embeddings(load_finetuned(run / "final"))[0], atol=1e-5, rtol=0)
+
+
+def test_a_terms_registered_citation_reaches_the_card() -> None:
+    # the card reads a term's paper from its registration (finetune.plugins.TERMS), not from a table of its own
+    import dataclasses
+
+    from finetune import plugins
+    from finetune.objectives import Citation, register_term
+
+    @dataclasses.dataclass
+    class CitedOptions:
+        weight: float = 1.0
+
+    for registry in (plugins.TERMS, plugins.TERM_OPTIONS):
+        registry.discover()
+    saved = {registry: registry.snapshot() for registry in (plugins.TERMS, plugins.TERM_OPTIONS)}
+    try:
+        register_term("cited_term", CitedOptions, citation=Citation(
+            "Doe et al., A Cited Term (NeurIPS 2031)", "https://arxiv.org/abs/3101.00001", tag="cited"))(
+            lambda options: None)
+        register_term("uncited_term", CitedOptions)(lambda options: None)
+        recipe = {"objective": {"base": "clip", "terms": {"cited_term": {}, "uncited_term": {}}}}
+        card = render_model_card(_info(kind="full"), repo_id="me/m", recipe=recipe, metrics=METRICS)
+        meta = read_front_matter(card)
+        assert meta["tags"] == ["xlipkit", "clip", "long-captions", "cited", "uncited_term", "long-clip", "lora"]
+        methods = card.split("## Methods\n\n", 1)[1].strip().splitlines()
+        assert methods == [
+            "- Radford et al., Learning Transferable Visual Models From Natural Language Supervision (ICML 2021), "
+            "https://arxiv.org/abs/2103.00020",
+            "- Doe et al., A Cited Term (NeurIPS 2031), https://arxiv.org/abs/3101.00001",
+            "- Zhang et al., Long-CLIP: Unlocking the Long-Text Capability of CLIP (ECCV 2024), "
+            "https://arxiv.org/abs/2403.15378",
+            "- Hu et al., LoRA: Low-Rank Adaptation of Large Language Models (ICLR 2022), "
+            "https://arxiv.org/abs/2106.09685",
+        ]
+    finally:
+        for registry, entries in saved.items():
+            registry.restore(entries)
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip", "longclip", "structxlip", "fastgoal", "grm", "flair", "fcast"])
+def test_every_shipped_term_registers_its_paper(name: str) -> None:
+    from finetune import plugins
+
+    citation = plugins.citation_of(plugins.TERMS, name)
+    assert citation is not None and len(citation.text) > 20

@@ -68,3 +68,52 @@ def test_plugins_is_the_ground_floor_it_imports_nothing_of_the_toolkit():
     assert "TERMS" in out.stdout and "SCORERS" in out.stdout and "MODEL_FAMILIES" in out.stdout
     assert set(registries()) >= {"TERMS", "TERM_OPTIONS", "SCORERS", "MODEL_FAMILIES", "NAMED_CONFIGS",
                                  "INFERENCE_MODULES", "DATA_SOURCES"}
+
+
+def test_the_toolkits_registries_are_the_ones_their_public_lookups_read():
+    import finetune.config as config
+    from finetune import plugins
+    from finetune.data.sources import available_sources
+    from finetune.models.inference_modules import inference_module_names
+    from finetune.objectives import TERM_BUILDERS, TERM_OPTIONS
+    from finetune.scorers import available_scorers
+
+    terms = plugins.TERMS.names()
+    assert set(terms) >= {"clip", "siglip", "longclip", "structxlip", "fastgoal", "grm", "flair", "fcast"}
+    assert sorted(TERM_BUILDERS) == terms and TERM_OPTIONS is plugins.TERM_OPTIONS
+    assert all(TERM_BUILDERS[n] is plugins.TERMS[n].builder for n in terms)
+    assert {n: config.registered_term_configs()[n] for n in terms} == {n: plugins.TERMS[n].options for n in terms}
+    assert available_scorers() == plugins.SCORERS.names() == ["cosine", "flair", "flair_global", "grm", "grm_ori"]
+    assert sorted(available_sources()) == plugins.DATA_SOURCES.names() and "synthetic" in available_sources()
+    assert inference_module_names() == plugins.INFERENCE_MODULES.names()
+    assert {"grm.GRMHead", "tsl.heads"} <= set(inference_module_names())
+
+
+def test_config_and_the_objectives_do_not_import_each_other():
+    # config asks finetune.plugins for the term options; the registry's first lookup discovers the terms
+    config_first = ("import sys, finetune.config as c; print('finetune.objectives' in sys.modules); "
+                    "print('structxlip' in c.registered_term_configs())")
+    objectives_first = ("import sys, finetune.objectives as o; print('finetune.config' in sys.modules); "
+                        "print('structxlip' in o.TERM_BUILDERS)")
+    for code in (config_first, objectives_first):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["False", "True"], code
+
+
+def test_peek_discovers_nothing_and_a_snapshot_restores(tmp_path, monkeypatch):
+    name = _package(tmp_path, monkeypatch, "toyplugins3")
+    monkeypatch.delitem(sys.modules, "conftest_registry", raising=False)  # a fresh registry, not another test's
+    import conftest_registry
+
+    reg = conftest_registry.REG
+    reg.packages = (name,)
+    assert reg.peek("a") is None and reg.snapshot() == {}  # a register_* helper may check a name mid-import
+    assert reg["a"] == "a" and reg.peek("a") == "a"  # indexing is a lookup: it discovered
+    saved = reg.snapshot()
+    reg.add("c", "c")
+    assert reg.names() == ["a", "b", "c"]
+    reg.restore(saved)
+    assert reg.names() == ["a", "b"]
+    with pytest.raises(KeyError, match=r"unknown toy 'c'"):
+        reg["c"]

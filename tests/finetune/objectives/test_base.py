@@ -39,6 +39,7 @@ from finetune.objectives import (
     register_term,
 )
 from finetune.objectives.contrastive import image_request
+from finetune import plugins
 from finetune.objectives.registry import TERM_BUILDERS, TERM_OPTIONS
 from losses import clip_loss
 
@@ -46,14 +47,13 @@ from losses import clip_loss
 @pytest.fixture(autouse=True)
 def _restore_registry():
     """Terms registered by a test are forgotten after it (the registries are process-wide)."""
-    builders, options = dict(TERM_BUILDERS), dict(TERM_OPTIONS)
-    configs = dict(config_module._TERM_CONFIGS)
+    for registry in (plugins.TERMS, plugins.TERM_OPTIONS):
+        registry.discover()  # the built-in terms stay registered: their modules are imported only once
+    saved = {registry: registry.snapshot() for registry in (plugins.TERMS, plugins.TERM_OPTIONS)}
     modules = set(sys.modules)
     yield
-    for registry, saved in ((TERM_BUILDERS, builders), (TERM_OPTIONS, options),
-                            (config_module._TERM_CONFIGS, configs)):
-        registry.clear()
-        registry.update(saved)
+    for registry, entries in saved.items():
+        registry.restore(entries)
     for name in set(sys.modules) - modules:
         if name.startswith(("user_terms_", "finetune.objectives.dropped_")):
             del sys.modules[name]

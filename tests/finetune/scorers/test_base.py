@@ -1,9 +1,12 @@
-"""Scorers (finetune/scorers.py): the registry, payloads, ranking from blocks against a brute-force
-ranking of the full score matrix (ties, several captions per image, block sizes that do not divide
+"""Scorers (finetune/scorers/base.py, cosine.py, ranking.py): the registry, payloads, ranking from blocks
+against a brute-force ranking of the full score matrix (ties, several captions per image, block sizes that do not divide
 N), the global-cosine top-k prefilter, and a token-wise scorer whose payloads change shape between
 batches and processes."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -275,9 +278,9 @@ def test_registry_builds_registered_scorers_with_options():
         down = retrieval_ranks(built, {"embeds": texts}, {"embeds": images}, owner)
         assert torch.equal(up.t2i + down.t2i, torch.full_like(up.t2i, 9))  # no ties: ranks mirror
     finally:
-        from finetune import scorers
+        from finetune import plugins
 
-        scorers._SCORERS.pop("test-scaled-dot", None)
+        plugins.SCORERS.remove("test-scaled-dot")
 
 
 def test_unknown_scorer_lists_the_registered_ones():
@@ -352,12 +355,12 @@ def test_two_processes_gather_payloads_of_different_lengths(tmp_path):
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     script, out = tmp_path / "states.py", tmp_path / "states.pt"
     script.write_text(STATES_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-                           str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(out, weights_only=True)
     assert got["world"] == 2
@@ -435,15 +438,30 @@ def test_run_evaluates_with_the_recipe_scorer(tmp_path, monkeypatch):
     assert sys.modules["my_scorer_mod"].CALLS["score"] == 2 * (6 + 6)
 
 
-def test_builtin_scorer_modules_are_imported_on_first_lookup(tmp_path, monkeypatch) -> None:
-    from finetune import scorers
+def test_the_toolkits_scorers_are_discovered_on_the_first_lookup() -> None:
+    # no list of built-in modules: the first lookup imports every module of the finetune.scorers package
+    code = ("import sys; from finetune.scorers import available_scorers; "
+            "before = sorted(m for m in sys.modules if m.startswith('finetune.scorers.')); "
+            "print(before); print(available_scorers())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, names = out.stdout.strip().splitlines()[-2:]
+    assert "finetune.scorers.grm" not in before and "finetune.scorers.flair" not in before
+    assert eval(names) == ["cosine", "flair", "flair_global", "grm", "grm_ori"]
 
-    (tmp_path / "xlip_builtin_scorer_probe.py").write_text(
-        "from finetune.scorers import CosineScorer, register_scorer\n"
+
+def test_a_scorer_module_dropped_into_the_package_registers(tmp_path, monkeypatch) -> None:
+    import finetune.scorers as scorers
+    from finetune import plugins
+
+    (tmp_path / "probe_scorer_xlip.py").write_text(
+        "from finetune.scorers.cosine import CosineScorer\n"
+        "from finetune.scorers.base import register_scorer\n"
         "register_scorer('probe_scorer')(type('ProbeScorer', (CosineScorer,), {}))\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(scorers, "BUILTIN_SCORER_MODULES", ("xlip_builtin_scorer_probe",))
-    monkeypatch.setattr(scorers, "_builtins_imported", False)
-    monkeypatch.setattr(scorers, "_SCORERS", dict(scorers._SCORERS))
+    monkeypatch.setattr(scorers, "__path__", [*scorers.__path__, str(tmp_path)])
+    monkeypatch.setattr(plugins, "SCORERS", plugins.Registry("scorer", ("finetune.scorers",), recipe_key="eval.scorer"))
+    monkeypatch.delitem(sys.modules, "finetune.scorers.probe_scorer_xlip", raising=False)
+    assert "finetune.scorers.probe_scorer_xlip" not in sys.modules
     assert "probe_scorer" in scorers.available_scorers()
     assert scorers.get_scorer("probe_scorer").name == "probe_scorer"
+    sys.modules.pop("finetune.scorers.probe_scorer_xlip", None)
