@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from finetune.models.inference_modules import register_inference_module
 from finetune.preprocess.geometry import box_patch_mask, patch_count
-from losses.tsl import SentenceSpans, TSLHeads, _check_valid, select_sentence_spans
+from losses.tsl import SentenceSpans, TSLHeads, select_sentence_spans
 
 __all__ = [
     "BoxGeometry",
@@ -109,6 +109,14 @@ class BoxGeometry:
         :func:`losses.tsl.pool_box_states` calls, so ``pool_box_states(states, boxes, geometry)`` works with
         a :class:`BoxGeometry`."""
         return box_patch_masks(boxes, self, n_patches, valid=valid, outside=outside)
+
+
+def _check_valid(valid: Tensor | None, batch: int) -> Tensor | None:
+    if valid is not None and (not isinstance(valid, Tensor) or valid.dtype != torch.bool
+                              or tuple(valid.shape) != (batch,)):
+        got = (valid.dtype, tuple(valid.shape)) if isinstance(valid, Tensor) else type(valid).__name__
+        raise ValueError(f"valid must be a ({batch},) bool tensor, got {got}")
+    return valid
 
 
 def _boxes_tensor(boxes: Tensor | Sequence[Sequence[float]]) -> Tensor:
