@@ -3,6 +3,11 @@
 Embeddings are passed raw (every loss L2-normalises), ``logit_scale`` is the multiplier (already
 exponentiated), and every loss gathers across ranks with autograd when a process group of size
 > 1 is initialised (``gather=None``), so that it can be used in any training loop.
+
+The package needs torch only: ``import losses`` loads nothing of ``finetune``, transformers, open_clip,
+datasets or pydantic (``tests/losses/test_import.py``). What needs a model lives in the toolkit: FAST-GOAL's
+model glue (``tsl_sentence_spans``, ``BoxGeometry``, ``box_patch_masks``, ``tsl_heads_from_model``,
+``attach_tsl_heads``) in :mod:`finetune.objectives.tsl_heads`.
 """
 
 from .contrastive import clip_loss, longclip_loss, pca_reconstruct, siglip_loss
@@ -33,17 +38,14 @@ from .grm import (
 )
 from .structxlip import StructXLIPLoss, consistency_loss, local_structure_loss, official_weight_decay
 from .tsl import (
-    BoxGeometry,
+    PatchGeometry,
     SentenceSpans,
     TSLHeads,
-    attach_tsl_heads,
-    box_patch_masks,
     pool_box_states,
     pool_patch_states,
     pool_span_states,
     select_sentence_spans,
     tsl_loss,
-    tsl_sentence_spans,
     tsl_similarity_loss,
 )
 
@@ -60,15 +62,12 @@ __all__ = [
     "tsl_loss",
     "tsl_similarity_loss",
     "pool_box_states",
+    "PatchGeometry",
     "pool_patch_states",
-    "box_patch_masks",
-    "BoxGeometry",
     "pool_span_states",
     "select_sentence_spans",
-    "tsl_sentence_spans",
     "SentenceSpans",
     "TSLHeads",
-    "attach_tsl_heads",
     "flair_loss",
     "FLAIRLoss",
     "sample_flair_text_indices",

@@ -1,4 +1,4 @@
-"""FAST-GOAL's Token Similarity-based Learning (TSL, paper III-B, eqs. 4-14).
+"""FAST-GOAL's Token Similarity-based Learning (TSL, paper III-B, eqs. 4-14): the tensor functions.
 
 TSL pools the last-layer states of the global image inside the box of a local pair (eq. 9) and the
 last-layer states of the global caption inside the token span of its sentence (eq. 7), projects the
@@ -11,12 +11,11 @@ with ``sim`` the n x n cosine-similarity matrix of the batch.
 
 The pieces, in the order a training step uses them:
 
-* :func:`tsl_sentence_spans` / :func:`select_sentence_spans`: the span of each pair's sentence in the
-  caption's token ids (from ``DualEncoder.sentence_spans``), sentences cut by truncation marked
-  invalid and counted;
-* :func:`pool_span_states` (eq. 7) and :func:`pool_box_states` (eq. 9, through :class:`BoxGeometry`
-  and ``finetune.preprocess.geometry``; :func:`box_patch_masks` and :func:`pool_patch_states` when the
-  masks are computed ahead, e.g. in a collate function);
+* :func:`select_sentence_spans`: the span of each pair's sentence in the caption's token ids (from
+  ``DualEncoder.sentence_spans``), sentences cut by truncation marked invalid and counted;
+* :func:`pool_span_states` (eq. 7) and :func:`pool_box_states` (eq. 9, through a :class:`PatchGeometry`
+  that maps the boxes to patches); :func:`pool_patch_states` when the masks are computed ahead, e.g. in a
+  collate function;
 * psi: the model's own final norm + projection (``DualEncoder.project_image_states`` /
   ``project_text_states``, as the GOAL code), or :class:`TSLHeads` (option ``heads: new``: a separate
   copy, trained on its own and saved with the model);
@@ -26,17 +25,17 @@ Conventions (DESIGN 4): embeddings are raw (normalised here); with ``gather`` ea
 local rows against the gathered columns of every rank, and the mean over ranks of the returned value
 is the single-process value on the concatenated batch (same gradients under DDP's averaging).
 
-Like the rest of ``losses``, the module needs torch only: mapping boxes to patches
-(:func:`box_patch_masks`, :func:`pool_box_states`) imports the toolkit's
-``finetune.preprocess.geometry`` when called, and :class:`TSLHeads` is registered as an inference
-module when the toolkit is installed.
+Like the rest of ``losses``, the module needs torch only. What needs a model or the image processor's
+geometry lives in the toolkit, :mod:`finetune.objectives.tsl_heads`: ``tsl_sentence_spans(model, ...)``,
+``BoxGeometry`` with ``box_patch_masks`` (boxes in image pixels -> patch masks, the processor's geometry),
+``tsl_heads_from_model`` / ``attach_tsl_heads`` (heads copied from a model's projections), and the
+registration of :class:`TSLHeads` as an inference module (``tsl.heads``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,25 +44,19 @@ from torch import Tensor, nn
 from .distributed import gather_with_grad, should_gather, world_info
 
 __all__ = [
-    "BoxGeometry",
+    "PatchGeometry",
     "SentenceSpans",
     "TSL_FORMS",
-    "TSL_HEADS_NAME",
     "TSLHeads",
-    "attach_tsl_heads",
-    "box_patch_masks",
     "pool_box_states",
     "pool_patch_states",
     "pool_span_states",
     "select_sentence_spans",
     "tsl_loss",
-    "tsl_sentence_spans",
     "tsl_similarity_loss",
 ]
 
 TSL_FORMS = ("matrix", "diagonal")
-TSL_HEADS_NAME = "tsl_heads"
-"""The key of :class:`TSLHeads` in ``model.inference_modules`` (see :func:`attach_tsl_heads`)."""
 
 
 # --- text: sentence spans (eq. 7) ------------------------------------------------------------------
@@ -125,12 +118,6 @@ def select_sentence_spans(
         spans[b] = torch.tensor(span, dtype=torch.long)
         valid[b] = True
     return SentenceSpans(spans, valid, truncated)
-
-
-def tsl_sentence_spans(model: Any, captions: list[str], sentence_index: Sequence[int | None]) -> SentenceSpans:
-    """:func:`select_sentence_spans` of ``model.sentence_spans(captions)``: the spans refer to the rows
-    of ``model.tokenize(captions)`` (right padding; tokenise the same list of captions)."""
-    return select_sentence_spans(model.sentence_spans(list(captions)), sentence_index)
 
 
 def _span_tensor(spans: Tensor | Sequence[Sequence[int]], lead: tuple[int, ...]) -> Tensor:
@@ -215,151 +202,14 @@ def pool_span_states(
 # --- image: box pooling (eq. 9) ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class BoxGeometry:
-    """Where boxes given in original-image pixels land on the patch states of a batch.
-
-    Attributes:
-        image_sizes: ``(B, 2)`` ``(width, height)`` of each original image (PIL's ``image.size``), the
-            frame the boxes are given in.
-        params: ``DualEncoder.image_transform_params()``: the processor's exact resize and centre
-            crop, and the model's patch size (14 for ViT-L/14, 16 for ViT-B/16).
-        spatial_shapes: NaFlex only, ``(B, 2)`` per-image patch grid ``(rows, cols)``
-            (``ImageFeatures.spatial_shapes``, or ``preprocess_images``'s ``spatial_shapes``).
-        cover: which patches a box selects: ``"overlap"`` (FAST-GOAL appendix C: every patch the
-            box overlaps, the default) or ``"centre"`` (patches whose centre lies in the box, as
-            StructXLIP's pooled regions); see ``finetune.preprocess.geometry.box_patch_mask``.
-    """
-
-    image_sizes: Sequence[Sequence[int]] | Tensor
-    params: Mapping[str, Any]
-    spatial_shapes: Sequence[Sequence[int]] | Tensor | None = None
-    cover: str = "overlap"
-
-    def __post_init__(self) -> None:
-        if self.cover not in ("overlap", "centre"):
-            raise ValueError(f"BoxGeometry.cover must be 'overlap' (FAST-GOAL appendix C) or 'centre', got "
-                             f"{self.cover!r}")
-
-    @classmethod
-    def from_model(
-        cls,
-        model: Any,
-        image_sizes: Sequence[Sequence[int]] | Tensor,
-        *,
-        spatial_shapes: Sequence[Sequence[int]] | Tensor | None = None,
-        cover: str = "overlap",
-    ) -> BoxGeometry:
-        """The geometry of ``model``'s image processor for a batch of images of ``image_sizes``.
-
-        Raises:
-            ValueError: the model has no ``patch_geometry`` capability (no transform params).
-        """
-        params = model.image_transform_params()
-        if params is None:
-            raise ValueError(f"{type(model).__name__} does not describe its image transform "
-                             "(image_transform_params() is None), so boxes cannot be mapped to its patches")
-        return cls(image_sizes, params, spatial_shapes, cover)
-
-
-def _boxes_tensor(boxes: Tensor | Sequence[Sequence[float]]) -> Tensor:
-    out = boxes.detach().double().cpu() if isinstance(boxes, Tensor) else torch.as_tensor(boxes, dtype=torch.float64)
-    if out.dim() != 2 or out.shape[1] != 4:
-        raise ValueError(f"boxes must be a (B, 4) tensor of (x1, y1, x2, y2) pixels, got {tuple(out.shape)}")
-    return out
-
-
-def box_patch_masks(
-    boxes: Tensor | Sequence[Sequence[float]],
-    geometry: BoxGeometry,
-    n_patches: int,
-    *,
-    valid: Tensor | None = None,
-    outside: str = "raise",
-) -> Tensor:
-    """The patches each box selects (FAST-GOAL eq. 9's set B), as ``(B, N)`` bool masks.
-
-    A box ``(x1, y1, x2, y2)`` in original-image pixels is mapped through the processor's resize and
-    centre crop; the part outside the crop is clipped away; with the default ``cover="overlap"``
-    every patch it overlaps is selected (``floor`` of the top-left corner to ``ceil`` of the
-    bottom-right one in patch units, FAST-GOAL appendix C), so a box smaller than a patch selects the
-    patch under it.
-
-    Args:
-        boxes: ``(B, 4)`` boxes in pixels of the original images.
-        geometry: :class:`BoxGeometry` of the batch.
-        n_patches: ``N``, the number of patch states per image (NaFlex: the padded count).
-        valid: optional ``(B,)`` bool; rows marked False get an all-False mask and are not checked.
-        outside: what a box of zero area or one entirely outside the network input (cut away by the
-            centre crop) does: ``"raise"`` (the default), or ``"drop"``: its row is all False, so that
-            ``masks.any(dim=1)`` says which boxes can be pooled (a collate function decides there, on
-            the CPU, what a training step then only masks).
-
-    Returns:
-        ``(B, N)`` bool, row-major patch order of ``ImageFeatures.states``.
-
-    Raises:
-        ValueError: (``outside="raise"``) a box of zero area, or one entirely outside the crop (the
-            message names the sample); a geometry that does not match the batch (sizes, NaFlex shapes,
-            patch count).
-    """
-    from finetune.preprocess.geometry import box_patch_mask, patch_count
-
-    if outside not in ("raise", "drop"):
-        raise ValueError(f"box_patch_masks: outside must be 'raise' or 'drop', got {outside!r}")
-    boxes = _boxes_tensor(boxes)
-    batch = boxes.shape[0]
-    valid = _check_valid(valid, batch)
-    sizes = torch.as_tensor(geometry.image_sizes).tolist()
-    if len(sizes) != batch:
-        raise ValueError(f"BoxGeometry has {len(sizes)} image sizes for {batch} boxes")
-    params = dict(geometry.params)
-    naflex = params.get("mode") == "naflex"
-    shapes = None
-    if geometry.spatial_shapes is not None:
-        shapes = torch.as_tensor(geometry.spatial_shapes).tolist()
-        if len(shapes) != batch:
-            raise ValueError(f"BoxGeometry has {len(shapes)} spatial shapes for {batch} boxes")
-    elif naflex:
-        raise ValueError("a NaFlex model's boxes need BoxGeometry.spatial_shapes (ImageFeatures.spatial_shapes)")
-    if not naflex:
-        grid = patch_count(params)
-        if grid != n_patches:
-            raise ValueError(f"the states hold {n_patches} patches per image but the model's input geometry has "
-                             f"{grid} (patch size {params.get('patch_size')}); the states and the geometry come from "
-                             "different models or inputs")
-    use = [True] * batch if valid is None else valid.cpu().tolist()
-    masks = torch.zeros(batch, n_patches, dtype=torch.bool)
-    for b, box in enumerate(boxes.tolist()):
-        if not use[b]:
-            continue
-        x1, y1, x2, y2 = box
-        if not x2 > x1 or not y2 > y1:
-            if outside == "drop":
-                continue
-            raise ValueError(f"sample {b}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) has zero area (x2 <= x1 or y2 <= y1); "
-                             "boxes are (x1, y1, x2, y2) pixels of the original image")
-        shape = tuple(int(v) for v in shapes[b]) if shapes is not None else None
-        mask = box_patch_mask(box, (int(sizes[b][0]), int(sizes[b][1])), params, n_patches=n_patches,
-                              spatial_shape=shape, cover=geometry.cover)
-        if mask is None:
-            if outside == "drop":
-                continue
-            raise ValueError(f"sample {b}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) lies entirely outside the network "
-                             f"input of its {int(sizes[b][0])}x{int(sizes[b][1])} image (cut away by the processor's "
-                             "centre crop): no patch state covers it")
-        masks[b] = mask
-    return masks
-
-
 def pool_patch_states(states: Tensor, masks: Tensor, *, valid: Tensor | None = None, check: bool = True) -> Tensor:
     """Mean of the patch states selected by ``masks`` (FAST-GOAL eq. 9, ``P_m``).
 
     Args:
         states: ``(B, N, W)`` last-layer patch states (``ImageFeatures.states``: prefix tokens removed,
             before the final norm).
-        masks: ``(B, N)`` bool (:func:`box_patch_masks`), or ``(B, K, N)`` for K boxes per image
-            (FAST-GOAL's top-3 pairs).
+        masks: ``(B, N)`` bool (``PatchGeometry.box_patch_masks``), or ``(B, K, N)`` for K boxes per
+            image (FAST-GOAL's top-3 pairs).
         valid: optional ``(B,)`` (or ``(B, K)``) bool; rows marked False give zeros.
         check: raise on a valid row without any selected patch. This reads the masks on the host; a
             training step passes ``check=False`` (validity decided in the collate function with
@@ -392,71 +242,54 @@ def pool_patch_states(states: Tensor, masks: Tensor, *, valid: Tensor | None = N
     return _masked_mean(states, masks)
 
 
+class PatchGeometry(Protocol):
+    """Where boxes land on the patch states of a batch, as :func:`pool_box_states` takes it: the toolkit's
+    ``finetune.objectives.tsl_heads.BoxGeometry`` (the image processor's exact resize and centre crop,
+    FAST-GOAL appendix C), or a user's own object with this method."""
+
+    def box_patch_masks(self, boxes: Any, n_patches: int, *, valid: Tensor | None = None) -> Tensor:
+        """``(B, 4)`` boxes ``(x1, y1, x2, y2)`` -> ``(B, N)`` bool masks of the patches each selects."""
+        ...
+
+
 def pool_box_states(
     states: Tensor,
     boxes: Tensor | Sequence[Sequence[float]],
-    geometry: BoxGeometry,
+    geometry: PatchGeometry,
     *,
     valid: Tensor | None = None,
 ) -> Tensor:
     """Mean of the patch states inside each box (FAST-GOAL eq. 9, ``P_m``).
 
-    :func:`box_patch_masks` then :func:`pool_patch_states`.
+    ``geometry.box_patch_masks(boxes, N, valid=valid)`` then :func:`pool_patch_states`.
 
     Args:
         states: ``(B, N, W)`` patch states of the global images (``encode_image(..., states=True)``).
         boxes: ``(B, 4)`` ``(x1, y1, x2, y2)`` in pixels of the original images.
-        geometry: :class:`BoxGeometry` (``BoxGeometry.from_model(model, [im.size for im in images])``).
+        geometry: a :class:`PatchGeometry`; in the toolkit ``BoxGeometry.from_model(model, [im.size for im in
+            images])`` (``finetune.objectives.tsl_heads``).
         valid: optional ``(B,)`` bool; rows marked False (no local pair) give zeros and are not checked.
 
     Returns:
         ``(B, W)`` ``P_m``.
 
     Raises:
-        ValueError: a zero-area box or one entirely outside the crop (naming the sample), or a
-            geometry that does not fit the states.
+        ValueError: a box that selects no patch (the toolkit's geometry: a zero-area box or one entirely
+            outside the crop, naming the sample), or a geometry that does not fit the states.
+        TypeError: ``geometry`` has no ``box_patch_masks`` method.
     """
     if not isinstance(states, Tensor) or states.dim() != 3:
         raise ValueError(f"states must be a (B, N, W) tensor, got {getattr(states, 'shape', type(states).__name__)}")
-    masks = box_patch_masks(boxes, geometry, states.shape[1], valid=valid)
+    if not callable(getattr(geometry, "box_patch_masks", None)):
+        raise TypeError(f"pool_box_states: geometry must have a box_patch_masks(boxes, n_patches, valid=...) method "
+                        f"(the toolkit's finetune.objectives.tsl_heads.BoxGeometry), got {type(geometry).__name__}")
+    masks = geometry.box_patch_masks(boxes, states.shape[1], valid=valid)
     if masks.shape[0] != states.shape[0]:
         raise ValueError(f"{masks.shape[0]} boxes for {states.shape[0]} images' states")
     return pool_patch_states(states, masks, valid=valid)
 
 
 # --- projections psi_v, psi_t (eqs. 8, 10) ---------------------------------------------------------
-
-
-def _norm_and_projection(model: Any, side: str) -> tuple[nn.Module, Tensor, Tensor | None]:
-    """The final norm and the linear projection ``(D, W)`` weight (+ bias) of a tower whose head is
-    ``projection(norm(x))``: transformers CLIP (both towers), SigLIP's text tower, open_clip CLIP."""
-    inner = getattr(model, "model", model)
-    if side == "image":
-        vm = getattr(inner, "vision_model", None)
-        if vm is not None and hasattr(inner, "visual_projection"):
-            lin = inner.visual_projection
-            return vm.post_layernorm, lin.weight, lin.bias
-        visual = getattr(inner, "visual", None)
-        if visual is not None and hasattr(visual, "ln_post") and not hasattr(visual, "trunk"):
-            if visual.proj is None:
-                raise ValueError("heads: new needs an image projection; this open_clip tower has none")
-            return visual.ln_post, visual.proj.T, None
-        raise ValueError(f"heads: new copies the image tower's final norm + linear projection, and "
-                         f"{type(model).__name__}'s image head is not one (e.g. SigLIP's attention-pooling head); "
-                         "use the model's own head (heads: own)")
-    tm = getattr(inner, "text_model", None)
-    if tm is not None:
-        lin = getattr(inner, "text_projection", None) or getattr(tm, "head", None)
-        if isinstance(lin, nn.Linear):
-            return tm.final_layer_norm, lin.weight, lin.bias
-    text = getattr(inner, "text", inner)
-    ln, proj = getattr(text, "ln_final", None), getattr(text, "text_projection", None)
-    if ln is not None and isinstance(proj, nn.Linear):
-        return ln, proj.weight, proj.bias
-    if ln is not None and isinstance(proj, Tensor):
-        return ln, proj.T, None
-    raise ValueError(f"heads: new copies the text tower's final norm + linear projection, and "
-                     f"{type(model).__name__}'s text head is not one; use the model's own head (heads: own)")
 
 
 class _NormLinear(nn.Module):
@@ -480,12 +313,13 @@ class _NormLinear(nn.Module):
 class TSLHeads(nn.Module):
     """Separate TSL projections psi_v and psi_t (FAST-GOAL eqs. 8, 10; option ``heads: new``).
 
-    Each head is a LayerNorm followed by a linear layer, initialised as a copy of the model's own
-    final norm and projection (:meth:`from_model`), so at initialisation it maps states exactly as
-    ``DualEncoder.project_image_states`` / ``project_text_states`` do, and then trains on its own:
-    TSL's gradients reach the encoders through these heads without moving the model's projections.
-    Registered as an inference module (``tsl.heads``, when the toolkit is installed), so it is saved
-    and restored with the model (:func:`attach_tsl_heads`); the model's embeddings never use it.
+    Each head is a LayerNorm followed by a linear layer. The toolkit initialises them as a copy of the
+    model's own final norm and projection (``finetune.objectives.tsl_heads.tsl_heads_from_model``), so at
+    initialisation they map states exactly as ``DualEncoder.project_image_states`` /
+    ``project_text_states`` do, and then train on their own: TSL's gradients reach the encoders through
+    these heads without moving the model's projections. The toolkit registers the class as an inference
+    module (``tsl.heads``, in ``finetune.objectives.tsl_heads``), so it is saved and restored with the model
+    (``attach_tsl_heads``); the model's embeddings never use it.
 
     Args:
         image_width, text_width: ``W`` of the image and text states.
@@ -497,28 +331,15 @@ class TSLHeads(nn.Module):
     def __init__(self, image_width: int, text_width: int, dim: int, *, image_bias: bool = False,
                  text_bias: bool = False, image_eps: float = 1e-5, text_eps: float = 1e-5) -> None:
         super().__init__()
+        self._config = {"image_width": int(image_width), "text_width": int(text_width), "dim": int(dim),
+                        "image_bias": bool(image_bias), "text_bias": bool(text_bias), "image_eps": float(image_eps),
+                        "text_eps": float(text_eps)}
         self.image = _NormLinear(image_width, dim, bias=image_bias, eps=image_eps)
         self.text = _NormLinear(text_width, dim, bias=text_bias, eps=text_eps)
 
-    @classmethod
-    def from_model(cls, model: Any) -> TSLHeads:
-        """Heads copied from ``model``'s final norms and projections, on its device and dtype.
-
-        Raises:
-            ValueError: a tower whose head is not a norm + linear projection (SigLIP's image tower).
-        """
-        image_norm, image_w, image_b = _norm_and_projection(model, "image")
-        text_norm, text_w, text_b = _norm_and_projection(model, "text")
-        if image_w.shape[0] != text_w.shape[0]:
-            raise ValueError(f"the image and text projections map to different widths ({image_w.shape[0]} and "
-                             f"{text_w.shape[0]})")
-        heads = cls(int(image_w.shape[1]), int(text_w.shape[1]), int(image_w.shape[0]),
-                    image_bias=image_b is not None, text_bias=text_b is not None,
-                    image_eps=float(getattr(image_norm, "eps", 1e-5)), text_eps=float(getattr(text_norm, "eps", 1e-5)))
-        heads.to(device=image_w.device, dtype=image_w.dtype)
-        heads.image.copy_from(image_norm, image_w, image_b)
-        heads.text.copy_from(text_norm, text_w, text_b)
-        return heads
+    def inference_config(self) -> dict[str, Any]:
+        """The init kwargs that rebuild these heads (written into ``xlipkit_inference.json``)."""
+        return dict(self._config)
 
     def project_image_states(self, x: Tensor) -> Tensor:
         """psi_v: ``(..., W_image)`` -> ``(..., D)``."""
@@ -527,29 +348,6 @@ class TSLHeads(nn.Module):
     def project_text_states(self, x: Tensor) -> Tensor:
         """psi_t: ``(..., W_text)`` -> ``(..., D)``."""
         return self.text(x)
-
-
-try:
-    from finetune.models.inference_modules import register_inference_module
-except ImportError:  # losses used on its own, without the toolkit: nothing saves inference modules
-    pass
-else:
-    register_inference_module(TSLHeads, name="tsl.heads")
-
-
-def attach_tsl_heads(model: Any) -> TSLHeads:
-    """``model.inference_modules["tsl_heads"]``, created with :meth:`TSLHeads.from_model` when the model
-    does not hold one yet (a model loaded from a run that trained them keeps its trained heads).
-
-    The heads' parameters are then part of ``model.parameters()`` (trained, saved with ``final/`` and
-    adapters, pushed, restored by ``load_finetuned``)."""
-    modules = model.inference_modules
-    if TSL_HEADS_NAME not in modules:
-        modules[TSL_HEADS_NAME] = TSLHeads.from_model(model)
-    heads = modules[TSL_HEADS_NAME]
-    if not isinstance(heads, TSLHeads):
-        raise ValueError(f"model.inference_modules[{TSL_HEADS_NAME!r}] holds a {type(heads).__name__}, not TSLHeads")
-    return heads
 
 
 # --- the loss (eq. 14) -------------------------------------------------------------------------------

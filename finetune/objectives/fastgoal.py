@@ -52,6 +52,7 @@ from .checks import at_least_one as _at_least_one
 from .checks import non_negative as _non_negative
 from .checks import unit as _unit
 from .registry import Citation, register_term
+from .tsl_heads import TSL_HEADS_NAME, attach_tsl_heads, tsl_sentence_spans
 
 __all__ = ["FastGoalOptions", "FastGoalTerm", "FastGoalWeights", "FlismOptions", "build_fastgoal"]
 
@@ -209,10 +210,9 @@ class FastGoalTerm(Term):
 
     def attach_heads(self, model: Any) -> None:
         """``heads: new``: put :class:`losses.tsl.TSLHeads` into ``model.inference_modules`` (trained and saved
-        with the model); must run before the optimiser is built (``preprocess`` does)."""
+        with the model, :func:`~finetune.objectives.tsl_heads.attach_tsl_heads`); must run before the optimiser
+        is built (``preprocess`` does)."""
         if self.options.heads == "new":
-            from losses.tsl import attach_tsl_heads
-
             attach_tsl_heads(model)
 
     def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
@@ -399,7 +399,8 @@ class FastGoalTerm(Term):
           through the model's resize and centre crop; ``box_valid`` ``(B, k)``: False for padded pairs and for
           boxes the crop cut away entirely (``data.on_error: skip``; ``raise`` stops here, naming the example);
         - ``spans`` ``(B, k, 2)`` and ``span_valid`` ``(B, k)``: each sentence's tokens in the caption's row of
-          ``model.tokenize(captions)`` (:func:`losses.tsl.tsl_sentence_spans`), invalid where truncation cut it;
+          ``model.tokenize(captions)`` (:func:`~finetune.objectives.tsl_heads.tsl_sentence_spans`), invalid where
+          truncation cut it;
         - ``pair_valid`` ``(B, k)`` (padded repeats and images without a pair: False), ``weight`` ``(B, k)``;
         - per example, as python ints (counted by :meth:`extra_features` without reading the device): ``pairs``,
           ``sentences_cut`` and ``boxes_outside``.
@@ -407,8 +408,6 @@ class FastGoalTerm(Term):
         Raises:
             DataError: ``data.on_error: raise`` and a box that the model's input does not show.
         """
-        from losses.tsl import tsl_sentence_spans
-
         from .structxlip import _trim
 
         b, k = len(examples), self.k
@@ -488,8 +487,6 @@ class FastGoalTerm(Term):
     def _heads(self, model: Any) -> Any:
         if self.options.heads == "own":
             return model
-        from losses.tsl import TSL_HEADS_NAME
-
         if TSL_HEADS_NAME not in model.inference_modules:
             raise RuntimeError("objective.terms.fastgoal.heads: new needs the TSL heads on the model: run the "
                                "objective's preprocess(dataset, model) (or FastGoalTerm.attach_heads(model)) before "

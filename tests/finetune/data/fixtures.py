@@ -9,7 +9,7 @@ values.
 Import them from other tests with ``from tests.finetune.data.fixtures import write_docci_fixture``
 (tests run from the repository root).
 
-Layouts (see ``finetune/data/benchmarks.py`` for what each loader reads):
+Layouts (see ``finetune/data/benchmarks/`` for what each loader reads):
 
 - DOCCI: ``docci_descriptions.jsonlines`` (``example_id``, ``split``, ``image_file``,
   ``description``) and ``images/<image_file>``.

@@ -23,10 +23,11 @@ from finetune.models.registry import save_tiny
 from finetune.objectives import Objective, build_objective, merge_features
 from finetune.objectives.contrastive import ClipTerm
 from finetune.objectives.fastgoal import FastGoalOptions, FastGoalTerm, FastGoalWeights, FlismOptions
+from finetune.objectives.tsl_heads import TSL_HEADS_NAME
 from finetune.preprocess.geometry import box_patch_mask
 from finetune.train import _split
 from losses import clip_loss
-from losses.tsl import TSL_HEADS_NAME, TSLHeads
+from losses.tsl import TSLHeads
 from tests.losses.tsl_host_reads import HostReads
 
 
@@ -439,7 +440,7 @@ def test_the_training_step_reads_nothing_back_from_the_device(setup, model):
 def test_naflex_models_get_their_patch_masks_in_the_collate_function(tiny_dir, scenes, tmp_path):
     """SigLIP2 (NaFlex): the collate function maps boxes onto each image's own patch grid, which equals the one
     the processor produces, without running the processor on the global images."""
-    from losses.tsl import BoxGeometry, box_patch_masks
+    from finetune.objectives.tsl_heads import BoxGeometry, box_patch_masks
 
     siglip = load_model(str(tiny_dir("tiny-siglip2")), max_text_len=64)
     term = _term()
