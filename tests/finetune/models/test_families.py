@@ -26,7 +26,7 @@ import finetune
 import finetune.models as models
 from finetune import load_finetuned, load_model
 from finetune.models.adapters import apply_adapter, save_finetuned
-from finetune.models.encoder import (
+from finetune.models.core.encoder import (
     DualEncoder,
     ImageFeatures,
     MissingCapabilityError,

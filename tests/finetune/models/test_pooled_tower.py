@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from finetune.models.adapters import apply_adapter, enable_gradient_checkpointing
-from finetune.models.pooled_tower import clip_vision_forward, fast_path_ok
+from finetune.models.backends.pooled_tower import clip_vision_forward, fast_path_ok
 
 
 def _pixels(model, n: int = 3) -> torch.Tensor:
