@@ -15,33 +15,28 @@ Presets (DESIGN 4) name the attention and MLP linears:
 The stretched text positions and ``logit_scale`` / ``logit_bias`` train alongside the adapter as
 plain trainable parameters (``train_extra``) and are saved next to it.
 
-A saved adapter folder holds peft's ``adapter_config.json`` + ``adapter_model.safetensors``,
-``xlipkit_extra.safetensors`` (the extra trained tensors) and ``xlipkit.json`` (base model,
-backend, family, KPS settings, adapter settings, a fingerprint of the base architecture, the
-recipe), so that :func:`load_finetuned` rebuilds base + KPS + adapter exactly.
+Saving and loading a fine-tuned model (``save_finetuned`` / ``load_finetuned``, the adapter folder
+with ``xlipkit.json``) is :mod:`finetune.models.finetuned`; this module holds what they use from peft
+(:func:`base_signature`, :func:`peft_model_of`, :func:`extra_parameter_names`) and imports neither it
+nor ``load_model``.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import logging
 import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 # the one adapter settings class: the recipe's `adapter` section (validated by the recipe schema;
 # built in code, a bad value raises a RecipeError naming `adapter.<key>`)
 from finetune.config import AdapterConfig
-from finetune.models.atomic import atomic_dir
 from finetune.models.core.encoder import DualEncoder
 
 log = logging.getLogger(__name__)
