@@ -116,9 +116,14 @@ def unregister_model_family(name: str) -> None:
 
 
 def model_family_names() -> list[str]:
-    """Names of the registered model families, in registration order (the built-in ones, discovered
-    in module order, first)."""
-    return [name for name, _ in MODEL_FAMILIES.items()]
+    """Names of the registered model families: the generic ``hf`` and ``open_clip`` first, then the
+    others in registration order (the built-in ones, discovered in module order, before a user's)."""
+    return [family.name for family in _ordered()]
+
+
+def _ordered() -> list[ModelFamily]:
+    families = [family for _, family in MODEL_FAMILIES.items()]
+    return sorted(families, key=lambda f: f.name not in _GENERIC)  # stable
 
 
 def _names_text() -> str:
@@ -177,8 +182,7 @@ def detect_family(folder: str | Path) -> str | None:
                              f"(registered: {_names_text()}): import the module that registers it "
                              f"(register_model_family) before loading")
         return recorded
-    families = [family for _, family in reversed(MODEL_FAMILIES.items())]
-    for family in sorted(families, key=lambda f: f.name in _GENERIC):  # stable: the generic formats last
+    for family in reversed(_ordered()):  # the most recently registered first, the generic formats last
         if family.detect is not None and family.detect(folder):
             return family.name
     return None
