@@ -389,7 +389,7 @@ class HFDualEncoder(DualEncoder):
         ``model.safetensors``, tokenizer and image-processor files), atomically."""
         if self.adapter is not None and getattr(self.adapter, "type", "full") != "full":
             raise ValueError("this model carries a LoRA/DoRA adapter: save it with "
-                             "finetune.models.adapters.save_finetuned, or merge_adapter first")
+                             "finetune.models.finetuned.save_finetuned, or merge_adapter first")
         self.model.config.xlipkit = {"base_text_len": self.base_text_len, "kps": self.kps}
         with atomic_dir(path) as tmp:
             self.model.save_pretrained(tmp, safe_serialization=True)

@@ -368,7 +368,7 @@ class OpenCLIPDualEncoder(DualEncoder):
 
         if self.adapter is not None and getattr(self.adapter, "type", "full") != "full":
             raise ValueError("this model carries a LoRA/DoRA adapter: save it with "
-                             "finetune.models.adapters.save_finetuned, or merge_adapter first")
+                             "finetune.models.finetuned.save_finetuned, or merge_adapter first")
         cfg = {
             "model_cfg": self.model_cfg,
             "preprocess_cfg": self.preprocess_cfg,

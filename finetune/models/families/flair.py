@@ -153,7 +153,7 @@ class FlairDualEncoder(OpenCLIPDualEncoder):
 
         if self.adapter is not None and getattr(self.adapter, "type", "full") != "full":
             raise ValueError("this model carries a LoRA/DoRA adapter: save it with "
-                             "finetune.models.adapters.save_finetuned, or merge_adapter first")
+                             "finetune.models.finetuned.save_finetuned, or merge_adapter first")
         cfg = {"model_cfg": self.model_cfg, "preprocess_cfg": self.preprocess_cfg, "pool_heads": self.pool_heads,
                "parameter_names": "authors", "xlipkit": {"base_text_len": self.base_text_len, "kps": self.kps}}
         with atomic_dir(path) as tmp:
