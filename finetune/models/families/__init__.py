@@ -33,6 +33,9 @@ from typing import Any
 from finetune.models.core.encoder import DualEncoder
 from finetune.plugins import MODEL_FAMILIES
 
+__all__ = ["ModelFamily", "detect_family", "get_model_family", "model_family_names", "recipe_family",
+           "register_model_family", "resolve_family_setting", "unregister_model_family"]
+
 INFO_NAME = "xlipkit.json"
 
 Loader = Callable[..., DualEncoder]
@@ -74,7 +77,8 @@ def register_model_family(
     files: str = "",
 ) -> ModelFamily:
     """Register a model family so that :func:`finetune.load_model` can load, and
-    ``save_finetuned`` save, its models.
+    ``save_finetuned`` save, its models (an entry of :data:`finetune.plugins.MODEL_FAMILIES`; the
+    built-in families are discovered first, so that a name they hold is refused here).
 
     Args:
         name: a new family name (``"flair"``); models loaded by ``loader`` get
