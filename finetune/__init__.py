@@ -13,11 +13,11 @@ __all__ = ["load_model", "load_finetuned", "register_model_family", "register_in
 
 def __getattr__(name: str) -> Any:
     if name == "load_model":
-        from finetune.models.loading import load_model
+        from finetune.models.finetuned import load_model
 
         return load_model
     if name == "load_finetuned":
-        from finetune.models.adapters import load_finetuned
+        from finetune.models.finetuned import load_finetuned
 
         return load_finetuned
     if name == "register_model_family":

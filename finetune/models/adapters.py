@@ -15,41 +15,34 @@ Presets (DESIGN 4) name the attention and MLP linears:
 The stretched text positions and ``logit_scale`` / ``logit_bias`` train alongside the adapter as
 plain trainable parameters (``train_extra``) and are saved next to it.
 
-A saved adapter folder holds peft's ``adapter_config.json`` + ``adapter_model.safetensors``,
-``xlipkit_extra.safetensors`` (the extra trained tensors) and ``xlipkit.json`` (base model,
-backend, family, KPS settings, adapter settings, a fingerprint of the base architecture, the
-recipe), so that :func:`load_finetuned` rebuilds base + KPS + adapter exactly.
+Saving and loading a fine-tuned model (``save_finetuned`` / ``load_finetuned``, the adapter folder
+with ``xlipkit.json``) is :mod:`finetune.models.finetuned`; this module holds what they use from peft
+(:func:`base_signature`, :func:`peft_model_of`, :func:`extra_parameter_names`) and imports neither it
+nor ``load_model``.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import logging
 import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 # the one adapter settings class: the recipe's `adapter` section (validated by the recipe schema;
 # built in code, a bad value raises a RecipeError naming `adapter.<key>`)
 from finetune.config import AdapterConfig
-from finetune.models.atomic import atomic_dir
-from finetune.models.encoder import DualEncoder
+from finetune.models.core.encoder import DualEncoder
 
 log = logging.getLogger(__name__)
 
 ADAPTER_TYPES = ("full", "lora", "dora")
-INFO_NAME = "xlipkit.json"
 EXTRA_NAME = "xlipkit_extra.safetensors"
-FORMAT_VERSION = 1
 #: symbolic ``train_extra`` entries
 EXTRA_SYMBOLS = ("positions", "logit_scale", "logit_bias")
 
@@ -102,9 +95,9 @@ def _builtin_kind(model: DualEncoder) -> str | None:
     """``"hf"`` / ``"open_clip"`` when ``model`` is (a subclass of) the transformers / open_clip
     DualEncoder, so that a family built on them keeps their presets; else None."""
     for cls in type(model).__mro__:
-        if (cls.__module__, cls.__name__) == ("finetune.models.hf", "HFDualEncoder"):
+        if (cls.__module__, cls.__name__) == ("finetune.models.backends.hf", "HFDualEncoder"):
             return "hf"
-        if (cls.__module__, cls.__name__) == ("finetune.models.openclip", "OpenCLIPDualEncoder"):
+        if (cls.__module__, cls.__name__) == ("finetune.models.backends.openclip", "OpenCLIPDualEncoder"):
             return "open_clip"
     return None
 
@@ -229,173 +222,6 @@ def enable_gradient_checkpointing(model: DualEncoder, enable: bool = True) -> Du
     return model
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
-
-
-def save_finetuned(model: DualEncoder, folder: str | Path, *, recipe: dict[str, Any] | None = None) -> Path:
-    """Save a fine-tuned model into ``folder`` (atomically) so that :func:`load_finetuned`
-    rebuilds it.
-
-    ``full`` (or merged) models: the model family's own folder (its registered saver; ``hf`` and
-    ``open_clip``: ``save_pretrained``) plus ``xlipkit.json``. ``lora`` / ``dora``: peft's
-    ``adapter_config.json`` + ``adapter_model.safetensors``, ``xlipkit_extra.safetensors`` (the
-    ``train_extra`` tensors: stretched positions, logit scale/bias) and ``xlipkit.json``. Both
-    kinds also hold ``model.inference_modules`` when there are any (``xlipkit_inference.json`` +
-    ``xlipkit_inference.safetensors``, :mod:`finetune.models.inference_modules`).
-
-    Returns:
-        the folder path.
-
-    Raises:
-        ValueError: the model's family (``model.backend``) is not registered, or an inference
-            module that could not be rebuilt (its class is not registered).
-    """
-    from safetensors.torch import save_file
-
-    from finetune.models.families import get_model_family
-    from finetune.models.inference_modules import save_inference_modules
-
-    cfg = model.adapter
-    kind = "adapter" if cfg is not None and cfg.type != "full" else "full"
-    info: dict[str, Any] = {
-        "format": "xlipkit",
-        "version": FORMAT_VERSION,
-        "kind": kind,
-        "base_model": model.name_or_path,
-        "model_family": model.backend,
-        "backend": model.backend,  # read by folders' consumers from before model families
-        "family": model.family,
-        "base_text_len": model.base_text_len,
-        "max_text_len": model.max_text_len,
-        "kps": model.kps,
-        "adapter": asdict(cfg) if cfg is not None else None,
-        "signature": base_signature(model),
-        "recipe": recipe,
-    }
-    family = get_model_family(model.backend, key="model.backend (the model family that loaded it)")
-    with atomic_dir(folder) as tmp:
-        if kind == "full":
-            family.saver(model, str(tmp))
-        else:
-            peft_model_of(model).save_pretrained(str(tmp))
-            names = extra_parameter_names(model, cfg.train_extra)
-            params = dict(model.model.named_parameters())
-            save_file({n: params[n].detach().contiguous().cpu() for n in names}, str(tmp / EXTRA_NAME))
-            info["extra_tensors"] = names
-        info["inference_modules"] = save_inference_modules(model, tmp)
-        _write_json(tmp / INFO_NAME, info)
-    return Path(folder)
-
-
-def read_info(folder: str | Path) -> dict[str, Any]:
-    """Read and check a folder's ``xlipkit.json``.
-
-    Raises:
-        FileNotFoundError: no ``xlipkit.json`` in the folder.
-        ValueError: not valid JSON or not an xlipkit description.
-    """
-    path = Path(folder) / INFO_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {folder} is not a folder written by save_finetuned "
-                                f"(for a plain model folder use finetune.load_model)")
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    missing = [k for k in ("kind", "base_model", "backend") if k not in info]
-    if info.get("format") != "xlipkit" or missing:
-        raise ValueError(f"{path} is not an xlipkit description (format={info.get('format')!r}, missing {missing})")
-    if info["kind"] not in ("full", "adapter"):
-        raise ValueError(f"{path}: kind {info['kind']!r} must be 'full' or 'adapter'")
-    return info
-
-
-def _check_base(info: dict[str, Any], model: DualEncoder, folder: Path) -> None:
-    saved = info.get("signature") or {}
-    found = base_signature(model)
-    diff = [f"{k}: adapter {saved[k]!r} vs base {found.get(k)!r}" for k in saved if saved[k] != found.get(k)]
-    if diff:
-        raise ValueError(f"the adapter in {folder} was trained on base model {info['base_model']!r}, but the base "
-                         f"model {model.name_or_path!r} does not match it ({'; '.join(diff)}); load it with the "
-                         f"base it was trained on (load_finetuned(path, base=...))")
-
-
-def load_finetuned(
-    path: str | Path,
-    *,
-    revision: str | None = None,
-    merge: bool = False,
-    base: str | DualEncoder | None = None,
-) -> DualEncoder:
-    """Rebuild a model saved by :func:`save_finetuned`: base + KPS + adapter (+ extra tensors, +
-    the inference modules saved with it).
-
-    Args:
-        path: a folder, or a hub id (downloaded with ``huggingface_hub.snapshot_download``).
-        revision: hub revision.
-        merge: fold a LoRA/DoRA adapter into the base weights (:func:`merge_adapter`).
-        base: the base model to put the adapter on (a name/path for ``load_model`` or a loaded
-            DualEncoder); default: the ``base_model`` recorded in ``xlipkit.json``.
-
-    Returns:
-        the model in eval mode, giving the outputs of the model that was saved.
-
-    Raises:
-        FileNotFoundError: no ``xlipkit.json``.
-        ValueError: a base model whose architecture does not match the adapter's.
-    """
-    from peft import PeftModel
-    from safetensors.torch import load_file
-
-    from finetune.models.inference_modules import load_inference_modules
-    from finetune.models.loading import load_model
-    from finetune.models.longclip import apply_kps
-
-    folder = Path(path)
-    if not folder.is_dir():
-        if folder.exists() or str(path).startswith(("/", ".", "~")):
-            raise FileNotFoundError(f"{path} is not a folder written by save_finetuned")
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(str(path), revision=revision))
-    info = read_info(folder)
-    family = info.get("model_family") or info["backend"]
-    if info["kind"] == "full":  # load_model restores the inference modules beside the model
-        return load_model(str(folder), family=family).eval()
-
-    if isinstance(base, DualEncoder):
-        model = base
-    else:
-        # "auto": a base of another backend loads, and the signature check below names the mismatch
-        model = load_model(str(base or info["base_model"]))
-    if info.get("kps"):
-        apply_kps(model, **info["kps"])
-    _check_base(info, model, folder)
-    cfg = AdapterConfig(**info["adapter"])
-    try:
-        with _quiet_peft():
-            peft_model = PeftModel.from_pretrained(model.model, str(folder), is_trainable=False)
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise ValueError(f"the adapter in {folder} does not fit base model {model.name_or_path!r}: {e}") from e
-    _attach_peft(model, peft_model)
-    model.adapter = cfg
-    extra_file = folder / EXTRA_NAME
-    if extra_file.is_file():
-        params = dict(model.model.named_parameters())
-        for name, tensor in load_file(str(extra_file)).items():
-            if name not in params or params[name].shape != tensor.shape:
-                have = tuple(params[name].shape) if name in params else "missing"
-                raise ValueError(f"{extra_file}: tensor {name} {tuple(tensor.shape)} does not fit the base model "
-                                 f"({have})")
-            with torch.no_grad():
-                params[name].copy_(tensor.to(params[name].dtype))
-    load_inference_modules(model, folder)
-    if merge:
-        merge_adapter(model)
-    return model.eval()
-
-
 def merge_adapter(model: DualEncoder) -> DualEncoder:
     """Fold a LoRA/DoRA adapter into the base weights (peft ``merge_and_unload``), in place: the
     adapter layers are removed and ``model.adapter`` becomes None, so ``save_finetuned`` then
@@ -412,3 +238,16 @@ def merge_adapter(model: DualEncoder) -> DualEncoder:
     _attach_peft(model, None)
     model.adapter = None
     return model
+
+
+#: names that moved to :mod:`finetune.models.finetuned` (issue 25): still importable from here, as aliases
+#: resolved on access (this module's own code never uses them, so the import graph stays a tree)
+_MOVED = ("save_finetuned", "load_finetuned", "read_info", "INFO_NAME", "FORMAT_VERSION")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module("finetune.models.finetuned"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""Atomic writes of model folders: build in a temporary sibling folder, then ``os.replace``."""
+"""Atomic writes: model folders (:func:`atomic_dir`: build in a temporary sibling folder, then ``os.replace``)
+and PNG figures (:func:`save_png_atomic`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from finetune.run_folder import process_tag
 
@@ -73,3 +75,24 @@ def replace_dir(src: Path, target: Path) -> None:
     os.replace(src, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def save_png_atomic(fig: Any, path: str | Path, *, dpi: int = 110) -> Path:
+    """Write the matplotlib figure ``fig`` to ``path`` as a PNG atomically (a temporary file beside it, then
+    ``os.replace``; the user's usual permissions), creating the folder, and close the figure. Returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        give_user_permissions(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+    return path

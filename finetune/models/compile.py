@@ -5,7 +5,7 @@ block of a tower has the same code, so one compiled graph serves all of them (to
 parameters as graph inputs) and compilation takes the time of one block; the model keeps its module tree and
 state-dict names (``nn.Module.compile`` compiles in place), so checkpoints, adapters and ``save_pretrained``
 are untouched; and the parts between blocks (embeddings, pooling, the last CLIP layer that
-:mod:`finetune.models.pooled_tower` runs for the pooled token only, the losses) stay eager, where their shapes
+:mod:`finetune.models.backends.pooled_tower` runs for the pooled token only, the losses) stay eager, where their shapes
 change from step to step. Caption tensors are padded to a few fixed lengths
 (:func:`finetune.data.collate.compile_lengths`) so that the text blocks see few shapes; varying batch sizes
 (length buckets, region crops) are marked dynamic by torch after their first recompilation.

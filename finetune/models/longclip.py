@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from finetune.models.encoder import DualEncoder
+from finetune.models.core.encoder import DualEncoder
 
 #: Long-CLIP's defaults (paper 3.1): keep 20 rows, stretch CLIP's 77 positions to 248
 DEFAULT_LENGTH = 248

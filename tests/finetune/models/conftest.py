@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from finetune.models.encoder import DualEncoder
+from finetune.models.core.encoder import DualEncoder
 from finetune.models.registry import TINY_NAMES
 
 

@@ -7,12 +7,12 @@ import pytest
 
 import finetune
 import finetune.models as models
-from finetune.models import adapters, loading, longclip, registry
+from finetune.models import adapters, finetuned, longclip, registry
 
 
 def test_top_level_exports() -> None:
-    assert finetune.load_model is loading.load_model
-    assert finetune.load_finetuned is adapters.load_finetuned
+    assert finetune.load_model is finetuned.load_model
+    assert finetune.load_finetuned is finetuned.load_finetuned
     with pytest.raises(AttributeError, match="no attribute 'load_everything'"):
         finetune.load_everything  # noqa: B018
 

@@ -39,7 +39,7 @@ def test_names_aliases_and_errors() -> None:
 
 
 def test_every_real_size_config_is_flagged_and_the_family_configs_exist() -> None:
-    from finetune.models.fcast import FCAST_CONFIGS
+    from finetune.models.families.fcast import FCAST_CONFIGS
     from finetune.models.registry import FAMILY_CONFIGS, random_config
 
     small = {n for n, e in REGISTRY.items() if not e.real}

@@ -14,7 +14,7 @@ from finetune.config import RecipeError, load_recipe
 from finetune.models.adapters import apply_adapter, save_finetuned
 from finetune.models.families import detect_family, model_family_names
 from finetune.models.registry import save_tiny
-from finetune.models.vision_text import VisionTextDualEncoder, save_tiny_towers
+from finetune.models.families.vision_text import VisionTextDualEncoder, save_tiny_towers
 
 CAPTIONS = ["A red circle on the left. A blue square above it.", "Two dogs run on the beach."]
 
@@ -87,7 +87,7 @@ def test_built_from_two_saved_towers_and_round_trips(towers: dict[str, Path], tm
 
 
 def test_tower_errors(towers: dict[str, Path]) -> None:
-    from finetune.models.vision_text import load_vision_text
+    from finetune.models.families.vision_text import load_vision_text
 
     with pytest.raises(ValueError, match="give both model.vision and model.text"):
         load_vision_text("x", vision=str(towers["vit"]))

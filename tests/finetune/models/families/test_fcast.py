@@ -25,7 +25,7 @@ def test_family_is_builtin(model):
     assert "fcast" in model_family_names()
     assert model.backend == "fcast" and model.logit_scale.exp().item() == pytest.approx(1 / 0.07)
     assert model.logit_bias.item() == model.model.part_logit_bias.item() == -4.0  # the toy's (see FCAST_CONFIGS)
-    from finetune.models.fcast import FCAST_CONFIGS
+    from finetune.models.families.fcast import FCAST_CONFIGS
 
     for name in ("fcast-b", "fcast-s"):  # the paper's init: 1/0.07 and -10 at both levels
         cfg = FCAST_CONFIGS[name]()

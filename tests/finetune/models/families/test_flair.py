@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from finetune import load_finetuned, load_model
 from finetune.models.adapters import apply_adapter, save_finetuned
 from finetune.models.families import detect_family, model_family_names
-from finetune.models.flair import (
+from finetune.models.families.flair import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     FlairDualEncoder,
@@ -50,7 +50,7 @@ def test_family_is_registered_and_registry_builds_flair(tiny):
     assert tiny.logit_scale.item() == pytest.approx(math.log(1 / 0.07))
     assert tiny.logit_bias.item() == -10.0
     # the CPU recipe's model starts its bias at -4 (a documented choice); configs without the key keep -10
-    from finetune.models.flair import SMALL_INIT_LOGIT_BIAS, flair_vit_b16_config
+    from finetune.models.families.flair import SMALL_INIT_LOGIT_BIAS, flair_vit_b16_config
 
     assert build_model("small-flair").logit_bias.item() == SMALL_INIT_LOGIT_BIAS == -4.0
     assert "init_logit_bias" not in flair_vit_b16_config()

@@ -9,7 +9,7 @@ from transformers import CLIPModel
 from transformers.activations import QuickGELUActivation
 from transformers.models.clip.modeling_clip import CLIPMLP
 
-from finetune.models.activations import FastQuickGELU, FastQuickGELUCLIPMLP, quick_gelu_mlp, use_fast_quick_gelu
+from finetune.models.backends.activations import FastQuickGELU, FastQuickGELUCLIPMLP, quick_gelu_mlp, use_fast_quick_gelu
 from finetune.models.adapters import apply_adapter
 
 
@@ -106,7 +106,7 @@ def test_open_clip_quick_gelu_models_use_it_and_keep_their_outputs() -> None:
     from open_clip import SimpleTokenizer
     from open_clip.transformer import QuickGELU
 
-    from finetune.models.openclip import build_open_clip
+    from finetune.models.backends.openclip import build_open_clip
 
     cfg = {"embed_dim": 32, "quick_gelu": True,
            "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from finetune.models.adapters import apply_adapter, enable_gradient_checkpointing
-from finetune.models.pooled_tower import clip_vision_forward, fast_path_ok
+from finetune.models.backends.pooled_tower import clip_vision_forward, fast_path_ok
 
 
 def _pixels(model, n: int = 3) -> torch.Tensor:
@@ -180,7 +180,7 @@ def test_clip_text_states_with_padding_read_nothing_from_the_device():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from host_reads import HostReads
 
     from finetune.models.registry import build_model

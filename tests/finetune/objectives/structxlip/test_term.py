@@ -44,7 +44,7 @@ from finetune.preprocess.regions import split_chunks
 from finetune.train import _split
 from losses import clip_loss, local_structure_loss
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black", "grey", "pink", "cyan")
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from finetune.models.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
+from finetune.models.core.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
 
 EXPECTED = {  # name -> (backend, family, embed dim, width, patch grid of a 32 px image)
     "tiny-clip": ("hf", "clip", 32, 32, (4, 4)),

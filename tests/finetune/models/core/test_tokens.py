@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from finetune.models.offline_tokenizers import clip_tokenizer, word_tokenizer
-from finetune.models.tokens import hf_tokenize, pad_batch, special_suffix_length, truncate_keep_end
+from finetune.models.core.tokens import hf_tokenize, pad_batch, special_suffix_length, truncate_keep_end
 
 
 def test_truncate_keep_end() -> None:
@@ -53,8 +53,8 @@ def test_fast_backend_encoding_gives_the_tokenizers_ids():
     """hf_tokenize calls a fast tokenizer's backend directly (encode_batch_fast); the ids are the tokenizer's
     own, and a backend with truncation set goes through the tokenizer."""
     from finetune.models.offline_tokenizers import clip_tokenizer, word_tokenizer
-    from finetune.models.tokens import _encode
-    from finetune.models.vision_text import tiny_bert_tokenizer
+    from finetune.models.core.tokens import _encode
+    from finetune.models.families.vision_text import tiny_bert_tokenizer
 
     texts = ["A red circle sits left of a blue square.", "", "two  cats, one dog!" * 30]
     for tok in (clip_tokenizer(77), word_tokenizer(64), tiny_bert_tokenizer()):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from finetune import load_model
-from finetune.models.openclip import OpenCLIPDualEncoder, build_open_clip, load_longclip_checkpoint
+from finetune.models.backends.openclip import OpenCLIPDualEncoder, build_open_clip, load_longclip_checkpoint
 
 OPENCLIP_NAMES = ["tiny-openclip", "tiny-openclip-siglip"]
 

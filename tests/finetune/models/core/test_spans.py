@@ -10,9 +10,9 @@ import torch
 from open_clip.tokenizer import canonicalize_text
 
 from finetune.data.text import split_sentences
-from finetune.models.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
+from finetune.models.core.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
 from finetune.models.longclip import apply_kps
-from finetune.models.spans import spans_by_pieces
+from finetune.models.core.spans import spans_by_pieces
 
 CAPTIONS = [
     "A dog runs. A cat sleeps.",

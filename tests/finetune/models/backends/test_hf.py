@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from finetune import load_model
-from finetune.models.hf import HFDualEncoder, patchify
+from finetune.models.backends.hf import HFDualEncoder, patchify
 
 
 def test_clip_pools_the_eos_token_with_both_eos_conventions(load_tiny) -> None:

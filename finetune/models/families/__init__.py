@@ -1,4 +1,4 @@
-"""Model families (DESIGN 4, "Seams"): who loads, saves and recognises a kind of model.
+"""Model families (DESIGN 2 and 4, "Seams"): who loads, saves and recognises a kind of model.
 
 A model family is a name plus three functions:
 
@@ -9,24 +9,32 @@ A model family is a name plus three functions:
 - ``detect(folder) -> bool`` says whether a folder is in the family's format (optional; a family
   without one is found through ``xlipkit.json`` or by naming it).
 
-``hf`` (transformers ``CLIPModel`` / ``SiglipModel`` / ``Siglip2Model``) and ``open_clip`` are
-registered here; FLAIR's attention-pool model, the CAST encoder and other towers register theirs
-with :func:`register_model_family`. :func:`finetune.load_model` with ``family="auto"`` finds a
+Each module of this package is one family: its builder, its :func:`register_model_family` call and
+its named configs (:func:`finetune.models.registry.register_named_config`) side by side: ``hf``
+(transformers ``CLIPModel`` / ``SiglipModel`` / ``Siglip2Model``), ``open_clip``, ``vision_text``
+(GRM's ViT / Swin + BERT), ``flair`` and ``fcast``. They land in
+:data:`finetune.plugins.MODEL_FAMILIES` and are found by its discovery rule (the first lookup imports
+every module of this package), so this ``__init__`` imports none of them. A user's family registers
+the same way from its own module. :func:`finetune.load_model` with ``family="auto"`` finds a
 folder's family from the family recorded in its ``xlipkit.json`` first, then from the registered
-``detect`` functions (the most recently registered first, so a specific family wins over a
-generic one). A model records the name of the family that loaded it in ``DualEncoder.backend``.
+``detect`` functions (the most recently registered first, so a specific family wins over a generic
+one; the generic ``hf`` and ``open_clip`` formats are tried last). A model records the name of the
+family that loaded it in ``DualEncoder.backend``.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.models.encoder import DualEncoder
+from finetune.models.core.encoder import DualEncoder
+from finetune.plugins import MODEL_FAMILIES
+
+__all__ = ["ModelFamily", "detect_family", "get_model_family", "model_family_names", "recipe_family",
+           "register_model_family", "resolve_family_setting", "unregister_model_family"]
 
 INFO_NAME = "xlipkit.json"
 
@@ -55,25 +63,9 @@ class ModelFamily:
     files: str = ""
 
 
-_FAMILIES: dict[str, ModelFamily] = {}
-
-#: Modules of the toolkit that register a model family when imported (GRM's ``vision_text``, FLAIR,
-#: F-CAST). They are imported on the first lookup, so that ``import finetune`` stays light.
-BUILTIN_FAMILY_MODULES: tuple[str, ...] = (
-    "finetune.models.flair",
-    "finetune.models.vision_text",
-    "finetune.models.fcast",
-)
-_builtins_imported = False
-
-
-def _import_builtin_families() -> None:
-    global _builtins_imported
-    if _builtins_imported:
-        return
-    _builtins_imported = True
-    for module in BUILTIN_FAMILY_MODULES:
-        importlib.import_module(module)
+#: the families tried last by ``detect_family``: their formats (a transformers ``config.json``) are
+#: also found in other families' folders (``vision_text`` saves a ``config.json`` too)
+_GENERIC = ("hf", "open_clip")
 
 
 def register_model_family(
@@ -85,7 +77,8 @@ def register_model_family(
     files: str = "",
 ) -> ModelFamily:
     """Register a model family so that :func:`finetune.load_model` can load, and
-    ``save_finetuned`` save, its models.
+    ``save_finetuned`` save, its models (an entry of :data:`finetune.plugins.MODEL_FAMILIES`; the
+    built-in families are discovered first, so that a name they hold is refused here).
 
     Args:
         name: a new family name (``"flair"``); models loaded by ``loader`` get
@@ -107,34 +100,38 @@ def register_model_family(
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"model family name {name!r} must be a non-empty string other than 'auto'")
-    if name in _FAMILIES:
+    if name in MODEL_FAMILIES:  # the built-in families are discovered first, so a clash is found here
         raise ValueError(f"model family {name!r} is already registered (registered: {_names_text()}); "
                          f"choose another name")
     for what, fn in (("loader", loader), ("saver", saver), ("detect", detect)):
         if fn is not None and not callable(fn):
             raise TypeError(f"register_model_family({name!r}): {what} must be callable, got {type(fn).__name__}")
     family = ModelFamily(name, loader, saver, detect, files or f"a {name} model folder")
-    _FAMILIES[name] = family
+    MODEL_FAMILIES.add(name, family)
     return family
 
 
 def unregister_model_family(name: str) -> None:
     """Remove a registered family (tests, plugins that reload); ``KeyError`` naming the registered
     ones when it is not registered."""
-    if name not in _FAMILIES:
+    if name not in MODEL_FAMILIES:
         raise KeyError(f"model family {name!r} is not registered (registered: {_names_text()})")
-    del _FAMILIES[name]
+    MODEL_FAMILIES.remove(name)
 
 
 def model_family_names() -> list[str]:
-    """Names of the registered model families, in registration order."""
-    _import_builtin_families()
-    return list(_FAMILIES)
+    """Names of the registered model families: the generic ``hf`` and ``open_clip`` first, then the
+    others in registration order (the built-in ones, discovered in module order, before a user's)."""
+    return [family.name for family in _ordered()]
+
+
+def _ordered() -> list[ModelFamily]:
+    families = [family for _, family in MODEL_FAMILIES.items()]
+    return sorted(families, key=lambda f: f.name not in _GENERIC)  # stable
 
 
 def _names_text() -> str:
-    _import_builtin_families()
-    return ", ".join(repr(n) for n in _FAMILIES) or "none"
+    return ", ".join(repr(n) for n in model_family_names()) or "none"
 
 
 def get_model_family(name: str, *, key: str = "family") -> ModelFamily:
@@ -148,12 +145,11 @@ def get_model_family(name: str, *, key: str = "family") -> ModelFamily:
     Raises:
         ValueError: ``name`` is not registered; the message lists the registered families.
     """
-    _import_builtin_families()
-    if name not in _FAMILIES:
+    if name not in MODEL_FAMILIES:
         raise ValueError(f"{key} {name!r} is not a registered model family; registered: {_names_text()} "
                          f"(or 'auto'). A family registered by a plugin needs its module imported first "
                          f"(finetune.models.register_model_family)")
-    return _FAMILIES[name]
+    return MODEL_FAMILIES.get(name)
 
 
 def recorded_family(folder: str | Path) -> str | None:
@@ -182,16 +178,15 @@ def detect_family(folder: str | Path) -> str | None:
         ValueError: ``xlipkit.json`` records a family that is not registered (the message says to
             import the module that registers it).
     """
-    _import_builtin_families()
     folder = Path(folder)
     recorded = recorded_family(folder)
     if recorded is not None:
-        if recorded not in _FAMILIES:
+        if recorded not in MODEL_FAMILIES:
             raise ValueError(f"{folder / INFO_NAME} records model family {recorded!r}, which is not registered "
                              f"(registered: {_names_text()}): import the module that registers it "
                              f"(register_model_family) before loading")
         return recorded
-    for family in reversed(list(_FAMILIES.values())):
+    for family in reversed(_ordered()):  # the most recently registered first, the generic formats last
         if family.detect is not None and family.detect(folder):
             return family.name
     return None
@@ -250,29 +245,3 @@ def model_family_options(model_cfg: Any) -> dict[str, Any]:
     ``text`` and ``projection_dim`` (family ``vision_text``), those that are set."""
     keys = ("vision", "text", "projection_dim")
     return {k: getattr(model_cfg, k) for k in keys if getattr(model_cfg, k, None) is not None}
-
-
-# -- the two built-in families ---------------------------------------------------------------------------
-def _load_hf(name_or_path: str, *, dtype: Any = None, trust_remote_code: bool = False,
-             revision: str | None = None) -> DualEncoder:
-    from finetune.models.hf import load_hf
-
-    return load_hf(str(name_or_path), dtype=dtype, trust_remote_code=trust_remote_code, revision=revision)
-
-
-def _load_open_clip(name_or_path: str, *, dtype: Any = None, trust_remote_code: bool = False,
-                    revision: str | None = None) -> DualEncoder:
-    from finetune.models.openclip import load_open_clip
-
-    return load_open_clip(str(name_or_path), dtype=dtype, revision=revision)
-
-
-def _save_native(model: DualEncoder, folder: str) -> None:
-    model.save_pretrained(str(folder))
-
-
-register_model_family("hf", _load_hf, _save_native, detect=lambda p: (Path(p) / "config.json").is_file(),
-                      files="config.json (transformers)")
-register_model_family("open_clip", _load_open_clip, _save_native,
-                      detect=lambda p: (Path(p) / "open_clip_config.json").is_file(),
-                      files="open_clip_config.json (open_clip)")

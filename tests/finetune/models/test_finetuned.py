@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from finetune import load_model
-from finetune.models.hf import HFDualEncoder
-from finetune.models.openclip import OpenCLIPDualEncoder
+from finetune.models.backends.hf import HFDualEncoder
+from finetune.models.backends.openclip import OpenCLIPDualEncoder
 
 
 def test_registry_names_build_without_files(caplog) -> None:
@@ -35,7 +35,7 @@ def test_a_bare_small_registry_name_builds_with_a_warning(caplog) -> None:
     ("siglip2-base-patch16-224", "google/siglip2-base-patch16-224", "random:siglip2-base-patch16-224"),
 ])
 def test_a_bare_real_architecture_name_is_refused_naming_the_pretrained_model(name, meant, spelled) -> None:
-    from finetune.models.loading import ModelNotFoundError, RandomWeightsNameError
+    from finetune.models.finetuned import ModelNotFoundError, RandomWeightsNameError
 
     with pytest.raises(RandomWeightsNameError) as err:  # a ModelNotFoundError: run.py's clean recipe error
         load_model(name)
@@ -45,7 +45,7 @@ def test_a_bare_real_architecture_name_is_refused_naming_the_pretrained_model(na
 
 
 def test_registry_configs_of_other_families_take_the_prefix(caplog) -> None:
-    from finetune.models.loading import RandomWeightsNameError
+    from finetune.models.finetuned import RandomWeightsNameError
 
     with caplog.at_level("WARNING", logger="xlipkit"):
         fcast = load_model("random:fcast-tiny", family="fcast")
@@ -60,7 +60,7 @@ def test_registry_configs_of_other_families_take_the_prefix(caplog) -> None:
 
 
 def test_the_prefix_on_a_name_that_is_no_registry_config() -> None:
-    from finetune.models.loading import ModelNotFoundError
+    from finetune.models.finetuned import ModelNotFoundError
 
     with pytest.raises(ModelNotFoundError, match=r"'random:openai/clip-vit-base-patch16': 'random:' builds a registry "
                                                  r"config .* Registry names: .*tiny-clip"):

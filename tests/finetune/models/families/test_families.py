@@ -26,7 +26,7 @@ import finetune
 import finetune.models as models
 from finetune import load_finetuned, load_model
 from finetune.models.adapters import apply_adapter, save_finetuned
-from finetune.models.encoder import (
+from finetune.models.core.encoder import (
     DualEncoder,
     ImageFeatures,
     MissingCapabilityError,
@@ -465,17 +465,43 @@ def test_model_card_offers_no_plain_snippet_for_another_family() -> None:
     assert plain_snippet({"kind": "full", "backend": "hf", "family": "clip"}, "me/clip")[0] == "With plain transformers"
 
 
-def test_builtin_family_modules_are_imported_on_first_lookup(tmp_path: Path, monkeypatch) -> None:
+def test_families_are_found_by_the_discovery_rule(tmp_path: Path, monkeypatch) -> None:
+    """No hand-kept list: the first lookup imports every module of the registry's packages."""
     from finetune.models import families
+    from finetune.plugins import MODEL_FAMILIES
 
     (tmp_path / "xlip_builtin_family_probe.py").write_text(
         "from finetune.models.families import register_model_family\n"
         "register_model_family('probe_family', lambda p, **kw: None, lambda m, f: None)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(families, "BUILTIN_FAMILY_MODULES", ("xlip_builtin_family_probe",))
-    monkeypatch.setattr(families, "_builtins_imported", False)
+    monkeypatch.setattr(MODEL_FAMILIES, "packages", (*MODEL_FAMILIES.packages, "xlip_builtin_family_probe"))
+    monkeypatch.setattr(MODEL_FAMILIES, "_discovered", False)
+    assert not hasattr(families, "BUILTIN_FAMILY_MODULES")
     try:
         assert families.get_model_family("probe_family").name == "probe_family"
     finally:
         if "probe_family" in families.model_family_names():
             families.unregister_model_family("probe_family")
+
+
+def test_each_family_module_registers_its_family_and_its_named_configs() -> None:
+    """Each module of finetune/models/families holds one family's loader and the named configs it builds."""
+    import pkgutil
+
+    from finetune.models import families
+    from finetune.plugins import MODEL_FAMILIES, NAMED_CONFIGS
+
+    modules = {info.name for info in pkgutil.iter_modules(families.__path__)}
+    assert modules == {"hf", "open_clip", "vision_text", "flair", "fcast"}
+    where = {name: family.loader.__module__ for name, family in MODEL_FAMILIES.items()}
+    assert {n: m for n, m in where.items() if m.startswith("finetune.")} == {
+        "hf": "finetune.models.families.hf", "open_clip": "finetune.models.families.open_clip",
+        "vision_text": "finetune.models.families.vision_text", "flair": "finetune.models.families.flair",
+        "fcast": "finetune.models.families.fcast"}
+    configs = dict(NAMED_CONFIGS.items())
+    assert {n for n, e in configs.items() if e.backend == "fcast"} == {"fcast-b", "fcast-s", "fcast-tiny"}
+    assert {n for n, e in configs.items() if e.backend == "flair"} == {"tiny-flair", "small-flair", "flair-vit-b-16"}
+    for name, entry in configs.items():
+        assert entry.build is None or entry.build.__module__ == where[entry.backend], name
+    # the generic families are listed first (and tried last by detect_family)
+    assert model_family_names()[:2] == ["hf", "open_clip"]
