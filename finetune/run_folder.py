@@ -29,13 +29,15 @@ import json
 import os
 import re
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from finetune.writer_tag import host as _host
+from finetune.writer_tag import process_tag
 
 __all__ = [
     "RunFolderError",
@@ -290,16 +292,6 @@ def clean_stale_temporaries(out_dir: str | os.PathLike) -> list[str]:
 _TAG = re.compile(r"(?<![0-9])([0-9]+)@([A-Za-z0-9-]+)\.")
 #: the cache folders of older versions: ``.NAME-KEY.tmp-PID-HEX8``
 _LEGACY_PID = re.compile(r"\.tmp-([0-9]+)-[0-9a-f]{8}$")
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:63] or "localhost"
-
-
-def process_tag() -> str:
-    """``PID@HOST``: what this process puts in the names of the temporary files and folders it writes
-    (followed by a ``.``), so that a cleanup can tell a live writer's files from a killed one's."""
-    return f"{os.getpid()}@{_host()}"
 
 
 def tag_owner(name: str) -> tuple[int, str] | None:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from finetune import config
+from finetune.config import errors, schema
 from finetune.config import (
     Recipe,
     RecipeError,
@@ -25,7 +26,7 @@ from finetune.config import (
     register_term_config,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 #: a recipe of all defaults (an empty file is an error)
 DEFAULTS = "# defaults\nmodel: {}\n"
 
@@ -58,8 +59,8 @@ class OtherTerm:
 @pytest.fixture
 def term_registry(monkeypatch):
     """An isolated term registry holding one test term with a nested options dataclass."""
-    monkeypatch.setattr(config, "_TERM_CONFIGS", {})
-    monkeypatch.setattr(config, "_import_objectives", lambda: None)
+    monkeypatch.setattr(schema, "_TERM_CONFIGS", {})
+    monkeypatch.setattr(schema, "_import_objectives", lambda: None)
     register_term_config("toy", ToyTerm)
     return ToyTerm, Weights
 
@@ -213,8 +214,8 @@ def test_other_tools_names_suggest_the_recipe_key(tmp_path, key, suggested):
 
 
 def test_every_foreign_name_points_at_a_recipe_key():
-    assert {target for target, _ in config._FOREIGN_KEYS.values()} <= set(config._schema_paths())
-    assert not set(config._FOREIGN_KEYS) & {p.rsplit(".", 1)[-1] for p in config._schema_paths()}
+    assert {target for target, _ in errors._FOREIGN_KEYS.values()} <= set(errors._schema_paths())
+    assert not set(errors._FOREIGN_KEYS) & {p.rsplit(".", 1)[-1] for p in errors._schema_paths()}
 
 
 def test_wrong_type_names_the_expected_type_and_line(tmp_path):
