@@ -400,9 +400,8 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
             ``data.on_error: raise``).
         RunFolderError: a ``train.resume`` that names no usable checkpoint.
     """
-    from finetune.config import parse_source_shorthand
     from finetune.data.images import DEFAULT_MAX_IMAGE_PIXELS, DataError, set_max_image_pixels
-    from finetune.data.sources import SourceSpec, load_source
+    from finetune.data.sources import load_source
     from finetune.evaluate import set_label
 
     resume = _find_resume(recipe, accelerator)
@@ -410,7 +409,7 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
     validate = getattr(recipe.data, "validate", "header")
     options = dict(on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir, validate=validate)
     train = None  # a stream (finetune.data.streams) is opened by the training loop; its shard count checked here
-    if SourceSpec.parse(recipe.data.train).is_stream:
+    if recipe.data.train.is_stream:  # a typed SourceSpec since load_recipe
         from finetune.data.streams import check_stream_columns, check_stream_shards
 
         try:
@@ -430,7 +429,6 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
     ev = recipe.eval
     if ev.sets and (ev.before or ev.after or ev.compare_base_length):
         for spec in ev.sets:
-            spec = parse_source_shorthand(spec) if isinstance(spec, str) else spec
             with accelerator.main_process_first():
                 try:
                     sets.append(load_source(spec, **options))
@@ -481,12 +479,11 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     from finetune.scorers import get_scorer
     from finetune.train import RunInterrupted, TrainingStopped, TrainModule, Trainer
 
-    from finetune.data.sources import SourceSpec
     from finetune.data.streams import check_stream_recipe
 
     t0 = time.perf_counter()
     check_stream_recipe(recipe)  # before the model loads
-    streaming = SourceSpec.parse(recipe.data.train).is_stream
+    streaming = recipe.data.train.is_stream
     m = recipe.model
     prerequisites = prerequisites or {"init": None, "compare": []}
     model = _load_start_model(m, prerequisites["init"])
@@ -784,10 +781,9 @@ def _open_train_stream(recipe: Any, objective: Any, model: Any, accelerator: Any
     per-example work (``stream_map``) run on every example."""
     import functools
 
-    from finetune.data.sources import SourceSpec
     from finetune.data.streams import ExampleStream, check_stream_shards, open_stream, shard_layout
 
-    spec = SourceSpec.parse(recipe.data.train)
+    spec = recipe.data.train
     rank, world = accelerator.process_index, accelerator.num_processes
     raw = open_stream(spec, rank=rank, world_size=world)
     shards = check_stream_shards(spec, world)  # None for a hub dataset

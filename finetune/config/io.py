@@ -171,6 +171,9 @@ def _first_comment(text: str) -> str:
 def _plain(value: Any) -> Any:
     """Plain YAML-able data: sections and options classes become mappings (under their YAML
     keys), tuples lists."""
+    entry = getattr(value, "recipe_entry", None)
+    if callable(entry):  # a typed dataset entry (finetune.data.sources.SourceSpec): the keys it was given
+        return _plain(entry())
     if isinstance(value, BaseModel):
         return _plain(value.model_dump(by_alias=True))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -36,15 +36,15 @@ class _SourceEntry:
 _SOURCE_MARK = _SourceEntry()
 
 
-def _default_train_source() -> dict[str, Any]:
-    return {"name": "synthetic", "size": 2000, "seed": 0}
+def _default_train_source() -> Any:
+    return _source_entry({"name": "synthetic", "size": 2000, "seed": 0})
 
 
-def _default_eval_sets() -> list[dict[str, Any]]:
-    return [{"name": "synthetic", "split": "test", "size": 256, "seed": 1}]
+def _default_eval_sets() -> list[Any]:
+    return [_source_entry({"name": "synthetic", "split": "test", "size": 256, "seed": 1})]
 
 
-def _validate_source_entry(value: Any) -> dict[str, Any]:
+def _validate_source_entry(value: Any) -> Any:
     return _source_entry(value)
 
 
@@ -58,17 +58,16 @@ def _validate_source_list(value: Any) -> Any:
     return value
 
 
-SourceEntry = Annotated[dict[str, Any], BeforeValidator(_validate_source_entry), _SOURCE_MARK]
+#: a dataset entry of the schema: validated into a ``finetune.data.sources.SourceSpec`` (typed ``Any`` here so that
+#: importing the schema does not import ``datasets``)
+SourceEntry = Annotated[Any, BeforeValidator(_validate_source_entry), _SOURCE_MARK]
 
 
-def _no_streams(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _no_streams(entries: list[Any]) -> list[Any]:
     """Evaluation sets are map-style datasets: a stream entry (``webdataset``, ...) is an error."""
-    parse = getattr(_source_spec_class(), "parse", None)
-    if parse is None:
-        return entries
     errors = []
     for i, entry in enumerate(entries):
-        if getattr(parse(dict(entry)), "is_stream", False):
+        if entry.is_stream:
             errors.append(InitErrorDetails(type=PydanticCustomError(
                 "recipe_value", "is a stream; only `data.train` can be read as a stream: evaluate on a "
                 "map-style source (a path, a benchmark name)"), loc=(i,), input=entry))
@@ -119,21 +118,25 @@ def _check_source_name(name: str, loc: tuple[Any, ...]) -> list[InitErrorDetails
                              loc=loc, input=name)]
 
 
-def _source_entry(value: Any) -> dict[str, Any]:
-    """A dataset entry: a name string (``docci`` or ``docci:goal``) or a ``SourceSpec`` mapping,
-    returned as a plain mapping holding the keys given (values converted to their types)."""
+def _source_entry(value: Any) -> Any:
+    """A dataset entry: a name string (``docci`` or ``docci:goal``), a ``SourceSpec`` mapping or a
+    ``SourceSpec``, returned as a typed :class:`finetune.data.sources.SourceSpec` (checked by its
+    ``parse``: streams, ranges) that remembers the keys it was given, so that the resolved recipe writes
+    the entry back as it was written (``SourceSpec.recipe_entry``)."""
+    cls = _source_spec_class()
+    if isinstance(value, cls):  # built in code: checked like the mapping it writes
+        value = value.recipe_entry()
     if isinstance(value, str):
         if not value.strip():
             raise PydanticCustomError("recipe_value",
                                       "is an empty dataset name; write a name like `docci` or a mapping")
-        spec = parse_source_shorthand(value)
-        _raise_errors(_check_source_name(spec["name"], ()), "dataset entry")
-        return spec
+        out = parse_source_shorthand(value)
+        _raise_errors(_check_source_name(out["name"], ()), "dataset entry")
+        return _typed(cls, out)
     if not isinstance(value, Mapping):
         raise PydanticCustomError(
             "recipe_value", "expected a dataset name (e.g. `docci`, `docci:goal`) or a mapping with {keys}; "
             "got {got} ({kind})", {"keys": ", ".join(_source_keys()), "got": repr(value), "kind": _type_name(value)})
-    cls = _source_spec_class()
     probe = dict(value)
     if "name" not in probe:
         # an alias of `name` that the source module knows (a stream's `format`) counts as a name
@@ -149,14 +152,19 @@ def _source_entry(value: Any) -> dict[str, Any]:
         errors.append(InitErrorDetails(type=PydanticCustomError("recipe_key", message), loc=("path",),
                                        input=spec.path))
     _raise_errors(errors, "dataset entry")
-    parse = getattr(cls, "parse", None)
-    if callable(parse):  # the source module's own checks across keys (streams, ranges, ...)
-        try:
-            parse(dict(out))
-        except ValueError as exc:
-            raise PydanticCustomError("recipe_value", "is not a valid dataset entry: {problem}",
-                                      {"problem": str(exc)}) from None
-    return out
+    return _typed(cls, out)
+
+
+def _typed(cls: Any, entry: dict[str, Any]) -> Any:
+    """``entry`` (checked keys and values) as ``cls`` through its ``parse`` (the source module's own checks
+    across keys: streams, ranges), remembering the keys given."""
+    try:
+        spec = cls.parse(dict(entry))
+    except ValueError as exc:
+        raise PydanticCustomError("recipe_value", "is not a valid dataset entry: {problem}",
+                                  {"problem": str(exc)}) from None
+    spec.given_keys = tuple(entry)
+    return spec
 
 
 def _spec_name(cls: Any, value: Mapping[str, Any]) -> str | None:
@@ -170,10 +178,10 @@ def _spec_name(cls: Any, value: Mapping[str, Any]) -> str | None:
         return None
 
 
-def parse_sources(value: Any, key: str = "eval.sets") -> list[dict[str, Any]]:
+def parse_sources(value: Any, key: str = "eval.sets") -> list[Any]:
     """Validate a list of dataset entries as the recipe validates ``eval.sets`` (names,
     ``name:protocol`` shorthands or ``SourceSpec`` mappings; a single entry is a list of one) and
-    return them as plain mappings. Errors name ``key``.
+    return them as typed :class:`finetune.data.sources.SourceSpec` objects. Errors name ``key``.
 
     Raises:
         RecipeError: on unknown keys, wrong types, a missing ``name`` or an unregistered source.

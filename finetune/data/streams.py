@@ -352,12 +352,8 @@ def check_stream_recipe(recipe: Any) -> None:
     """
     from finetune.config import RecipeError
 
-    try:
-        spec = SourceSpec.parse(recipe.data.train)
-        streaming = spec.is_stream
-    except DataError as error:
-        raise RecipeError(f"data.train: {error}", key="data.train") from None
-    if not streaming:
+    spec = recipe.data.train  # a typed SourceSpec, checked (streams included) by load_recipe
+    if not spec.is_stream:
         return
     if recipe.train.max_steps is None:
         raise RecipeError(
