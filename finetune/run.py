@@ -82,9 +82,6 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         return 2
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        from finetune.data.streams import check_stream_recipe
-
-        check_stream_recipe(recipe)
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
@@ -266,9 +263,15 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
     from finetune.data.streams import check_stream_recipe
+    from finetune.objectives import build_objective
     from finetune.prerequisites import PrerequisiteError
 
-    check_stream_recipe(recipe)  # a RecipeError before any prerequisite trains
+    try:  # the run's one objective, built (no model, no random draws) and checked before any prerequisite trains
+        objective = build_objective(recipe.objective)
+        check_stream_recipe(recipe, objective)
+    except ValueError as exc:  # a RecipeError, or a term's options that cannot work together
+        print(f"recipe error: {exc}", file=sys.stderr)
+        return 2
     try:
         prerequisites = _prerequisites(recipe, chain)
     except PrerequisiteError as exc:
@@ -286,7 +289,7 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
     set_seed(recipe.train.seed)
     try:
         data = _load_data(recipe, accelerator)
-        _check_batch(recipe, data, accelerator.num_processes)
+        _check_batch(recipe, data, accelerator.num_processes, objective)
     except (DataError, RunFolderError) as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
@@ -305,7 +308,7 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
     from finetune.models.loading import ModelNotFoundError
 
     try:
-        return _run(recipe, recipe_dict, accelerator, out_dir, data, prerequisites)
+        return _run(recipe, recipe_dict, accelerator, out_dir, data, objective, prerequisites)
     except (ModelNotFoundError, RunFolderError) as exc:  # an unknown model (the registry list), no room
         prefix = "model.name_or_path: " if isinstance(exc, ModelNotFoundError) else ""
         print(f"recipe error: {prefix}{exc}", file=sys.stderr)
@@ -347,12 +350,13 @@ def _load_start_model(m: Any, init: Any) -> Any:
     """The model a run starts from: ``model.name_or_path`` as loaded, or the ``final/`` of the run that
     ``model.init_from`` names (an adapter folded into its base), stretched to ``model.max_text_len``."""
     from finetune import load_model
-    from finetune.models.families import model_family_options, recipe_family
+    from finetune.config.schema import family_loader_options
+    from finetune.models.families import recipe_family
 
     kps = dict(vars(m.kps)) if m.kps is not None else None
     if init is None:
         return load_model(m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
-                          trust_remote_code=m.trust_remote_code, kps=kps, family_options=model_family_options(m))
+                          trust_remote_code=m.trust_remote_code, kps=kps, family_options=family_loader_options(m))
     from finetune.models.adapters import load_finetuned, read_info
     from finetune.models.loading import apply_text_length
 
@@ -465,7 +469,7 @@ def _find_resume(recipe: Any, accelerator: Any) -> Path | None:
     return found
 
 
-def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: dict[str, Any],
+def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: dict[str, Any], objective: Any,
          prerequisites: dict[str, Any] | None = None) -> int:
     import torch
 
@@ -473,16 +477,12 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     from finetune.data.skipping import drop_undecodable
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import apply_adapter, save_finetuned
-    from finetune.objectives import build_objective
     from finetune.report import (comparison_section, plot_losses, plot_recall, verdict, write_json_atomic,
                                  write_report)
     from finetune.scorers import get_scorer
     from finetune.train import RunInterrupted, TrainingStopped, TrainModule, Trainer
 
-    from finetune.data.streams import check_stream_recipe
-
     t0 = time.perf_counter()
-    check_stream_recipe(recipe)  # before the model loads
     streaming = recipe.data.train.is_stream
     m = recipe.model
     prerequisites = prerequisites or {"init": None, "compare": []}
@@ -492,7 +492,6 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         from finetune.models.adapters import enable_gradient_checkpointing
 
         enable_gradient_checkpointing(model)
-    objective = build_objective(recipe.objective)
     for term in objective.all_terms:  # terms that drop one sample's unusable field (FAST-GOAL's boxes) follow it
         if hasattr(term, "on_error"):
             term.on_error = recipe.data.on_error
@@ -692,7 +691,7 @@ def _final_save_failed(error: BaseException, trainer: Any, out_dir: Path, model:
                            kept=kept[-1] if kept else None, disk_full=disk_full)
 
 
-def _check_batch(recipe: Any, data: dict[str, Any], num_processes: int) -> None:
+def _check_batch(recipe: Any, data: dict[str, Any], num_processes: int, objective: Any) -> None:
     """A training set smaller than one optimiser step, or a batch that does not split over the processes,
     is a recipe error found with the data, before the model loads or anything is written.
 
@@ -709,9 +708,7 @@ def _check_batch(recipe: Any, data: dict[str, Any], num_processes: int) -> None:
     train = data.get("train")
     if train is None:
         return
-    from finetune.objectives import build_objective
-
-    examples = build_objective(recipe.objective).training_examples(train.dataset)  # GRM: one per caption
+    examples = objective.training_examples(train.dataset)  # GRM: one per caption
     if examples < t.batch_size:
         skipped = f" ({train.skipped} unreadable examples skipped)" if train.skipped else ""
         raise RunFolderError(f"the training set (data.train) has {examples} usable examples{skipped}, "

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -103,6 +103,113 @@ class KPSConfig:
     freeze_kept: Annotated[Bool, _doc("keep the copied rows frozen in training")] = True
 
 
+# -- model family options --------------------------------------------------------------------------------
+#: the options class of each model family that takes ``model.options``, as ``module:Class``; read through
+#: :func:`family_options_class` only, so that the family registry can take the lookup over
+_FAMILY_OPTIONS: dict[str, str] = {"vision_text": "finetune.models.vision_text:VisionTextOptions"}
+#: ``model`` keys of the vision_text family before ``model.options`` held them: still read, with a warning
+_MOVED_MODEL_KEYS = ("vision", "text", "projection_dim")
+
+
+def family_options_class(family: str) -> type | None:
+    """The options class that ``model.options`` is validated against for model family ``family``, or ``None``
+    for a family that takes no options."""
+    path = _FAMILY_OPTIONS.get(family)
+    if path is None:
+        return None
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def family_loader_options(model: Any) -> dict[str, Any]:
+    """The keywords a recipe's ``model`` section gives its family's loader beyond the name: the options that
+    are set (``{"vision": ..., "text": ..., "projection_dim": 512}`` for vision_text), ``{}`` for none."""
+    options = getattr(model, "options", None)
+    if options is None:
+        return {}
+    plain = _plain(options)
+    return {k: v for k, v in plain.items() if v is not None}
+
+
+class _ModelOptions:
+    """Marks ``model.options``; its JSON schema offers each family's options class, and its keys (for error
+    messages) are those of every family's options (the validation itself uses the recipe's family)."""
+
+    describe = "a mapping of the model family's options"
+
+    def recipe_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for family in _FAMILY_OPTIONS:
+            out.update(_fields_of(family_options_class(family)) or {})
+        return out
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        arms = [_json_schema_of(family_options_class(f), handler) for f in sorted(_FAMILY_OPTIONS)]
+        return {"anyOf": [*arms, {"type": "null"}],
+                "description": "options of model.family: " + "; ".join(
+                    f"{f}: {', '.join(_fields_of(family_options_class(f)) or {})}" for f in sorted(_FAMILY_OPTIONS))}
+
+
+_OPTIONS_MARK = _ModelOptions()
+
+
+def _validate_model_options(value: Any, info: ValidationInfo) -> Any:
+    """``model.options`` built as the options class of the recipe's family (``model.family``, or the
+    deprecated ``model.backend``); unknown keys get the closest valid one, as term options do."""
+    if value is None:
+        return None
+    if "family" not in info.data or "backend" not in info.data:
+        return value  # the family itself is wrong: that error is reported
+    family = info.data["family"] if info.data["family"] != "auto" else info.data["backend"]
+    cls = family_options_class(family) if family != "auto" else None
+    if cls is None:
+        if isinstance(value, Mapping) and not value:
+            return None
+        takes = ", ".join(f"{f} ({', '.join(_fields_of(family_options_class(f)) or {})})" for f in _FAMILY_OPTIONS)
+        if family == "auto":
+            raise PydanticCustomError("recipe_value", "belongs to a model family: set model.family (families with "
+                                      "options: {takes})", {"takes": takes})
+        raise PydanticCustomError("recipe_value", "is set, but model family {family} takes no options (families "
+                                  "with options: {takes}); remove it", {"family": repr(family), "takes": takes})
+    if isinstance(value, Mapping):
+        fields = _fields_of(cls) or {}
+        unknown = [InitErrorDetails(type=PydanticCustomError("recipe_key", "is not a recipe key: {hint}", {
+            "hint": _suggest(str(key), fields, ("model", "options"), False)}), loc=(key,), input=sub)
+            for key, sub in value.items() if key not in fields]
+        _raise_errors(unknown, "model.options")
+    return _build_options(cls, value)
+
+
+def _moved_model_keys(tree: dict[str, Any], origins: _Origins) -> None:
+    """``model.vision`` / ``model.text`` / ``model.projection_dim`` (before ``model.options``) moved into
+    ``model.options`` with a ``FutureWarning`` naming the new key; ``null`` ones (what every run folder's
+    recipe.yaml of that time holds) are dropped silently."""
+    import warnings
+
+    model = tree.get("model")
+    if not isinstance(model, dict):
+        return
+    moved = {k: model.pop(k) for k in _MOVED_MODEL_KEYS if k in model}
+    moved = {k: v for k, v in moved.items() if v is not None}
+    if not moved:
+        return
+    options = model.get("options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        return  # model.options' own error follows
+    for key in moved:
+        if key in options:
+            raise origins.error(("model", key), f"and `model.options.{key}` are both set; `model.{key}` is the old "
+                                f"name of `model.options.{key}`: keep only that", key_error=True)
+    model["options"] = {**options, **moved}
+    for key in moved:
+        where = origins.error(("model", key), f"is deprecated: write it as `model.options.{key}` (the options of "
+                              "model.family: vision_text); the old key will be refused in the next release",
+                              key_error=True)
+        warnings.warn(str(where), FutureWarning, stacklevel=3)
+
+
 def _check_family(value: str) -> str:
     if value != "auto":
         known = _registry_names("finetune.models.families",
@@ -133,13 +240,9 @@ class ModelConfig:
         "start from another run's final/: a recipe YAML (its run is reused when its output.dir holds a "
         "finished run of the same resolved recipe, else trained first) or a run folder with final/; "
         "name_or_path is then not loaded (finetune.prerequisites)")] = None
-    vision: Annotated[NonEmptyStr | None, _doc(
-        "family vision_text: the image tower (a ViT or Swin hub id or folder) of a new dual encoder; "
-        "with model.text, name_or_path is not read")] = None
-    text: Annotated[NonEmptyStr | None, _doc(
-        "family vision_text: the text tower (a BERT hub id or folder, with its tokenizer)")] = None
-    projection_dim: Annotated[_int(ge=1) | None, _doc(
-        "family vision_text: the joint dimension of the new projections (GRM: 512); null: 512")] = None
+    options: Annotated[Any, BeforeValidator(_validate_model_options), _OPTIONS_MARK, _doc(
+        "the model family's own options, validated by the options class the family declares (vision_text: "
+        "vision, text, projection_dim); null: its defaults")] = None
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.family == "auto":
@@ -537,21 +640,6 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
         raise origins.error_any([("model", "backend"), ("model", "family")],
                                 f"`model.backend` ({m.backend}) and `model.family` ({m.family}) disagree; "
                                 f"`backend` is the deprecated name of `family`: keep only `family`")
-    towers = [k for k in ("vision", "text", "projection_dim") if getattr(m, k, None) is not None]
-    if towers and m.family != "vision_text":
-        raise origins.error_any([("model", k) for k in towers] + [("model", "family")],
-                                f"`model.{towers[0]}` builds a dual encoder from two towers, which only "
-                                f"`model.family: vision_text` does (it is {m.family!r}); set the family or drop "
-                                f"{', '.join(f'`model.{k}`' for k in towers)}")
-    if towers and (m.vision is None) != (m.text is None):
-        given, missing = ("vision", "text") if m.vision is not None else ("text", "vision")
-        raise origins.error_any([("model", given), ("model", missing)],
-                                f"`model.{given}` is set but `model.{missing}` is not: a vision_text model is "
-                                f"built from both towers; set `model.{missing}` too")
-    if m.projection_dim is not None and m.vision is None:
-        raise origins.error_any([("model", "projection_dim")],
-                                "`model.projection_dim` sizes the projections of a model built from "
-                                "`model.vision` and `model.text`; a saved model keeps its own: drop it or set both towers")
     if recipe.hub.push and not recipe.hub.repo_id:
         raise origins.error_any([("hub", "repo_id"), ("hub", "push")],
                                 "`hub.push: true` needs `hub.repo_id` (`user/name`); set it "
@@ -611,6 +699,7 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
         if key not in sections:
             raise origins.error((key,), f"is not a recipe key: {_suggest(str(key), sections, (), True)}",
                                 key_error=True)
+    _moved_model_keys(tree, origins)
     bad = _non_finite(tree)  # anywhere, also in dataset options and term options: before any code runs
     if bad:
         raise origins.error(bad[0][0], f"{_NOT_FINITE}, got {bad[0][1]!r}")
