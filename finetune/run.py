@@ -85,7 +85,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
-    return run(recipe)
+    try:
+        return run(recipe)
+    except RecipeError as exc:  # found with the objective (a stream it cannot read), before anything is written
+        print(f"recipe error: {exc}", file=sys.stderr)
+        return 2
 
 
 def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
@@ -102,6 +106,10 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
     Args:
         recipe: a loaded :class:`finetune.config.Recipe`.
         chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
+
+    Raises:
+        RecipeError: the objective cannot be built from ``objective``, or cannot run on a streamed
+            ``data.train`` (checked with the run's one objective before anything is written or loaded).
     """
     if chain:  # a prerequisite: its stops and failures end the run that needs it, which says what to do
         return _run_locked(recipe, chain)
@@ -266,12 +274,15 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
     from finetune.objectives import build_objective
     from finetune.prerequisites import PrerequisiteError
 
+    from finetune.config import RecipeError
+
     try:  # the run's one objective, built (no model, no random draws) and checked before any prerequisite trains
         objective = build_objective(recipe.objective)
-        check_stream_recipe(recipe, objective)
-    except ValueError as exc:  # a RecipeError, or a term's options that cannot work together
-        print(f"recipe error: {exc}", file=sys.stderr)
-        return 2
+    except RecipeError:
+        raise
+    except ValueError as exc:  # a term's options that cannot work together, nothing to optimise, ...
+        raise RecipeError(str(exc), key="objective") from None
+    check_stream_recipe(recipe, objective)  # a RecipeError (main prints it) before anything slow
     try:
         prerequisites = _prerequisites(recipe, chain)
     except PrerequisiteError as exc:
