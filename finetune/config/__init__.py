@@ -21,6 +21,7 @@ from typing import Any
 from finetune.config.errors import RecipeError, mask_secrets, secret_key
 from finetune.config.io import (MAX_YAML_VALUES, BoundedSafeLoader, YAMLAliasError, check_aliases, dump_recipe,
                                 list_recipes, recipe_to_dict, safe_load_yaml)
+from finetune.config.schema import _TERM_CONFIGS  # noqa: F401  (the term registry's dict, read by tests)
 from finetune.config.schema import (AdapterConfig, DataConfig, EvalConfig, HubConfig, KPSConfig, ModelConfig,
                                     ObjectiveConfig, OutputConfig, Recipe, TrainConfig, load_recipe,
                                     recipe_json_schema, register_term_config, registered_term_configs)
