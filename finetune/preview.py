@@ -55,8 +55,10 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
     Returns:
         the PNG path.
     """
+    import dataclasses
+
     from finetune import load_model
-    from finetune.data.sources import SourceSpec, load_source
+    from finetune.data.sources import load_source
     from finetune.models.families import recipe_family
 
     if n < 1:
@@ -65,8 +67,8 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
     m = recipe.model
     model = load_model(m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
                        trust_remote_code=m.trust_remote_code, kps=dict(vars(m.kps)) if m.kps is not None else None)
-    spec = dict(recipe.data.train)
-    if SourceSpec.parse(spec).is_stream:  # the first n examples of the stream, with the per-example work
+    spec = recipe.data.train  # a typed SourceSpec since load_recipe
+    if spec.is_stream:  # the first n examples of the stream, with the per-example work
         import itertools
 
         from finetune.data.streams import ExampleStream, open_stream
@@ -76,7 +78,7 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
                                transform=lambda example: term.stream_map(example, model))
         dataset, name = list(itertools.islice(stream, n)), stream.spec.name
     else:
-        spec["limit"] = min(n, spec["limit"]) if spec.get("limit") else n
+        spec = dataclasses.replace(spec, limit=min(n, spec.limit) if spec.limit else n)
         source = load_source(spec, on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir)
         dataset = term.preprocess(source.dataset, model, cache_dir=recipe.data.cache_dir, log=log)
         name = source.name

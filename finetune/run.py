@@ -82,13 +82,14 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         return 2
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        from finetune.data.streams import check_stream_recipe
-
-        check_stream_recipe(recipe)
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
-    return run(recipe)
+    try:
+        return run(recipe)
+    except RecipeError as exc:  # found with the objective (a stream it cannot read), before anything is written
+        print(f"recipe error: {exc}", file=sys.stderr)
+        return 2
 
 
 def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
@@ -105,6 +106,10 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
     Args:
         recipe: a loaded :class:`finetune.config.Recipe`.
         chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
+
+    Raises:
+        RecipeError: the objective cannot be built from ``objective``, or cannot run on a streamed
+            ``data.train`` (checked with the run's one objective before anything is written or loaded).
     """
     if chain:  # a prerequisite: its stops and failures end the run that needs it, which says what to do
         return _run_locked(recipe, chain)
@@ -266,9 +271,18 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
     from finetune.data.streams import check_stream_recipe
+    from finetune.objectives import build_objective
     from finetune.prerequisites import PrerequisiteError
 
-    check_stream_recipe(recipe)  # a RecipeError before any prerequisite trains
+    from finetune.config import RecipeError
+
+    try:  # the run's one objective, built (no model, no random draws) and checked before any prerequisite trains
+        objective = build_objective(recipe.objective)
+    except RecipeError:
+        raise
+    except ValueError as exc:  # a term's options that cannot work together, nothing to optimise, ...
+        raise RecipeError(str(exc), key="objective") from None
+    check_stream_recipe(recipe, objective)  # a RecipeError (main prints it) before anything slow
     try:
         prerequisites = _prerequisites(recipe, chain)
     except PrerequisiteError as exc:
@@ -286,7 +300,7 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
     set_seed(recipe.train.seed)
     try:
         data = _load_data(recipe, accelerator)
-        _check_batch(recipe, data, accelerator.num_processes)
+        _check_batch(recipe, data, accelerator.num_processes, objective)
     except (DataError, RunFolderError) as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
@@ -305,7 +319,7 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
     from finetune.models.loading import ModelNotFoundError
 
     try:
-        return _run(recipe, recipe_dict, accelerator, out_dir, data, prerequisites)
+        return _run(recipe, recipe_dict, accelerator, out_dir, data, objective, prerequisites)
     except (ModelNotFoundError, RunFolderError) as exc:  # an unknown model (the registry list), no room
         prefix = "model.name_or_path: " if isinstance(exc, ModelNotFoundError) else ""
         print(f"recipe error: {prefix}{exc}", file=sys.stderr)
@@ -347,12 +361,13 @@ def _load_start_model(m: Any, init: Any) -> Any:
     """The model a run starts from: ``model.name_or_path`` as loaded, or the ``final/`` of the run that
     ``model.init_from`` names (an adapter folded into its base), stretched to ``model.max_text_len``."""
     from finetune import load_model
-    from finetune.models.families import model_family_options, recipe_family
+    from finetune.config.schema import family_loader_options
+    from finetune.models.families import recipe_family
 
     kps = dict(vars(m.kps)) if m.kps is not None else None
     if init is None:
         return load_model(m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
-                          trust_remote_code=m.trust_remote_code, kps=kps, family_options=model_family_options(m))
+                          trust_remote_code=m.trust_remote_code, kps=kps, family_options=family_loader_options(m))
     from finetune.models.adapters import load_finetuned, read_info
     from finetune.models.loading import apply_text_length
 
@@ -400,9 +415,8 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
             ``data.on_error: raise``).
         RunFolderError: a ``train.resume`` that names no usable checkpoint.
     """
-    from finetune.config import parse_source_shorthand
     from finetune.data.images import DEFAULT_MAX_IMAGE_PIXELS, DataError, set_max_image_pixels
-    from finetune.data.sources import SourceSpec, load_source
+    from finetune.data.sources import load_source
     from finetune.evaluate import set_label
 
     resume = _find_resume(recipe, accelerator)
@@ -410,7 +424,7 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
     validate = getattr(recipe.data, "validate", "header")
     options = dict(on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir, validate=validate)
     train = None  # a stream (finetune.data.streams) is opened by the training loop; its shard count checked here
-    if SourceSpec.parse(recipe.data.train).is_stream:
+    if recipe.data.train.is_stream:  # a typed SourceSpec since load_recipe
         from finetune.data.streams import check_stream_columns, check_stream_shards
 
         try:
@@ -430,7 +444,6 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
     ev = recipe.eval
     if ev.sets and (ev.before or ev.after or ev.compare_base_length):
         for spec in ev.sets:
-            spec = parse_source_shorthand(spec) if isinstance(spec, str) else spec
             with accelerator.main_process_first():
                 try:
                     sets.append(load_source(spec, **options))
@@ -467,7 +480,7 @@ def _find_resume(recipe: Any, accelerator: Any) -> Path | None:
     return found
 
 
-def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: dict[str, Any],
+def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: dict[str, Any], objective: Any,
          prerequisites: dict[str, Any] | None = None) -> int:
     import torch
 
@@ -475,18 +488,13 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     from finetune.data.skipping import drop_undecodable
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import apply_adapter, save_finetuned
-    from finetune.objectives import build_objective
     from finetune.report import (comparison_section, plot_losses, plot_recall, verdict, write_json_atomic,
                                  write_report)
     from finetune.scorers import get_scorer
     from finetune.train import RunInterrupted, TrainingStopped, TrainModule, Trainer
 
-    from finetune.data.sources import SourceSpec
-    from finetune.data.streams import check_stream_recipe
-
     t0 = time.perf_counter()
-    check_stream_recipe(recipe)  # before the model loads
-    streaming = SourceSpec.parse(recipe.data.train).is_stream
+    streaming = recipe.data.train.is_stream
     m = recipe.model
     prerequisites = prerequisites or {"init": None, "compare": []}
     model = _load_start_model(m, prerequisites["init"])
@@ -495,7 +503,6 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
         from finetune.models.adapters import enable_gradient_checkpointing
 
         enable_gradient_checkpointing(model)
-    objective = build_objective(recipe.objective)
     for term in objective.all_terms:  # terms that drop one sample's unusable field (FAST-GOAL's boxes) follow it
         if hasattr(term, "on_error"):
             term.on_error = recipe.data.on_error
@@ -695,7 +702,7 @@ def _final_save_failed(error: BaseException, trainer: Any, out_dir: Path, model:
                            kept=kept[-1] if kept else None, disk_full=disk_full)
 
 
-def _check_batch(recipe: Any, data: dict[str, Any], num_processes: int) -> None:
+def _check_batch(recipe: Any, data: dict[str, Any], num_processes: int, objective: Any) -> None:
     """A training set smaller than one optimiser step, or a batch that does not split over the processes,
     is a recipe error found with the data, before the model loads or anything is written.
 
@@ -712,9 +719,7 @@ def _check_batch(recipe: Any, data: dict[str, Any], num_processes: int) -> None:
     train = data.get("train")
     if train is None:
         return
-    from finetune.objectives import build_objective
-
-    examples = build_objective(recipe.objective).training_examples(train.dataset)  # GRM: one per caption
+    examples = objective.training_examples(train.dataset)  # GRM: one per caption
     if examples < t.batch_size:
         skipped = f" ({train.skipped} unreadable examples skipped)" if train.skipped else ""
         raise RunFolderError(f"the training set (data.train) has {examples} usable examples{skipped}, "
@@ -784,10 +789,9 @@ def _open_train_stream(recipe: Any, objective: Any, model: Any, accelerator: Any
     per-example work (``stream_map``) run on every example."""
     import functools
 
-    from finetune.data.sources import SourceSpec
     from finetune.data.streams import ExampleStream, check_stream_shards, open_stream, shard_layout
 
-    spec = SourceSpec.parse(recipe.data.train)
+    spec = recipe.data.train
     rank, world = accelerator.process_index, accelerator.num_processes
     raw = open_stream(spec, rank=rank, world_size=world)
     shards = check_stream_shards(spec, world)  # None for a hub dataset

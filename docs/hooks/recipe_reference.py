@@ -4,7 +4,7 @@
 default and description, every registered objective term's options, the keys of a dataset entry), and
 ``reference/recipes.md`` what ``finetune/run.py --list`` prints (the shipped recipes). Both call the
 command line's own ``main`` in-process, so the pages can never drift from the schema: a key added to
-``finetune/config.py`` or a registered term appears on the next build.
+``finetune/config/`` or a registered term appears on the next build.
 """
 
 from __future__ import annotations

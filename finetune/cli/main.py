@@ -65,7 +65,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("train", "fine-tune or pretrain a model from a recipe, evaluate it before and after",
             "finetune.run", "finetune/run.py RECIPE [key.sub=value ...]"),
     Command("eval", "Recall@K (or zero-shot accuracy) of a run folder or of any model",
-            "finetune.evaluate", "python -m finetune.evaluate"),
+            "finetune.cli.evaluate", "python -m finetune.evaluate"),
     Command("push", "push a run to the Hugging Face hub with a generated model card",
             "finetune.hub", "python -m finetune.hub push", subcommand="push"),
     Command("export", "write a run as a plain transformers / open_clip folder (adapter merged)",

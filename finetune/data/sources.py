@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import datasets
 
@@ -117,6 +117,36 @@ class SourceSpec:
     format: str | None = None
     shuffle_buffer: int = 1
 
+    #: the recipe keys this entry was written with (set when a recipe is loaded: ``finetune.config.sources``),
+    #: so that the resolved recipe writes it back as written; empty: ``name`` and the keys off their defaults
+    given_keys: ClassVar[tuple[str, ...]] = ()
+
+    def recipe_entry(self) -> dict[str, Any]:
+        """The entry as a recipe writes it (plain YAML values): the keys it was given
+        (:attr:`given_keys`), else ``name`` and every key that differs from its default. Loading the result
+        gives an equal spec (``recipe.yaml`` of a run folder)."""
+        keys = self.given_keys or ["name", *(f.name for f in dataclasses.fields(self)
+                                             if f.name != "name" and getattr(self, f.name) != _default(f))]
+        out = {}
+        for key in keys:
+            value = getattr(self, key)
+            out[key] = dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
+        return out
+
+    # read access by key, as when recipes kept entries as mappings (``spec["name"]``, ``dict(spec)``)
+    def __getitem__(self, key: str) -> Any:
+        if key not in _SPEC_TYPES:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``spec[key]``, or ``default`` for a key that is no ``SourceSpec`` field."""
+        return getattr(self, key) if key in _SPEC_TYPES else default
+
+    def keys(self) -> list[str]:
+        """The keys of :meth:`recipe_entry` (so that ``dict(spec)`` is the entry as written)."""
+        return list(self.recipe_entry())
+
     @classmethod
     def parse(cls, value: str | dict | SourceSpec) -> SourceSpec:
         """Build a spec from a recipe value: ``"docci"``, ``"docci:goal"`` (name and protocol, as
@@ -184,6 +214,10 @@ class SourceSpec:
             raise DataError(f"data source {self.name!r} cannot be streamed ({key}); streams are "
                             f"{', '.join(STREAM_SOURCES)}")
         return False
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 # key -> (accepted types, expected type in words, may be None)

@@ -342,8 +342,13 @@ def _check_fields(spec: SourceSpec) -> list[str]:
     return list(fields)
 
 
-def check_stream_recipe(recipe: Any) -> None:
+def check_stream_recipe(recipe: Any, objective: Any = None) -> None:
     """Recipe checks for a streamed ``data.train``, run before the model loads.
+
+    Args:
+        recipe: a loaded :class:`finetune.config.Recipe` (``data.train`` a typed ``SourceSpec``).
+        objective: the run's objective, built from ``recipe.objective``
+            (:func:`finetune.objectives.build_objective`); ``None``: built here, once (for a stream only).
 
     Raises:
         RecipeError: ``train.max_steps`` is null (a stream has no length to count epochs with), an
@@ -352,21 +357,18 @@ def check_stream_recipe(recipe: Any) -> None:
     """
     from finetune.config import RecipeError
 
-    try:
-        spec = SourceSpec.parse(recipe.data.train)
-        streaming = spec.is_stream
-    except DataError as error:
-        raise RecipeError(f"data.train: {error}", key="data.train") from None
-    if not streaming:
+    spec = recipe.data.train  # a typed SourceSpec, checked (streams included) by load_recipe
+    if not spec.is_stream:
         return
     if recipe.train.max_steps is None:
         raise RecipeError(
             f"data.train is a stream ({spec.name}) whose length is unknown, so train.epochs cannot be counted: "
             "set train.max_steps (the number of optimiser steps)", key="train.max_steps")
-    from finetune.objectives import build_objective
-
     try:
-        objective = build_objective(recipe.objective)
+        if objective is None:
+            from finetune.objectives import build_objective
+
+            objective = build_objective(recipe.objective)
         objective.check_stream()
     except ValueError as error:
         raise RecipeError(str(error), key="objective") from None

@@ -628,3 +628,22 @@ def test_no_room_for_the_results_or_a_busy_run_folder_is_refused_first(tmp_path,
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_command_line_lives_in_cli_and_the_old_forms_keep_working():
+    """The library does not import its command line (finetune.cli.evaluate); ``finetune.evaluate.main``,
+    ``python -m finetune.evaluate`` and ``python finetune/evaluate.py`` still run it (README, docs)."""
+    import subprocess
+    import sys
+
+    import finetune.cli.evaluate as cli
+    import finetune.evaluate as lib
+    from finetune.cli.main import COMMANDS
+
+    assert lib.main is cli.main and COMMANDS["eval"].module == "finetune.cli.evaluate"
+    probe = "import sys, finetune.evaluate; print('finetune.cli.evaluate' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert out.stdout.strip() == "False", out.stderr
+    for argv in (["-m", "finetune.evaluate", "--help"], [str(REPO / "finetune" / "evaluate.py"), "--help"]):
+        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=REPO, timeout=600)
+        assert out.returncode == 0 and "MODEL_OR_RUN" in out.stdout, out.stderr

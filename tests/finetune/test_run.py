@@ -188,3 +188,32 @@ def test_stops_and_failures_end_with_a_status_and_a_message_not_a_traceback(tmp_
     monkeypatch.setenv("RANK", "1")  # another rank of an agreed stop prints nothing
     assert run_module._stopped_or_failed(TrainingStopped(signal.SIGTERM, 6, ckpt), recipe) == 143
     assert capsys.readouterr().err == ""
+
+
+def test_a_run_builds_its_objective_once(tmp_path, monkeypatch, capsys):
+    """One objective per run (issue 25 item 3): built before the data and the model, checked, counted and
+    trained; the stream check and the batch check reuse it instead of building their own."""
+    import finetune.objectives as objectives
+    from finetune.run import main
+
+    built = []
+    real = objectives.build_objective
+    monkeypatch.setattr(objectives, "build_objective", lambda cfg: built.append(cfg) or real(cfg))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("# r\nmodel: {name_or_path: random:tiny-clip, max_text_len: null}\n"
+                      "data: {train: {name: synthetic, size: 16}}\neval: {before: false, after: false}\n"
+                      f"train: {{max_steps: 1, batch_size: 8, trackers: []}}\noutput: {{dir: {tmp_path / 'run'}}}\n")
+    status = main([str(recipe)])
+    assert status == 0, capsys.readouterr().err[-2000:]
+    assert len(built) == 1
+
+
+def test_the_stream_check_uses_the_objective_it_is_given(monkeypatch):
+    from finetune.config import load_recipe
+    from finetune.data.streams import check_stream_recipe
+    import finetune.objectives as objectives
+
+    recipe = load_recipe(REPO / "recipes" / "fcast_cc3m_recap.yaml")
+    objective = objectives.build_objective(recipe.objective)
+    monkeypatch.setattr(objectives, "build_objective", lambda cfg: pytest.fail("built a second objective"))
+    check_stream_recipe(recipe, objective)

@@ -3,7 +3,7 @@
 :func:`as_shipped_overrides` gives the ``key=value`` overrides that point a recipe at fixtures and swap its
 model for its family's tiny config, and nothing else:
 
-- ``model.name_or_path`` (``model.vision`` / ``model.text`` for the ``vision_text`` family): the family's
+- ``model.name_or_path`` (``model.options.vision`` / ``model.options.text`` for the ``vision_text`` family): the family's
   tiny config, saved like a hub checkpoint where the recipe names a hub id, or the family's tiny registry
   name where it names a registry config (:data:`TINY_REGISTRY`). Registry configs that are already CPU-size
   (``small-clip``, ``small-flair``, ``fcast-tiny``) stay as they are.
@@ -69,7 +69,7 @@ CPU_REGISTRY = {"small-clip", "small-flair", "fcast-tiny", "tiny-clip", "tiny-fl
 #: the keys an as-shipped run may change, as ``fnmatch``-like patterns over dotted paths (``*``: one list
 #: index or key); everything else must resolve exactly as in the shipped file
 ALLOWED_CHANGES = (
-    "model.name_or_path", "model.vision", "model.text",
+    "model.name_or_path", "model.options.vision", "model.options.text",
     "data.train.path", "data.train.urls", "data.train.urls.*",
     "eval.sets.*.path",
     "data.train.size", "eval.sets.*.size",  # the synthetic scenes: generated data, as many as a fixture holds
@@ -240,8 +240,8 @@ def model_overrides(raw: dict, project: Project) -> list[str]:
     model = raw.get("model") or {}
     if model.get("family") == "vision_text":  # GRM's ViT / Swin + BERT towers: tiny ones saved as hub checkpoints
         towers = project.towers()
-        vision = towers["swin" if "swin" in str(model.get("vision", "")).lower() else "vit"]
-        return [f"model.vision={vision}", f"model.text={towers['bert']}"]
+        vision = towers["swin" if "swin" in str((model.get("options") or {}).get("vision", "")).lower() else "vit"]
+        return [f"model.options.vision={vision}", f"model.options.text={towers['bert']}"]
     from finetune.models.registry import RANDOM_PREFIX
 
     name = str(model.get("name_or_path", ""))

@@ -4,8 +4,9 @@ GRM's backbone (GRM, "Dual-encoder Feature Extraction" and Appendix "Implementat
 ImageNet-pretrained ViT-B/16 or Swin-B image tower and a BERT-base text tower, each with a linear
 projection (no bias) to the joint dimension d = 512. A recipe builds one from its two towers::
 
-    model: {family: vision_text, vision: google/vit-base-patch16-224-in21k, text: bert-base-uncased,
-            projection_dim: 512}
+    model:
+      family: vision_text
+      options: {vision: google/vit-base-patch16-224-in21k, text: bert-base-uncased, projection_dim: 512}
 
 (the projections and the logit scale are new, randomly initialised, as
 ``VisionTextDualEncoderModel.from_vision_text_pretrained`` makes them), and a saved folder (the
@@ -34,6 +35,7 @@ Tiny test configs (random weights, real config classes): registry names ``tiny-v
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -49,8 +51,8 @@ from finetune.models.registry import build_model, named_config, register_named_c
 from finetune.models.core.spans import spans_by_offsets, spans_by_pieces
 from finetune.models.core.tokens import hf_tokenize
 
-__all__ = ["VisionTextDualEncoder", "load_vision_text", "from_towers", "save_tiny_towers", "MODEL_TYPE",
-           "VISION_TYPES"]
+__all__ = ["VisionTextDualEncoder", "VisionTextOptions", "load_vision_text", "from_towers", "save_tiny_towers",
+           "MODEL_TYPE", "VISION_TYPES"]
 
 #: ``config.model_type`` of a ``VisionTextDualEncoderModel`` folder
 MODEL_TYPE = "vision-text-dual-encoder"
@@ -277,11 +279,11 @@ def from_towers(
     from transformers import AutoConfig, AutoTokenizer, VisionTextDualEncoderModel
 
     if not isinstance(projection_dim, int) or projection_dim < 1:
-        raise ValueError(f"model.projection_dim must be a positive integer, got {projection_dim!r}")
+        raise ValueError(f"model.options.projection_dim must be a positive integer, got {projection_dim!r}")
     vcfg = AutoConfig.from_pretrained(vision, revision=revision, trust_remote_code=trust_remote_code)
     if vcfg.model_type not in VISION_TYPES:
-        raise ValueError(f"model.vision {vision!r} is a {vcfg.model_type!r} model; the vision_text family takes a "
-                         f"ViT or Swin image tower ({', '.join(VISION_TYPES)})")
+        raise ValueError(f"model.options.vision {vision!r} is a {vcfg.model_type!r} model; the vision_text family "
+                         f"takes a ViT or Swin image tower ({', '.join(VISION_TYPES)})")
     kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -322,14 +324,15 @@ def load_vision_text(
             that is not a ``VisionTextDualEncoderModel``.
     """
     if (vision is None) != (text is None):
-        raise ValueError("the vision_text family builds a model from two towers: give both model.vision and "
-                         "model.text (or neither, and model.name_or_path a saved vision_text model)")
+        raise ValueError("the vision_text family builds a model from two towers: give both model.options.vision "
+                         "and model.options.text (or neither, and model.name_or_path a saved vision_text model)")
     if vision is not None:
         return from_towers(vision, text, projection_dim=512 if projection_dim is None else projection_dim,
                            dtype=dtype, revision=revision, trust_remote_code=trust_remote_code)
     if projection_dim is not None:
-        raise ValueError("model.projection_dim applies when model.vision and model.text build a new model; a "
-                         "saved vision_text model keeps its own projections: drop model.projection_dim")
+        raise ValueError("model.options.projection_dim applies when model.options.vision and model.options.text "
+                         "build a new model; a saved vision_text model keeps its own projections: drop "
+                         "model.options.projection_dim")
     entry = named_config(str(name_or_path))
     if entry is not None and entry.backend == "vision_text":
         model = build_model(entry.name)
@@ -340,7 +343,7 @@ def load_vision_text(
     if config.model_type != MODEL_TYPE:
         raise ValueError(f"{name_or_path!r} is a transformers {config.model_type!r} model, not a "
                          f"VisionTextDualEncoderModel ({MODEL_TYPE!r}); to build one from two towers set "
-                         f"model.vision and model.text")
+                         f"model.options.vision and model.options.text")
     kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -348,6 +351,40 @@ def load_vision_text(
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     processor = _image_processor(str(name_or_path), model.config.vision_config, revision)
     return VisionTextDualEncoder(model.eval(), tokenizer, processor, name_or_path=str(name_or_path))
+
+
+def _positive(value: int | None) -> str | None:
+    return None if value is None or value >= 1 else f"must be a positive integer (GRM: 512), got {value}"
+
+
+@dataclasses.dataclass
+class VisionTextOptions:
+    """``model.options`` of the ``vision_text`` family (GRM's backbone): the two towers of a new dual encoder.
+    With ``vision`` and ``text`` set, ``model.name_or_path`` is not read; without them it names a saved
+    ``VisionTextDualEncoderModel`` (a folder, a hub id or ``tiny-vision-text-vit``).
+
+    Attributes:
+        vision: the image tower: a ViT or Swin hub id or folder (GRM: ViT-B/16 ImageNet-21k, or Swin-B).
+        text: the text tower: a BERT hub id or folder, with its tokenizer (GRM: BERT-base).
+        projection_dim: the joint dimension d of the new projections (GRM: 512); null: 512.
+    """
+
+    vision: str | None = None
+    text: str | None = None
+    projection_dim: int | None = dataclasses.field(default=None, metadata={"check": _positive})
+
+    def __post_init__(self) -> None:
+        for key in ("vision", "text"):
+            value = getattr(self, key)
+            if value is not None and not value.strip():
+                raise ValueError(f"has an empty {key}: give a hub id or a folder, or remove it")
+        if (self.vision is None) != (self.text is None):
+            given, missing = ("vision", "text") if self.vision is not None else ("text", "vision")
+            raise ValueError(f"builds a model from two towers: {given} is set but {missing} is not; set "
+                             f"model.options.{missing} too")
+        if self.projection_dim is not None and self.vision is None:
+            raise ValueError("has projection_dim, which sizes the projections of a model built from the towers "
+                             "(model.options.vision and text); a saved model keeps its own: drop it or set both towers")
 
 
 def _detect(folder: Path) -> bool:
@@ -421,7 +458,7 @@ def build_tiny(vision_type: str, *, projection_dim: int = 16) -> VisionTextDualE
 def save_tiny_towers(folder: str | Path, *, seed: int = 0) -> dict[str, Path]:
     """Save a tiny ViT, a tiny Swin and a tiny BERT (with its tokenizer) with ``save_pretrained`` under
     ``folder`` (``vit/``, ``swin/``, ``bert/``), as hub checkpoints would be, so that tests load them through
-    ``model.vision`` / ``model.text`` like hub ids. Returns ``{"vit": path, "swin": path, "bert": path}``."""
+    ``model.options.vision`` / ``model.options.text`` like hub ids. Returns ``{"vit": path, "swin": path, "bert": path}``."""
     folder = Path(folder)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -535,7 +535,7 @@ def test_fastgoal_recipes_run_the_settings_of_the_table_they_name():
             5e-6, 0.05, (0.9, 0.999), 1e-8, 0, 0.0, "cosine"), name
         assert "Ours, not GOAL's: norms, biases, the position table and the logit scale take no weight decay" \
             in " ".join(header.replace("#", " ").split()), name
-        sets = {spec["name"] if isinstance(spec, dict) else spec for spec in recipe.eval.sets}
+        sets = {spec.name for spec in recipe.eval.sets}
         if sets & {"coco", "flickr30k"}:
             assert {1, 5, 10, 15} <= set(recipe.eval.ks), name
         if sets & {"docci", "dci"}:

@@ -66,7 +66,7 @@ def test_grm_coco_trains_as_grm_flickr30k() -> None:
 def _overrides(name: str, tmp_path: Path) -> list[str]:
     if name == "grm_flickr30k":
         towers = _mid_towers(tmp_path / "towers")
-        model = [f"model.vision={towers['vit']}", f"model.text={towers['bert']}"]
+        model = [f"model.options.vision={towers['vit']}", f"model.options.text={towers['bert']}"]
     else:
         model = ["model.name_or_path=small-clip"]
     train = {"name": "synthetic", "split": "train", "size": 512, "seed": 200}

@@ -14,7 +14,7 @@ from finetune.config import RecipeError, load_recipe
 from finetune.models.adapters import apply_adapter, save_finetuned
 from finetune.models.families import detect_family, model_family_names
 from finetune.models.registry import save_tiny
-from finetune.models.families.vision_text import VisionTextDualEncoder, save_tiny_towers
+from finetune.models.families.vision_text import VisionTextDualEncoder, VisionTextOptions, save_tiny_towers
 
 CAPTIONS = ["A red circle on the left. A blue square above it.", "Two dogs run on the beach."]
 
@@ -89,11 +89,11 @@ def test_built_from_two_saved_towers_and_round_trips(towers: dict[str, Path], tm
 def test_tower_errors(towers: dict[str, Path]) -> None:
     from finetune.models.families.vision_text import load_vision_text
 
-    with pytest.raises(ValueError, match="give both model.vision and model.text"):
+    with pytest.raises(ValueError, match="give both model.options.vision and model.options.text"):
         load_vision_text("x", vision=str(towers["vit"]))
-    with pytest.raises(ValueError, match="model.vision .* is a 'bert' model"):
+    with pytest.raises(ValueError, match="model.options.vision .* is a 'bert' model"):
         load_vision_text("x", vision=str(towers["bert"]), text=str(towers["bert"]))
-    with pytest.raises(ValueError, match="drop model.projection_dim"):
+    with pytest.raises(ValueError, match="drop model.options.projection_dim"):
         load_vision_text("tiny-vision-text-vit", projection_dim=8)
     with pytest.raises(ValueError, match="not a VisionTextDualEncoderModel"):
         load_vision_text(str(towers["vit"]))
@@ -128,14 +128,43 @@ def _recipe(tmp_path: Path, model: str) -> Path:
 
 
 def test_recipe_keys_are_validated(tmp_path: Path) -> None:
-    ok = load_recipe(_recipe(tmp_path, "{family: vision_text, vision: a/b, text: c/d, projection_dim: 512, "
+    """``model.options`` is validated by the family's VisionTextOptions (issue 25 item 3)."""
+    ok = load_recipe(_recipe(tmp_path, "{family: vision_text, options: {vision: a/b, text: c/d, projection_dim: 512}, "
                                        "max_text_len: null}"))
-    assert (ok.model.vision, ok.model.text, ok.model.projection_dim) == ("a/b", "c/d", 512)
-    with pytest.raises(RecipeError, match="only `model.family: vision_text` does"):
-        load_recipe(_recipe(tmp_path, "{vision: a/b, text: c/d}"))
-    with pytest.raises(RecipeError, match="`model.text` is not"):
-        load_recipe(_recipe(tmp_path, "{family: vision_text, vision: a/b}"))
-    with pytest.raises(RecipeError, match="projection_dim"):
-        load_recipe(_recipe(tmp_path, "{family: vision_text, projection_dim: 0}"))
+    assert ok.model.options == VisionTextOptions(vision="a/b", text="c/d", projection_dim=512)
+    with pytest.raises(RecipeError, match="`model.options` belongs to a model family: set model.family"):
+        load_recipe(_recipe(tmp_path, "{options: {vision: a/b, text: c/d}}"))
+    with pytest.raises(RecipeError, match="`model.options` is set, but model family 'hf' takes no options"):
+        load_recipe(_recipe(tmp_path, "{family: hf, options: {vision: a/b, text: c/d}}"))
+    with pytest.raises(RecipeError, match="`model.options` builds a model from two towers: vision is set but text"):
+        load_recipe(_recipe(tmp_path, "{family: vision_text, options: {vision: a/b}}"))
+    with pytest.raises(RecipeError, match=r"`model.options.projection_dim` must be a positive integer"):
+        load_recipe(_recipe(tmp_path, "{family: vision_text, options: {vision: a/b, text: c/d, projection_dim: 0}}"))
     with pytest.raises(RecipeError, match="a saved model keeps its own"):
-        load_recipe(_recipe(tmp_path, "{family: vision_text, projection_dim: 64}"))
+        load_recipe(_recipe(tmp_path, "{family: vision_text, options: {projection_dim: 64}}"))
+    with pytest.raises(RecipeError, match=r"line 2: `model.options.viison` is not a recipe key: did you mean "
+                                          r"`model.options.vision`\?"):
+        load_recipe(_recipe(tmp_path, "{family: vision_text, options: {viison: a/b, text: c/d}}"))
+
+
+def test_the_old_top_level_keys_load_with_a_warning_naming_the_new_key(tmp_path: Path) -> None:
+    new = load_recipe(_recipe(tmp_path, "{family: vision_text, options: {vision: a/b, text: c/d}}"))
+    with pytest.warns(FutureWarning, match=r"line 2: `model.vision` is deprecated: write it as `model.options.vision`"):
+        old = load_recipe(_recipe(tmp_path, "{family: vision_text, vision: a/b, text: c/d}"))
+    assert old == new
+    # null ones, as every recipe.yaml written before model.options holds them, load silently
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_recipe(_recipe(tmp_path, "{vision: null, text: null, projection_dim: null}")).model.options is None
+    with pytest.raises(RecipeError, match="`model.vision` and `model.options.vision` are both set"):
+        load_recipe(_recipe(tmp_path, "{family: vision_text, vision: a/b, options: {vision: a/b, text: c/d}}"))
+
+
+def test_the_recipe_options_reach_the_family_loader(tmp_path: Path) -> None:
+    from finetune.config.schema import family_loader_options
+
+    recipe = load_recipe(_recipe(tmp_path, "{family: vision_text, options: {vision: a/b, text: c/d}}"))
+    assert family_loader_options(recipe.model) == {"vision": "a/b", "text": "c/d"}
+    assert family_loader_options(load_recipe(_recipe(tmp_path, "{family: hf}")).model) == {}

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from finetune import config
+from finetune.config import errors, schema
 from finetune.config import (
     Recipe,
     RecipeError,
@@ -25,7 +26,7 @@ from finetune.config import (
     register_term_config,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 #: a recipe of all defaults (an empty file is an error)
 DEFAULTS = "# defaults\nmodel: {}\n"
 
@@ -77,8 +78,8 @@ def test_minimal_recipe_gets_schema_defaults_and_description(tmp_path):
     assert recipe.model.kps == config.KPSConfig(keep=20, ratio=None, freeze_kept=True)
     assert recipe.train.lr == 5.0e-6 and recipe.train.betas == (0.9, 0.98)
     assert recipe.train.mixed_precision == "no"
-    assert recipe.data.train == {"name": "synthetic", "size": 2000, "seed": 0}
-    assert recipe.eval.sets == [{"name": "synthetic", "split": "test", "size": 256, "seed": 1}]
+    assert dict(recipe.data.train) == {"name": "synthetic", "size": 2000, "seed": 0}
+    assert [dict(s) for s in recipe.eval.sets] == [{"name": "synthetic", "split": "test", "size": 256, "seed": 1}]
     assert recipe.eval.ks == [1, 5, 10, 25, 50]
     assert recipe.objective.terms == {}
 
@@ -113,8 +114,8 @@ def test_source_entries_accept_names_shorthand_and_mappings(tmp_path):
         "eval:\n  sets: [docci, 'docci:goal', {name: urban1k, limit: 100}]\n"
     )
     recipe = load_recipe(write(tmp_path, text))
-    assert recipe.data.train == {"name": "sharegpt4v"}
-    assert recipe.eval.sets == [
+    assert dict(recipe.data.train) == {"name": "sharegpt4v"}
+    assert [dict(s) for s in recipe.eval.sets] == [
         {"name": "docci"}, {"name": "docci", "protocol": "goal"}, {"name": "urban1k", "limit": 100},
     ]
 
@@ -138,13 +139,13 @@ def test_overrides_are_typed_and_applied_after_the_file(tmp_path):
         "train.trackers=[]", "adapter.targets=[q_proj, v_proj]", "train.fused_optimizer=false",
     ])
     assert recipe.train.lr == pytest.approx(1e-5) and isinstance(recipe.train.lr, float)
-    assert recipe.eval.sets == [{"name": "docci"}, {"name": "urban1k"}]
+    assert [dict(s) for s in recipe.eval.sets] == [{"name": "docci"}, {"name": "urban1k"}]
     assert recipe.adapter.type == "lora"
     assert recipe.train.max_steps is None
     assert recipe.model.kps.keep == 10
     assert recipe.train.betas == (0.9, 0.99)
     assert recipe.train.mixed_precision == "no"
-    assert recipe.data.train == {"name": "synthetic", "size": 64, "seed": 0}  # merged into the default entry
+    assert dict(recipe.data.train) == {"name": "synthetic", "size": 64, "seed": 0}  # merged into the default entry
     assert recipe.train.trackers == []
     assert recipe.adapter.targets == ["q_proj", "v_proj"]
     assert recipe.train.fused_optimizer is False
@@ -153,7 +154,7 @@ def test_overrides_are_typed_and_applied_after_the_file(tmp_path):
 
 def test_override_into_a_list_entry_by_index(tmp_path):
     recipe = load_recipe(write(tmp_path, DEFAULTS), ["eval.sets.0.size=32"])
-    assert recipe.eval.sets == [{"name": "synthetic", "split": "test", "size": 32, "seed": 1}]
+    assert [dict(s) for s in recipe.eval.sets] == [{"name": "synthetic", "split": "test", "size": 32, "seed": 1}]
 
 
 def test_override_repairs_a_bad_file_value_and_extends_shorthand(tmp_path):
@@ -162,8 +163,8 @@ def test_override_repairs_a_bad_file_value_and_extends_shorthand(tmp_path):
         load_recipe(path)
     recipe = load_recipe(path, ["train.trackers=[tensorboard]", "data.train.split=test", "eval.sets.0.limit=10"])
     assert recipe.train.trackers == ["tensorboard"]
-    assert recipe.data.train == {"name": "docci", "protocol": "goal", "split": "test"}
-    assert recipe.eval.sets == [{"name": "urban1k", "limit": 10}]
+    assert dict(recipe.data.train) == {"name": "docci", "protocol": "goal", "split": "test"}
+    assert [dict(s) for s in recipe.eval.sets] == [{"name": "urban1k", "limit": 10}]
 
 
 def test_override_into_term_options(tmp_path, term_registry):
@@ -215,8 +216,8 @@ def test_other_tools_names_suggest_the_recipe_key(tmp_path, key, suggested):
 
 
 def test_every_foreign_name_points_at_a_recipe_key():
-    assert {target for target, _ in config._FOREIGN_KEYS.values()} <= set(config._schema_paths())
-    assert not set(config._FOREIGN_KEYS) & {p.rsplit(".", 1)[-1] for p in config._schema_paths()}
+    assert {target for target, _ in errors._FOREIGN_KEYS.values()} <= set(errors._schema_paths())
+    assert not set(errors._FOREIGN_KEYS) & {p.rsplit(".", 1)[-1] for p in errors._schema_paths()}
 
 
 def test_wrong_type_names_the_expected_type_and_line(tmp_path):
@@ -512,13 +513,13 @@ def test_a_path_on_a_source_that_takes_none_is_an_error(tmp_path):
     with pytest.raises(RecipeError, match=r"override `eval.sets.0.path=x`: `eval.sets.0.path` is set"):
         load_recipe(write(tmp_path, DEFAULTS), ["eval.sets.0.path=x"])
     recipe = load_recipe(write(tmp_path, "data:\n  train: {name: jsonl, path: x.jsonl}\n"))
-    assert recipe.data.train == {"name": "jsonl", "path": "x.jsonl"}
+    assert dict(recipe.data.train) == {"name": "jsonl", "path": "x.jsonl"}
 
 
 def test_dataset_entries_get_the_source_modules_own_checks(tmp_path):
     recipe = load_recipe(write(tmp_path, "data:\n  train: {format: webdataset, urls: 'shards/{0..3}.tar'}\n"
                                          "train:\n  max_steps: 10\n"))
-    assert recipe.data.train == {"format": "webdataset", "urls": "shards/{0..3}.tar"}  # `format` names the source
+    assert dict(recipe.data.train) == {"format": "webdataset", "urls": "shards/{0..3}.tar"}  # `format` names the source
     path = write(tmp_path, "data:\n  train: {name: docci, streaming: true}\n")
     with pytest.raises(RecipeError, match=rf"{path}, line 2: `data.train` is not a valid dataset entry: "
                                           r"data source 'docci' cannot be streamed"):
@@ -648,7 +649,7 @@ def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):
     # aliases in moderation are fine
     recipe = load_recipe(write(tmp_path, "# r\neval:\n  sets: [&s {name: synthetic, size: 8}]\n"
                                          "data:\n  train: *s\n"))
-    assert recipe.data.train == {"name": "synthetic", "size": 8}
+    assert dict(recipe.data.train) == {"name": "synthetic", "size": 8}
 
 
 def test_a_token_in_a_malformed_override_is_not_echoed(tmp_path):

@@ -1,0 +1,248 @@
+"""Reading and writing recipe YAML: ``yaml.safe_load`` semantics with YAML aliases bounded before the
+document is built (:func:`safe_load_yaml`), duplicate keys refused with their lines, and the resolved
+recipe written back as plain YAML that loads to the same recipe (:func:`dump_recipe`, ``recipe.yaml`` in a
+run folder; ``hub.token`` never written)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from finetune.config.errors import KeyPath, RecipeError, _alias, _dotted
+from finetune.run_basics import process_tag
+
+#: keys never written out (:func:`recipe_to_dict`)
+_SECRET_KEYS = {("hub", "token")}
+
+
+#: the most values a YAML document may hold once its aliases are expanded (a recipe holds hundreds)
+MAX_YAML_VALUES = 100_000
+
+
+class YAMLAliasError(yaml.YAMLError):
+    """YAML aliases that expand past :data:`MAX_YAML_VALUES` values (a "billion laughs" document) or
+    refer to themselves."""
+
+    def __init__(self, problem: str, line: int | None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.problem_mark = yaml.Mark("", 0, line - 1, 0, None, None) if line else None
+
+
+class BoundedSafeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that notes where aliases are used, so that :func:`check_aliases` can bound
+    what they expand to before anything walks or copies the document."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.alias_lines: list[int] = []
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self.alias_lines.append(self.peek_event().start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
+def check_aliases(node: yaml.Node, alias_lines: Sequence[int], limit: int = MAX_YAML_VALUES) -> None:
+    """Count the values of the composed document ``node`` as its aliases expand them, in time linear in
+    the distinct nodes (each node's expanded size is computed once).
+
+    Raises:
+        YAMLAliasError: more than ``limit`` values, or an alias inside the node it refers to.
+    """
+    if not alias_lines:
+        return
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(node, False)]
+    open_: set[int] = set()
+    while stack:
+        current, done = stack.pop()
+        key = id(current)
+        children = ([n for pair in current.value for n in pair] if isinstance(current, yaml.MappingNode)
+                    else list(current.value) if isinstance(current, yaml.SequenceNode) else [])
+        if done:
+            open_.discard(key)
+            sizes[key] = min(limit + 1, 1 + sum(sizes[id(c)] for c in children))
+            continue
+        if key in sizes:
+            continue
+        if key in open_:
+            raise YAMLAliasError("a YAML alias refers to the value that contains it (a recursive document); "
+                                 "write the value out", alias_lines[0])
+        open_.add(key)
+        stack.append((current, True))
+        for child in children:
+            if id(child) in open_:
+                raise YAMLAliasError("a YAML alias refers to the value that contains it (a recursive document); "
+                                     "write the value out", alias_lines[0])
+            if id(child) not in sizes:
+                stack.append((child, False))
+    if sizes[id(node)] > limit:
+        raise YAMLAliasError(f"YAML aliases (`*name`, first on line {alias_lines[0]}) expand to more than "
+                             f"{limit:,} values, far more than any recipe holds (an alias bomb?); write the values "
+                             "out or use fewer aliases", alias_lines[0])
+
+
+def safe_load_yaml(text: str) -> Any:
+    """``yaml.safe_load(text)`` with aliases bounded (:func:`check_aliases`) before the data is built.
+
+    Raises:
+        yaml.YAMLError: invalid YAML, or a :class:`YAMLAliasError`.
+    """
+    loader = BoundedSafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        check_aliases(node, loader.alias_lines)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _compose(text: str, file: str) -> tuple[Any, yaml.Node | None]:
+    """Parse YAML once, keeping both the node tree (for line numbers) and the safe-loaded data; aliases
+    are bounded (:func:`check_aliases`) before anything walks or builds the document."""
+    loader = BoundedSafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        check_aliases(node, loader.alias_lines)
+        _reject_duplicates(node, file)
+        data = loader.construct_document(node)
+    except RecursionError:
+        raise RecipeError(f"{file}: the YAML is nested too deeply to read; a recipe has a few levels of sections",
+                          file=file) from None
+    except YAMLAliasError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark is not None else None
+        raise RecipeError(f"{file}{f', line {line}' if line else ''}: {exc.problem}", file=file, line=line) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        where = f"{file}, line {line}" if line else file
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise RecipeError(f"{where}: invalid YAML ({problem}); fix the syntax there "
+                          f"(indentation, `key: value`, quotes)", file=file, line=line) from None
+    finally:
+        loader.dispose()
+    return data, node
+
+
+def _reject_duplicates(node: yaml.Node, file: str, path: KeyPath = ()) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            key = getattr(key_node, "value", None)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                dotted = _dotted(path + (key,))
+                raise RecipeError(f"{file}, line {line}: `{dotted}` is given twice (first on line {seen[key]}); "
+                                  f"keep one", file=file, line=line, key=dotted)
+            seen[key] = line
+            _reject_duplicates(value_node, file, path + (key,))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _reject_duplicates(item, file, path + (i,))
+
+
+
+def _first_comment(text: str) -> str:
+    """The recipe's description: its first comment line, skipping an editor modeline
+    (``# yaml-language-server: $schema=...``)."""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comment = stripped.lstrip("#").strip()
+            if not comment.startswith("yaml-language-server:"):
+                return comment
+    return ""
+
+
+# -- writing --------------------------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    """Plain YAML-able data: sections and options classes become mappings (under their YAML
+    keys), tuples lists."""
+    entry = getattr(value, "recipe_entry", None)
+    if callable(entry):  # a typed dataset entry (finetune.data.sources.SourceSpec): the keys it was given
+        return _plain(entry())
+    if isinstance(value, BaseModel):
+        return _plain(value.model_dump(by_alias=True))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        hints = typing.get_type_hints(type(value), include_extras=True)
+        return {(_alias(hints.get(f.name)) or f.name): _plain(getattr(value, f.name))
+                for f in dataclasses.fields(value) if not f.metadata.get("meta")}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def recipe_to_dict(recipe: Any, *, keep_secrets: bool = False) -> dict[str, Any]:
+    """The recipe as plain YAML-able data (sections only, under their YAML keys; tuples become
+    lists).
+
+    ``hub.token`` is dropped unless ``keep_secrets`` is true.
+    """
+    out = _plain(recipe)
+    if not keep_secrets:
+        for sec, key in _SECRET_KEYS:
+            out[sec].pop(key, None)
+    return out
+
+
+def dump_recipe(recipe: Any, path: str | os.PathLike[str]) -> Path:
+    """Write the resolved recipe as YAML, atomically (temp file + ``os.replace``).
+
+    The first line is the recipe's description comment, so the file lists and loads like any
+    recipe; ``hub.token`` is never written, and overrides that set it are left out of the header.
+    Returns the path written.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    header = [f"# {recipe.description or 'resolved recipe'}"]
+    if recipe.source:
+        header.append(f"# resolved from {recipe.source}")
+    shown = [o for o in recipe.overrides if not o.strip().startswith("hub.token")]
+    if shown:
+        header.append("# overrides: " + " ".join(shown))
+    body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True, default_flow_style=None)
+    # the writer's PID@HOST in the name: another run's cleanup leaves it alone while this process lives
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{process_tag()}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write("\n".join(header) + "\n" + body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600: give the file the user's usual permissions
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def list_recipes(folder: str | os.PathLike[str] = "recipes") -> list[tuple[str, str]]:
+    """The recipes in ``folder`` as ``(name, description)`` pairs, sorted by name; the name is the
+    file name without ``.yaml`` / ``.yml`` and the description its first comment line."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise FileNotFoundError(f"recipe folder not found: {root}; run from the repository root "
+                                f"or give the folder that holds the YAML recipes")
+    out = []
+    for p in sorted(root.iterdir()):
+        if p.is_file() and p.suffix in (".yaml", ".yml"):
+            out.append((p.stem, _first_comment(p.read_text(encoding="utf-8"))))
+    return out

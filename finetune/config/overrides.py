@@ -1,0 +1,68 @@
+"""Command-line overrides of a recipe: ``key.sub=value`` (``train.lr=1e-5``, ``eval.sets=[docci,urban1k]``,
+``eval.sets.0.size=128``), each value read as YAML and set into the recipe before validation, so that it is
+checked like a file value and its errors name the override."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from finetune.config.errors import KeyPath, RecipeError, _dotted, _mask_override
+from finetune.config.io import YAMLAliasError, safe_load_yaml
+from finetune.config.sources import parse_source_shorthand
+
+def _parse_override(text: str) -> tuple[KeyPath, Any]:
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise RecipeError(f"command-line override `{_mask_override(text)}` is not `key.sub=value` "
+                          f"(e.g. `train.lr=1e-5`, `eval.sets=[docci,urban1k]`)")
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise RecipeError(f"command-line override `{_mask_override(text)}`: `{key}` has an empty part; write dotted "
+                          "keys like `train.lr`",
+                          key=key)
+    try:
+        value = safe_load_yaml(raw) if raw.strip() else None
+    except YAMLAliasError as exc:
+        raise RecipeError(f"command-line override `{_mask_override(text)}`: {exc.problem}",
+                          key=key) from None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise RecipeError(f"command-line override `{_mask_override(text)}`: the value is not valid YAML ({problem}); "
+                          f"quote it, e.g. {key}='...'", key=key) from None
+    return tuple(int(p) if p.isdigit() else p for p in parts), value
+
+
+def _is_source_path(path: KeyPath) -> bool:
+    keys = tuple(str(p) for p in path)
+    return keys == ("data", "train") or (len(keys) == 3 and keys[:2] == ("eval", "sets"))
+
+
+def _set_path(tree: dict[str, Any], path: KeyPath, value: Any, text: str) -> None:
+    """Set ``tree[path] = value``, creating mappings on the way; integer parts index lists and a
+    dataset shorthand string (``docci:goal``) on the way becomes its mapping."""
+    node: Any = tree
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(node, list) and isinstance(part, int):
+            if part >= len(node):
+                raise RecipeError(f"command-line override `{_mask_override(text)}`: `{_dotted(path[:i])}` has "
+                                  f"{len(node)} "
+                                  f"entries, there is no index {part}", key=_dotted(path))
+            key: Any = part
+        elif isinstance(node, dict):
+            key = str(part)
+        else:
+            raise RecipeError(f"command-line override `{_mask_override(text)}`: `{_dotted(path[:i])}` is {node!r}, "
+                              "not a mapping; "
+                              f"set it whole instead (e.g. `{_dotted(path[:i])}={{...}}`)", key=_dotted(path))
+        if last:
+            node[key] = value
+            return
+        if isinstance(node, dict) and node.get(key) is None:
+            node[key] = {}
+        if isinstance(node[key], str) and _is_source_path(path[:i + 1]):
+            node[key] = parse_source_shorthand(node[key])
+        node = node[key]

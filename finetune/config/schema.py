@@ -1,0 +1,734 @@
+"""Recipes: the typed schema (pydantic v2) and :func:`load_recipe`.
+
+A recipe is one YAML file (``recipes/*.yaml``) whose first comment line describes it, with the
+sections ``model``, ``adapter``, ``data``, ``objective``, ``train``, ``eval``, ``output`` and
+``hub`` (DESIGN 2-3). Each section is a pydantic dataclass (attribute access, ``vars()``,
+``dataclasses.asdict`` / ``replace`` keep working); pydantic converts and checks the values, and
+:mod:`finetune.config.errors` turns its errors into a :class:`RecipeError` whose message names the file
+and line (or the command-line override), the key path, what was expected and, for an unknown key, the
+closest valid one (``did you mean `train.lr`?``, also across sections). :func:`load_recipe` reads a file
+with ``yaml.safe_load`` semantics (:mod:`finetune.config.io`) and applies overrides
+(:mod:`finetune.config.overrides`); :func:`recipe_json_schema` (``python finetune/run.py --schema``) is the
+JSON schema that editors use to complete and check recipes.
+
+Dataset entries (``data.train`` and each of ``eval.sets``) are validated by :mod:`finetune.config.sources`.
+The options of each objective term are validated by the class (a dataclass or a pydantic model) that the
+term registered with :func:`register_term_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib
+import os
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+import finetune.plugins as plugins
+
+from finetune.config.errors import (SECTION_TYPES, RecipeError, _NOT_FINITE, _Origins, _alias, _arms, _fields_of,
+                                    _non_finite, _prefixed, _raise_errors, _recipe_error, _suggest, _type_name)
+from finetune.config.io import _compose, _first_comment, _plain
+from finetune.config.overrides import _parse_override, _set_path
+from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_train_source, _no_streams,
+                                     _validate_source_list)
+from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas,
+                                    _build_options, _doc, _float, _int, _is_options_class, _json_schema_of,
+                                    _positive_ints, _yaml_word)
+
+class _TermOptions:
+    """Marks ``objective.terms``; its JSON schema lists the registered terms and their options, and its keys
+    (for error messages) are the registered term names, each with its options class."""
+
+    def recipe_fields(self) -> dict[str, Any]:
+        return plugins.TERM_OPTIONS.snapshot()
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        props = {name: {"anyOf": [_json_schema_of(cls, handler), {"type": "null"}]}
+                 for name, cls in sorted(registered_term_configs().items())}
+        return {"type": "object", "properties": props, "additionalProperties": False,
+                "description": "registered objective term -> its options (null: the defaults)"}
+
+
+_TERMS_MARK = _TermOptions()
+
+
+
+# -- the sections ---------------------------------------------------------------------------------
+_SECTION_CONFIG = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+def _section(path: tuple[str, ...]) -> Callable[[type], type]:
+    """Make ``cls`` a pydantic dataclass of the recipe schema at ``path`` (``("model", "kps")``).
+
+    Built in code (``TrainConfig(lr=0)``, ``dataclasses.replace``), a bad value raises a
+    :class:`RecipeError` that names the recipe key, as in a file."""
+
+    def wrap(cls: type) -> type:
+        out = pydantic_dataclass(cls, config=_SECTION_CONFIG)
+        validated_init = out.__init__
+
+        @functools.wraps(validated_init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                validated_init(self, *args, **kwargs)
+            except ValidationError as exc:
+                data = dict(zip([f.name for f in dataclasses.fields(out)], args)) | kwargs
+                raise _recipe_error(exc, _Origins(None, None), data, out, path) from None
+
+        out.__init__ = __init__
+        return out
+
+    return wrap
+
+
+@_section(("model", "kps"))
+class KPSConfig:
+    """Long-CLIP knowledge-preserving stretching of the text positions (Long-CLIP 3.1; DESIGN 4).
+
+    ``keep`` rows are copied, the rest interpolated by ``ratio`` (``None``: the smallest ratio that
+    reaches ``model.max_text_len``); ``freeze_kept`` keeps the copied rows frozen in training.
+    """
+
+    keep: Annotated[_int(ge=0), _doc("position rows copied as they are (Long-CLIP: 20)")] = 20
+    ratio: Annotated[_int(ge=1) | None, _doc("interpolation ratio; null: the smallest that "
+                                                   "reaches model.max_text_len")] = None
+    freeze_kept: Annotated[Bool, _doc("keep the copied rows frozen in training")] = True
+
+
+# -- model family options --------------------------------------------------------------------------------
+#: the options class of each model family that takes ``model.options``, as ``module:Class``; read through
+#: :func:`family_options_class` only, so that the family registry can take the lookup over
+_FAMILY_OPTIONS: dict[str, str] = {"vision_text": "finetune.models.families.vision_text:VisionTextOptions"}
+#: ``model`` keys of the vision_text family before ``model.options`` held them: still read, with a warning
+_MOVED_MODEL_KEYS = ("vision", "text", "projection_dim")
+
+
+def family_options_class(family: str) -> type | None:
+    """The options class that ``model.options`` is validated against for model family ``family``, or ``None``
+    for a family that takes no options."""
+    path = _FAMILY_OPTIONS.get(family)
+    if path is None:
+        return None
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def family_loader_options(model: Any) -> dict[str, Any]:
+    """The keywords a recipe's ``model`` section gives its family's loader beyond the name: the options that
+    are set (``{"vision": ..., "text": ..., "projection_dim": 512}`` for vision_text), ``{}`` for none."""
+    options = getattr(model, "options", None)
+    if options is None:
+        return {}
+    plain = _plain(options)
+    return {k: v for k, v in plain.items() if v is not None}
+
+
+class _ModelOptions:
+    """Marks ``model.options``; its JSON schema offers each family's options class, and its keys (for error
+    messages) are those of every family's options (the validation itself uses the recipe's family)."""
+
+    describe = "a mapping of the model family's options"
+
+    def recipe_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for family in _FAMILY_OPTIONS:
+            out.update(_fields_of(family_options_class(family)) or {})
+        return out
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        arms = [_json_schema_of(family_options_class(f), handler) for f in sorted(_FAMILY_OPTIONS)]
+        return {"anyOf": [*arms, {"type": "null"}],
+                "description": "options of model.family: " + "; ".join(
+                    f"{f}: {', '.join(_fields_of(family_options_class(f)) or {})}" for f in sorted(_FAMILY_OPTIONS))}
+
+
+_OPTIONS_MARK = _ModelOptions()
+
+
+def _validate_model_options(value: Any, info: ValidationInfo) -> Any:
+    """``model.options`` built as the options class of the recipe's family (``model.family``, or the
+    deprecated ``model.backend``); unknown keys get the closest valid one, as term options do."""
+    if value is None:
+        return None
+    if "family" not in info.data or "backend" not in info.data:
+        return value  # the family itself is wrong: that error is reported
+    family = info.data["family"] if info.data["family"] != "auto" else info.data["backend"]
+    cls = family_options_class(family) if family != "auto" else None
+    if cls is None:
+        if isinstance(value, Mapping) and not value:
+            return None
+        takes = ", ".join(f"{f} ({', '.join(_fields_of(family_options_class(f)) or {})})" for f in _FAMILY_OPTIONS)
+        if family == "auto":
+            raise PydanticCustomError("recipe_value", "belongs to a model family: set model.family (families with "
+                                      "options: {takes})", {"takes": takes})
+        raise PydanticCustomError("recipe_value", "is set, but model family {family} takes no options (families "
+                                  "with options: {takes}); remove it", {"family": repr(family), "takes": takes})
+    if isinstance(value, Mapping):
+        fields = _fields_of(cls) or {}
+        unknown = [InitErrorDetails(type=PydanticCustomError("recipe_key", "is not a recipe key: {hint}", {
+            "hint": _suggest(str(key), fields, ("model", "options"), False)}), loc=(key,), input=sub)
+            for key, sub in value.items() if key not in fields]
+        _raise_errors(unknown, "model.options")
+    return _build_options(cls, value)
+
+
+def _moved_model_keys(tree: dict[str, Any], origins: _Origins) -> None:
+    """``model.vision`` / ``model.text`` / ``model.projection_dim`` (before ``model.options``) moved into
+    ``model.options`` with a ``FutureWarning`` naming the new key; ``null`` ones (what every run folder's
+    recipe.yaml of that time holds) are dropped silently."""
+    import warnings
+
+    model = tree.get("model")
+    if not isinstance(model, dict):
+        return
+    moved = {k: model.pop(k) for k in _MOVED_MODEL_KEYS if k in model}
+    moved = {k: v for k, v in moved.items() if v is not None}
+    if not moved:
+        return
+    options = model.get("options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        return  # model.options' own error follows
+    for key in moved:
+        if key in options:
+            raise origins.error(("model", key), f"and `model.options.{key}` are both set; `model.{key}` is the old "
+                                f"name of `model.options.{key}`: keep only that", key_error=True)
+    model["options"] = {**options, **moved}
+    for key in moved:
+        where = origins.error(("model", key), f"is deprecated: write it as `model.options.{key}` (the options of "
+                              "model.family: vision_text); the old key will be refused in the next release",
+                              key_error=True)
+        warnings.warn(str(where), FutureWarning, stacklevel=3)
+
+
+def _check_family(value: str) -> str:
+    if value != "auto":
+        known = _registry_names("finetune.models.families",
+                                ("model_family_names", "available_model_families"))
+        _check_registered(value, known, "a registered model family", extra=("auto",))
+    return value
+
+
+@_section(("model",))
+class ModelConfig:
+    """Which model to load and how (``finetune.load_model``)."""
+
+    name_or_path: Annotated[NonEmptyStr, _doc(
+        "a hub id, a local folder or a registry config with random weights (random:small-clip, "
+        "random:tiny-clip, ...)")] = "random:small-clip"
+    family: Annotated[NonEmptyStr, AfterValidator(_check_family),
+                      _doc("the registered model family that loads it (hf, open_clip, ...); auto "
+                           "detects it from a saved folder's files or the registry name")] = "auto"
+    backend: Annotated[NonEmptyStr, AfterValidator(_check_family),
+                       _doc("deprecated alias of `family` (auto defers to `family`)")] = "auto"
+    max_text_len: Annotated[_int(ge=1) | None, _doc("text length after KPS (Long-CLIP: 248); "
+                                                          "null keeps the model's own")] = 248
+    kps: Annotated[KPSConfig, _doc("Long-CLIP KPS settings")] = dataclasses.field(default_factory=KPSConfig)
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    gradient_checkpointing: Bool = False
+    trust_remote_code: Annotated[Bool, _doc("let transformers run the model repository's code")] = False
+    init_from: Annotated[Str | None, _doc(
+        "start from another run's final/: a recipe YAML (its run is reused when its output.dir holds a "
+        "finished run of the same resolved recipe, else trained first) or a run folder with final/; "
+        "name_or_path is then not loaded (finetune.prerequisites)")] = None
+    options: Annotated[Any, BeforeValidator(_validate_model_options), _OPTIONS_MARK, _doc(
+        "the model family's own options, validated by the options class the family declares (vision_text: "
+        "vision, text, projection_dim); null: its defaults")] = None
+
+    def __post_init__(self) -> None:
+        if self.backend != "auto" and self.family == "auto":
+            self.family = self.backend
+
+
+#: parameters trained next to an adapter by default (``finetune.models.adapters.EXTRA_SYMBOLS``)
+_DEFAULT_TRAIN_EXTRA = ("positions", "logit_scale", "logit_bias")
+
+
+@_section(("adapter",))
+class AdapterConfig:
+    """How to fine-tune: ``full`` (every parameter), ``lora`` or ``dora`` (peft; DESIGN 4,
+    "Adapters"). The one adapter settings class: the recipe's ``adapter`` section and
+    ``finetune.models.adapters.apply_adapter`` both take it.
+
+    Attributes:
+        type: ``"full"``, ``"lora"`` or ``"dora"``.
+        r: LoRA rank.
+        alpha: LoRA ``alpha`` (the update is scaled by ``alpha / r``).
+        dropout: dropout on the LoRA branch input.
+        targets: ``"preset"`` (the backend's attention + MLP linears) or a list of module names
+            (peft's suffix matching).
+        include_mlp: with the preset, also adapt the MLP linears.
+        extra_targets: more module names to adapt (e.g. ``"text_projection"``).
+        train_extra: parameters trained as they are next to the adapter: ``"positions"`` (the
+            text positional table, when KPS stretched it), ``"logit_scale"``, ``"logit_bias"``, or
+            names / shell patterns of the backend model's parameters (``"text_model.final_layer_norm.*"``).
+    """
+
+    type: Annotated[Literal["full", "lora", "dora"], _doc("full fine-tuning or a peft adapter")] = "full"
+    r: Annotated[_int(ge=1), _doc("LoRA rank")] = 16
+    alpha: Annotated[_int(ge=1), _doc("LoRA alpha (the update is scaled by alpha / r)")] = 32
+    dropout: Annotated[UnitInterval, _doc("dropout on the LoRA branch input")] = 0.05
+    targets: Annotated[Literal["preset"] | list[Str],
+                       _doc("preset (the backend's attention + MLP linears) or module names")] = "preset"
+    include_mlp: Annotated[Bool, _doc("with the preset, also adapt the MLP linears")] = True
+    extra_targets: Annotated[list[Str], _doc("more module names to adapt")] = dataclasses.field(
+        default_factory=list)
+    train_extra: Annotated[list[Str], _doc("trained as they are next to the adapter: positions, "
+                                           "logit_scale, logit_bias or parameter name patterns")] = (
+        dataclasses.field(default_factory=lambda: list(_DEFAULT_TRAIN_EXTRA)))
+
+
+
+@_section(("data",))
+class DataConfig:
+    """The training data: a dataset entry (a ``SourceSpec`` mapping) and how to treat bad rows."""
+
+    train: Annotated[SourceEntry, _doc("the training set: a source name, `name:protocol` or a "
+                                       "mapping of SourceSpec keys")] = dataclasses.field(
+        default_factory=_default_train_source)
+    on_error: Annotated[Literal["skip", "raise"], _doc("bad rows: count and skip them, or stop")] = "skip"
+    num_workers: Annotated[_int(ge=0), _doc("data-loader worker processes")] = 0
+    cache_dir: Annotated[Str | None, _doc("where downloaded / preprocessed data is cached")] = None
+    max_image_pixels: Annotated[_int(ge=1), _doc(
+        "the largest image accepted, in pixels (width x height); larger ones follow `data.on_error` "
+        "(PIL's decompression-bomb limit by default)")] = 89_478_485
+    validate: Annotated[Literal["header", "full"], _doc(
+        "how images are checked before training: `header` (fast: format, size, JPEG end marker) or "
+        "`full` (decode every image once)")] = "header"
+
+
+def _check_scorer(value: str) -> str:
+    if value != "cosine":  # the built-in default: no need to import the scorers (and torch) for it
+        known = _registry_names("finetune.scorers", ("available_scorers", "scorer_names"))
+        _check_registered(value, known, "a registered scorer")
+    return value
+
+
+@_section(("eval",))
+class EvalConfig:
+    """Retrieval evaluation before and after training (``finetune.evaluate``)."""
+
+    sets: Annotated[list[SourceEntry], BeforeValidator(_validate_source_list), AfterValidator(_no_streams),
+                    _doc("the evaluation sets (dataset entries)")] = dataclasses.field(
+        default_factory=_default_eval_sets)
+    batch_size: _int(ge=1) = 64
+    ks: Annotated[list[Int], AfterValidator(_positive_ints), _doc("the K of Recall@K")] = dataclasses.field(
+        default_factory=lambda: [1, 5, 10, 25, 50])
+    before: Annotated[Bool, _doc("evaluate the model before training")] = True
+    after: Annotated[Bool, _doc("evaluate the model after training")] = True
+    compare_base_length: Annotated[Bool, _doc(
+        "also evaluate the trained model with captions cut at its original length (77 for CLIP), to "
+        "show what reading past it buys (only when KPS stretched the model)")] = False
+    scorer: Annotated[NonEmptyStr, AfterValidator(_check_scorer), _doc(
+        "a registered scorer (finetune.scorers): cosine or one a method registers")] = "cosine"
+    rerank_top_k: Annotated[_int(ge=1) | None, _doc(
+        "re-score only the global-cosine top-k candidates with the scorer; null: all")] = None
+    block_size: Annotated[_int(ge=1), _doc("texts x images scored per block (bounds memory)")] = 1024
+    compare_with: Annotated[list[NonEmptyStr], _doc(
+        "recipes (or finished run folders) whose Recall@K the report sets beside this run's; a recipe's "
+        "run is reused when current, else trained first, like model.init_from")] = dataclasses.field(
+        default_factory=list)
+    seed_spread: Annotated[_float(ge=0.0) | None, _doc(
+        "how many points of Recall@1 this recipe's result moves between seeds (the range you measured over "
+        "train.seed); the report's verdict says whether the gap to eval.compare_with exceeds it. null: not "
+        "measured, the verdict says the gap cannot be judged")] = None
+
+
+def _validate_terms(value: Any) -> dict[str, Any]:
+    return _term_options(value)
+
+
+def _check_base(value: str) -> str:
+    known = {"none", "clip", "siglip", "longclip", *plugins.TERM_OPTIONS.snapshot()}
+    if value not in known:
+        known |= set(registered_term_configs())
+    if value not in known:
+        close = difflib.get_close_matches(value, sorted(known), n=1)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        raise PydanticCustomError("recipe_value", "is not a registered objective term: {hint}choose one of {known}",
+                                  {"hint": hint, "known": ", ".join(f"`{b}`" for b in sorted(known))})
+    return value
+
+
+@_section(("objective",))
+class ObjectiveConfig:
+    """One base loss plus any number of weighted terms (DESIGN 3); ``terms`` maps a registered
+    term name to its options (the class given to :func:`register_term_config`).
+
+    ``label_smoothing: null`` (the default) keeps the base term's own value: 0 for ``clip``, 0.1
+    for ``longclip`` (Long-CLIP's training code); a number overrides it.
+    """
+
+    base: Annotated[NonEmptyStr, AfterValidator(_check_base), _doc(
+        "a registered term used as the base loss (clip, siglip, longclip, ...) or none")] = "clip"
+    #: YAML key ``objective.import``
+    imports: Annotated[list[NonEmptyStr], Field(alias="import"), _doc(
+        "modules imported before the terms are validated, so that your own terms, scorers and "
+        "model families register")] = dataclasses.field(default_factory=list)
+    label_smoothing: Annotated[UnitInterval | None, _doc(
+        "null keeps the base term's own (0 clip, 0.1 longclip)")] = None
+    terms: Annotated[dict[str, Any], BeforeValidator(_validate_terms), _TERMS_MARK] = dataclasses.field(
+        default_factory=dict)
+
+
+@_section(("train",))
+class TrainConfig:
+    """The Accelerate loop (DESIGN 6). Defaults are StructXLIP's (D.2): AdamW lr 5e-6, weight
+    decay 0.05, cosine to 0, batch 16, 10 epochs."""
+
+    lr: Annotated[_float(gt=0.0), _doc("peak learning rate (AdamW)")] = 5.0e-6
+    weight_decay: _float(ge=0.0) = 0.05
+    betas: Annotated[tuple[Float, Float], AfterValidator(_betas), _doc("AdamW betas")] = (0.9, 0.98)
+    eps: _float(gt=0.0) = 1.0e-6
+    batch_size: Annotated[_int(ge=1), _doc("global batch size (all processes)")] = 16
+    epochs: _int(ge=1) | None = 10
+    max_steps: Annotated[_int(ge=1) | None, _doc("stop after this many optimizer steps")] = None
+    warmup_steps: _int(ge=0) = 0
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr: _float(ge=0.0) = 0.0
+    logit_scale_max: Annotated[Float | None, _doc("clamp of the log logit scale after each step")] = None
+    grad_clip: _float(gt=0.0) | None = None
+    accumulation_steps: _int(ge=1) = 1
+    mixed_precision: Annotated[Literal["no", "fp16", "bf16"], BeforeValidator(_yaml_word)] = "no"
+    checkpoint_every: Annotated[_int(ge=0), _doc("steps between checkpoints; 0: none")] = 0
+    keep_checkpoints: _int(ge=1) = 2
+    resume: Annotated[Str | None, _doc("a checkpoint folder, or `latest`")] = None
+    resume_ignore_changes: Annotated[Bool, _doc(
+        "resume even where the recipe differs from the checkpoint's in what matters for continuation "
+        "(the differences are logged)")] = False
+    resume_ignore_rng: Annotated[Bool, _doc(
+        "resume from a checkpoint whose RNG state (random_states_<rank>.pkl) is missing or damaged, with a fresh "
+        "one seeded from train.seed and the step (the run then differs from an uninterrupted one)")] = False
+    seed: Int = 42
+    log_every: Annotated[_int(ge=1), _doc(
+        "steps between loss-history entries and tracker logs; an entry holds each term's mean over those steps")] = 10
+    trackers: list[Str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    on_nonfinite: Literal["raise", "skip"] = "raise"
+    fused_optimizer: Literal["auto"] | Bool = "auto"
+    compile: Annotated[Bool, _doc(
+        "compile the towers' transformer blocks with torch.compile (captions padded to a few fixed lengths)")] = False
+
+
+@_section(("output",))
+class OutputConfig:
+    """Where the run folder goes (recipe.yaml, metrics.json, report.md, plots/, final/, ...)."""
+
+    dir: Annotated[NonEmptyStr, _doc("the run folder")] = "runs/quickstart"
+    overwrite: Annotated[Bool, _doc(
+        "replace a folder that holds a finished or different run (default: refuse it)")] = False
+
+
+@_section(("hub",))
+class HubConfig:
+    """Optional push of the result to the Hugging Face hub. ``token`` is accepted but never
+    written out (:func:`recipe_to_dict` drops it); prefer ``HF_TOKEN`` in the environment."""
+
+    push: Bool = False
+    repo_id: Annotated[Str | None, _doc("user/name")] = None
+    private: Bool = True
+    revision: Str | None = None
+    token: Annotated[Str | None, _doc("prefer HF_TOKEN in the environment; never written out")] = (
+        dataclasses.field(default=None, repr=False))
+
+
+@_section(())
+class Recipe:
+    """A validated recipe: the eight sections, plus where it came from.
+
+    ``description`` is the file's first comment line and ``source`` its path; ``overrides`` are the
+    command-line ``key=value`` strings applied on top. These three are not recipe keys.
+    """
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    adapter: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    hub: HubConfig = dataclasses.field(default_factory=HubConfig)
+    description: SkipJsonSchema[Str] = dataclasses.field(default="", metadata={"meta": True})
+    source: SkipJsonSchema[Str | None] = dataclasses.field(default=None, metadata={"meta": True}, compare=False)
+    overrides: SkipJsonSchema[tuple[Str, ...]] = dataclasses.field(default=(), metadata={"meta": True},
+                                                                   compare=False)
+
+
+
+_SECTION_TYPES = (Recipe, ModelConfig, KPSConfig, AdapterConfig, DataConfig, EvalConfig, ObjectiveConfig,
+                  TrainConfig, OutputConfig, HubConfig)
+SECTION_TYPES[:] = _SECTION_TYPES  # the error messages walk the schema from the root
+
+
+# -- registries of other modules ------------------------------------------------------------------
+def _registry_names(module: str, functions: Sequence[str]) -> list[str] | None:
+    """The names a registry module lists (its first function of ``functions`` that exists), or
+    ``None`` when the module or function is not there (then any name is accepted)."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module.startswith(exc.name):
+            return None
+        raise
+    for name in functions:
+        fn = getattr(mod, name, None)
+        if callable(fn):
+            return sorted(fn())
+    return None
+
+
+def _check_registered(value: str, known: Iterable[str] | None, what: str, extra: Sequence[str] = ()) -> None:
+    if known is None:
+        return
+    known = [*extra, *known]
+    if value not in known:
+        close = difflib.get_close_matches(value, known, n=1)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        raise PydanticCustomError("recipe_value", "is {value}, not {what}: {hint}choose one of {known}",
+                                  {"value": repr(value), "what": what, "hint": hint,
+                                   "known": ", ".join(f"`{k}`" for k in known)})
+
+
+# -- objective term registry ----------------------------------------------------------------------
+# The options classes live in the ground floor, finetune.plugins.TERM_OPTIONS (read at call time, so a test may
+# swap it); this module never imports finetune.objectives: the registry's first lookup discovers the terms.
+
+
+def register_term_config(name: str, cls: type) -> None:
+    """Register the options class of an objective term (a dataclass, stdlib or pydantic, or a
+    pydantic model), so that ``objective.terms.<name>`` in a recipe is validated against and built
+    as ``cls``. Unknown keys are rejected with the closest valid one; a dataclass field's
+    ``metadata={"check": fn}`` (``fn(value) -> message or None``) is a range check.
+
+    Registering the same class twice is a no-op; a different class under a taken name is an error.
+    (:func:`finetune.objectives.register_term` registers a term's options here itself.)
+    """
+    if not _is_options_class(cls):
+        raise TypeError(f"register_term_config({name!r}, ...): expected a dataclass or a pydantic model "
+                        f"type, got {cls!r}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_term_config: the term name must be a non-empty string, got {name!r}")
+    known = plugins.TERM_OPTIONS.peek(name)
+    if known is not None and known is not cls:
+        raise ValueError(
+            f"objective term {name!r} is already registered with {known.__module__}.{known.__qualname__}; "
+            f"pick another name for {cls.__module__}.{cls.__qualname__}"
+        )
+    plugins.TERM_OPTIONS.add(name, cls)
+
+
+def registered_term_configs() -> dict[str, type]:
+    """The registered term names and their options classes (the built-in terms discovered first)."""
+    _import_objectives()
+    return plugins.TERM_OPTIONS.snapshot()
+
+
+def _import_objectives() -> None:
+    """Discover the registered terms (the first lookup of ``finetune.plugins.TERM_OPTIONS`` imports the
+    term modules); without their dependencies (torch), only the terms registered so far are known."""
+    try:
+        plugins.TERM_OPTIONS.discover()
+    except ImportError:
+        pass
+
+
+
+def _term_options(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise PydanticCustomError("recipe_value", "expected a mapping of term name -> options, got {got} ({kind})",
+                                  {"got": repr(value), "kind": _type_name(value)})
+    registry = registered_term_configs()
+    out, errors = {}, []
+    for name, options in value.items():
+        if name not in registry:
+            known = ", ".join(f"`{n}`" for n in sorted(registry)) or "none (finetune.objectives registered no terms)"
+            close = difflib.get_close_matches(str(name), list(registry), n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            message = f"is not a registered objective term: {hint}registered terms: {known}"
+            errors.append(InitErrorDetails(type=PydanticCustomError("recipe_key", message.replace("{", "{{")),
+                                           loc=(name,), input=options))
+            continue
+        try:
+            out[name] = _build_options(registry[name], options)
+        except ValidationError as exc:
+            errors.extend(_prefixed(exc, (name,)))
+    _raise_errors(errors, "objective.terms")
+    return out
+
+
+
+#: the packages of xlipkit itself: importing them runs no code from a recipe's folder
+_OWN_PACKAGES = ("finetune", "losses")
+
+
+def _import_user_modules(tree: dict[str, Any], origins: _Origins, trust: bool = True) -> None:
+    """``objective.import: [my_pkg.my_term]``: import the modules (they register terms, scorers or
+    model families) before the rest is validated. Untrusted (``trust=False``), only modules already
+    imported or of xlipkit itself are."""
+    objective = tree.get("objective")
+    if not isinstance(objective, dict) or "import" not in objective:
+        return
+    modules = objective["import"]
+    if modules is None:
+        objective["import"] = modules = []
+    if isinstance(modules, str):
+        objective["import"] = modules = [modules]
+    if not isinstance(modules, list) or not all(isinstance(m, str) and m.strip() for m in modules):
+        raise origins.error(("objective", "import"), f"expected a list of module names (e.g. `[my_pkg.my_term]`), "
+                                                     f"got {modules!r}")
+    import sys
+
+    for i, name in enumerate(modules):
+        if not trust and name.strip() not in sys.modules and name.strip().split(".")[0] not in _OWN_PACKAGES:
+            raise origins.error(("objective", "import", i),
+                                f"would import the module {name.strip()!r}, which runs its code; this recipe is not "
+                                f"trusted to do that (it comes from a folder, not from you)")
+        try:
+            importlib.import_module(name.strip())
+        except ImportError as exc:
+            raise origins.error(("objective", "import", i),
+                                f"cannot import module {name!r} ({exc}); install it or put its folder on "
+                                f"PYTHONPATH") from None
+
+
+
+def _merge_defaults(data: Any, cls: type) -> Any:
+    """``data`` with the defaults of ``cls`` filled in (under their YAML keys), recursing only
+    into nested sections: dataset entries, term options and lists given in the file replace the
+    default whole. Keys that are not in the schema are kept, so that validation reports them."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        return data
+    defaults = cls()
+    out = dict(data)
+    for key, tp in (_fields_of(cls) or {}).items():
+        section = next((a for a in _arms(tp) if a in _SECTION_TYPES), None)
+        if key in data:
+            if section is not None:
+                out[key] = _merge_defaults(data[key], section)
+        else:
+            name = next(f.name for f in dataclasses.fields(cls) if f.name == key or _alias(
+                typing.get_type_hints(cls, include_extras=True)[f.name]) == key)
+            out[key] = _plain(getattr(defaults, name))
+    return out
+
+
+
+def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
+    t = recipe.train
+    if t.batch_size % t.accumulation_steps:
+        raise origins.error_any([("train", "batch_size"), ("train", "accumulation_steps")],
+                                f"`train.batch_size` ({t.batch_size}) must be divisible by "
+                                f"`train.accumulation_steps` ({t.accumulation_steps}), since each micro-batch "
+                                f"holds batch_size / accumulation_steps samples")
+    if t.epochs is None and t.max_steps is None:
+        raise origins.error_any([("train", "epochs"), ("train", "max_steps")],
+                                "`train.epochs` and `train.max_steps` are both null; set at least one of them")
+    if t.min_lr > t.lr:
+        raise origins.error_any([("train", "min_lr"), ("train", "lr")],
+                                f"`train.min_lr` ({t.min_lr:g}) is above `train.lr` ({t.lr:g}); lower it")
+    m = recipe.model
+    if m.backend not in ("auto", m.family):
+        raise origins.error_any([("model", "backend"), ("model", "family")],
+                                f"`model.backend` ({m.backend}) and `model.family` ({m.family}) disagree; "
+                                f"`backend` is the deprecated name of `family`: keep only `family`")
+    if recipe.hub.push and not recipe.hub.repo_id:
+        raise origins.error_any([("hub", "repo_id"), ("hub", "push")],
+                                "`hub.push: true` needs `hub.repo_id` (`user/name`); set it "
+                                "or set `hub.push: false`")
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
+                trust_imports: bool = True) -> Recipe:
+    """Read, override and validate a recipe.
+
+    Args:
+        path: the YAML file.
+        overrides: ``key.sub=value`` strings applied after the file; values are YAML scalars or
+            flow collections (``train.lr=1e-5``, ``eval.sets=[docci,urban1k]``,
+            ``train.max_steps=null``, ``eval.sets.0.size=128``) and are validated like file values.
+        trust_imports: import the modules of ``objective.import`` (running their code). False for a
+            recipe from a folder that is not the user's own (``python -m finetune.evaluate RUN``): then a
+            module that is not imported yet and not part of xlipkit is a :class:`RecipeError`.
+
+    Returns:
+        the :class:`Recipe`, every section filled with its defaults where the file is silent.
+
+    Raises:
+        RecipeError: the file is missing, empty or not valid YAML, a key is unknown (the message
+            suggests the closest valid key), a value has the wrong type or range (the message names
+            the expected type), an objective term is not registered, a module of
+            ``objective.import`` does not import (or may not: ``trust_imports``), a number is not
+            finite (``.inf``, ``.nan``), YAML aliases expand past a bound, or the sections disagree
+            (``train.batch_size`` not divisible by ``train.accumulation_steps``, ...).
+    """
+    file = os.fspath(path)
+    p = Path(file)
+    if not p.is_file():
+        hint = " (it is a folder; give the YAML file inside)" if p.is_dir() else ""
+        raise RecipeError(f"recipe file not found: {file}{hint}; give the path of a YAML recipe "
+                          f"(`finetune/run.py --list` shows the ones in recipes/)", file=file)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"cannot read the recipe {file}: {exc}", file=file) from None
+    data, node = _compose(text, file)
+    sections = [f.name for f in dataclasses.fields(Recipe) if not f.metadata.get("meta")]
+    if data is None:
+        raise RecipeError(f"{file}: the recipe is empty; write at least one section ({', '.join(sections)}), "
+                          f"e.g. start from recipes/quickstart.yaml", file=file)
+    if not isinstance(data, Mapping):
+        raise RecipeError(f"{file}: a recipe is a mapping of sections ({', '.join(sections)}), "
+                          f"got {_type_name(data)}", file=file)
+    # overrides go on top of the file merged with the defaults, so that `data.train.size=64` edits
+    # the default dataset entry and an override can repair a bad file value before validation
+    tree = _merge_defaults(data, Recipe)
+    parsed = [(_parse_override(o), o) for o in overrides]
+    for (opath, value), text_ in parsed:
+        _set_path(tree, opath, value, text_)
+    origins = _Origins(file, node, [(opath, text_) for (opath, _), text_ in parsed])
+    for key in tree:
+        if key not in sections:
+            raise origins.error((key,), f"is not a recipe key: {_suggest(str(key), sections, (), True)}",
+                                key_error=True)
+    _moved_model_keys(tree, origins)
+    bad = _non_finite(tree)  # anywhere, also in dataset options and term options: before any code runs
+    if bad:
+        raise origins.error(bad[0][0], f"{_NOT_FINITE}, got {bad[0][1]!r}")
+    _import_user_modules(tree, origins, trust_imports)
+    try:
+        recipe = _adapter(Recipe).validate_python(tree)
+    except ValidationError as exc:
+        raise _recipe_error(exc, origins, tree, Recipe) from None
+    _cross_checks(recipe, origins)
+    return dataclasses.replace(recipe, description=_first_comment(text), source=file,
+                               overrides=tuple(overrides))
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """The JSON schema of a recipe (draft 2020-12), for editors: the sections and their keys with
+    types, defaults, ranges and descriptions, the dataset-entry keys (``SourceSpec``) and the
+    options of every registered objective term under ``objective.terms``.
+
+    Point the YAML language server at it with a first line
+    ``# yaml-language-server: $schema=recipe.schema.json`` (after
+    ``python finetune/run.py --schema > recipe.schema.json``).
+    """
+    _import_objectives()
+    schema = _adapter(Recipe).json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "xlipkit recipe"
+    return schema
