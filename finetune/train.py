@@ -42,7 +42,6 @@ import math
 import os
 import shutil
 import signal
-import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -749,20 +748,18 @@ def ignore_stop_signals(worker_id: int = 0, exiting: Any = None) -> None:
 
 
 def limit_worker_threads() -> None:
-    """Keep a data-loader worker on one thread. Hugging Face's fast tokenizers encode a batch on a thread pool as
-    wide as the machine (``TOKENIZERS_PARALLELISM``), and OpenCV runs its own pool: with 8 workers on 16 cores
-    that is about 130 threads competing with the training process, whose one thread must launch thousands of
-    kernels per step. Each worker is already one of several processes working in parallel."""
+    """Keep a data-loader worker's tokenizer on one thread. Hugging Face's fast tokenizers encode a batch on a
+    thread pool as wide as the machine (``TOKENIZERS_PARALLELISM``): with 8 workers on 16 cores that is about 130
+    threads competing with the training process, whose one thread must launch thousands of kernels per step.
+    Each worker is already one of several processes working in parallel; torch already runs one thread in a
+    worker. (OpenCV's pool is left alone: ``cv2.setNumThreads`` in a forked worker can deadlock on the pool it
+    inherited.)"""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    torch.set_num_threads(1)
-    cv2 = sys.modules.get("cv2")
-    if cv2 is not None:
-        cv2.setNumThreads(1)
 
 
 def init_worker(worker_id: int = 0, exiting: Any = None) -> None:
     """``worker_init_fn`` of the training loaders: stop signals left to the training process
-    (:func:`ignore_stop_signals`) and one thread per worker (:func:`limit_worker_threads`)."""
+    (:func:`ignore_stop_signals`) and a single-threaded tokenizer (:func:`limit_worker_threads`)."""
     ignore_stop_signals(worker_id, exiting)
     limit_worker_threads()
 
