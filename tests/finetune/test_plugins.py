@@ -83,7 +83,9 @@ def test_the_toolkits_registries_are_the_ones_their_public_lookups_read():
     assert sorted(TERM_BUILDERS) == terms and TERM_OPTIONS is plugins.TERM_OPTIONS
     assert all(TERM_BUILDERS[n] is plugins.TERMS[n].builder for n in terms)
     assert {n: config.registered_term_configs()[n] for n in terms} == {n: plugins.TERMS[n].options for n in terms}
-    assert available_scorers() == plugins.SCORERS.names() == ["cosine", "flair", "flair_global", "grm", "grm_ori"]
+    # (other tests may have registered scorers of their own in this process)
+    assert available_scorers() == plugins.SCORERS.names()
+    assert {"cosine", "flair", "flair_global", "grm", "grm_ori"} <= set(available_scorers())
     assert sorted(available_sources()) == plugins.DATA_SOURCES.names() and "synthetic" in available_sources()
     assert inference_module_names() == plugins.INFERENCE_MODULES.names()
     assert {"grm.GRMHead", "tsl.heads"} <= set(inference_module_names())

@@ -245,6 +245,7 @@ VOTE = textwrap.dedent('''
         vote.close()
     with open(os.path.join(sys.argv[1], f"vote_{rank}.json"), "w") as f:
         json.dump({"stopped": stopped, "signum": vote.signum, "received": stop.received}, f)
+    dist.destroy_process_group()  # gloo's threads end before the interpreter does (else a rare abort at exit)
 ''')
 
 
