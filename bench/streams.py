@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         "what": "stream data path alone (webdataset JPEG 512x384 -> decode, check, CLIP 224 px processor, CLIP "
                 "tokenizer at 77): samples/s with data.num_workers 0, 1, 2 in one process",
         "machine": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "platform": platform.platform(),
-                    "torch": torch.__version__, "shared": "yes: other jobs ran on the same cores",
+                    "torch": torch.__version__,
                     "load_average_1min": {"before": round(load_before[0], 1), "after": round(os.getloadavg()[0], 1)}},
         "batch_size": args.batch_size, "batches_per_measurement": args.batches, "repeats": args.repeats,
         "autogroup_scheduler": Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1",
