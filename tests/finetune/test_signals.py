@@ -231,6 +231,7 @@ VOTE = textwrap.dedent('''
     from finetune.train import StopVote, stop_signals
 
     dist.init_process_group("gloo")
+    assert dist.get_world_size() == 2, dist.get_world_size()
     rank = dist.get_rank()
     with stop_signals() as stop:
         stop.graceful = True
