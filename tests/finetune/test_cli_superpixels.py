@@ -208,3 +208,38 @@ def test_entries_of_other_settings_stop_the_stream_naming_both(shipped, written)
     with pytest.raises(DataError, match=r"sample '00000000000' of .*00000\.tar: the precomputed superpixels were made "
                                         r"with .*sfcn.* but this run computes them with .*slic.*xlipkit superpixels"):
         next(iter(_stream(manifest["urls"], model, objective, 0)))
+
+
+@pytest.mark.slow
+def test_fcast_cc3m_recap_trains_as_shipped_on_its_precomputed_shards(project, written, monkeypatch, capsys, tmp_path):
+    """The recipe header's route: `xlipkit superpixels` then the run on the new shards (only data.train.urls
+    changes): it trains with its 8 data workers, and no worker computes a superpixel map (the evaluation sets and
+    the report's drawings, map-style, still compute theirs in this process)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from finetune.models.fcast import FCastModel
+    from finetune.run import main
+    from tests.recipes.shipped import STEPS, clear_run, enter, output_dir
+
+    calls = tmp_path / "superpixel_calls.txt"
+    original = FCastModel.superpixels_of_batch
+
+    def recorded(self, arrays):
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return original(self, arrays)
+
+    monkeypatch.setattr(FCastModel, "superpixels_of_batch", recorded)
+    overrides = [o for o in as_shipped_overrides(RECIPE, project) if not o.startswith("data.train.urls=")]
+    overrides.append(f"data.train.urls={written['urls']}")
+    out = output_dir(RECIPE, project)
+    enter(monkeypatch, project)
+    clear_run(out)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    assert main([f"recipes/{RECIPE.name}", *overrides]) == 0, capsys.readouterr().err[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == STEPS and {"fcast/part", "fcast/whole"} <= set(metrics["final_losses"])
+    assert metrics["train_stream"]["num_workers"] == 8
+    pids = {int(line) for line in calls.read_text().split()} if calls.exists() else set()
+    assert pids <= {os.getpid()}, f"data workers computed superpixels: {pids - {os.getpid()}}"
