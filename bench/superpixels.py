@@ -3,7 +3,8 @@
     python bench/superpixels.py                 # every case; a GPU case runs where torch sees CUDA
     python bench/superpixels.py --gpu-only      # the GPU case alone (SFCN batched on cuda) and its CPU baseline
 
-Prints each case's rate and its ratio to the baseline, and writes ``bench/results/superpixels.json``. Every case
+Prints each case's rate and its ratio to the baseline, and writes ``bench/results/superpixels.json``
+(``superpixels_gpu.json`` with ``--gpu-only``). Every case
 runs in a fresh Python process (``--case NAME``) with one CPU thread (``torch.set_num_threads(1)``,
 ``OMP_NUM_THREADS=1``), as a data-loader worker does: its images/s is per core. The cases are interleaved over
 ``--repeats`` and each rate is the median; images per CPU-second of the process is reported beside the wall rate
@@ -250,8 +251,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--stream-images", type=int, default=64, help="examples of the end-to-end worker cases")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gpu-only", action="store_true", help="the GPU case and the baseline only")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=None,
+                   help=f"results file (default {RESULTS.name}; with --gpu-only superpixels_gpu.json beside it)")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(RESULTS.with_name("superpixels_gpu.json") if args.gpu_only else RESULTS)
     if args.case:
         print(json.dumps(run_case(args.case, args)))
         return {}
