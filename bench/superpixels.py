@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "cpu_ratio_to_slic": round(cpu / base_cpu, 2),
                          **{k: v for k, v in results[-1].items() if k not in ("images", "seconds", "cpu_seconds",
                                                                               "images_per_s", "images_per_cpu_s")}}
+    import cv2
     import torch
 
     result = {
@@ -289,7 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "measured in the same run",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "load_average_1min": {"before": round(load_before[0], 1), "after": round(os.getloadavg()[0], 1)},
-                    "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+                    "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                    "opencv": f"{cv2.__version__}{' contrib' if hasattr(cv2, 'ximgproc') else ''} ({cv2.__file__})"},
         "settings": {"images": args.images, "batch": args.batch, "gpu_batch": args.gpu_batch,
                      "stream_images": args.stream_images, "repeats": args.repeats},
         "cases": summary,

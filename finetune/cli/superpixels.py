@@ -140,7 +140,8 @@ def write_shard(job: ShardJob) -> dict[str, int]:
     import fsspec
 
     from finetune.data.images import ImageReadError, read_image, set_max_image_pixels
-    from finetune.preprocess.superpixels import ENTRY, compute_superpixels_batch, encode_entry, encoder_view, settings_from
+    from finetune.preprocess.superpixels import (ENTRY, compute_superpixels_batch, encode_entry, encoder_view,
+                                                 settings_from)
 
     if job.max_image_pixels is not None:
         set_max_image_pixels(job.max_image_pixels)
@@ -278,7 +279,8 @@ def precompute(recipe: Any, out: str | os.PathLike, *, workers: int = 1, device:
     manifest = {
         "settings": asdict(settings), "image_size": image_size, "stamp": stamp, "entry": "superpixels.png",
         "source_urls": urls, "shards": len(jobs), "written": len(todo), "kept": len(jobs) - len(todo), **counts,
-        "seconds": round(seconds, 3), "images_per_s": round(counts["with_superpixels"] / seconds, 2) if seconds else None,
+        "seconds": round(seconds, 3),
+        "images_per_s": round(counts["with_superpixels"] / seconds, 2) if seconds else None,
         "workers": workers, "device": device or "cpu", "batch_size": batch_size,
         "urls": str(folder / Path(pattern).name) if pattern else [str(folder / n) for n in names],
     }

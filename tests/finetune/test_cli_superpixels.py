@@ -106,7 +106,8 @@ def test_a_second_run_keeps_written_shards_and_other_settings_need_another_folde
     assert again["written"] == 1 and again["kept"] == 3 and (out / "00002.tar").is_file()
     from finetune.cli.main import main
 
-    other = "objective.terms.fcast.superpixels={method: sfcn, n_segments: 144, checkpoint: checkpoints/sfcn_bsds.safetensors}"
+    other = ("objective.terms.fcast.superpixels={method: sfcn, n_segments: 144, "
+             "checkpoint: checkpoints/sfcn_bsds.safetensors}")
     assert main(["superpixels", str(RECIPE), str(out), *shipped, other]) == 2
     err = capsys.readouterr().err
     assert "holds shards written with other settings" in err and "--overwrite" in err
@@ -213,8 +214,9 @@ def test_entries_of_other_settings_stop_the_stream_naming_both(shipped, written)
 @pytest.mark.slow
 def test_fcast_cc3m_recap_trains_as_shipped_on_its_precomputed_shards(project, written, monkeypatch, capsys, tmp_path):
     """The recipe header's route: `xlipkit superpixels` then the run on the new shards (only data.train.urls
-    changes): it trains with its data workers (the recipe's 8, as many as the fixture's 4 shards allow), and no worker computes a superpixel map (the evaluation sets and
-    the report's drawings, map-style, still compute theirs in this process)."""
+    changes): it trains with its data workers (the recipe's 8, as many as the fixture's 4 shards allow), and no
+    worker computes a superpixel map (the evaluation sets and the report's drawings, map-style, still compute theirs
+    in this process)."""
     from accelerate.state import AcceleratorState, GradientState
 
     from finetune.models.fcast import FCastModel
@@ -260,6 +262,7 @@ def test_the_model_takes_precomputed_labels_and_computes_only_the_missing_ones(m
                         lambda self, arrays: seen.append(len(arrays)) or original(self, arrays))
     out = model.preprocess_images(images, superpixels=[given, None, given])
     assert seen == [1]  # only the image without labels
-    assert torch.equal(out["superpixels"][0], torch.from_numpy(given)) and torch.equal(out["superpixels"][1], computed[1])
+    assert torch.equal(out["superpixels"][0], torch.from_numpy(given))
+    assert torch.equal(out["superpixels"][1], computed[1])
     with pytest.raises(ValueError, match=r"shape \(32, 32\) for a 64 x 64 image.*xlipkit superpixels"):
         model.preprocess_images(images[:1], superpixels=[np.zeros((32, 32), dtype=np.int64)])
