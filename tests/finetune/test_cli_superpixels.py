@@ -97,10 +97,13 @@ def test_the_shards_hold_the_superpixels_a_run_computes_and_every_original_membe
 
 
 @pytest.mark.slow
-def test_a_second_run_keeps_written_shards_and_other_settings_need_another_folder(shipped, tmp_path, capsys):
+def test_a_second_run_keeps_written_shards_and_other_settings_need_another_folder(shipped, written, tmp_path, capsys):
     out = tmp_path / "out"
-    _write(shipped, out)
+    _write(shipped, out, "--workers", "2")  # two processes write the shards one process wrote, byte for byte
     assert f"data.train.urls='{out / '{00000..00003}.tar'}'" in capsys.readouterr().out
+    serial = Path(written["urls"]).parent
+    for shard in ("00000.tar", "00001.tar", "00002.tar", "00003.tar"):
+        assert (out / shard).read_bytes() == (serial / shard).read_bytes()
     (out / "00002.tar").unlink()  # as if interrupted before this shard was renamed into place
     again = _write(shipped, out)
     assert again["written"] == 1 and again["kept"] == 3 and (out / "00002.tar").is_file()
