@@ -1,7 +1,8 @@
 """The F-CAST model family ``fcast`` (F-CAST section 3): CAST image encoder + hierarchical text encoder.
 
 - Image: :class:`finetune.models.cast.CastEncoder` on superpixels that :meth:`FCastModel.preprocess_images`
-  computes (``finetune.preprocess.superpixels``) next to the pixels, in the data workers.
+  computes (``finetune.preprocess.superpixels``) next to the pixels, in the data workers, or takes precomputed
+  (a stream's ``KEY.superpixels.png`` entries, written once by ``xlipkit superpixels``).
 - Text (3.2, eqs. 1-3): stage 1, a causal CLIP-style transformer (8 layers, context 77), encodes each
   chunk of 1-3 sentences on its own (``t_sub``, pooled at the end token and projected to D); a light
   residual MLP adapter (CLIP-Adapter, Gao et al. 2024: ``a·MLP(t) + (1-a)·t``, bottleneck D/4, a = 0.2)
