@@ -74,6 +74,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "finetune.preview", "python -m finetune.preview"),
     Command("pairs", "write FLISM's global-local pairs of a dataset as jsonl (FAST-GOAL III-A)",
             "finetune.preprocess.flism", "python -m finetune.preprocess.flism"),
+    Command("superpixels", "write F-CAST's superpixels once into a copy of a recipe's webdataset shards",
+            "finetune.cli.superpixels", "python -m finetune.cli.superpixels"),
     Command("recipes", "list the recipes shipped in recipes/",
             "finetune.run", "finetune/run.py --list", fixed=("--list",)),
     Command("schema", "print the recipe JSON schema, for editors and the docs",

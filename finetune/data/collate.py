@@ -26,6 +26,9 @@ __all__ = ["Collator", "PlannedCollate", "MicroPlans", "EPOCH_KEY", "PIXEL_NORM"
 
 #: batch key of the :class:`~finetune.data.images.PixelNorm` of ``uint8`` ``image_inputs`` (host metadata)
 PIXEL_NORM = "_pixel_norm"
+#: example key of superpixel labels decoded from a stream's precomputed entry (F-CAST's term), handed to the model's
+#: ``preprocess_images(images, superpixels=...)`` so that the worker does not compute them
+PRECOMPUTED_SUPERPIXELS = "superpixels"
 #: example key of the epoch an example is drawn for (``finetune.train.EpochIndexed``), read by :class:`PlannedCollate`
 EPOCH_KEY = "_epoch"
 
@@ -81,6 +84,9 @@ class Collator:
         if self.images is not None:
             batch["image_inputs"] = {"pixel_values": self.images(images)}
             batch[PIXEL_NORM] = self.images.norm
+        elif any(PRECOMPUTED_SUPERPIXELS in e for e in examples):  # F-CAST: read from the shards, not computed
+            given = [e.get(PRECOMPUTED_SUPERPIXELS) for e in examples]
+            batch["image_inputs"] = dict(self.preprocess_images(images, superpixels=given))
         else:
             batch["image_inputs"] = dict(self.preprocess_images(images))
         if self.objective is not None:

@@ -73,6 +73,10 @@ WEBDATASET_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 #: keys tried, in order, for the caption when ``caption_column`` is left at ``caption``
 #: (``json.caption``: the ``caption`` field of a webdataset ``KEY.json``)
 DEFAULT_CAPTION_KEYS = ("txt", "text", "json.caption")
+#: a sample's precomputed superpixels (``KEY.superpixels.png``, written by ``xlipkit superpixels``), passed through
+#: as the example's :data:`SUPERPIXELS_FIELD` (its raw PNG)
+SUPERPIXELS_ENTRY = "superpixels.png"
+SUPERPIXELS_FIELD = "superpixels_entry"
 _SKIPPED_EXAMPLES_KEPT = 5
 _STATE_VERSION = 2
 _LOADER_STATE_VERSION = 2  # 1 was the single-reader ExampleStream state
@@ -510,7 +514,8 @@ class ExampleStream(torch.utils.data.IterableDataset):
     sources: ``image_column`` (default ``image``, else the first webdataset key of
     :data:`WEBDATASET_IMAGE_KEYS`), ``caption_column`` (default ``caption``, else ``txt``, ``text`` or the
     ``caption`` field of ``json``; ``json.FIELD`` reads another field), ``options.fields`` (more raw columns,
-    each kept under its last name: ``json.long_IB_captions`` -> ``long_IB_captions``), ``id_column`` (default
+    each kept under its last name: ``json.long_IB_captions`` -> ``long_IB_captions``; a webdataset
+    ``KEY.superpixels.png`` entry, written by ``xlipkit superpixels``, as ``superpixels_entry``), ``id_column`` (default
     ``id``, else the webdataset ``__key__``, else ``<name>-<rank>-<worker>-<epoch>-<position>``).
 
     Iterated in the training process it reads all of ``dataset``; iterated in DataLoader worker ``w`` of
@@ -625,6 +630,8 @@ class ExampleStream(torch.utils.data.IterableDataset):
             return example, error.reason, url
         except (TypeError, ValueError, OSError) as error:
             return example, f"unreadable image ({error})", url
+        if raw.get(SUPERPIXELS_ENTRY) is not None:  # F-CAST's term decodes and checks it (stream_map)
+            example[SUPERPIXELS_FIELD] = raw[SUPERPIXELS_ENTRY]
         return example, None, url
 
     # -- iteration -------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ to K sub-captions with FLAIR's sampler (:func:`~finetune.data.text.sample_subcap
 1-3 sentences): the first N are the long caption's chunks (3.3, "Training batch construction"). The
 model's :meth:`~finetune.models.fcast.FCastModel.preprocess_images` puts superpixels next to the pixels;
 for map-style data :meth:`FCastTerm.preprocess` points it at an on-disk cache so every image's
-superpixels are computed once.
+superpixels are computed once; a stream whose shards hold precomputed superpixels (``xlipkit superpixels``)
+reads them back (:meth:`FCastTerm.stream_map`) and computes none.
 
 Per batch: the CAST encoder gives ``v_fine`` and ``v_coarse``, stage 1 encodes all K sub-captions, the
 adapter and stage 2 turn the first N into ``t_long``; the loss is
@@ -168,9 +169,28 @@ class FCastTerm(Term):
         return {name: "objective.terms.fcast.caption_fields" for name in self.options.caption_fields or ()}
 
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
-        """Streams: nothing to add (superpixels are computed with the pixels, uncached; the model got its
-        settings in :meth:`prepare_model`)."""
-        return {}
+        """Streams: a sample's precomputed superpixels (``KEY.superpixels.png``, written by ``xlipkit superpixels``)
+        decoded and checked against the model's settings, as ``superpixels``, which the model's
+        ``preprocess_images`` then uses instead of computing them; without the entry nothing is added (they are
+        computed with the pixels, uncached; the model got its settings in :meth:`prepare_model`).
+
+        Raises:
+            DataError: an entry made with other settings than the model's (naming both, the sample and the fix).
+        """
+        from finetune.data.collate import PRECOMPUTED_SUPERPIXELS
+        from finetune.data.streams import SUPERPIXELS_FIELD
+
+        entry = example.get(SUPERPIXELS_FIELD)
+        if entry is None:
+            return {}
+        from finetune.preprocess.superpixels import decode_entry, settings_stamp
+
+        key = (model.superpixels, model.image_size)
+        stamps = self.__dict__.setdefault("_stamps", {})
+        if key not in stamps:
+            stamps[key] = settings_stamp(model.superpixels, model.image_size)
+        where = f"sample {example.get('id')!r}" + (f" of {example['url']}" if example.get("url") else "")
+        return {PRECOMPUTED_SUPERPIXELS: decode_entry(entry, stamps[key], where=where)}
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)

@@ -26,6 +26,7 @@ OPTIONS = {
     "preview": ["recipe", "overrides", "--n", "--out"],
     "pairs": ["IMAGES_AND_CAPTIONS", "OUT", "--model", "--detector", "--method", "--pairs", "--weighting",
               "--no-default"],
+    "superpixels": ["RECIPE", "OUT", "overrides", "--workers", "--device", "--batch-size", "--overwrite"],
     "recipes": ["-h"],
     "schema": ["-h"],
 }

@@ -512,14 +512,14 @@ def test_fcast_superpixels_and_subcaption_epochs_are_computed_in_the_workers(tmp
     objective = Objective(None, [(term, 1.0)])
     objective.prepare_model(model)
     pids = tmp_path / "superpixel_pids.txt"
-    original = FCastModel.superpixels_of
+    original = FCastModel.superpixels_of_batch
 
-    def recording(self, array):
+    def recording(self, arrays):
         with open(pids, "a") as f:
             f.write(f"{os.getpid()}\n")
-        return original(self, array)
+        return original(self, arrays)
 
-    monkeypatch.setattr(FCastModel, "superpixels_of", recording)
+    monkeypatch.setattr(FCastModel, "superpixels_of_batch", recording)
     scenes = _scenes(8)
     write_webdataset(tmp_path / "shards", scenes, 2)  # 4 shards, 2 per worker
     spec = {"name": "webdataset", "urls": str(tmp_path / "shards" / "shard-{00000..00003}.tar"), "shuffle_buffer": 0}
