@@ -318,10 +318,11 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
     if trackers:
         accelerator.init_trackers(out_dir.name, config=_flat_scalars(recipe_dict))
     from finetune.models.loading import ModelNotFoundError
+    from finetune.models.weight_files import DamagedWeightsError
 
     try:
         return _run(recipe, recipe_dict, accelerator, out_dir, data, objective, prerequisites)
-    except (ModelNotFoundError, RunFolderError) as exc:  # an unknown model (the registry list), no room
+    except (ModelNotFoundError, RunFolderError, DamagedWeightsError) as exc:  # an unknown model, no room, bad weights
         prefix = "model.name_or_path: " if isinstance(exc, ModelNotFoundError) else ""
         print(f"recipe error: {prefix}{exc}", file=sys.stderr)
         if action == "new" and accelerator.is_main_process:  # leave no half-started run behind
