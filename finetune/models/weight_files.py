@@ -23,9 +23,10 @@ _MAX_HEADER = 100_000_000
 _LFS_POINTER = b"version https://git-lfs"
 
 
-class DamagedWeightsError(OSError):
+class DamagedWeightsError(OSError, ValueError):
     """A weight file that cannot be read: the message names the file, what is wrong with it and how to get a good
-    copy. An ``OSError``, as a missing file is: the commands report it without a traceback."""
+    copy. An ``OSError`` (a file that cannot be read, as a missing one) and a ``ValueError`` (bad input): every
+    command reports it without a traceback, whichever of the two it catches."""
 
     def __init__(self, path: str | os.PathLike, reason: str) -> None:
         self.path = str(path)

@@ -56,7 +56,7 @@ def test_a_damaged_model_safetensors_is_named_with_the_fix(copy_of, how):
     assert message.startswith(f"cannot load the model weights {weights}: ")
     assert DAMAGES[how][1] in message
     assert "copy or download it again, or write it again" in message
-    assert isinstance(caught.value, OSError)  # reported like a missing file by the commands
+    assert isinstance(caught.value, OSError) and isinstance(caught.value, ValueError)  # what the commands report
 
 
 @pytest.mark.parametrize("name,weights", [("tiny-openclip", "open_clip_model.safetensors"),
@@ -119,6 +119,19 @@ def test_xlipkit_eval_names_the_file_without_a_traceback(copy_of, capsys):
     err = capsys.readouterr().err
     assert f"cannot load the model weights {folder / 'model.safetensors'}: the file is truncated" in err
     assert "Traceback" not in err and "SafetensorError" not in err
+
+
+def test_xlipkit_export_names_the_file_without_a_traceback(load_tiny, tmp_path, capsys):
+    from finetune.hub import main
+
+    model = load_tiny("tiny-clip")
+    apply_adapter(model, AdapterConfig(type="lora", r=2))
+    folder = save_finetuned(model, tmp_path / "adapter")
+    _damage(folder / "adapter_model.safetensors", "cut in its tensors")
+    assert main(["export", str(folder), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot load the model weights {folder / 'adapter_model.safetensors'}: the file is truncated" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
 def test_training_from_damaged_weights_is_an_error_naming_the_file(copy_of, tmp_path, capsys, monkeypatch):
