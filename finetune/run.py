@@ -301,6 +301,7 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
     try:
         data = _load_data(recipe, accelerator)
         _check_batch(recipe, data, accelerator.num_processes, objective)
+        _check_warmup(recipe, data, objective, accelerator.is_main_process)
     except (DataError, RunFolderError) as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
@@ -317,10 +318,11 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
     if trackers:
         accelerator.init_trackers(out_dir.name, config=_flat_scalars(recipe_dict))
     from finetune.models.loading import ModelNotFoundError
+    from finetune.models.weight_files import DamagedWeightsError
 
     try:
         return _run(recipe, recipe_dict, accelerator, out_dir, data, objective, prerequisites)
-    except (ModelNotFoundError, RunFolderError) as exc:  # an unknown model (the registry list), no room
+    except (ModelNotFoundError, RunFolderError, DamagedWeightsError) as exc:  # an unknown model, no room, bad weights
         prefix = "model.name_or_path: " if isinstance(exc, ModelNotFoundError) else ""
         print(f"recipe error: {prefix}{exc}", file=sys.stderr)
         if action == "new" and accelerator.is_main_process:  # leave no half-started run behind
@@ -725,6 +727,28 @@ def _check_batch(recipe: Any, data: dict[str, Any], num_processes: int, objectiv
         raise RunFolderError(f"the training set (data.train) has {examples} usable examples{skipped}, "
                              f"fewer than one batch (train.batch_size={t.batch_size}): lower train.batch_size or "
                              "add data")
+
+
+def _check_warmup(recipe: Any, data: dict[str, Any], objective: Any, main: bool) -> None:
+    """A warm-up as long as the run or longer (:func:`finetune.train.warmup_problem`) is a warning, logged once the
+    step count is known (``train.max_steps``, or the epochs over the loaded training set) and before the model
+    loads."""
+    from finetune.train import warmup_problem
+
+    t = recipe.train
+    train = data.get("train")
+    if t.max_steps:
+        total, how = t.max_steps, f"train.max_steps={t.max_steps}"
+    elif train is not None:
+        per_epoch = objective.training_examples(train.dataset) // t.batch_size
+        total = t.epochs * per_epoch
+        how = (f"train.epochs={t.epochs} x {per_epoch} steps per epoch of train.batch_size={t.batch_size}; "
+               "train.max_steps is not set")
+    else:
+        return
+    problem = warmup_problem(t, total, how)
+    if problem and main:
+        log.warning(problem)
 
 
 def _check_room(recipe: Any, model: Any, objective: Any, out_dir: Path, data: dict[str, Any],

@@ -187,6 +187,32 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float) -> Calla
     return f
 
 
+def warmup_problem(cfg: Any, total_steps: int, how: str) -> str | None:
+    """What is wrong with a warm-up that does not end before the run does, or None when it does.
+
+    With ``train.warmup_steps >= total_steps`` the linear warm-up of :func:`lr_lambda` covers the whole run: the
+    learning rate of the last step is ``lr * total_steps / warmup_steps`` (``warmup_steps: 1000`` with 4 steps
+    trains at 0.4 % of ``train.lr``) and the cosine decay never starts. The run is allowed (a smoke run of a few
+    steps does this on purpose); the message says so before anything slow starts.
+
+    Args:
+        cfg: the recipe's ``train`` section.
+        total_steps: the run's optimiser steps.
+        how: where the total comes from, for the message (``"train.max_steps=4"``, ...).
+    Returns:
+        the message, naming the keys and the learning rate the run will reach, or None.
+    """
+    warmup = int(cfg.warmup_steps or 0)
+    if not warmup or total_steps <= 0 or warmup < total_steps:
+        return None
+    min_ratio = cfg.min_lr / cfg.lr if cfg.lr else 0.0
+    peak = cfg.lr * lr_lambda(cfg.schedule, warmup, total_steps, min_ratio)(total_steps - 1)
+    decay = ", and the cosine decay never starts" if cfg.schedule == "cosine" else ""
+    return (f"train.warmup_steps={warmup} is not below the run's {total_steps} optimiser steps ({how}): the learning "
+            f"rate rises for the whole run and reaches {peak:.3g} at the last step, not train.lr={cfg.lr:g}{decay}. "
+            f"Lower train.warmup_steps below {total_steps} (about a tenth of the steps is usual) or train longer.")
+
+
 def build_optimizer(module: nn.Module, cfg: Any, extra_no_decay: set[str] = frozenset()) -> torch.optim.Optimizer:
     """AdamW over :func:`finetune.models.weight_decay.param_groups`; fused when ``cfg.fused_optimizer`` allows and
     the device has it."""

@@ -69,9 +69,10 @@ def folder_classes(folder: str | Path) -> tuple[list[str], list[Path], Tensor]:
     by name; images found recursively by extension).
 
     Raises:
-        ValueError: the folder does not exist, has no class sub-folders, or a class has no image.
+        ValueError: the folder does not exist, has no class sub-folders, a class has no image, or an image is a
+            broken symbolic link (naming it).
     """
-    from finetune.data.images import IMAGE_EXTENSIONS
+    from finetune.data.images import IMAGE_EXTENSIONS, broken_link_reason, image_files
 
     root = Path(folder).expanduser()
     if not root.is_dir():
@@ -81,7 +82,11 @@ def folder_classes(folder: str | Path) -> tuple[list[str], list[Path], Tensor]:
         raise ValueError(f"--zeroshot {root}: no class sub-folders; put each class's images in FOLDER/<class name>/")
     names, paths, labels = [], [], []
     for c, sub in enumerate(classes):
-        files = sorted(p for p in sub.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+        files = image_files(sub)
+        broken = [f"{p.relative_to(root)}: {broken_link_reason(p)}" for p in files if broken_link_reason(p)]
+        if broken:  # an image left out of the count would change every accuracy: refused, never skipped silently
+            raise ValueError(f"--zeroshot {root}: {len(broken)} image(s) cannot be read ({'; '.join(broken[:5])}); "
+                             "fix the links or remove them")
         if not files:
             raise ValueError(f"--zeroshot {root}: class folder {sub.name!r} holds no image "
                              f"({', '.join(sorted(IMAGE_EXTENSIONS))})")

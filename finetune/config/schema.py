@@ -37,8 +37,8 @@ import finetune.plugins as plugins
 
 from finetune.config.errors import (SECTION_TYPES, RecipeError, _NOT_FINITE, _Origins, _alias, _arms, _fields_of,
                                     _non_finite, _prefixed, _raise_errors, _recipe_error, _suggest, _type_name)
-from finetune.config.io import _compose, _first_comment, _plain
-from finetune.config.overrides import _parse_override, _set_path
+from finetune.config.io import MAX_RECIPE_BYTES, _compose, _first_comment, _plain
+from finetune.config.overrides import _parse_override, _set_path, check_override_sizes
 from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_train_source, _no_streams,
                                      _validate_source_list)
 from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas,
@@ -672,8 +672,11 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
             suggests the closest valid key), a value has the wrong type or range (the message names
             the expected type), an objective term is not registered, a module of
             ``objective.import`` does not import (or may not: ``trust_imports``), a number is not
-            finite (``.inf``, ``.nan``), YAML aliases expand past a bound, or the sections disagree
-            (``train.batch_size`` not divisible by ``train.accumulation_steps``, ...).
+            finite (``.inf``, ``.nan``), the file or the overrides are too large (more than
+            :data:`~finetune.config.io.MAX_RECIPE_BYTES` bytes, more than
+            :data:`~finetune.config.io.MAX_RECIPE_VALUES` keys and values, more than
+            :data:`~finetune.config.io.MAX_OVERRIDES` overrides), YAML aliases expand past a bound, or the
+            sections disagree (``train.batch_size`` not divisible by ``train.accumulation_steps``, ...).
     """
     file = os.fspath(path)
     p = Path(file)
@@ -681,6 +684,12 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
         hint = " (it is a folder; give the YAML file inside)" if p.is_dir() else ""
         raise RecipeError(f"recipe file not found: {file}{hint}; give the path of a YAML recipe "
                           f"(`finetune/run.py --list` shows the ones in recipes/)", file=file)
+    size = p.stat().st_size
+    if size > MAX_RECIPE_BYTES:  # refused before it is read: PyYAML reads about 10,000 keys a second
+        raise RecipeError(f"{file}: the recipe is {size:,} bytes, more than the {MAX_RECIPE_BYTES:,} a recipe may "
+                          "hold (the shipped ones hold about 5 kB); list long things in files the recipe names, or "
+                          "write shard URLs as brace patterns (shards-{000000..000999}.tar)", file=file)
+    check_override_sizes(overrides)
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

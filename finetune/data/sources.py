@@ -35,7 +35,8 @@ import datasets
 
 import finetune.plugins as plugins
 from finetune.data.bad_rows import collecting, decode_utf8, read_utf8_text, report_bad_row, utf8_jsonl
-from finetune.data.images import IMAGE_EXTENSIONS, DataError, ImageReadError, probe_image, read_image
+from finetune.data.images import (IMAGE_EXTENSIONS, DataError, ImageReadError, broken_link_reason, image_files,
+                                  probe_image, read_image)
 from finetune.data.text import as_captions, lone_surrogate
 
 __all__ = [
@@ -646,9 +647,15 @@ def _data_files(spec: SourceSpec, extensions: tuple[str, ...]) -> list[Path]:
         split = None
     else:
         split = spec.split
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(extensions))
+    files = sorted(p for p in path.rglob("*") if p.name.lower().endswith(extensions)
+                   and (p.is_file() or broken_link_reason(p) is not None))
     if split:
         files = [p for p in files if p.stem == split or p.stem.startswith((f"{split}-", f"{split}_", f"{split}."))]
+    broken = [(p, broken_link_reason(p)) for p in files if broken_link_reason(p) is not None]
+    if broken:  # its rows can be neither read nor counted: never passed over in silence
+        shown = "; ".join(f"{str(p)!r}: {reason}" for p, reason in broken[:5])
+        raise DataError(f"data source {spec.name!r}: {len(broken)} data file(s) cannot be read ({shown}); fix the "
+                        "link (or copy the file in its place) or remove it")
     if not files:
         wanted = " or ".join(f"*{e}" for e in extensions)
         which = f" for split {split!r} (named {split}*{extensions[0]} or in a {split}/ folder)" if split else ""
@@ -978,8 +985,10 @@ def build_imagefolder(spec: SourceSpec) -> datasets.Dataset:
     CAPTION_COLUMN: ...}`` per line, as ``datasets``' imagefolder writes it), ``captions.json``
     (``{file name or stem: caption}``), or a ``NAME.txt`` beside each ``NAME.jpg``. With a
     mapping, its entries are the examples (a listed file that is missing is counted as
-    missing); otherwise every image in the folder tree is, and one without a ``.txt`` gets an
-    empty caption (counted as such). Ids are the image paths relative to the folder, without
+    missing); otherwise every image in the folder tree is, broken symbolic links included, and one
+    without a ``.txt`` gets an empty caption (counted as such). A broken link, for an image or its
+    caption file, is skipped and counted like a missing file (or stops loading with
+    ``on_error="raise"``), never dropped from the listing. Ids are the image paths relative to the folder, without
     extension. Written by hand because ``datasets``' imagefolder reads neither ``.txt``
     captions nor ``captions.json``.
     """
@@ -995,10 +1004,15 @@ def build_imagefolder(spec: SourceSpec) -> datasets.Dataset:
         names, captions, given_ids = _read_mapping(mapping_file, spec)
         paths = [_find_image(root, name) for name in names]
     else:
-        paths = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+        paths = image_files(root)  # broken symbolic links included: validation skips and counts them
         readable, captions = [], []
         for path in paths:
             text_file = path.with_suffix(".txt")
+            link_problem = broken_link_reason(text_file)
+            if link_problem is not None:  # skipped or raised per data.on_error, like an unreadable caption
+                report_bad_row(path.relative_to(root).with_suffix("").as_posix(), str(text_file),
+                               f"caption file: {link_problem}")
+                continue
             try:
                 captions.append(read_utf8_text(text_file).strip() if text_file.is_file() else "")
             except DataError as error:  # names the file and line; skipped or raised per data.on_error
