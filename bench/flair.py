@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from finetune.report import write_json_atomic
+    from finetune.files import write_json_atomic
 
     sections = {name.strip() for name in args.sections.split(",") if name.strip()}
     unknown = sections - {"train", "retrieval", "draws"}

@@ -120,7 +120,7 @@ def step_costs(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from finetune.data.collate import Collator
     from finetune.objectives import ClipTerm, Objective
     from finetune.objectives.fastgoal import FastGoalOptions, FastGoalTerm, FlismOptions
-    from finetune.train import TrainModule, build_optimizer
+    from finetune.training import TrainModule, build_optimizer
 
     torch.manual_seed(0)
     model = load_model(args.clip, max_text_len=248)
@@ -151,7 +151,7 @@ def step_costs(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from finetune.report import write_json_atomic
+    from finetune.files import write_json_atomic
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=4, help="timed images of each preprocessing")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.report import write_json_atomic  # noqa: E402
+from finetune.files import write_json_atomic  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KS = (1, 5, 10)

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from finetune.models.atomic import replace_dir
+from finetune.files import replace_dir
 
 log = logging.getLogger("xlipkit")
 

@@ -23,7 +23,7 @@ from typing import Any
 
 # the drawing is StructXLIP's own (finetune/objectives/structxlip/preview.py); save_png_atomic is re-exported
 # for the callers that import it from here (finetune.preprocess.flism)
-from finetune.models.atomic import save_png_atomic
+from finetune.files import save_png_atomic
 from finetune.objectives.structxlip.preview import render_preview
 
 __all__ = ["main", "preview_recipe", "render_preview", "save_png_atomic"]

@@ -3,45 +3,11 @@ after) of a run folder."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write ``data`` as indented JSON to ``path`` through a temp file and ``os.replace``."""
-    write_text_atomic(path, json.dumps(data, indent=2, default=_jsonable) + "\n")
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    from finetune.run_folder import process_tag
-
-    # the writer's PID@HOST in the name: another run's cleanup leaves it alone while this process lives
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{process_tag()}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600: give the file the user's usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _jsonable(obj: Any) -> Any:
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    if hasattr(obj, "__dict__"):
-        return obj.__dict__
-    return str(obj)
+from finetune.files import write_text_atomic
 
 
 #: history entries that are not loss terms (drawn, and compared, in panels of their own)

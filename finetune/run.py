@@ -97,7 +97,7 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
 
     The runs it builds on (``model.init_from``, ``eval.compare_with``) are reused when current, else trained
     first by this same function in this same process (in a multi-process launch, by every process together:
-    one DDP run, see :mod:`finetune.prerequisites`).
+    one DDP run, see :mod:`finetune.training.prerequisites`).
 
     ``output.dir`` is locked while the run lasts (:class:`finetune.run_folder.RunLock`, taken by the main
     process of a launch): another run into the same folder is refused (exit 2) naming this one's PID, and
@@ -113,7 +113,7 @@ def run(recipe: Any, *, chain: tuple[str, ...] = ()) -> int:
     """
     if chain:  # a prerequisite: its stops and failures end the run that needs it, which says what to do
         return _run_locked(recipe, chain)
-    from finetune.train import stop_signals
+    from finetune.training.signals import stop_signals
 
     with stop_signals():
         try:
@@ -155,7 +155,7 @@ def _stopped_or_failed(exc: BaseException, recipe: Any) -> int | None:
       ``on_nonfinite: raise``, data that broke during training: the message, what was kept, status 1.
     """
     from finetune.data.images import DataError
-    from finetune.train import (DivergedError, NonFiniteLossError, RunInterrupted, SaveFailedError,
+    from finetune.training import (DivergedError, NonFiniteLossError, RunInterrupted, SaveFailedError,
                                 TrainingStopped)
 
     out = Path(recipe.output.dir)
@@ -272,7 +272,7 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
         return 2
     from finetune.data.streams import check_stream_recipe
     from finetune.objectives import build_objective
-    from finetune.prerequisites import PrerequisiteError
+    from finetune.training.prerequisites import PrerequisiteError
 
     from finetune.config import RecipeError
 
@@ -337,11 +337,11 @@ def _run_in_folder(recipe: Any, chain: tuple[str, ...]) -> int:
 
 
 def _prerequisites(recipe: Any, chain: tuple[str, ...]) -> dict[str, Any]:
-    """The runs ``recipe`` builds on, reused or trained now (:func:`finetune.prerequisites.ensure`):
+    """The runs ``recipe`` builds on, reused or trained now (:func:`finetune.training.prerequisites.ensure`):
     ``{"init": Prerequisite | None, "compare": [Prerequisite, ...]}``. After a prerequisite trained, the
     accelerate state is reset (its process group kept), so that this run's ``Accelerator`` may differ
     (mixed precision, plugins)."""
-    from finetune.prerequisites import ensure
+    from finetune.training.prerequisites import ensure
 
     if recipe.source and not chain:
         chain = (str(Path(recipe.source).resolve()),)
@@ -488,10 +488,10 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     from finetune.data.skipping import drop_undecodable
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import apply_adapter, save_finetuned
-    from finetune.report import (comparison_section, plot_losses, plot_recall, verdict, write_json_atomic,
-                                 write_report)
+    from finetune.files import write_json_atomic
+    from finetune.report import comparison_section, plot_losses, plot_recall, verdict, write_report
     from finetune.scorers import get_scorer
-    from finetune.train import RunInterrupted, TrainingStopped, TrainModule, Trainer
+    from finetune.training import RunInterrupted, TrainingStopped, TrainModule, Trainer
 
     t0 = time.perf_counter()
     streaming = recipe.data.train.is_stream
@@ -548,7 +548,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
     rows = train_ds if streaming else SkippingDataset(train_ds, recipe.data.on_error, decode=collator.decode)
     trainer = Trainer(accelerator, module, rows, SkipReportingCollate(collator), recipe.train, out_dir,
                       num_workers=recipe.data.num_workers)
-    trainer.maybe_resume(recipe.train.resume, checkpoint=data["resume"], recipe=recipe_dict,
+    trainer.maybe_resume(recipe.train.resume, checkpoint=data["resume"], recipe=recipe,
                          ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)))
     result = trainer.train()
     try:
@@ -561,7 +561,7 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
 def _final_checkpoint(trainer: Any) -> Path:
     """A checkpoint of the finished training (the newest one when it is of the last step already), so that a run
     stopped during its evaluation or final save resumes at its end."""
-    from finetune.train import list_checkpoints
+    from finetune.training import list_checkpoints
 
     kept = list_checkpoints(trainer.ckpt_dir)
     if kept and kept[-1].name == f"step-{trainer.state.step}":
@@ -578,9 +578,9 @@ def _finish(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, dat
 
     from finetune.evaluate import evaluate_sets, format_table
     from finetune.models.adapters import save_finetuned
-    from finetune.report import (comparison_section, plot_losses, plot_recall, verdict, write_json_atomic,
-                                 write_report)
-    from finetune.train import is_write_error
+    from finetune.files import write_json_atomic
+    from finetune.report import comparison_section, plot_losses, plot_recall, verdict, write_report
+    from finetune.training.checkpoint import is_write_error
 
     ev = recipe.eval
     accelerator.wait_for_everyone()
@@ -678,10 +678,10 @@ def _finish(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, dat
 
 
 def _final_save_failed(error: BaseException, trainer: Any, out_dir: Path, model: Any) -> Any:
-    """The :class:`~finetune.train.SaveFailedError` of a run whose outputs (``final/``, ``metrics.json``, the report)
+    """The :class:`~finetune.training.SaveFailedError` of a run whose outputs (``final/``, ``metrics.json``, the report)
     could not be written after training: why (a full disk: how much was needed and is free, where), and which
     checkpoint keeps the training."""
-    from finetune.train import SaveFailedError, describe_save_failure, list_checkpoints
+    from finetune.training.checkpoint import SaveFailedError, describe_save_failure, list_checkpoints
 
     trained = [p for p in model.parameters() if p.requires_grad]
     full = sum(t.numel() * t.element_size() for t in model.state_dict().values())

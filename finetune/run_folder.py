@@ -35,17 +35,8 @@ from typing import Any
 
 import yaml
 
-from finetune.run_basics import (  # noqa: F401  (re-exported: this module's public names since before)
-    _LEGACY_PID,
-    _TAG,
-    RunFolderError,
-    _flatten,
-    _host,
-    differing_keys,
-    owner_alive,
-    process_tag,
-    tag_owner,
-)
+from finetune.files import _host, owner_alive, process_tag, tag_owner
+from finetune.run_basics import RunFolderError, differing_keys
 
 __all__ = [
     "RunFolderError",
@@ -62,9 +53,6 @@ __all__ = [
     "RunLock",
     "LOCK_NAME",
     "OWNER_NAME",
-    "process_tag",
-    "tag_owner",
-    "owner_alive",
     "check_writable",
     "check_free_space",
     "estimate_run_bytes",

@@ -314,7 +314,7 @@ def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out
             print(f"zero-shot {zeroshot['folder']}: {zeroshot['n_images']} images, {zeroshot['n_classes']} classes, "
                   f"top-1 {zeroshot['top1']:.2f} %, top-5 {zeroshot['top5']:.2f} % ({zeroshot['scorer']})", flush=True)
         if out is not None:
-            from finetune.report import write_json_atomic
+            from finetune.files import write_json_atomic
 
             write_json_atomic(out, {"model": args.model_or_run, "run": recipe is not None,
                                     "max_text_len": model.max_text_len, "ks": ks, "sets": results,

@@ -241,7 +241,7 @@ class ModelConfig:
     init_from: Annotated[Str | None, _doc(
         "start from another run's final/: a recipe YAML (its run is reused when its output.dir holds a "
         "finished run of the same resolved recipe, else trained first) or a run folder with final/; "
-        "name_or_path is then not loaded (finetune.prerequisites)")] = None
+        "name_or_path is then not loaded (finetune.training.prerequisites)")] = None
     options: Annotated[Any, BeforeValidator(_validate_model_options), _OPTIONS_MARK, _doc(
         "the model family's own options, validated by the options class the family declares (vision_text: "
         "vision, text, projection_dim); null: its defaults")] = None

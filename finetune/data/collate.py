@@ -26,7 +26,7 @@ __all__ = ["Collator", "PlannedCollate", "MicroPlans", "EPOCH_KEY", "PIXEL_NORM"
 
 #: batch key of the :class:`~finetune.data.images.PixelNorm` of ``uint8`` ``image_inputs`` (host metadata)
 PIXEL_NORM = "_pixel_norm"
-#: example key of the epoch an example is drawn for (``finetune.train.EpochIndexed``), read by :class:`PlannedCollate`
+#: example key of the epoch an example is drawn for (``finetune.training.loaders.EpochIndexed``), read by :class:`PlannedCollate`
 EPOCH_KEY = "_epoch"
 
 

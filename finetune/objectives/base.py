@@ -255,7 +255,7 @@ def _same_text_inputs(a: TextRequest, b: TextRequest) -> bool:
 class Objective(nn.Module):
     """An optional base term plus weighted added terms: ``loss = w_base * base + sum_k w_k * term_k``.
 
-    ``forward`` is not used; the :class:`~finetune.train.TrainModule` calls ``encode`` and ``loss`` so
+    ``forward`` is not used; the :class:`~finetune.training.TrainModule` calls ``encode`` and ``loss`` so
     that everything runs inside the prepared (DDP/FSDP) module's forward.
 
     Args:

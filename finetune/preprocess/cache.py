@@ -13,7 +13,7 @@ place with ``os.replace``, so an interrupted or failing step never leaves a part
 ``meta.json`` also records the size and sha256 of every arrow file at write time; a cache is checked
 against them before it is reused, and a damaged one (truncated, bit-flipped, unreadable, or written by
 an older version without that record) is rebuilt with a warning naming it. A temporary folder carries
-its writer's ``PID@HOST`` (:func:`finetune.run_folder.process_tag`): those of processes that are gone
+its writer's ``PID@HOST`` (:func:`finetune.files.process_tag`): those of processes that are gone
 (killed during a write) are removed, those of live ones never.
 """
 
@@ -123,7 +123,7 @@ def clean_stale_temporaries(root: str | os.PathLike[str]) -> list[str]:
     """Remove the temporary folders (``.NAME-KEY.tmp-PID@HOST.*``, and ``.old-`` ones) that processes which
     are gone left in the cache folder ``root`` (a kill during a cache write); those of live processes, and
     of other hosts, stay. Returns the names removed."""
-    from finetune.run_folder import owner_alive, tag_owner
+    from finetune.files import owner_alive, tag_owner
 
     root = Path(root)
     removed = []
@@ -147,7 +147,7 @@ def clean_stale_temporaries(root: str | os.PathLike[str]) -> list[str]:
 
 def _discard(folder: Path) -> None:
     """Remove a cache folder: renamed aside first, so that no reader ever sees it half deleted."""
-    from finetune.run_folder import process_tag
+    from finetune.files import process_tag
 
     aside = folder.parent / f".{folder.name}.old-{process_tag()}.{uuid.uuid4().hex[:8]}"
     try:
@@ -247,7 +247,7 @@ def _compute(
     features: datasets.Features | None,
     desc: str | None,
 ) -> datasets.Dataset:
-    from finetune.run_folder import process_tag
+    from finetune.files import process_tag
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     # the writer's PID@HOST in the name: once this process is gone (killed mid-write), a later call removes it

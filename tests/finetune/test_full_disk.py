@@ -22,7 +22,7 @@ from finetune.data.collate import Collator
 from finetune.data.sources import load_source
 from finetune.objectives import ClipTerm, Objective
 from finetune.resume import checkpoint_problem
-from finetune.train import SaveFailedError, TrainModule, Trainer
+from finetune.training import SaveFailedError, TrainModule, Trainer
 from tests.finetune.mounts import require_mount, tmpfs
 
 @pytest.fixture(autouse=True)

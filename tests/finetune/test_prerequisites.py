@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from finetune.config import load_recipe
 from finetune.models.registry import save_tiny
-from finetune.prerequisites import PrerequisiteError, chain_hash, ensure, reference_hash
+from finetune.training.prerequisites import PrerequisiteError, chain_hash, ensure, reference_hash
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -205,7 +205,7 @@ def test_keys_added_to_the_toolkit_since_a_run_do_not_make_it_stale(tiny, tmp_pa
     """A run folder written before a recipe key existed (the key absent from its recipe.yaml) is still current
     when the key is at its default; a real change still makes it stale."""
     from finetune.config import dump_recipe
-    from finetune.prerequisites import _current
+    from finetune.training.prerequisites import _current
 
     path = _recipe(tmp_path / "pre.yaml", tiny, tmp_path / "runs" / "pre")
     recipe = load_recipe(path)

@@ -158,7 +158,7 @@ def test_stops_and_failures_end_with_a_status_and_a_message_not_a_traceback(tmp_
 
     import finetune.run as run_module
     from finetune.data.images import DataError
-    from finetune.train import DivergedError, RunInterrupted, SaveFailedError, TrainingStopped
+    from finetune.training import DivergedError, RunInterrupted, SaveFailedError, TrainingStopped
 
     monkeypatch.setattr(run_module, "_resume_command", lambda: "python finetune/run.py r.yaml train.resume=latest")
     monkeypatch.delenv("RANK", raising=False)

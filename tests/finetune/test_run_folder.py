@@ -20,6 +20,7 @@ import yaml
 from accelerate.state import AcceleratorState, GradientState
 
 from finetune.config import load_recipe
+from finetune.files import process_tag
 from finetune.run_folder import (
     OWNER_NAME,
     RunFolderBusy,
@@ -32,7 +33,6 @@ from finetune.run_folder import (
     continuation_view,
     differing_keys,
     estimate_run_bytes,
-    process_tag,
 )
 from tests.finetune.mounts import require_mount, require_read_only_possible, tmpfs
 
@@ -315,7 +315,8 @@ def test_a_bad_training_data_path_is_found_before_the_model_loads(tmp_path, tiny
 HOLDER = """
 import sys, time
 from pathlib import Path
-from finetune.run_folder import RunLock, process_tag
+from finetune.files import process_tag
+from finetune.run_folder import RunLock
 folder = Path(sys.argv[1])
 lock = RunLock(folder, command="a test holder").acquire()  # held while referenced
 (folder / f".metrics.json.{process_tag()}.k1ll3d.tmp").write_text("{")  # a write in progress

@@ -162,16 +162,16 @@ SLOW_SAVE = textwrap.dedent('''
     import sys
     import time
 
-    import finetune.train as train
+    import finetune.training.trainer as trainer
 
-    save = train.save_checkpoint
+    save = trainer.save_checkpoint
 
     def slow(*args, **kwargs):
         print("saving", file=sys.stderr, flush=True)
         time.sleep(60)
         return save(*args, **kwargs)
 
-    train.save_checkpoint = slow
+    trainer.save_checkpoint = slow
     from finetune.run import main
 
     sys.exit(main(sys.argv[1:]))
@@ -228,7 +228,7 @@ VOTE = textwrap.dedent('''
 
     import torch.distributed as dist
 
-    from finetune.train import StopVote, stop_signals
+    from finetune.training import StopVote, stop_signals
 
     dist.init_process_group("gloo")
     assert dist.get_world_size() == 2, dist.get_world_size()

@@ -52,7 +52,7 @@ def _done_ids(out: Path, done: Path) -> set[str]:
         return set()
     ids = {line.strip() for line in done.read_text(encoding="utf-8").splitlines() if line.strip()}
     if out.is_file():
-        from finetune.report import write_text_atomic
+        from finetune.files import write_text_atomic
 
         kept = []
         for line in out.read_text(encoding="utf-8").splitlines():

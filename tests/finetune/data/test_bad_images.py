@@ -197,7 +197,7 @@ def test_trainer_counts_the_examples_skipped_in_loader_workers(tmp_path):
     from finetune.config import load_recipe
     from finetune.data.collate import Collator
     from finetune.objectives import ClipTerm, Objective
-    from finetune.train import TrainModule, Trainer
+    from finetune.training import TrainModule, Trainer
 
     dataset = _validated_then_truncated(tmp_path)
     AcceleratorState._reset_state(reset_partial_state=True)

@@ -568,7 +568,7 @@ def _run_recording(recipe, monkeypatch, stop_at: int | None = None) -> list[list
     from accelerate.state import AcceleratorState, GradientState
 
     from finetune.run import run
-    from finetune.train import Trainer
+    from finetune.training import Trainer
 
     seen: list[list[str]] = []
     original = getattr(Trainer._step, "unrecorded", Trainer._step)
@@ -641,7 +641,7 @@ _TWO_PROCESS_SCRIPT = textwrap.dedent('''
 
     from finetune.config import load_recipe
     from finetune.run import run
-    from finetune.train import Trainer
+    from finetune.training import Trainer
 
     out, tiny, urls = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     seen, where = [], {}

@@ -30,7 +30,7 @@ _SCRIPT = textwrap.dedent('''
     from pathlib import Path
 
     from finetune import run
-    from finetune.train import Trainer
+    from finetune.training import Trainer
 
     out, tag = Path(os.environ["IDS_DIR"]), os.environ["IDS_TAG"]
     hang = int(os.environ.get("HANG_AT_STEP", "0"))

@@ -305,7 +305,7 @@ def _trainer_for(tmp_path, dataset, model, term, **train):
     from accelerate.state import AcceleratorState, GradientState
 
     from finetune.config import load_recipe
-    from finetune.train import TrainModule, Trainer
+    from finetune.training import TrainModule, Trainer
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

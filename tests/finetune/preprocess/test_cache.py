@@ -165,7 +165,7 @@ def test_temporary_folders_of_dead_writers_are_removed_and_live_ones_kept(tmp_pa
     import subprocess
     import sys
 
-    from finetune.run_folder import process_tag
+    from finetune.files import process_tag
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

@@ -320,7 +320,7 @@ def test_toy_family_trains_through_finetune_train(toy_dir: Path, tmp_path: Path)
     from finetune.data.collate import Collator
     from finetune.data.sources import load_source
     from finetune.objectives import ClipTerm, Objective
-    from finetune.train import TrainModule, Trainer
+    from finetune.training import TrainModule, Trainer
 
     scenes = load_source({"name": "synthetic", "size": 16, "seed": 0, "options": {"image_size": 32}}).dataset
     model = apply_adapter(load_model(str(toy_dir)), {"type": "full"})

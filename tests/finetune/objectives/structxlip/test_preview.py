@@ -69,6 +69,6 @@ def test_render_preview_needs_an_example(tmp_path):
 def test_the_old_path_draws_with_the_same_function():
     """``finetune.preview.render_preview`` (and ``save_png_atomic``, which FLISM's preview imports) stay importable."""
     import finetune.preview as preview
-    from finetune.models.atomic import save_png_atomic
+    from finetune.files import save_png_atomic
 
     assert preview.render_preview is render_preview and preview.save_png_atomic is save_png_atomic

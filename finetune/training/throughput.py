@@ -1,7 +1,7 @@
 """How busy the training loop keeps the accelerator: steady samples/s, the share of time spent waiting for
 data, and estimated FLOP/s and MFU, as torchtune and nanoGPT report tokens/s and MFU.
 
-The loop reads its device tensors only at logging steps (:class:`finetune.train.Trainer`), so a wall-clock
+The loop reads its device tensors only at logging steps (:class:`finetune.training.Trainer`), so a wall-clock
 mark taken there is honest (the read waits for the device); :class:`LoopClock` keeps those marks and the
 time the host spent waiting for the next batch, and gives the rates over the steady part of the run.
 
@@ -13,13 +13,16 @@ not counted, so the estimate is a slight under-count, as the usual ``6 N`` per t
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["LoopClock", "Mark", "count_flops", "peak_tflops", "PEAK_BF16_TFLOPS"]
+log = logging.getLogger("xlipkit")
+
+__all__ = ["LoopClock", "Mark", "count_flops", "peak_tflops", "throughput_summary", "PEAK_BF16_TFLOPS"]
 
 #: dense bf16 tensor-core peak (TFLOP/s, no sparsity) of accelerators by a substring of
 #: ``torch.cuda.get_device_name()``; vendor data sheets (H100/H200 SXM 989.4; H100 PCIe 756; A100 312)
@@ -110,3 +113,37 @@ class LoopClock:
                 "data_wait_share": min(1.0, waited / seconds),
                 "steps": last.step - first.step,
                 "first_step": first.step}
+
+
+def throughput_summary(clock: LoopClock, flops_per_step: int | None, *, batch_size: int, world_size: int,
+                       device: torch.device, last_step: int) -> dict[str, Any]:
+    """``TrainResult.throughput``: the steady rates of a run part (:meth:`LoopClock.steady`), FLOPs per sample,
+    TFLOP/s per device and MFU where the device's peak is known (:func:`peak_tflops`); logged once.
+
+    Args:
+        clock: the loop's marks.
+        flops_per_step: FLOPs of one step on one process (:func:`count_flops` of the first step), or None.
+        batch_size: the global batch (``train.batch_size``); each device takes ``batch_size // world_size``.
+        world_size: the number of processes.
+        device: the training device.
+        last_step: the last step trained (for the log line).
+    """
+    steady = clock.steady()
+    out: dict[str, Any] = {"steady_samples_per_s": None, "data_wait_share": None, "steady_steps": 0,
+                           "flops_per_sample": None, "tflops_per_device": None, "mfu": None,
+                           "flops_counted_by": "torch.utils.flop_counter on the first step (matmul, conv, "
+                                               "SDPA forward and backward)"}
+    if flops_per_step:
+        out["flops_per_sample"] = flops_per_step / (batch_size // world_size)
+    if steady is not None:
+        out.update(steady_samples_per_s=steady["samples_per_s"], data_wait_share=steady["data_wait_share"],
+                   steady_steps=steady["steps"], steady_from_step=steady["first_step"])
+        if flops_per_step:
+            tflops = flops_per_step * steady["steps_per_s"] / 1e12
+            out["tflops_per_device"] = tflops
+            peak = peak_tflops(device)
+            out["mfu"] = tflops / peak if peak else None
+        log.info("steady throughput (steps %d-%d): %.1f samples/s, %.0f%% of the time waiting for data%s",
+                 steady["first_step"], last_step, steady["samples_per_s"], 100 * steady["data_wait_share"],
+                 f", {out['tflops_per_device']:.1f} TFLOP/s per device" if out["tflops_per_device"] else "")
+    return out
