@@ -19,7 +19,7 @@
    weights, 248 text positions) and batch, interleaved over ``--rounds`` rounds, each keeping its best step
    (load from other processes hits both alike).
 
-Results go to ``bench/results/flism.json`` (``finetune.report.write_json_atomic``); ratios compare numbers of
+Results go to ``bench/results/flism.json`` (``finetune.files.write_json_atomic``); ratios compare numbers of
 this run only.
 """
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from finetune.objectives import ImageRequest, Term, TextRequest, register_term
 from finetune.objectives.base import scale_of
-from finetune.scorers import Scorer, register_scorer
+from finetune.evaluation.scorers import Scorer, register_scorer
 
 
 def token_wise_similarity(tokens: Tensor, token_mask: Tensor, patches: Tensor) -> tuple[Tensor, Tensor]:

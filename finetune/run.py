@@ -417,7 +417,7 @@ def _load_data(recipe: Any, accelerator: Any) -> dict[str, Any]:
     """
     from finetune.data.images import DEFAULT_MAX_IMAGE_PIXELS, DataError, set_max_image_pixels
     from finetune.data.sources import load_source
-    from finetune.evaluate import set_label
+    from finetune.evaluation import set_label
 
     resume = _find_resume(recipe, accelerator)
     set_max_image_pixels(getattr(recipe.data, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
@@ -486,11 +486,11 @@ def _run(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, data: 
 
     from finetune.data.collate import Collator
     from finetune.data.skipping import drop_undecodable
-    from finetune.evaluate import evaluate_sets, format_table
+    from finetune.evaluation import evaluate_sets, format_table
     from finetune.models.adapters import apply_adapter, save_finetuned
     from finetune.files import write_json_atomic
-    from finetune.report import comparison_section, plot_losses, plot_recall, verdict, write_report
-    from finetune.scorers import get_scorer
+    from finetune.evaluation.report import comparison_section, plot_losses, plot_recall, verdict, write_report
+    from finetune.evaluation.scorers import get_scorer
     from finetune.training import RunInterrupted, TrainingStopped, TrainModule, Trainer
 
     t0 = time.perf_counter()
@@ -576,10 +576,10 @@ def _finish(recipe: Any, recipe_dict: dict, accelerator: Any, out_dir: Path, dat
     """After training: Recall@K after, ``final/``, ``metrics.json``, the report and plots, the hub push."""
     import torch
 
-    from finetune.evaluate import evaluate_sets, format_table
+    from finetune.evaluation import evaluate_sets, format_table
     from finetune.models.adapters import save_finetuned
     from finetune.files import write_json_atomic
-    from finetune.report import comparison_section, plot_losses, plot_recall, verdict, write_report
+    from finetune.evaluation.report import comparison_section, plot_losses, plot_recall, verdict, write_report
     from finetune.training.checkpoint import is_write_error
 
     ev = recipe.eval
@@ -778,7 +778,7 @@ def parameter_counts(model: Any, objective: Any) -> tuple[int, int]:
 
 def _partial_metrics(recipe: Any, model: Any, result: Any, before: Any, after: Any, at_base: Any,
                      objective: Any) -> dict[str, Any]:
-    """The parts of this run's ``metrics.json`` that :func:`finetune.report.comparison_section` reads."""
+    """The parts of this run's ``metrics.json`` that :func:`finetune.evaluation.report.comparison_section` reads."""
     return {"objective": ", ".join([b for b in [recipe.objective.base] if b != "none"] + list(recipe.objective.terms)),
             "steps": result.steps, "max_text_len": model.max_text_len, "base_text_len": model.base_text_len,
             "before": before, "after": after, "after_at_base_length": at_base, "wall_time_s": result.wall_time_s}
@@ -830,7 +830,7 @@ def _evaluate_at_length(model: Any, length: int, sets: list, eval_kwargs: dict) 
     """Recall@K of ``model`` with captions tokenised to at most ``length`` tokens (end token kept)."""
     import functools
 
-    from finetune.evaluate import evaluate_sets
+    from finetune.evaluation import evaluate_sets
 
     model.tokenize = functools.partial(type(model).tokenize, model, max_length=length)
     try:

@@ -1,5 +1,5 @@
 """``xlipkit eval`` / ``python -m finetune.evaluate``: Recall@K (or zero-shot accuracy) of a run folder or of any
-model, from the command line. The metric and the protocols are the library :mod:`finetune.evaluate`.
+model, from the command line. The metric and the protocols are the library :mod:`finetune.evaluation`.
 
     python -m finetune.evaluate runs/quickstart
     python -m finetune.evaluate openai/clip-vit-base-patch16 --sets docci,urban1k --max-text-len 248
@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.evaluate import DEFAULT_KS, evaluate_sets, format_table
+from finetune.evaluation import DEFAULT_KS, evaluate_sets, format_table
 
 if TYPE_CHECKING:
-    from finetune.scorers import Scorer
+    from finetune.evaluation.scorers import Scorer
 
 __all__ = ["main"]
 
@@ -55,7 +55,7 @@ def _parser(prog: str = "python -m finetune.evaluate") -> argparse.ArgumentParse
     p.add_argument("--on-error", choices=("skip", "raise"), help="bad examples: skip and count, or stop")
     p.add_argument("--cache-dir", help="where data sources cache their files")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (default 0)")
-    p.add_argument("--scorer", help="a registered scorer (finetune.scorers), e.g. cosine (default: the recipe's "
+    p.add_argument("--scorer", help="a registered scorer (finetune.evaluation.scorers), e.g. cosine (default: the recipe's "
                                     "eval.scorer, else cosine)")
     p.add_argument("--rerank-top-k", metavar="K",
                    help="re-score only each query's global-cosine top-K with the scorer (FLAIR's inference); "
@@ -144,7 +144,7 @@ def _parse_rerank(text: str) -> int | None:
 def _resolve_scorer(name: str, imports: list[str]) -> Scorer:
     import importlib
 
-    from finetune.scorers import get_scorer
+    from finetune.evaluation.scorers import get_scorer
 
     for module in imports:
         try:
@@ -202,7 +202,7 @@ def _main(args: argparse.Namespace) -> int:
     else:
         raise _UsageError(f"{args.model_or_run} is not a run folder: give the sets to evaluate, e.g. --sets docci,urban1k")
     if args.zeroshot:
-        from finetune.zeroshot import folder_classes, load_templates
+        from finetune.evaluation.zeroshot import folder_classes, load_templates
 
         try:
             folder_classes(args.zeroshot)
@@ -295,7 +295,7 @@ def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out
 
     zeroshot = None
     if args.zeroshot:
-        from finetune.zeroshot import zeroshot_classify
+        from finetune.evaluation.zeroshot import zeroshot_classify
 
         # the paper classifies by the global embeddings: cosine unless --scorer names another
         zeroshot_scorer = _resolve_scorer(args.scorer, args.imports) if args.scorer else "cosine"

@@ -310,14 +310,14 @@ class DataConfig:
 
 def _check_scorer(value: str) -> str:
     if value != "cosine":  # the built-in default: no need to import the scorers (and torch) for it
-        known = _registry_names("finetune.scorers", ("available_scorers", "scorer_names"))
+        known = _registry_names("finetune.evaluation.scorers", ("available_scorers", "scorer_names"))
         _check_registered(value, known, "a registered scorer")
     return value
 
 
 @_section(("eval",))
 class EvalConfig:
-    """Retrieval evaluation before and after training (``finetune.evaluate``)."""
+    """Retrieval evaluation before and after training (``finetune.evaluation``)."""
 
     sets: Annotated[list[SourceEntry], BeforeValidator(_validate_source_list), AfterValidator(_no_streams),
                     _doc("the evaluation sets (dataset entries)")] = dataclasses.field(
@@ -331,7 +331,7 @@ class EvalConfig:
         "also evaluate the trained model with captions cut at its original length (77 for CLIP), to "
         "show what reading past it buys (only when KPS stretched the model)")] = False
     scorer: Annotated[NonEmptyStr, AfterValidator(_check_scorer), _doc(
-        "a registered scorer (finetune.scorers): cosine or one a method registers")] = "cosine"
+        "a registered scorer (finetune.evaluation.scorers): cosine or one a method registers")] = "cosine"
     rerank_top_k: Annotated[_int(ge=1) | None, _doc(
         "re-score only the global-cosine top-k candidates with the scorer; null: all")] = None
     block_size: Annotated[_int(ge=1), _doc("texts x images scored per block (bounds memory)")] = 1024

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.report import chance_level, loss_figure, recall_figure, verdict, write_report
+from finetune.evaluation.report import chance_level, loss_figure, recall_figure, verdict, write_report
 
 
 def _result(t2i: float, i2t: float, r5: float = 90.0) -> dict:

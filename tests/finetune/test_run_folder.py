@@ -178,7 +178,7 @@ def test_eval_out_never_hits_the_model(tmp_path):
 
 
 def test_evaluate_cli_refuses_out_onto_the_model_before_loading_it(tmp_path, capsys):
-    from finetune.evaluate import main
+    from finetune.cli.evaluate import main
 
     model = tmp_path / "model"
     model.mkdir()

@@ -561,7 +561,7 @@ def test_objective_import_registers_a_term_from_a_module(tmp_path, monkeypatch, 
 
 
 def test_scorer_and_model_family_are_checked_against_their_registries(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "finetune.scorers", types.SimpleNamespace(
+    monkeypatch.setitem(sys.modules, "finetune.evaluation.scorers", types.SimpleNamespace(
         available_scorers=lambda: {"cosine": "", "token_max": ""}))
     monkeypatch.setitem(sys.modules, "finetune.models.families", types.SimpleNamespace(
         model_family_names=lambda: ["hf", "open_clip"]))
@@ -586,7 +586,7 @@ def test_model_family_is_checked_against_the_registered_families(tmp_path):
 
 
 def test_eval_scorer_is_checked_against_the_registered_scorers(tmp_path):
-    scorers = pytest.importorskip("finetune.scorers")
+    scorers = pytest.importorskip("finetune.evaluation.scorers")
     assert "cosine" in scorers.available_scorers()
     with pytest.raises(RecipeError, match=r"`eval.scorer` is 'cosin', not a registered scorer: did you mean `cosine`\?"):
         load_recipe(write(tmp_path, DEFAULTS), ["eval.scorer=cosin"])
@@ -672,10 +672,10 @@ def test_untrusted_recipes_import_nothing(tmp_path, monkeypatch):
     (tmp_path / "side_effect_xyz.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n", encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "side_effect_xyz", raising=False)
-    path = write(tmp_path, "# r\nobjective:\n  import: [finetune.scorers, side_effect_xyz]\n")
+    path = write(tmp_path, "# r\nobjective:\n  import: [finetune.evaluation.scorers, side_effect_xyz]\n")
     with pytest.raises(RecipeError, match=rf"{path}, line 3: `objective.import.1` would import the module "
                                           r"'side_effect_xyz', which runs its code; this recipe is not trusted"):
         load_recipe(path, trust_imports=False)
     assert not marker.exists()
-    assert load_recipe(path).objective.imports == ["finetune.scorers", "side_effect_xyz"]
+    assert load_recipe(path).objective.imports == ["finetune.evaluation.scorers", "side_effect_xyz"]
     assert marker.exists()

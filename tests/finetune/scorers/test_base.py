@@ -1,4 +1,4 @@
-"""Scorers (finetune/scorers/base.py, cosine.py, ranking.py): the registry, payloads, ranking from blocks
+"""Scorers (finetune/evaluation/scorers/base.py, cosine.py, ranking.py): the registry, payloads, ranking from blocks
 against a brute-force ranking of the full score matrix (ties, several captions per image, block sizes that do not divide
 N), the global-cosine top-k prefilter, and a token-wise scorer whose payloads change shape between
 batches and processes."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune.evaluate import recall_at_k
-from finetune.scorers import (
+from finetune.evaluation import recall_at_k
+from finetune.evaluation.scorers import (
     CosineScorer,
     Scorer,
     available_scorers,
@@ -270,7 +270,7 @@ def test_registry_builds_registered_scorers_with_options():
         with pytest.raises(ValueError, match="already registered"):
             register_scorer("test-scaled-dot")(DotScorer)
         register_scorer("test-scaled-dot")(ScaledDot)  # the same class again is fine
-        with pytest.raises(TypeError, match="must subclass finetune.scorers.Scorer"):
+        with pytest.raises(TypeError, match="must subclass finetune.evaluation.scorers.Scorer"):
             register_scorer("test-not-a-scorer")(dict)
         # a negated scorer reverses the ranking: the best item becomes the worst
         images, texts, owner = data(10, 1, 4, seed=0)
@@ -289,7 +289,7 @@ def test_unknown_scorer_lists_the_registered_ones():
         get_scorer("cosin")
     with pytest.raises(ValueError, match="unknown scorer 'nope'"):
         recall_at_k(torch.randn(3, 4), torch.randn(3, 4), torch.arange(3), scorer="nope")
-    from finetune.evaluate import evaluate_sets
+    from finetune.evaluation import evaluate_sets
 
     # before any set is loaded or any model is called
     with pytest.raises(ValueError, match="unknown scorer 'nope'"):
@@ -314,9 +314,9 @@ STATES_SCRIPT = """
 import os, sys, torch
 from accelerate import Accelerator
 from finetune.data.sources import load_source
-from finetune.evaluate import encode_for_retrieval
+from finetune.evaluation import encode_for_retrieval
 from finetune.models import load_model
-from finetune.scorers import Scorer, register_scorer
+from finetune.evaluation.scorers import Scorer, register_scorer
 
 @register_scorer("test-states")
 class States(Scorer):
@@ -391,7 +391,7 @@ def test_two_processes_gather_payloads_of_different_lengths(tmp_path):
 SCORER_MODULE = '''
 import torch
 
-from finetune.scorers import Scorer, register_scorer
+from finetune.evaluation.scorers import Scorer, register_scorer
 
 CALLS = {"score": 0}
 
@@ -439,29 +439,29 @@ def test_run_evaluates_with_the_recipe_scorer(tmp_path, monkeypatch):
 
 
 def test_the_toolkits_scorers_are_discovered_on_the_first_lookup() -> None:
-    # no list of built-in modules: the first lookup imports every module of the finetune.scorers package
-    code = ("import sys; from finetune.scorers import available_scorers; "
-            "before = sorted(m for m in sys.modules if m.startswith('finetune.scorers.')); "
+    # no list of built-in modules: the first lookup imports every module of the finetune.evaluation.scorers package
+    code = ("import sys; from finetune.evaluation.scorers import available_scorers; "
+            "before = sorted(m for m in sys.modules if m.startswith('finetune.evaluation.scorers.')); "
             "print(before); print(available_scorers())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     before, names = out.stdout.strip().splitlines()[-2:]
-    assert "finetune.scorers.grm" not in before and "finetune.scorers.flair" not in before
+    assert "finetune.evaluation.scorers.grm" not in before and "finetune.evaluation.scorers.flair" not in before
     assert eval(names) == ["cosine", "flair", "flair_global", "grm", "grm_ori"]
 
 
 def test_a_scorer_module_dropped_into_the_package_registers(tmp_path, monkeypatch) -> None:
-    import finetune.scorers as scorers
+    import finetune.evaluation.scorers as scorers
     from finetune import plugins
 
     (tmp_path / "probe_scorer_xlip.py").write_text(
-        "from finetune.scorers.cosine import CosineScorer\n"
-        "from finetune.scorers.base import register_scorer\n"
+        "from finetune.evaluation.scorers.cosine import CosineScorer\n"
+        "from finetune.evaluation.scorers.base import register_scorer\n"
         "register_scorer('probe_scorer')(type('ProbeScorer', (CosineScorer,), {}))\n")
     monkeypatch.setattr(scorers, "__path__", [*scorers.__path__, str(tmp_path)])
-    monkeypatch.setattr(plugins, "SCORERS", plugins.Registry("scorer", ("finetune.scorers",), recipe_key="eval.scorer"))
-    monkeypatch.delitem(sys.modules, "finetune.scorers.probe_scorer_xlip", raising=False)
-    assert "finetune.scorers.probe_scorer_xlip" not in sys.modules
+    monkeypatch.setattr(plugins, "SCORERS", plugins.Registry("scorer", ("finetune.evaluation.scorers",), recipe_key="eval.scorer"))
+    monkeypatch.delitem(sys.modules, "finetune.evaluation.scorers.probe_scorer_xlip", raising=False)
+    assert "finetune.evaluation.scorers.probe_scorer_xlip" not in sys.modules
     assert "probe_scorer" in scorers.available_scorers()
     assert scorers.get_scorer("probe_scorer").name == "probe_scorer"
-    sys.modules.pop("finetune.scorers.probe_scorer_xlip", None)
+    sys.modules.pop("finetune.evaluation.scorers.probe_scorer_xlip", None)

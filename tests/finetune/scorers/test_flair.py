@@ -1,4 +1,4 @@
-"""FLAIR's scorers (finetune/scorers/flair.py): the text-conditioned scorer against a brute-force loop,
+"""FLAIR's scorers (finetune/evaluation/scorers/flair.py): the text-conditioned scorer against a brute-force loop,
 its top-k prefilter path against the full path, flair_global, and DOCCI-FG retrieval through evaluate."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data.sources import load_source
-from finetune.evaluate import encode_for_retrieval, evaluate_sets
+from finetune.evaluation import encode_for_retrieval, evaluate_sets
 from finetune.models.registry import build_model
-from finetune.scorers import available_scorers, get_scorer, recall_from_ranks, retrieval_ranks
+from finetune.evaluation.scorers import available_scorers, get_scorer, recall_from_ranks, retrieval_ranks
 from tests.finetune.data.fixtures import write_docci_fixture
 from tests.finetune.scorers.test_base import brute_ranks
 
@@ -121,7 +121,7 @@ def test_docci_fg_retrieval_with_both_scorers(model, tmp_path):
 def test_conditioned_scores_equal_the_pool_called_per_image(model):
     """The one-projection-of-the-texts form equals the pool (the public code's per-image calls), masked-free,
     in every chunking."""
-    from finetune.scorers.flair import conditioned_scores, public_code_scores
+    from finetune.evaluation.scorers.flair import conditioned_scores, public_code_scores
 
     torch.manual_seed(4)
     texts, local = torch.randn(11, 64), torch.randn(5, 16, 64)
@@ -136,7 +136,7 @@ def test_candidate_scores_grouped_by_image_equal_the_full_scores(model):
     """The prefilter's grouped form (each candidate image's keys / values once per block) gives, for every
     (text, candidate) pair, the full score matrix's entry: candidates shared by several texts, repeated,
     in any order, in every blocking (one image and one pair per block, a few, all)."""
-    from finetune.scorers.flair import candidate_scores, conditioned_scores
+    from finetune.evaluation.scorers.flair import candidate_scores, conditioned_scores
 
     torch.manual_seed(5)
     texts, local = torch.randn(6, 64), torch.randn(9, 16, 64)

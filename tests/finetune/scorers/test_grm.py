@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from finetune import load_model
-from finetune.evaluate import evaluate_sets, recall_at_k
-from finetune.scorers import available_scorers, get_scorer, retrieval_ranks
-from finetune.scorers.grm import GRMScorer, pairwise_token_similarity
+from finetune.evaluation import evaluate_sets, recall_at_k
+from finetune.evaluation.scorers import available_scorers, get_scorer, retrieval_ranks
+from finetune.evaluation.scorers.grm import GRMScorer, pairwise_token_similarity
 
 
 def _brute_force(text, text_mask, image, image_mask, text_gate=None, image_gate=None, slope=None):
@@ -211,8 +211,8 @@ def test_evaluation_with_the_grm_scorer_reports_rsum():
 
 _MEMORY_SCRIPT = textwrap.dedent("""
     import json, resource, sys, time, torch
-    from finetune.scorers import retrieval_ranks
-    from finetune.scorers.grm import GRMScorer
+    from finetune.evaluation.scorers import retrieval_ranks
+    from finetune.evaluation.scorers.grm import GRMScorer
     torch.manual_seed(0)
     ni, nt, lv, lt, d = 1000, 5000, int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     images = {"tokens": torch.randn(ni, lv, d), "mask": torch.ones(ni, lv, dtype=torch.bool),

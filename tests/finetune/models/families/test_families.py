@@ -459,7 +459,7 @@ def test_inference_module_is_staged_for_the_hub_and_exported(clip_base: Path, tm
 
 
 def test_model_card_offers_no_plain_snippet_for_another_family() -> None:
-    from finetune.model_card import plain_snippet
+    from finetune.hub.model_card import plain_snippet
 
     assert plain_snippet({"kind": "full", "backend": "toy", "family": "clip"}, "me/toy") is None
     assert plain_snippet({"kind": "full", "backend": "hf", "family": "clip"}, "me/clip")[0] == "With plain transformers"

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from finetune.scorers.base import Payload, Scorer, register_scorer
+from finetune.evaluation.scorers.base import Payload, Scorer, register_scorer
 
 __all__ = ["CosineScorer"]
 

@@ -17,8 +17,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from finetune.scorers.base import Payload, Scorer, get_scorer, payload_len, take
-from finetune.scorers.cosine import CosineScorer
+from finetune.evaluation.scorers.base import Payload, Scorer, get_scorer, payload_len, take
+from finetune.evaluation.scorers.cosine import CosineScorer
 
 __all__ = ["RetrievalRanks", "exact_float32_matmul", "recall_from_ranks", "retrieval_ranks"]
 

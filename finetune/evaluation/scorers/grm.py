@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from finetune.scorers.base import Payload, Scorer, payload_len, register_scorer, take
+from finetune.evaluation.scorers.base import Payload, Scorer, payload_len, register_scorer, take
 from losses.grm import DEFAULT_BLOCK_ELEMENTS, LAPS_LEAKY_SLOPE, token_wise_similarity
 
 __all__ = ["GRMScorer", "grm_ori", "pairwise_token_similarity", "LAPS_LEAKY_SLOPE", "TRAINED"]

@@ -124,7 +124,7 @@ def zeroshot_classify(
         model: any :class:`~finetune.models.encoder.DualEncoder`.
         folder: one sub-folder of images per class.
         templates: see :func:`load_templates`.
-        scorer: a registered scorer or a :class:`~finetune.scorers.Scorer` (texts are the class embeddings).
+        scorer: a registered scorer or a :class:`~finetune.evaluation.scorers.Scorer` (texts are the class embeddings).
         batch_size: images per forward pass.
         ks: the K of top-K accuracy (a K above the number of classes counts every image as right).
         accelerator: for the device and autocast, or None.
@@ -134,7 +134,7 @@ def zeroshot_classify(
         and ``per_class_top1``.
     """
     from finetune.data.images import read_image
-    from finetune.scorers import get_scorer
+    from finetune.evaluation.scorers import get_scorer
 
     scorer = get_scorer(scorer)
     names, paths, labels = folder_classes(folder)
@@ -155,7 +155,7 @@ def zeroshot_classify(
                 chunks.append(scorer.encode_images(dual, inputs))
     finally:
         dual.train(was_training)
-    from finetune.scorers import concat_payloads, exact_float32_matmul
+    from finetune.evaluation.scorers import concat_payloads, exact_float32_matmul
 
     images = concat_payloads(chunks)
     with exact_float32_matmul(device):

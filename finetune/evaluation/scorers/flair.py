@@ -5,7 +5,7 @@
   every text (the image's local tokens attended by the text's global embedding), in chunks of images so
   that memory stays bounded: the paper's inference (section 4, "Inference with FLAIR"), the number the
   recipes report. ``eval.rerank_top_k: 128`` is the public code's shortcut (``--inference-with-flair-topk``,
-  not in the paper): the global-cosine pass of :func:`finetune.scorers.retrieval_ranks` picks each query's
+  not in the paper): the global-cosine pass of :func:`finetune.evaluation.scorers.retrieval_ranks` picks each query's
   top-k and only those are conditioned (:meth:`FlairScorer.score_candidates`), the rest ranked below them.
 - ``flair_global``: the class token against the text (FLAIR-CLIP, the public ``--direct-global-matching``),
   the cosine of the global embeddings.
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from finetune.scorers.base import Payload, Scorer, payload_len, register_scorer
-from finetune.scorers.cosine import CosineScorer
+from finetune.evaluation.scorers.base import Payload, Scorer, payload_len, register_scorer
+from finetune.evaluation.scorers.cosine import CosineScorer
 
 __all__ = ["FlairGlobalScorer", "FlairScorer", "candidate_scores", "conditioned_scores", "public_code_scores"]
 
@@ -189,7 +189,7 @@ class FlairScorer(Scorer):
     def _pool(self) -> Any:
         if self.pool is None:
             raise ValueError("flair scorer: no attention pool yet: encode the images with encode_images first "
-                             "(finetune.evaluate does)")
+                             "(finetune.evaluation does)")
         return self.pool
 
     def _run(self, fn: Any, *args: Any) -> Tensor:

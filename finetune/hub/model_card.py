@@ -19,6 +19,9 @@ from typing import Any
 
 import yaml
 
+import finetune.plugins as plugins
+from finetune.evaluation.retrieval import format_table
+
 PIPELINE_TAG = "zero-shot-image-classification"
 #: hub task types of the two retrieval directions in the ``model-index``
 RETRIEVAL_TASKS = {"t2i": ("text-to-image-retrieval", "Text-to-image retrieval"),
@@ -76,8 +79,6 @@ def method_paper(key: str) -> tuple[str, str | None] | None:
     if key in ADAPTER_PAPERS:
         tag, text, url = ADAPTER_PAPERS[key]
         return tag, text + (f", {url}" if url else "")
-    import finetune.plugins as plugins
-
     try:
         citation = plugins.citation_of(plugins.TERMS, key)
     except ImportError:  # the term modules' dependencies are missing here: no citations, the card still renders
@@ -325,8 +326,6 @@ def render_model_card(
     Returns:
         the card text: YAML front matter between ``---`` lines, then markdown.
     """
-    from finetune.evaluate import format_table
-
     source_info = source_info or info
     # what was trained comes from the run; what is loaded (kind, so library_name) from the uploaded folder
     described = {**source_info, "kind": info.get("kind")}

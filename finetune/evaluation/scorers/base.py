@@ -1,6 +1,6 @@
 """The scorer interface (DESIGN 4, Seams: Scorers): payloads, :class:`Scorer` and the scorer registry.
 
-Evaluation (``finetune.evaluate``) asks the recipe's scorer (``eval.scorer``) for three things:
+Evaluation (``finetune.evaluation``) asks the recipe's scorer (``eval.scorer``) for three things:
 
 - ``encode_images(model, inputs)`` / ``encode_texts(model, input_ids, attention_mask)``: a *payload*
   per batch, a ``dict[str, Tensor]`` whose tensors all have the items on dim 0 (the cosine scorer
@@ -12,7 +12,7 @@ Evaluation (``finetune.evaluate``) asks the recipe's scorer (``eval.scorer``) fo
   precise forms than the generic ones.
 
 Scorers register by name (``@register_scorer("name")``, over :data:`finetune.plugins.SCORERS`) and are
-built with :func:`get_scorer`; the first lookup imports every module of the ``finetune.scorers`` package
+built with :func:`get_scorer`; the first lookup imports every module of the ``finetune.evaluation.scorers`` package
 (cosine, GRM's, FLAIR's), and a recipe names one in ``eval.scorer`` (a user's module that registers one is
 imported through ``objective.import``).
 """
@@ -190,7 +190,7 @@ def register_scorer(name: str, *, replace: bool = False) -> Callable[[Any], Any]
             raise ValueError(f"register_scorer: {name!r} is already registered ({old!r}); pick another "
                              f"name or pass replace=True")
         if isinstance(factory, type) and not issubclass(factory, Scorer):
-            raise TypeError(f"register_scorer({name!r}): {factory.__name__} must subclass finetune.scorers.Scorer")
+            raise TypeError(f"register_scorer({name!r}): {factory.__name__} must subclass finetune.evaluation.scorers.Scorer")
         if isinstance(factory, type):
             factory.name = name
         plugins.SCORERS.add(name, factory, replace=True)
@@ -200,7 +200,7 @@ def register_scorer(name: str, *, replace: bool = False) -> Callable[[Any], Any]
 
 
 def available_scorers() -> list[str]:
-    """Registered scorer names, sorted (the modules of ``finetune.scorers`` discovered first)."""
+    """Registered scorer names, sorted (the modules of ``finetune.evaluation.scorers`` discovered first)."""
     return plugins.SCORERS.names()
 
 

@@ -1,8 +1,5 @@
-"""Push runs to the Hugging Face hub with a model card, and export them as plain model folders.
-
-    python -m finetune.hub push RUN_DIR --repo-id USER/NAME [--public] [--revision BRANCH] [--merge]
-    python -m finetune.hub push RUN_DIR --repo-id USER/NAME --stage-only DIR     # no network
-    python -m finetune.hub export RUN_DIR OUT_DIR [--format auto|transformers|open_clip]
+"""Push runs to the Hugging Face hub with a model card, and export them as plain model folders; the command line is
+:mod:`finetune.cli.hub` (``xlipkit push`` / ``xlipkit export``, ``python -m finetune.hub push|export``).
 
 A run folder (written by ``finetune/run.py``) holds ``recipe.yaml``, ``metrics.json`` and ``final/``
 (what :func:`finetune.load_finetuned` opens); a folder written by ``save_finetuned`` can be pushed
@@ -15,7 +12,7 @@ on its own too. What is uploaded (:func:`stage_upload`):
   ``xlipkit_inference.json`` + ``xlipkit_inference.safetensors``, as ``save_finetuned`` wrote them;
 - the tokenizer and image processor (``model_max_length`` = the stretched length);
 - ``recipe.yaml`` and ``metrics.json`` of the run, and a generated ``README.md`` model card
-  (:mod:`finetune.model_card`).
+  (:mod:`finetune.hub.model_card`).
 
 The load side is :func:`finetune.load_finetuned`, which takes a hub id (and ``revision=``).
 
@@ -26,21 +23,22 @@ recipe, and a push stops before uploading if the token string is still found in 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
 from finetune.files import replace_dir
+from finetune.hub.model_card import hub_model_id, is_local_path, render_model_card
+from finetune.models.adapters import _builtin_kind
+from finetune.models.finetuned import load_finetuned, read_info, save_finetuned
 
 log = logging.getLogger("xlipkit")
 
@@ -88,8 +86,6 @@ def read_run(path: str | os.PathLike) -> RunFolder:
         FileNotFoundError: ``path`` is neither.
         ValueError: ``xlipkit.json``, ``recipe.yaml`` or ``metrics.json`` cannot be parsed.
     """
-    from finetune.models.adapters import read_info
-
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} does not exist or is not a folder: give a run folder (with final/) or a "
@@ -188,8 +184,6 @@ def _save_preprocessing(model: Any, folder: Path) -> None:
     """Tokenizer (with the stretched ``model_max_length``) and image processor of ``model``, in the
     backend's own format: transformers files for HF models and open_clip HF tokenizers; open_clip's
     own BPE tokenizer and transforms are rebuilt from the base model's config and need no file."""
-    from finetune.models.adapters import _builtin_kind
-
     if _builtin_kind(model) == "hf":
         model.tokenizer.save_pretrained(str(folder))
         model.image_processor.save_pretrained(str(folder))
@@ -200,8 +194,6 @@ def _save_preprocessing(model: Any, folder: Path) -> None:
 
 
 def _check_portable_base(run: RunFolder, merge: bool, base_model: str | None) -> None:
-    from finetune.model_card import is_local_path
-
     base = str(run.info.get("base_model"))
     if run.info["kind"] != "adapter" or merge or base_model or not is_local_path(base):
         return
@@ -260,8 +252,6 @@ def stage_upload(
     if "/" not in repo_id:
         raise ValueError(f"repo_id {repo_id!r} has no namespace: use 'user/name' or 'org/name'")
     if base_model is not None:
-        from finetune.model_card import hub_model_id
-
         if hub_model_id(base_model) is None:
             raise ValueError(f"base_model {base_model!r} is not a hub model id ('org/name')")
     run = read_run(run_dir_or_folder)
@@ -279,9 +269,6 @@ def stage_upload(
 
 
 def _build_upload(run: RunFolder, folder: Path, *, repo_id: str, base_model: str | None, merge: bool) -> None:
-    from finetune.model_card import render_model_card
-    from finetune.models.adapters import load_finetuned, save_finetuned
-
     info = run.info
     recipe, _ = _drop_hub_token(run.recipe)
     merged = merge and info["kind"] == "adapter"
@@ -438,8 +425,6 @@ def export(
         FileNotFoundError: not a run or model folder.
         FileExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
     """
-    from finetune.models.adapters import load_finetuned, save_finetuned
-
     if format not in FORMATS:
         raise ValueError(f"format {format!r} is not one of {FORMATS}")
     run = read_run(run_dir_or_folder)
@@ -459,72 +444,3 @@ def export(
                  "restores them, plain %s does not read them", ", ".join(model.inference_modules), INFERENCE_CONFIG,
                  INFERENCE_WEIGHTS, str(target), native)
     return target
-
-
-# -- command line ----------------------------------------------------------------------------------------
-def _parser(prog: str = "python -m finetune.hub") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Push a fine-tuned run to the Hugging Face hub with a model card, or export it as a plain "
-                    "transformers / open_clip folder (adapter merged, 248 text positions in the config).",
-        epilog="The token comes from HF_TOKEN or `hf auth login` (never from the command line, where it would "
-               "land in the shell history).\n\nexamples:\n"
-               "  python -m finetune.hub push runs/structxlip_docci --repo-id me/clip-structxlip-docci\n"
-               "  python -m finetune.hub push runs/quickstart --repo-id me/quickstart --stage-only /tmp/upload\n"
-               "  python -m finetune.hub export runs/structxlip_docci exported/clip-structxlip-docci",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-    ps = sub.add_parser("push", help="upload a run with a generated model card")
-    ps.add_argument("run_dir", help="a run folder (recipe.yaml, metrics.json, final/) or a save_finetuned folder")
-    ps.add_argument("--repo-id", required=True, help="user/name or org/name")
-    ps.add_argument("--public", action="store_true", help="create the repository public (default: private)")
-    ps.add_argument("--revision", help="branch to commit to (created when missing)")
-    ps.add_argument("--commit-message", help="commit message")
-    ps.add_argument("--base-model", help="hub id of the base model when the run loaded a local copy of it")
-    ps.add_argument("--merge", action="store_true", help="upload the adapter merged into its base")
-    ps.add_argument("--stage-only", metavar="DIR", help="write the folder that would be uploaded into DIR; no network")
-    ps.add_argument("--overwrite", action="store_true", help="with --stage-only: replace a non-empty DIR")
-    pe = sub.add_parser("export", help="write the merged model as a plain transformers / open_clip folder")
-    pe.add_argument("run_dir", help="a run folder or a save_finetuned folder")
-    pe.add_argument("out_dir", help="a new or empty folder")
-    pe.add_argument("--format", choices=FORMATS, default="auto", help="default: the run's backend")
-    pe.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
-    return p
-
-
-def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
-    """The command line; returns 0 on success, 1 when the push failed, 2 on bad input."""
-    parser = _parser(prog) if prog else _parser()
-    args = parser.parse_args(argv)
-    if not logging.getLogger("xlipkit").handlers:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        if args.command == "export":
-            out = export(args.run_dir, args.out_dir, format=args.format, overwrite=args.overwrite)
-            print(f"wrote {out}: load it with CLIPModel/SiglipModel.from_pretrained({str(out)!r}) or "
-                  f"open_clip.create_model_and_transforms('local-dir:{out}')")
-            if (out / INFERENCE_CONFIG).is_file():
-                print(f"the model's inference modules are in {out / INFERENCE_CONFIG} + {INFERENCE_WEIGHTS}: "
-                      f"finetune.load_finetuned({str(out)!r}) restores them")
-            return 0
-        if args.stage_only:
-            out = stage_upload(args.run_dir, args.stage_only, repo_id=args.repo_id, base_model=args.base_model,
-                               merge=args.merge, overwrite=args.overwrite)
-            print(f"wrote {out}: the folder `push` would upload to {args.repo_id} ({len(list(out.iterdir()))} files)")
-            return 0
-        info = push(args.run_dir, args.repo_id, private=not args.public, revision=args.revision,
-                    commit_message=args.commit_message, base_model=args.base_model, merge=args.merge)
-        print(f"pushed {args.run_dir} to {getattr(info, 'commit_url', args.repo_id)}; load it with "
-              f"finetune.load_finetuned({args.repo_id!r})")
-        return 0
-    except HubPushError as e:
-        print(f"push failed: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
