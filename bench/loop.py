@@ -177,7 +177,7 @@ def write_scenes(folder: Path, rows: int, *, image_size: int = 224, seed: int = 
     return folder
 
 
-# -- building a case as finetune/run.py does -----------------------------------------------------------------
+# -- building a case as a run does --------------------------------------------------------------------------
 def _recipe(case: Case, args: argparse.Namespace, data: Path, work: Path, compile_: bool) -> Any:
     import yaml
 
@@ -216,17 +216,18 @@ def _sfcn_weights(work: Path) -> str:
 
 
 def build_trainer(recipe: Any, accelerator: Any) -> Any:
-    """The ``Trainer`` of ``recipe`` built the way :func:`finetune.run._run` builds it (model, adapter, objective,
-    the terms' model changes, cached preprocessing, skipping dataset, the tensor-path collator)."""
+    """The ``Trainer`` of ``recipe`` built the way :class:`finetune.training.FinetuneRecipe` builds it (model,
+    adapter, objective, the terms' model changes, cached preprocessing, skipping dataset, the tensor-path collator)."""
     from finetune.data.collate import Collator
     from finetune.data.skipping import SkippingDataset, SkipReportingCollate, drop_undecodable
     from finetune.data.sources import load_source
     from finetune.models.adapters import apply_adapter, enable_gradient_checkpointing
     from finetune.objectives import build_objective
-    from finetune.run import _load_start_model, _preprocesses
     from finetune.training import TrainModule, Trainer
+    from finetune.training.inputs import preprocesses
+    from finetune.training.model import load_start_model
 
-    model = apply_adapter(_load_start_model(recipe.model, None), recipe.adapter)
+    model = apply_adapter(load_start_model(recipe.model, None), recipe.adapter)
     if recipe.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     objective = build_objective(recipe.objective)
@@ -236,7 +237,7 @@ def build_trainer(recipe: Any, accelerator: Any) -> Any:
     objective.prepare_model(model)
     d = recipe.data
     rows = load_source(d.train, on_error=d.on_error, cache_dir=d.cache_dir, validate="header").dataset
-    if _preprocesses(objective):
+    if preprocesses(objective):
         rows, _ = drop_undecodable(rows, on_error=d.on_error, cache_dir=d.cache_dir)
     rows = objective.preprocess(rows, model, cache_dir=d.cache_dir)
     collator = Collator(model, objective, tensor_images=True)

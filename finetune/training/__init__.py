@@ -6,7 +6,13 @@
 - :mod:`~finetune.training.meter`: the loss terms and counts kept on the device between reads (:class:`StepMeter`);
 - :mod:`~finetune.training.loaders`: per-epoch seeded shuffles over one pass of persistent workers;
 - :mod:`~finetune.training.throughput`: steady samples/s, data-wait share, FLOPs, MFU;
-- :mod:`~finetune.training.trainer`: the loop (:class:`Trainer`, :class:`TrainModule`).
+- :mod:`~finetune.training.trainer`: the loop (:class:`Trainer`, :class:`TrainModule`);
+- :mod:`~finetune.training.recipe`: a run end to end (:class:`FinetuneRecipe`, :func:`run_recipe`): ``setup``,
+  ``setup_data``, ``setup_model``, ``setup_eval``, ``train``, ``finish`` over one typed
+  :class:`~finetune.training.context.RunContext`, with the helpers of each stage: ``checks`` (before anything
+  slow), ``inputs`` (the sets, the rows, the stream), ``model`` (the start model, made ready), ``outputs`` (after
+  training), ``prerequisites`` (``model.init_from``, ``eval.compare_with``), ``environment`` (the accelerator, the
+  logging, the threads), ``failures`` and ``launch`` (how a stopped or failed run ends, and how to continue it).
 
 Features:
 - one process, DDP, FSDP or DeepSpeed, from ``accelerate config`` / ``accelerate launch``; mixed precision
@@ -49,8 +55,11 @@ from finetune.training.optim import build_optimizer, build_scheduler, lr_lambda
 from finetune.training.signals import (RunInterrupted, StopSignals, StopVote, TrainingStopped, stop_signals,
                                        worker_signals)
 from finetune.training.trainer import DivergedError, NonFiniteLossError, TrainModule, TrainResult, Trainer
+from finetune.training.context import RunContext  # the run, on top of the loop
+from finetune.training.recipe import FinetuneRecipe, run_recipe
 
-__all__ = ["DivergedError", "MeterReading", "NonFiniteLossError", "RunInterrupted", "SaveFailedError", "StepMeter",
-           "StopSignals", "StopVote", "TrainModule", "TrainResult", "TrainState", "Trainer", "TrainingStopped",
-           "build_optimizer", "build_scheduler", "describe_save_failure", "is_write_error", "list_checkpoints",
-           "lr_lambda", "save_checkpoint", "stop_signals", "worker_signals"]
+__all__ = ["DivergedError", "FinetuneRecipe", "MeterReading", "NonFiniteLossError", "RunContext", "RunInterrupted",
+           "SaveFailedError", "StepMeter", "StopSignals", "StopVote", "TrainModule", "TrainResult", "TrainState",
+           "Trainer", "TrainingStopped", "build_optimizer", "build_scheduler", "describe_save_failure",
+           "is_write_error", "list_checkpoints", "lr_lambda", "run_recipe", "save_checkpoint", "stop_signals",
+           "worker_signals"]

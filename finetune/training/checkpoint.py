@@ -103,7 +103,8 @@ def stream_state_file(folder: Path, rank: int) -> Path:
 
 class SaveFailedError(RuntimeError):
     """A checkpoint (or ``final/``) could not be written: the disk is full, or another I/O error. The message says
-    how much was needed and free, where, and what was kept; :mod:`finetune.run` prints it and exits 1.
+    how much was needed and free, where, and what was kept; :func:`finetune.training.run_recipe` prints it and
+    ends with status 1.
 
     Attributes:
         kept: the newest complete checkpoint (None when there is none).

@@ -80,7 +80,8 @@ class EpochIndexed:
 
 
 
-def map_loader(dataset: Any, collate_fn: Callable, cfg: Any, num_workers: int) -> tuple[DataLoader, EpochShuffleSampler]:
+def map_loader(dataset: Any, collate_fn: Callable, cfg: Any,
+               num_workers: int) -> tuple[DataLoader, EpochShuffleSampler]:
     """The loader of a map-style ``dataset`` and its sampler: the GLOBAL batch of one optimiser step
     (``train.batch_size``; accelerate splits it over processes, the trainer each process's share into micro-batches),
     shuffled per epoch from ``train.seed``, over ``train.max_steps`` or ``train.epochs`` epochs.

@@ -45,7 +45,8 @@ def build_optimizer(module: nn.Module, cfg: Any, extra_no_decay: set[str] = froz
 
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any,
+                    total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
     """The recipe's schedule over ``total_steps`` optimiser steps (:func:`lr_lambda`; ``cfg`` is ``train``)."""
     min_ratio = cfg.min_lr / cfg.lr if cfg.lr else 0.0
     return torch.optim.lr_scheduler.LambdaLR(

@@ -20,13 +20,20 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from accelerate.state import AcceleratorState, GradientState
+
+from finetune.config import RecipeError, load_recipe, recipe_to_dict
+from finetune.run_folder import (RECIPE_NAME, RunFolderError, comparable_recipe, differing_keys, read_run_recipe,
+                                 recipe_hash)
+
 log = logging.getLogger("xlipkit")
 
-__all__ = ["PrerequisiteError", "Prerequisite", "chain_hash", "ensure", "reference_hash"]
+__all__ = ["PrerequisiteError", "Prerequisite", "Prerequisites", "chain_hash", "ensure", "ensure_all",
+           "reference_hash"]
 
 
 class PrerequisiteError(ValueError):
@@ -72,8 +79,6 @@ class Prerequisite:
 
 
 def _load(ref: str, key: str) -> Any:
-    from finetune.config import RecipeError, load_recipe
-
     try:
         return load_recipe(ref)
     except RecipeError as exc:
@@ -127,9 +132,6 @@ def chain_hash(recipe: Any, chain: tuple[str, ...] = ()) -> str:
         recipe: a loaded :class:`finetune.config.Recipe`.
         chain: resolved paths of the recipes that lead here (for cycle errors).
     """
-    from finetune.config import recipe_to_dict
-    from finetune.run_folder import recipe_hash
-
     if recipe.source and not chain:
         chain = (str(Path(recipe.source).resolve()),)
     parts = [recipe_hash(recipe_to_dict(recipe))]
@@ -142,9 +144,6 @@ def chain_hash(recipe: Any, chain: tuple[str, ...] = ()) -> str:
 def _with_current_defaults(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
     """``run_dir``'s recipe resolved by today's schema, so that keys added to the toolkit since that run
     (at their defaults) do not count as changes; the recipe as written when it no longer validates."""
-    from finetune.config import RecipeError, load_recipe, recipe_to_dict
-    from finetune.run_folder import RECIPE_NAME
-
     try:
         return recipe_to_dict(load_recipe(run_dir / RECIPE_NAME))
     except (RecipeError, OSError, ValueError):
@@ -153,9 +152,6 @@ def _with_current_defaults(run_dir: Path, previous: dict[str, Any]) -> dict[str,
 
 def _current(run_dir: Path, recipe: Any, expected_init: str | None) -> tuple[bool, str]:
     """Whether ``run_dir`` holds a finished run of ``recipe`` trained from ``expected_init``; and why not."""
-    from finetune.config import recipe_to_dict
-    from finetune.run_folder import RunFolderError, differing_keys, read_run_recipe, recipe_hash, comparable_recipe
-
     if not (run_dir / "final").is_dir() or not (run_dir / "metrics.json").is_file():
         return False, f"{run_dir} holds no finished run"
     try:
@@ -180,7 +176,7 @@ def _current(run_dir: Path, recipe: Any, expected_init: str | None) -> tuple[boo
 
 def ensure(ref: str, key: str, run_fn: Callable[..., int], chain: tuple[str, ...] = ()) -> Prerequisite:
     """Make sure the run ``ref`` names exists and is current; train it (``run_fn(recipe, chain=...)``, the
-    same :func:`finetune.run.run` as the caller's) when it is not.
+    same :func:`finetune.training.recipe.run_recipe` as the caller's) when it is not.
 
     Args:
         ref: a recipe YAML or a run folder with ``final/``.
@@ -214,3 +210,36 @@ def ensure(ref: str, key: str, run_fn: Callable[..., int], chain: tuple[str, ...
         raise PrerequisiteError(f"{key}: training {ref} (into {run_dir}) failed with exit status {status}; "
                                 "see its messages above")
     return Prerequisite(key, ref, run_dir, this_hash, "trained")
+
+
+@dataclass
+class Prerequisites:
+    """The runs a recipe builds on: ``model.init_from`` (``init``) and ``eval.compare_with`` (``compare``)."""
+
+    init: Prerequisite | None = None
+    compare: list[Prerequisite] = field(default_factory=list)
+
+
+def ensure_all(recipe: Any, run_fn: Callable[..., int], chain: tuple[str, ...] = ()) -> Prerequisites:
+    """The runs ``recipe`` builds on, each reused or trained now (:func:`ensure`). After one trained, the accelerate
+    state is reset (its process group kept), so that the caller's ``Accelerator`` may differ (mixed precision,
+    plugins).
+
+    Args:
+        recipe: a loaded :class:`finetune.config.Recipe`.
+        run_fn: runs a recipe (:func:`finetune.training.recipe.run_recipe`), returns the exit status.
+        chain: resolved paths of the recipes that need ``recipe`` (empty for the run the user started).
+
+    Raises:
+        PrerequisiteError: as :func:`ensure`.
+    """
+    if recipe.source and not chain:
+        chain = (str(Path(recipe.source).resolve()),)
+    init_ref = getattr(recipe.model, "init_from", None)
+    init = ensure(init_ref, "model.init_from", run_fn, chain) if init_ref else None
+    compare = [ensure(ref, f"eval.compare_with[{i}]", run_fn, chain)
+               for i, ref in enumerate(getattr(recipe.eval, "compare_with", None) or [])]
+    if any(p is not None and p.status == "trained" for p in [init, *compare]):
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+    return Prerequisites(init, compare)

@@ -24,7 +24,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class RunInterrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM while no training step runs (loading, evaluation, the final save): raised at once, like
-    Ctrl-C's ``KeyboardInterrupt``; :mod:`finetune.run` exits with status 128 + the signal, without a traceback."""
+    Ctrl-C's ``KeyboardInterrupt``; :func:`finetune.training.run_recipe` ends with status 128 + the signal, without
+    a traceback."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)

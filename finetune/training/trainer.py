@@ -412,6 +412,10 @@ class Trainer:
             finally:
                 stop.graceful = graceful
 
+    def checkpoint(self) -> Path:
+        """A checkpoint of the current step, now (a finished run stopped while it evaluates keeps its training)."""
+        return self._save(self.clock)
+
     def _save(self, clock: Any) -> Path:
         """A checkpoint of the current step (time spent saving left out of the throughput)."""
         saving = time.perf_counter()
@@ -454,7 +458,7 @@ class Trainer:
                 self._note_skipped(batch)
                 step = self.state.step + 1
                 if step == 1:  # FLOPs of the first step from the shapes (finetune.training.throughput); only in a
-                    # fresh run: ops under a dispatch mode may round differently, a resumed run must match a straight one
+                    # fresh run: ops under a dispatch mode may round differently, and a resumed run must match
                     _, self.state.flops_per_step = count_flops(lambda: self.train_step(batch, step))
                 else:
                     self.train_step(batch, step)

@@ -156,7 +156,7 @@ def test_the_recipe_reference_documents_every_key_of_finetune_run_schema():
 
 def test_the_shipped_recipes_page_lists_every_recipe_with_its_description():
     from finetune.config import list_recipes
-    from finetune.run import RECIPES_DIR
+    from finetune.cli.train import RECIPES_DIR
 
     hook = _module("recipe_reference")
     page = hook.render_recipe_list(hook._cli_output(["--list"]))

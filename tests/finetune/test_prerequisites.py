@@ -51,10 +51,10 @@ def _recipe(path: Path, tiny: Path, out: Path, *, lr: float = 1e-3, init_from: s
 
 
 def _run(path: Path, *overrides: str) -> int:
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     _reset_accelerate()
-    return run(load_recipe(path, list(overrides)))
+    return run_recipe(load_recipe(path, list(overrides)))
 
 
 def _metrics(folder: Path) -> dict:
@@ -143,7 +143,7 @@ def test_missing_reference_folder_without_final_and_cycles_are_clear_errors(tiny
 
 
 def test_run_reports_a_bad_init_from_as_a_recipe_error(tiny, tmp_path, capsys):
-    from finetune.run import main
+    from finetune.cli.train import main
 
     fine = _recipe(tmp_path / "fine.yaml", tiny, tmp_path / "runs" / "fine", init_from=str(tmp_path / "none.yaml"))
     assert main([str(fine)]) == 2

@@ -274,7 +274,7 @@ def test_metrics_after_a_resume_cover_the_whole_run(finished, tmp_path, scenes):
 @pytest.mark.slow
 def test_a_bad_resume_path_is_found_before_the_model_loads(tmp_path, monkeypatch, capsys):
     import finetune
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -285,7 +285,7 @@ def test_a_bad_resume_path_is_found_before_the_model_loads(tmp_path, monkeypatch
     recipe = load_recipe(path, [f"output.dir={tmp_path / 'run'}", f"train.resume={tmp_path / 'nowhere'}",
                                 "train.trackers=[]"])
     AcceleratorState._reset_state(reset_partial_state=True)
-    assert run(recipe) == 2
+    assert run_recipe(recipe) == 2
     err = capsys.readouterr().err
     assert "nowhere is not a checkpoint folder (it does not exist)" in err
     assert not (tmp_path / "run").exists()

@@ -212,11 +212,11 @@ def _recipe(tmp_path: Path, model: Path, out: Path, *extra: str):
 
 
 def _run(recipe) -> int:
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return run(recipe)
+    return run_recipe(recipe)
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:

@@ -172,7 +172,7 @@ SLOW_SAVE = textwrap.dedent('''
         return save(*args, **kwargs)
 
     trainer.save_checkpoint = slow
-    from finetune.run import main
+    from finetune.cli.train import main
 
     sys.exit(main(sys.argv[1:]))
 ''')
@@ -202,17 +202,18 @@ def test_a_signal_before_training_exits_without_a_traceback(tmp_path, tiny_model
     script = tmp_path / "slow_load.py"
     script.write_text(textwrap.dedent('''
         import sys, time
-        import finetune.run as run
+        import finetune.training.recipe as recipe
+        from finetune.cli.train import main
 
-        load = run._load_start_model
+        load = recipe.load_start_model
 
         def slow(*args, **kwargs):
             print("loading", file=sys.stderr, flush=True)
             time.sleep(60)
             return load(*args, **kwargs)
 
-        run._load_start_model = slow
-        sys.exit(run.main(sys.argv[1:]))
+        recipe.load_start_model = slow
+        sys.exit(main(sys.argv[1:]))
     '''))
     run = _Run([sys.executable, str(script), str(_recipe(tmp_path, tiny_model, tmp_path / "run"))])
     run.wait_for(r"(^|\n)loading\n")

@@ -394,7 +394,7 @@ def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeyp
     optimiser step, counted in the training process (the data-loader workers work on the CPU)."""
     import logging
 
-    from finetune.run import main
+    from finetune.cli.train import main
     from finetune.training import Trainer
     from tests.recipes.shipped import RECIPES_DIR, as_shipped_overrides, clear_run, output_dir, \
         prerequisites_as_shipped

@@ -487,7 +487,7 @@ def test_schema_lists_a_term_registered_in_code(term_registry):
 
 
 def test_run_exits_2_on_a_recipe_error(tmp_path, capsys):
-    from finetune.run import main
+    from finetune.cli.train import main
 
     path = write(tmp_path, "# r\ntrain:\n  lrr: 1.0e-5\n")
     assert main([str(path)]) == 2

@@ -414,7 +414,7 @@ def test_run_evaluates_with_the_recipe_scorer(tmp_path, monkeypatch):
     from accelerate.state import AcceleratorState, GradientState
 
     from finetune.config import load_recipe
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     (tmp_path / "my_scorer_mod.py").write_text(SCORER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -430,7 +430,7 @@ def test_run_evaluates_with_the_recipe_scorer(tmp_path, monkeypatch):
     recipe = load_recipe(recipe_file)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    assert run(recipe) == 0
+    assert run_recipe(recipe) == 0
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     for when in ("before", "after"):
         assert metrics[when]["synthetic"]["scorer"] == "test-run-scorer@top4"

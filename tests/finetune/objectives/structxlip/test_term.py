@@ -618,13 +618,13 @@ STRUCTXLIP_RECIPES = sorted((REPO / "recipes").glob("structxlip_*.yaml")) + [REP
 def test_every_structxlip_recipe_runs_on_tiny_models(path, run_fixtures, tmp_path):
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     out = tmp_path / "run"
     recipe = load_recipe(path, _tiny_overrides(path, run_fixtures, out))
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    assert run(recipe) == 0
+    assert run_recipe(recipe) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 2
     for key in ("structxlip/structure", "structxlip/consistency", "structxlip/local", "loss"):

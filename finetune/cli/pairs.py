@@ -1,5 +1,5 @@
-"""``python -m finetune.preprocess.flism IMAGES_AND_CAPTIONS OUT`` (also ``xlipkit pairs``): FLISM's pairs of a
-dataset as a jsonl (:func:`finetune.preprocess.flism.pairs.write_pairs`)."""
+"""``xlipkit pairs IMAGES_AND_CAPTIONS OUT`` (``python -m finetune.preprocess.flism``): FLISM's pairs of a dataset as
+a jsonl (:func:`finetune.preprocess.flism.pairs.write_pairs`), FAST-GOAL's GLIT100k-style construction."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import argparse
 import logging
 import sys
 
-from .detectors import LISM_SAM, PAPER_DETECTOR, build_proposer
-from .pairs import _source_spec, write_pairs
+from finetune.data.images import DataError
+from finetune.preprocess.flism.detectors import LISM_SAM, PAPER_DETECTOR, build_proposer
+from finetune.preprocess.flism.pairs import _source_spec, write_pairs
 
 __all__ = ["main"]
 
@@ -49,8 +50,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     parser = _parser(prog) if prog else _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from finetune import load_model
-    from finetune.data.sources import DataError
+    from finetune.models.finetuned import load_model  # the model libraries load after parsing (`--help`)
 
     try:
         source = _source_spec(args.images_and_captions)
