@@ -216,7 +216,7 @@ class _PublicCodeStep(torch.nn.Module):
     def forward(self, batch: dict) -> dict:
         import torch.nn.functional as F
 
-        from finetune.models.activations import use_fast_quick_gelu
+        from finetune.models.backends.activations import use_fast_quick_gelu
 
         b, k, eps = self.b, self.k, self.EPS
         filtered = [self.filter(c) for c in self.captions]

@@ -16,15 +16,13 @@ Every name is importable from ``finetune.config`` as before the package existed.
 
 from __future__ import annotations
 
-from typing import Any
-
 from finetune.config.errors import RecipeError, mask_secrets, secret_key
 from finetune.config.io import (MAX_YAML_VALUES, BoundedSafeLoader, YAMLAliasError, check_aliases, dump_recipe,
                                 list_recipes, recipe_to_dict, safe_load_yaml)
 from finetune.config.schema import (AdapterConfig, DataConfig, EvalConfig, HubConfig, KPSConfig, ModelConfig,
                                     ObjectiveConfig, OutputConfig, Recipe, TrainConfig, load_recipe,
                                     recipe_json_schema, register_term_config, registered_term_configs)
-from finetune.config.sources import parse_source_shorthand, parse_sources
+from finetune.config.sources import parse_source_shorthand, parse_sources, source_spec_keys
 
 __all__ = [
     "AdapterConfig",
@@ -37,7 +35,6 @@ __all__ = [
     "OutputConfig",
     "Recipe",
     "RecipeError",
-    "SOURCE_SPEC_KEYS",
     "TrainConfig",
     "dump_recipe",
     "list_recipes",
@@ -48,17 +45,10 @@ __all__ = [
     "recipe_to_dict",
     "register_term_config",
     "registered_term_configs",
+    "source_spec_keys",
 ]
 
 # also importable as before (not part of __all__)
 _ALSO = (MAX_YAML_VALUES, BoundedSafeLoader, YAMLAliasError, check_aliases, mask_secrets, safe_load_yaml,
          secret_key)
 
-
-def __getattr__(name: str) -> Any:
-    if name == "SOURCE_SPEC_KEYS":
-        #: the keys of a dataset entry, from ``finetune.data.sources.SourceSpec``
-        from finetune.config.sources import _source_keys
-
-        return _source_keys()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

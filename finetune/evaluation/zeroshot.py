@@ -121,7 +121,7 @@ def zeroshot_classify(
     """Zero-shot top-K accuracy (percent) of ``model`` on an image folder (see the module docstring).
 
     Args:
-        model: any :class:`~finetune.models.encoder.DualEncoder`.
+        model: any :class:`~finetune.models.core.encoder.DualEncoder`.
         folder: one sub-folder of images per class.
         templates: see :func:`load_templates`.
         scorer: a registered scorer or a :class:`~finetune.evaluation.scorers.Scorer` (texts are the class embeddings).

@@ -8,7 +8,7 @@ peft / transformers / open_clip where that works without xlipkit), the recall ta
 of the methods.
 
 Inputs are the plain dictionaries a run folder holds: ``xlipkit.json`` (written by
-``finetune.models.adapters.save_finetuned``), the resolved recipe and ``metrics.json``.
+``finetune.models.finetuned.save_finetuned``), the resolved recipe and ``metrics.json``.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ class Project:
         return self._once(f"model:{name}", lambda: save_tiny(name, self.fixtures / "models" / name))
 
     def towers(self) -> dict[str, Path]:
-        from finetune.models.vision_text import save_tiny_towers
+        from finetune.models.families.vision_text import save_tiny_towers
 
         return self._once("towers", lambda: save_tiny_towers(self.fixtures / "models" / "towers"))
 

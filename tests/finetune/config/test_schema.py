@@ -472,7 +472,7 @@ def test_schema_flag_prints_the_json_schema_with_terms_and_types():
     assert regions["properties"]["encode"]["enum"] == ["crop", "pool"]
     entry = resolve(sections["data"])["properties"]["train"]["anyOf"]
     mapping = resolve(next(a for a in entry if a.get("type") != "string"))
-    assert set(mapping["properties"]) == set(config.SOURCE_SPEC_KEYS)
+    assert set(mapping["properties"]) == set(config.source_spec_keys())
     assert mapping["required"] == ["name"]
     assert "description" not in sections and "source" not in sections
 
@@ -501,7 +501,7 @@ def test_run_exits_2_on_a_recipe_error(tmp_path, capsys):
 def test_source_spec_keys_come_from_the_dataclass():
     from finetune.data.sources import SourceSpec
 
-    assert config.SOURCE_SPEC_KEYS == tuple(f.name for f in dataclasses.fields(SourceSpec))
+    assert config.source_spec_keys() == tuple(f.name for f in dataclasses.fields(SourceSpec))
 
 
 def test_a_path_on_a_source_that_takes_none_is_an_error(tmp_path):

@@ -502,7 +502,7 @@ def test_fcast_superpixels_and_subcaption_epochs_are_computed_in_the_workers(tmp
     from finetune import load_model
     from finetune.data.collate import Collator
     from finetune.data.streams import StreamLoader, set_terms_epoch
-    from finetune.models.fcast import FCastModel
+    from finetune.models.families.fcast import FCastModel
     from finetune.objectives.base import Objective
     from finetune.objectives.fcast import FCastOptions
     from finetune.objectives.registry import build_term

@@ -12,7 +12,8 @@ from finetune import load_finetuned, load_model
 from finetune.config import ObjectiveConfig
 from finetune.data.collate import Collator
 from finetune.data.sources import load_source
-from finetune.models.adapters import apply_adapter, save_finetuned
+from finetune.models.adapters import apply_adapter
+from finetune.models.finetuned import save_finetuned
 from finetune.objectives import build_objective
 from finetune.objectives.grm import HEAD_KEY, GRMOptions, GRMTerm, image_key, install_head
 from losses import GRMHead, grm_loss

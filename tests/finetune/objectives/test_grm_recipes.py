@@ -36,7 +36,7 @@ def _mid_towers(folder: Path) -> dict[str, Path]:
     import torch
     from transformers import BertConfig, BertModel, ViTConfig, ViTModel
 
-    from finetune.models.vision_text import tiny_bert_tokenizer
+    from finetune.models.families.vision_text import tiny_bert_tokenizer
 
     torch.manual_seed(0)
     tokenizer = tiny_bert_tokenizer(model_max_length=512)

@@ -139,7 +139,7 @@ def test_the_scorer_ranks_with_the_leaky_slope_the_head_was_trained_with(tmp_pat
     """Issue 23 item 3: objective.terms.grm.leaky_slope is recorded with the head; eval.scorer: grm (no
     options) scores with it, also after the model is saved and loaded."""
     from finetune import load_finetuned
-    from finetune.models.adapters import save_finetuned
+    from finetune.models.finetuned import save_finetuned
 
     model = _scene_model(leaky_slope=0.1)
     scorer = get_scorer("grm")

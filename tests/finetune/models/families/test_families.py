@@ -25,7 +25,8 @@ from torch import Tensor, nn
 import finetune
 import finetune.models as models
 from finetune import load_finetuned, load_model
-from finetune.models.adapters import apply_adapter, save_finetuned
+from finetune.models.adapters import apply_adapter
+from finetune.models.finetuned import save_finetuned
 from finetune.models.core.encoder import (
     DualEncoder,
     ImageFeatures,
