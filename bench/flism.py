@@ -84,7 +84,7 @@ def preprocessing_costs(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Seconds per image of FLISM and LISM on the same images (detector / SAM loaded before timing; one
     warm-up image each)."""
     from finetune import load_model
-    from finetune.models.frozen import FrozenEncoders
+    from finetune.preprocess.frozen import FrozenEncoders
     from finetune.preprocess.flism import FLISMMatcher, SamMasks, YolosDetector
 
     model = load_model(args.clip, max_text_len=248).eval()

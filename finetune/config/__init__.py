@@ -9,6 +9,8 @@ The package, one module per concern (each imports only those listed before it):
   :class:`~finetune.data.sources.SourceSpec` objects once, at load time.
 - :mod:`finetune.config.io`: reading YAML safely and writing the resolved recipe.
 - :mod:`finetune.config.overrides`: ``key.sub=value`` overrides.
+- :mod:`finetune.config.terms`: the options of objective terms (:func:`register_term_config`) and
+  ``objective.import``.
 - :mod:`finetune.config.schema`: the sections, :class:`Recipe` and :func:`load_recipe`.
 
 Every name is importable from ``finetune.config`` as before the package existed.
@@ -21,8 +23,9 @@ from finetune.config.io import (MAX_YAML_VALUES, BoundedSafeLoader, YAMLAliasErr
                                 list_recipes, recipe_to_dict, safe_load_yaml)
 from finetune.config.schema import (AdapterConfig, DataConfig, EvalConfig, HubConfig, KPSConfig, ModelConfig,
                                     ObjectiveConfig, OutputConfig, Recipe, TrainConfig, load_recipe,
-                                    recipe_json_schema, register_term_config, registered_term_configs)
+                                    recipe_json_schema)
 from finetune.config.sources import parse_source_shorthand, parse_sources, source_spec_keys
+from finetune.config.terms import register_term_config, registered_term_configs
 
 __all__ = [
     "AdapterConfig",

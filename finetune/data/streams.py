@@ -47,8 +47,10 @@ from typing import Any
 import datasets
 import torch
 
+from finetune.data.formats import _data_files
 from finetune.data.images import DataError, ImageReadError, read_image
-from finetune.data.sources import STREAM_SOURCES, SourceSpec, _data_files, register_source
+from finetune.data.sources import register_source
+from finetune.data.spec import STREAM_SOURCES, SourceSpec
 from finetune.data.text import as_captions
 
 __all__ = [

@@ -154,7 +154,7 @@ class FCastTerm(Term):
         """Point the model's superpixels at an on-disk cache (map-style data: each image once)."""
         self._attach(model)
         if self.options.cache_superpixels:
-            from finetune.preprocess.cache import default_cache_dir
+            from finetune.data.cache import default_cache_dir
 
             root = Path(cache_dir) / "preprocess" if cache_dir else default_cache_dir()
             model.superpixel_cache_dir = str(root / "superpixels")

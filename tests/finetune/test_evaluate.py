@@ -633,29 +633,17 @@ def test_no_room_for_the_results_or_a_busy_run_folder_is_refused_first(tmp_path,
 
 
 def test_the_command_line_lives_in_cli_and_the_documented_command_keeps_working():
-    """The library (finetune.evaluation) does not import its command line (finetune.cli.evaluate);
-    ``python -m finetune.evaluate`` (DESIGN 1) and ``python finetune/evaluate.py`` still run it, without a warning;
-    ``import finetune.evaluate`` warns (FutureWarning naming finetune.evaluation) and forwards the old names."""
-    import importlib
+    """The library (finetune.evaluation) does not import its command line (finetune.cli.evaluate), and
+    ``python -m finetune.evaluate`` (DESIGN 1) still runs it (``tests/test_old_paths.py``: without a warning)."""
     import subprocess
     import sys
-    import warnings
 
-    import finetune.cli.evaluate as cli
-    import finetune.evaluation as lib
     from finetune.cli.main import COMMANDS
 
     assert COMMANDS["eval"].module == "finetune.cli.evaluate"
     probe = "import sys, finetune.evaluation; print('finetune.cli.evaluate' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert out.stdout.strip() == "False", out.stderr
-    for argv in (["-m", "finetune.evaluate", "--help"], [str(REPO / "finetune" / "evaluate.py"), "--help"]):
-        out = subprocess.run([sys.executable, "-W", "error::FutureWarning", *argv], capture_output=True, text=True,
-                             cwd=REPO, timeout=600)
-        assert out.returncode == 0 and "MODEL_OR_RUN" in out.stdout, out.stderr
-    sys.modules.pop("finetune.evaluate", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = importlib.import_module("finetune.evaluate")
-    assert [w.category for w in caught] == [FutureWarning] and "finetune.evaluation" in str(caught[0].message)
-    assert old.recall_at_k is lib.recall_at_k and old.evaluate_sets is lib.evaluate_sets and old.main is cli.main
+    out = subprocess.run([sys.executable, "-m", "finetune.evaluate", "--help"], capture_output=True, text=True,
+                         cwd=REPO, timeout=600)
+    assert out.returncode == 0 and "MODEL_OR_RUN" in out.stdout, out.stderr

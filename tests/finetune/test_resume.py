@@ -273,13 +273,13 @@ def test_metrics_after_a_resume_cover_the_whole_run(finished, tmp_path, scenes):
 
 @pytest.mark.slow
 def test_a_bad_resume_path_is_found_before_the_model_loads(tmp_path, monkeypatch, capsys):
-    import finetune
+    import finetune.training.model as start
     from finetune.training import run_recipe
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(finetune, "load_model", no_model)
+    monkeypatch.setattr(start, "load_model", no_model)
     path = tmp_path / "r.yaml"
     path.write_text("# r\ntrain: {trackers: []}\n")
     recipe = load_recipe(path, [f"output.dir={tmp_path / 'run'}", f"train.resume={tmp_path / 'nowhere'}",

@@ -299,9 +299,9 @@ def test_an_unknown_model_is_a_clean_exit_2_with_the_registry_list(tmp_path, cap
 
 @pytest.mark.slow
 def test_a_bad_training_data_path_is_found_before_the_model_loads(tmp_path, tiny_model, monkeypatch, capsys):
-    import finetune
+    import finetune.training.model as start
 
-    monkeypatch.setattr(finetune, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(start, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "run"
     recipe = _recipe(tmp_path, tiny_model, out, f'data.train={{"name": "jsonl", "path": "{tmp_path / "nope.jsonl"}"}}')
     assert _run(recipe) == 2

@@ -303,7 +303,7 @@ def test_build_objective_from_recipe(tmp_path):
 
 
 def _counting_trainer(tmp_path, objective_section: dict, *, size: int = 48):
-    """A Trainer built as ``finetune.run`` builds it (recipe objective, cached preprocessing, skipping dataset,
+    """A Trainer built as a run builds it (recipe objective, cached preprocessing, skipping dataset,
     collator in one data-loader worker) on tiny-clip at 248 tokens and synthetic scenes."""
     from finetune.data.skipping import SkippingDataset, SkipReportingCollate
 

@@ -151,11 +151,21 @@ def _top_candidates(texts: Payload, images: Payload, owner: Tensor, k_text: int,
     return t_idx, i_idx
 
 
-def _reranked(scorer: Scorer, queries: Payload, items: Payload, candidates: Tensor, own: Tensor,
-              fallback: Tensor, tol: float, query_side: str, block_size: int) -> Tensor:
+class _Shortlist(NamedTuple):
+    """Each query's global-cosine top-K items: ``candidates`` ``(n, K)`` their indices, ``own`` ``(n, K)`` whether
+    each is a correct item, ``fallback`` ``(n,)`` the query's cosine rank."""
+
+    candidates: Tensor
+    own: Tensor
+    fallback: Tensor
+
+
+def _reranked(scorer: Scorer, queries: Payload, items: Payload, shortlist: _Shortlist, tol: float, query_side: str,
+              block_size: int) -> Tensor:
     """Ranks of queries whose candidates are re-scored: the number of wrong candidates scoring at
-    least the best own candidate's score; a query with no own candidate keeps ``fallback`` (its
+    least the best own candidate's score; a query with no own candidate keeps its ``fallback`` (its
     cosine rank, at least K: every candidate ranks above it)."""
+    candidates, own, fallback = shortlist
     n, k = candidates.shape
     ranks = torch.empty(n, dtype=torch.long, device=candidates.device)
     step = max(1, block_size // k)
@@ -240,14 +250,13 @@ def retrieval_ranks(
         _check_finite("text", texts)
         _check_finite("image", images)
         tol = float(scorer.tie_tolerance(texts, images))
-        text_rank = _reranked(scorer, texts, images, text_cands, text_cands == owner[:, None], cos_text_rank,
-                              tol, "text", block_size)
+        shortlist = _Shortlist(text_cands, text_cands == owner[:, None], cos_text_rank)
+        text_rank = _reranked(scorer, texts, images, shortlist, tol, "text", block_size)
         has_text = torch.isfinite(best)
         image_ids = has_text.nonzero().flatten()
         image_cands = image_cands[image_ids]
-        image_rank = _reranked(scorer, take(images, image_ids), texts, image_cands,
-                               owner[image_cands] == image_ids[:, None], cos_image_rank[image_ids], tol,
-                               "image", block_size)
+        shortlist = _Shortlist(image_cands, owner[image_cands] == image_ids[:, None], cos_image_rank[image_ids])
+        image_rank = _reranked(scorer, take(images, image_ids), texts, shortlist, tol, "image", block_size)
         return RetrievalRanks(text_rank, image_rank)
 
 

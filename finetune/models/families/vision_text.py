@@ -403,7 +403,7 @@ def _save(model: DualEncoder, folder: str) -> None:
     model.save_pretrained(str(folder))
 
 
-register_model_family("vision_text", load_vision_text, _save, detect=_detect,
+register_model_family("vision_text", load_vision_text, _save, detect=_detect, options=VisionTextOptions,
                       files=f"config.json with model_type {MODEL_TYPE!r} (transformers VisionTextDualEncoderModel)")
 
 

@@ -11,7 +11,7 @@ For every image-caption pair, once per dataset and cached (:func:`compute_flism`
    dataset's own boxes (:class:`DatasetBoxes`, the synthetic scenes' ``objects[].box``) can stand in for the
    detector, with or without the dataset's sentence links;
 3. crops (of the original image, through the model's own processor) and sentences are encoded in batches by
-   the frozen model as loaded before training (:class:`finetune.models.frozen.FrozenEncoders`); every sentence is
+   the frozen model as loaded before training (:class:`finetune.preprocess.frozen.FrozenEncoders`); every sentence is
    matched to its most similar crop by cosine similarity (eqs. 1-2, :func:`match_sentences`);
 4. of these matched pairs the single most similar one per image is kept (the paper's default), or the top 3 with
    ``uniform`` or similarity-proportional (``weighted``) weights (Table VIII, :func:`select_pairs`).

@@ -191,7 +191,7 @@ def write_pairs(source: dict[str, Any] | str, out: str | Path, model: Any, *, pr
     from tqdm.auto import tqdm
 
     from finetune.data.sources import load_source
-    from finetune.models.frozen import FrozenEncoders, model_fingerprint
+    from finetune.preprocess.frozen import FrozenEncoders, model_fingerprint
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

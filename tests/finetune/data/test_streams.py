@@ -160,7 +160,7 @@ def test_stream_recipe_without_max_steps_is_a_recipe_error(tmp_path, monkeypatch
     def no_model(*args, **kwargs):
         raise AssertionError("the model must not load before the recipe error")
 
-    monkeypatch.setattr("finetune.load_model", no_model)
+    monkeypatch.setattr("finetune.training.model.load_model", no_model)
     with pytest.raises(RecipeError, match="train.max_steps") as info:
         run_recipe(recipe)
     assert info.value.key == "train.max_steps"

@@ -139,7 +139,7 @@ def test_flism_scored_by_a_trained_quickstart_model_picks_the_described_object(t
     from finetune.config import load_recipe
     from finetune.data.sources import load_source
     from finetune.models.finetuned import load_finetuned
-    from finetune.models.frozen import FrozenEncoders
+    from finetune.preprocess.frozen import FrozenEncoders
     from finetune.training import run_recipe
 
     out = tmp_path / "run"

@@ -12,7 +12,7 @@ from finetune.evaluation import encode_for_retrieval, evaluate_sets
 from finetune.models.registry import build_model
 from finetune.evaluation.scorers import available_scorers, get_scorer, recall_from_ranks, retrieval_ranks
 from tests.finetune.data.fixtures import write_docci_fixture
-from tests.finetune.scorers.test_base import brute_ranks
+from tests.finetune.evaluation.scorers.test_base import brute_ranks
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from finetune.models.frozen import FrozenEncoders, model_fingerprint
+from finetune.preprocess.frozen import FrozenEncoders, model_fingerprint
 
 
 def test_fingerprint_is_stable_and_follows_the_weights(load_tiny) -> None:

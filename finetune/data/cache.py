@@ -32,6 +32,8 @@ from typing import Any
 
 import datasets
 
+from finetune.files import owner_alive, process_tag, tag_owner
+
 __all__ = ["cache_key", "cached_map", "clean_stale_temporaries", "default_cache_dir", "file_fingerprints",
            "verify_cache"]
 
@@ -123,8 +125,6 @@ def clean_stale_temporaries(root: str | os.PathLike[str]) -> list[str]:
     """Remove the temporary folders (``.NAME-KEY.tmp-PID@HOST.*``, and ``.old-`` ones) that processes which
     are gone left in the cache folder ``root`` (a kill during a cache write); those of live processes, and
     of other hosts, stay. Returns the names removed."""
-    from finetune.files import owner_alive, tag_owner
-
     root = Path(root)
     removed = []
     try:
@@ -147,8 +147,6 @@ def clean_stale_temporaries(root: str | os.PathLike[str]) -> list[str]:
 
 def _discard(folder: Path) -> None:
     """Remove a cache folder: renamed aside first, so that no reader ever sees it half deleted."""
-    from finetune.files import process_tag
-
     aside = folder.parent / f".{folder.name}.old-{process_tag()}.{uuid.uuid4().hex[:8]}"
     try:
         os.replace(folder, aside)
@@ -172,11 +170,7 @@ def cached_map(
     name: str,
     cache_dir: str | os.PathLike[str] | None = None,
     code_version: str = "1",
-    batched: bool = False,
-    batch_size: int = 100,
-    num_proc: int | None = None,
-    features: datasets.Features | None = None,
-    desc: str | None = None,
+    **map_options: Any,
 ) -> datasets.Dataset:
     """``dataset`` plus the columns ``fn`` computes, computed once and cached on disk.
 
@@ -188,7 +182,8 @@ def cached_map(
         name: the step's name (``edges``, ``lexicon``, ``regions``, ...), used in the folder name.
         cache_dir: where caches live; default :func:`default_cache_dir`.
         code_version: bump it when ``fn``'s code changes its output.
-        batched, batch_size, num_proc, features, desc: passed to ``Dataset.map``.
+        map_options: ``batched`` (default False), ``batch_size`` (100), ``num_proc``, ``features``, ``desc``:
+            passed to ``Dataset.map``.
 
     Returns:
         A dataset with ``dataset``'s columns followed by the computed ones. A dataset with an
@@ -198,6 +193,10 @@ def cached_map(
     so that the other ranks reuse the cache instead of computing it again.
     """
     _validate_name(name)
+    unknown = sorted(set(map_options) - set(_MAP_DEFAULTS))
+    if unknown:
+        raise TypeError(f"cached_map: unknown option(s) {', '.join(unknown)}; the Dataset.map options it passes on "
+                        f"are {', '.join(_MAP_DEFAULTS)}")
     key = cache_key(dataset, name=name, params=params, code_version=code_version)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     clean_stale_temporaries(root)
@@ -225,30 +224,22 @@ def cached_map(
                 logger.warning("discarding incomplete cache %s", folder)
             _discard(folder)
         logger.info("computing %s (%s) for %d examples into %s", name, key, len(dataset), folder)
-        computed = _compute(dataset, fn, folder, key=key, name=name, params=params, code_version=code_version,
-                            batched=batched, batch_size=batch_size, num_proc=num_proc, features=features, desc=desc)
+        step = {"name": name, "key": key, "params": params, "code_version": code_version}
+        computed = _compute(dataset, fn, folder, step, {**_MAP_DEFAULTS, **map_options})
     overlap = [c for c in computed.column_names if c in dataset.column_names]
     base = dataset.remove_columns(overlap) if overlap else dataset
     return datasets.concatenate_datasets([base, computed], axis=1)
 
 
-def _compute(
-    dataset: datasets.Dataset,
-    fn: Callable[..., dict[str, Any]],
-    folder: Path,
-    *,
-    key: str,
-    name: str,
-    params: Mapping[str, Any],
-    code_version: str,
-    batched: bool,
-    batch_size: int,
-    num_proc: int | None,
-    features: datasets.Features | None,
-    desc: str | None,
-) -> datasets.Dataset:
-    from finetune.files import process_tag
+#: the ``Dataset.map`` options :func:`cached_map` passes on, and their defaults
+_MAP_DEFAULTS: dict[str, Any] = {"batched": False, "batch_size": 100, "num_proc": None, "features": None, "desc": None}
 
+
+def _compute(dataset: datasets.Dataset, fn: Callable[..., dict[str, Any]], folder: Path, step: Mapping[str, Any],
+             map_options: Mapping[str, Any]) -> datasets.Dataset:
+    """Run the map into a temporary folder beside ``folder`` and rename it into place; ``step``: the ``name``,
+    ``key``, ``params`` and ``code_version`` recorded in its ``meta.json``."""
+    name, key = step["name"], step["key"]
     folder.parent.mkdir(parents=True, exist_ok=True)
     # the writer's PID@HOST in the name: once this process is gone (killed mid-write), a later call removes it
     tmp = folder.parent / f".{folder.name}.tmp-{process_tag()}.{uuid.uuid4().hex[:8]}"
@@ -256,21 +247,21 @@ def _compute(
     try:
         result = dataset.map(
             fn,
-            batched=batched,
-            batch_size=batch_size,
-            num_proc=num_proc,
+            batched=map_options["batched"],
+            batch_size=map_options["batch_size"],
+            num_proc=map_options["num_proc"],
             remove_columns=dataset.column_names,
             cache_file_name=str(tmp / "data.arrow"),
             load_from_cache_file=False,
             new_fingerprint=key,
-            features=features,
-            desc=desc or f"computing {name}",
+            features=map_options["features"],
+            desc=map_options["desc"] or f"computing {name}",
         )
         meta = {
             "name": name,
             "key": key,
-            "params": json.loads(json.dumps(dict(params), default=str)),
-            "code_version": code_version,
+            "params": json.loads(json.dumps(dict(step["params"]), default=str)),
+            "code_version": step["code_version"],
             "dataset_fingerprint": _fingerprint(dataset),
             "num_rows": len(result),
             "columns": result.column_names,

@@ -8,7 +8,7 @@ import logging
 import datasets
 import pytest
 
-from finetune.preprocess.cache import cache_key, cached_map, default_cache_dir
+from finetune.data.cache import cache_key, cached_map, default_cache_dir
 
 
 pytestmark = pytest.mark.usefixtures("quiet_datasets")
