@@ -77,9 +77,7 @@ OLD = re.compile("|".join(f"(?:{p})" for p in _PATTERNS))
 SHIMS = {"finetune/train.py": "finetune.training", "finetune/run.py": "finetune.training.run_recipe",
          "finetune/evaluate.py": "finetune.evaluation", "finetune/preview.py": "finetune.cli.preview",
          "finetune/scorers.py": "finetune.evaluation.scorers"}
-EXEMPT = {*SHIMS, "tests/test_old_paths.py",
-          "tests/test_import_graph.py",  # places the shims on the top floor
-          "tests/finetune/models/test_layout.py"}  # checks that issue 25's aliases are gone
+EXEMPT = {*SHIMS, "tests/test_old_paths.py", "tests/test_import_graph.py"}  # the latter puts the shims on top
 SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".cfg", ".txt", ".sh")
 
 

@@ -561,10 +561,17 @@ def test_objective_import_registers_a_term_from_a_module(tmp_path, monkeypatch, 
 
 
 def test_scorer_and_model_family_are_checked_against_their_registries(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "finetune.evaluation.scorers", types.SimpleNamespace(
-        available_scorers=lambda: {"cosine": "", "token_max": ""}))
-    monkeypatch.setitem(sys.modules, "finetune.models.families", types.SimpleNamespace(
-        model_family_names=lambda: ["hf", "open_clip"]))
+    """The recipe reads the names from the registries of the ground floor (finetune.plugins), not from the
+    modules above it."""
+    from finetune import plugins
+
+    scorers, families = plugins.Registry("scorer"), plugins.Registry("model family")
+    for name in ("cosine", "token_max"):
+        scorers.add(name, types.SimpleNamespace(name=name))
+    for name in ("hf", "open_clip"):
+        families.add(name, types.SimpleNamespace(name=name))
+    monkeypatch.setattr(plugins, "SCORERS", scorers)
+    monkeypatch.setattr(plugins, "MODEL_FAMILIES", families)
     recipe = load_recipe(write(tmp_path, "eval:\n  scorer: token_max\nmodel:\n  family: open_clip\n"))
     assert (recipe.eval.scorer, recipe.model.family) == ("token_max", "open_clip")
     with pytest.raises(RecipeError, match=r"line 2: `eval.scorer` is 'token_mx', not a registered scorer: "
