@@ -33,7 +33,7 @@ OLD_PATHS = {
     "finetune.hub (the module)": "finetune.hub.upload (the package finetune.hub re-exports push, export, ...)",
     "finetune.model_card": "finetune.hub.model_card",
     "finetune.preview (the library)": "finetune.cli.preview, finetune.objectives.structxlip.preview",
-    "finetune.preprocess.flism.cli": "finetune.cli.pairs",
+    "finetune.preprocess.flism.cli, finetune.preprocess.flism.main": "finetune.cli.pairs (main)",
     "finetune.preprocess.cache": "finetune.data.cache",
     "finetune.models.frozen": "finetune.preprocess.frozen",
     "finetune.models.atomic": "finetune.files",

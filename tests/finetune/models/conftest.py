@@ -18,17 +18,6 @@ from finetune.models.core.encoder import DualEncoder
 from finetune.models.registry import TINY_NAMES
 
 
-@pytest.fixture
-def load_tiny(tiny_dir: Callable[[str], Path]) -> Callable[..., DualEncoder]:
-    """``load_tiny(name, **load_model_kwargs)``: a fresh model loaded from the saved folder."""
-    from finetune import load_model
-
-    def load(name: str, **kwargs: object) -> DualEncoder:
-        return load_model(str(tiny_dir(name)), **kwargs)
-
-    return load
-
-
 @pytest.fixture(params=TINY_NAMES)
 def tiny(request: pytest.FixtureRequest, load_tiny: Callable[..., DualEncoder]) -> DualEncoder:
     """Each tiny model (HF CLIP, SigLIP, SigLIP2 NaFlex, open_clip CLIP, open_clip SigLIP), loaded
