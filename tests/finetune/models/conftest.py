@@ -8,7 +8,6 @@ Other packages' tests can do the same with the public helpers
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
