@@ -53,7 +53,7 @@ def resolve_settings(recipe: Any) -> tuple[Any, int]:
     Raises:
         ValueError: the recipe is not an F-CAST recipe (no ``fcast`` term, or not an F-CAST model).
     """
-    from finetune import load_model
+    from finetune.models.finetuned import load_model
     from finetune.models.families import recipe_family
     from finetune.objectives import build_objective
     from finetune.objectives.fcast import FCastTerm

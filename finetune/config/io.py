@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel
 
 from finetune.config.errors import KeyPath, RecipeError, _alias, _dotted
-from finetune.run_basics import process_tag
+from finetune.files import process_tag
 
 #: keys never written out (:func:`recipe_to_dict`)
 _SECRET_KEYS = {("hub", "token")}

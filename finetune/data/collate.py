@@ -29,7 +29,7 @@ PIXEL_NORM = "_pixel_norm"
 #: example key of superpixel labels decoded from a stream's precomputed entry (F-CAST's term), handed to the model's
 #: ``preprocess_images(images, superpixels=...)`` so that the worker does not compute them
 PRECOMPUTED_SUPERPIXELS = "superpixels"
-#: example key of the epoch an example is drawn for (``finetune.train.EpochIndexed``), read by :class:`PlannedCollate`
+#: example key of the epoch an example is drawn for (``finetune.training.loaders.EpochIndexed``), read by :class:`PlannedCollate`
 EPOCH_KEY = "_epoch"
 
 

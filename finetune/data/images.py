@@ -492,7 +492,7 @@ def _norm_constants(norm: PixelNorm, device: Any) -> tuple:
 
 
 class TensorImages:
-    """A model's image geometry (:meth:`~finetune.models.encoder.DualEncoder.image_transform_params`: shortest
+    """A model's image geometry (:meth:`~finetune.models.core.encoder.DualEncoder.image_transform_params`: shortest
     side resized then centre-cropped, or squashed) with torchvision's v2 functional ops on ``uint8`` tensors,
     batched as ``uint8 (B, 3, H, W)``; the normalisation (:class:`PixelNorm`) is left to the device.
 

@@ -31,7 +31,7 @@ from finetune.models.adapters import (
     merge_adapter,
     peft_model_of,
 )
-from finetune.models.atomic import atomic_dir
+from finetune.files import atomic_dir
 from finetune.models.core.encoder import DualEncoder
 from finetune.models.weight_files import check_weight_files, naming_damaged_weights
 

@@ -145,7 +145,7 @@ class Term(nn.Module):
     def example_fields(self) -> dict[str, str]:
         """Raw example fields the term reads besides ``id``, ``image`` and ``caption``, each with the recipe key
         that names it (``{"raw_caption": "objective.terms.flair.caption_fields"}``): a stream must pass them
-        through (``data.train.options.fields``), which :func:`finetune.data.streams.check_stream_recipe` checks
+        through (``data.train.options.fields``), which :func:`finetune.training.checks.check_stream_recipe` checks
         before anything runs. The default reads none."""
         return {}
 
@@ -255,7 +255,7 @@ def _same_text_inputs(a: TextRequest, b: TextRequest) -> bool:
 class Objective(nn.Module):
     """An optional base term plus weighted added terms: ``loss = w_base * base + sum_k w_k * term_k``.
 
-    ``forward`` is not used; the :class:`~finetune.train.TrainModule` calls ``encode`` and ``loss`` so
+    ``forward`` is not used; the :class:`~finetune.training.TrainModule` calls ``encode`` and ``loss`` so
     that everything runs inside the prepared (DDP/FSDP) module's forward.
 
     Args:

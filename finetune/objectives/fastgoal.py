@@ -44,7 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from finetune.models.frozen import FrozenEncoders, model_fingerprint
+from finetune.preprocess.frozen import FrozenEncoders, model_fingerprint
 from losses import clip_loss
 
 from .base import Batch, Features, ImageRequest, Term, TextRequest, scale_of
@@ -217,7 +217,7 @@ class FastGoalTerm(Term):
 
     def preprocess(self, dataset: Any, model: Any, *, cache_dir: str | None = None, log: Any = None) -> Any:
         """Add FLISM's pairs to ``dataset`` (paper III-A), computed once with the frozen model as loaded and cached
-        (``finetune.preprocess.cache``); fills :attr:`stats` (:func:`finetune.preprocess.flism.flism_stats`).
+        (``finetune.data.cache``); fills :attr:`stats` (:func:`finetune.preprocess.flism.flism_stats`).
 
         ``regions.method: pairs`` reads the pairs of a file written by ``python -m finetune.preprocess.flism``
         instead, one example per image with the file's weights (:meth:`_read_pairs`).

@@ -5,7 +5,7 @@ data workers, the caption is split into sentences (:func:`finetune.data.text.spl
 N random chunks of 1-3 sentences (:func:`~finetune.data.text.random_chunks`, appendix C) and completed
 to K sub-captions with FLAIR's sampler (:func:`~finetune.data.text.sample_subcaptions`, K - N more of
 1-3 sentences): the first N are the long caption's chunks (3.3, "Training batch construction"). The
-model's :meth:`~finetune.models.fcast.FCastModel.preprocess_images` puts superpixels next to the pixels;
+model's :meth:`~finetune.models.families.fcast.FCastModel.preprocess_images` puts superpixels next to the pixels;
 for map-style data :meth:`FCastTerm.preprocess` points it at an on-disk cache so every image's
 superpixels are computed once; a stream whose shards hold precomputed superpixels (``xlipkit superpixels``)
 reads them back (:meth:`FCastTerm.stream_map`) and computes none.
@@ -126,7 +126,7 @@ class FCastTerm(Term):
 
     # -- the model the term works with (kept out of the module tree) ------------------------------
     def _attach(self, model: Any) -> Any:
-        from finetune.models.fcast import FCastModel
+        from finetune.models.families.fcast import FCastModel
 
         if not isinstance(model, FCastModel):
             raise ValueError(f"objective.terms.fcast needs an F-CAST model (model.family: fcast, e.g. "
@@ -155,7 +155,7 @@ class FCastTerm(Term):
         """Point the model's superpixels at an on-disk cache (map-style data: each image once)."""
         self._attach(model)
         if self.options.cache_superpixels:
-            from finetune.preprocess.cache import default_cache_dir
+            from finetune.data.cache import default_cache_dir
 
             root = Path(cache_dir) / "preprocess" if cache_dir else default_cache_dir()
             model.superpixel_cache_dir = str(root / "superpixels")
@@ -254,7 +254,7 @@ class FCastTerm(Term):
         inputs = batch.get("image_inputs") or {}
         if inputs.get("superpixels") is None or "fcast_sub_mask" not in batch:
             return None
-        from finetune.models.fcast import ChunkEncoder
+        from finetune.models.families.fcast import ChunkEncoder
 
         mask = batch["fcast_sub_mask"]
         return {"segments": model.segment_count(inputs["pixel_values"], inputs["superpixels"]),

@@ -155,7 +155,7 @@ def _objective(model):
 
 def test_a_stream_of_precomputed_shards_does_no_superpixel_work_in_its_workers(shipped, written, tmp_path,
                                                                               monkeypatch):
-    from finetune.models.fcast import FCastModel
+    from finetune.models.families.fcast import FCastModel
     from finetune.preprocess import superpixels as sp
 
     manifest = written
@@ -222,8 +222,8 @@ def test_fcast_cc3m_recap_trains_as_shipped_on_its_precomputed_shards(project, w
     in this process)."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune.models.fcast import FCastModel
-    from finetune.run import main
+    from finetune.models.families.fcast import FCastModel
+    from finetune.cli.train import main
     from tests.recipes.shipped import STEPS, clear_run, enter, output_dir
 
     calls = tmp_path / "superpixel_calls.txt"
@@ -253,7 +253,7 @@ def test_fcast_cc3m_recap_trains_as_shipped_on_its_precomputed_shards(project, w
 def test_the_model_takes_precomputed_labels_and_computes_only_the_missing_ones(monkeypatch):
     from finetune import load_model
     from finetune.data.synthetic import synthetic_scenes
-    from finetune.models.fcast import FCastModel
+    from finetune.models.families.fcast import FCastModel
 
     model = load_model("random:fcast-tiny", family="fcast")
     images = [r["image"] for r in synthetic_scenes(3, 0, image_size=80)]

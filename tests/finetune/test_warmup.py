@@ -1,6 +1,6 @@
 """A warm-up as long as the run or longer (issue 31 item 9): ``warmup_steps: 1000`` with ``max_steps: 4`` trained at
 0.4 % of ``train.lr`` without a word. The run is allowed (a smoke run of a shipped recipe does it on purpose), and
-``finetune/run.py`` says so, naming the keys and the learning rate reached, once the step count is known and before
+the run says so (``finetune.training.checks.check_warmup``), naming the keys and the learning rate reached, once the step count is known and before
 the model loads."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import logging
 import pytest
 import yaml
 
-import finetune.run as run_module
-from finetune.run import main
+from finetune.cli.train import main
+from finetune.training.recipe import FinetuneRecipe
 
 
 class _Records(logging.Handler):
@@ -25,17 +25,20 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def records(monkeypatch):
-    """The ``xlipkit`` log of the run, and ``_run`` (model loading, training) replaced by a marker in that log."""
+    """The ``xlipkit`` log of the run, and the stages from model loading on (``FinetuneRecipe.setup_model``,
+    ``setup_eval``, ``train``, ``finish``) replaced by a marker in that log."""
     handler = _Records()
     logger = logging.getLogger("xlipkit")
     monkeypatch.setattr(logger, "handlers", [handler])
     monkeypatch.setattr(logger, "propagate", False)
 
-    def model_loads(*args, **kwargs) -> int:
+    def model_loads(self) -> None:
         handler.messages.append("MODEL LOADS")
-        return 0
 
-    monkeypatch.setattr(run_module, "_run", model_loads)
+    monkeypatch.setattr(FinetuneRecipe, "setup_model", model_loads)
+    for stage in ("setup_eval", "train"):
+        monkeypatch.setattr(FinetuneRecipe, stage, lambda self: None)
+    monkeypatch.setattr(FinetuneRecipe, "finish", lambda self: 0)
     return handler.messages
 
 

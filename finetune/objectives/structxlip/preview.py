@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from finetune.models.atomic import save_png_atomic
+from finetune.files import save_png_atomic
 
 __all__ = ["render_preview"]
 

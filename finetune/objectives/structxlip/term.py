@@ -19,7 +19,7 @@ windows over clauses split at ``[.,;!?]``, and every kept region of the image a 
 
 Where the work happens:
 
-- :meth:`StructXLIPTerm.preprocess` (once per dataset, cached by ``finetune.preprocess.cache.cached_map``,
+- :meth:`StructXLIPTerm.preprocess` (once per dataset, cached by ``finetune.data.cache.cached_map``,
   keyed by the parameters): lexicon-filtered captions (with what was removed, for the B.3 statistics),
   edge maps (unless ``edges.on_the_fly``), regions (FastSAM masks' boxes, or the default regions), chunks
   and each chunk's top-K regions under the frozen model as loaded, before any training step.
@@ -53,7 +53,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from finetune.models.frozen import FrozenEncoders, model_fingerprint
+from finetune.preprocess.frozen import FrozenEncoders, model_fingerprint
 from finetune.preprocess.geometry import box_patch_mask, patch_count
 from losses import clip_loss, consistency_loss, local_structure_loss
 from losses.structxlip import (
@@ -167,7 +167,7 @@ class RegionOptions:
         source: ``segmenter`` (the paper: FastSAM masks, or the default regions, each chunk's top-K under the
             frozen model) or ``dataset`` (boxes and sentence-to-region links the dataset provides: columns
             ``sentences`` and ``objects[{box, sentence_index}]``, as the synthetic scenes have; a chunk's
-            positives are the regions of its sentence, ``finetune.preprocess.regions.DatasetRegionLinks``).
+            positives are the regions of its sentence, ``finetune.preprocess.region_links.DatasetRegionLinks``).
         checkpoint: FastSAM checkpoint (``FastSAM-s.pt`` / ``FastSAM-x.pt`` from the ultralytics assets);
             ``null`` gives every image the default regions (4 quadrants + centre), counted and logged.
         k: K, the positives of each chunk (paper: 3).
@@ -339,7 +339,7 @@ class StructXLIPTerm(Term):
             dataset: a ``datasets.Dataset`` with ``image`` and ``caption`` columns.
             model: the DualEncoder as loaded (before training): it ranks the regions of each chunk.
             cache_dir: cache root (the recipe's ``data.cache_dir``); steps go to ``<cache_dir>/preprocess``,
-                default ``finetune.preprocess.cache.default_cache_dir()``.
+                default ``finetune.data.cache.default_cache_dir()``.
             log: a logger (default ``logging.getLogger("xlipkit")``).
 
         Returns:
@@ -349,7 +349,7 @@ class StructXLIPTerm(Term):
         """
         import datasets
 
-        from finetune.preprocess.cache import cached_map
+        from finetune.data.cache import cached_map
 
         log = log or logger
         for column in ("image", "caption"):
@@ -418,8 +418,9 @@ class StructXLIPTerm(Term):
 
     def _dataset_regions(self, dataset: Any, root: Path | None, log: Any) -> Any:
         """``regions.source: dataset``: the dataset's boxes and sentence links (:class:`DatasetRegionLinks`)."""
-        from finetune.preprocess.cache import cached_map
-        from finetune.preprocess.regions import DatasetRegionLinks, region_features
+        from finetune.data.cache import cached_map
+        from finetune.preprocess.region_links import DatasetRegionLinks
+        from finetune.preprocess.regions import region_features
 
         missing = [c for c in ("sentences", "objects") if c not in dataset.column_names]
         if missing:

@@ -12,7 +12,7 @@ import pytest
 
 from finetune.data.images import ImageReadError, image_files, probe_image
 from finetune.data.sources import DataError, load_source
-from finetune.zeroshot import folder_classes
+from finetune.evaluation.zeroshot import folder_classes
 from tests.finetune.data.benchmarks.helpers import load
 from tests.finetune.data.fixtures import write_urban1k_fixture
 

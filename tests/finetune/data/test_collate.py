@@ -59,7 +59,7 @@ def test_tensor_images_match_the_models_own_processor(name):
 @pytest.mark.parametrize("name", ["tiny-siglip2", "fcast-tiny"])
 def test_processors_the_tensor_path_does_not_cover_stay_in_use(name):
     if name == "fcast-tiny":  # superpixels beside the pixels
-        from finetune.models.fcast import build_fcast
+        from finetune.models.families.fcast import build_fcast
 
         model = build_fcast(name)
     else:  # NaFlex patches

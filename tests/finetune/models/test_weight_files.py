@@ -122,7 +122,7 @@ def test_xlipkit_eval_names_the_file_without_a_traceback(copy_of, capsys):
 
 
 def test_xlipkit_export_names_the_file_without_a_traceback(load_tiny, tmp_path, capsys):
-    from finetune.hub import main
+    from finetune.cli.hub import main
 
     model = load_tiny("tiny-clip")
     apply_adapter(model, AdapterConfig(type="lora", r=2))
@@ -137,7 +137,7 @@ def test_xlipkit_export_names_the_file_without_a_traceback(load_tiny, tmp_path, 
 def test_training_from_damaged_weights_is_an_error_naming_the_file(copy_of, tmp_path, capsys, monkeypatch):
     import logging
 
-    from finetune.run import main
+    from finetune.cli.train import main
 
     monkeypatch.setattr(logging.getLogger("xlipkit"), "handlers", [])
     folder = copy_of("tiny-clip")

@@ -41,7 +41,7 @@ from finetune.objectives.structxlip import (
 from finetune.preprocess.edges import edge_array
 from finetune.preprocess.geometry import box_patch_mask
 from finetune.preprocess.regions import split_chunks
-from finetune.train import _split
+from finetune.data.collate import split_batch
 from losses import clip_loss, local_structure_loss
 
 REPO = Path(__file__).resolve().parents[4]
@@ -473,7 +473,7 @@ def test_merged_micro_batches_give_the_loss_of_one_batch(model, scenes, tmp_path
     batch = Collator(model, objective)(rows)
     with torch.no_grad():
         whole = objective.loss(model, objective.encode(model, batch))
-        parts = [objective.encode(model, mb) for mb in _split(batch, 2)]
+        parts = [objective.encode(model, mb) for mb in split_batch(batch, 2)]
         merged = objective.loss(model, merge_features(parts))
     assert set(whole) == set(merged)
     for key in whole:
@@ -618,13 +618,13 @@ STRUCTXLIP_RECIPES = sorted((REPO / "recipes").glob("structxlip_*.yaml")) + [REP
 def test_every_structxlip_recipe_runs_on_tiny_models(path, run_fixtures, tmp_path):
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     out = tmp_path / "run"
     recipe = load_recipe(path, _tiny_overrides(path, run_fixtures, out))
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    assert run(recipe) == 0
+    assert run_recipe(recipe) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 2
     for key in ("structxlip/structure", "structxlip/consistency", "structxlip/local", "loss"):
