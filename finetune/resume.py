@@ -167,7 +167,8 @@ def checkpoint_problem(folder: str | os.PathLike, *, hashes: bool = True, world_
     Args:
         folder: a ``checkpoints/step-N`` folder.
         hashes: verify the sha256 of every file (reads every byte; False checks names and sizes only).
-        world_size: processes of the launch that resumes (each restores ``random_states_<rank>.pkl``).
+        world_size: processes of the launch that resumes (each restores ``random_states_<rank>.pkl``; a process of a
+            requeue on more processes than the checkpoint's, which has none, starts a fresh RNG state).
         ignore_rng: ``train.resume_ignore_rng``: a missing or damaged RNG state is logged, not a problem.
     """
     root = Path(folder)
@@ -198,7 +199,10 @@ def checkpoint_problem(folder: str | os.PathLike, *, hashes: bool = True, world_
         problem = _safetensors_problem(path)
         if problem:
             return problem
+    saved_ranks = sum(1 for name in (manifest or {}) if _is_rng_state(name)) if isinstance(manifest, dict) else 0
     for rank in range(world_size):
+        if saved_ranks and rank >= saved_ranks:  # a requeue on more processes: this one starts a fresh RNG state
+            continue
         problem = rng_problem(root, rank, hashes=hashes)
         if problem and not ignore_rng:
             return (f"{problem}; without it the resumed run would not repeat an uninterrupted one (set "

@@ -25,7 +25,8 @@ from finetune.run_folder import folder_bytes
 log = logging.getLogger("xlipkit")
 
 __all__ = ["CHECKPOINT_PREFIX", "SaveFailedError", "TrainState", "describe_save_failure", "is_write_error",
-           "list_checkpoints", "resolve_resume", "save_checkpoint", "stream_state_file"]
+           "list_checkpoints", "read_stream_index", "read_stream_states", "resolve_resume", "save_checkpoint",
+           "stream_state_file", "STREAM_INDEX"]
 
 
 @dataclass
@@ -99,6 +100,30 @@ def resolve_resume(resume: str | None, ckpt_dir: Path) -> Path | None:
 def stream_state_file(folder: Path, rank: int) -> Path:
     """Where process ``rank`` keeps its stream position in a checkpoint folder."""
     return folder / f"stream_state_{rank}.json"
+
+
+#: the stream's shard index (sample counts) in a checkpoint: a resume reads it instead of counting again
+STREAM_INDEX = "stream_index.json"
+
+
+def read_stream_states(folder: Path) -> list[dict[str, Any]]:
+    """Every process's stream position in a checkpoint folder (``stream_state_<rank>.json``, rank order).
+
+    Raises:
+        FileNotFoundError: none, or a gap in the ranks (naming the folder).
+    """
+    files = sorted(folder.glob("stream_state_*.json"), key=lambda p: int(p.stem.rpartition("_")[2]))
+    if not files or [int(p.stem.rpartition("_")[2]) for p in files] != list(range(len(files))):
+        raise FileNotFoundError(
+            f"train.resume: {folder} has no complete set of stream positions (stream_state_<rank>.json): it was saved "
+            "from map-style data; resume with the data.train it was saved with")
+    return [json.loads(p.read_text()) for p in files]
+
+
+def read_stream_index(folder: Path) -> dict[str, Any] | None:
+    """The shard index a checkpoint saved (:data:`STREAM_INDEX`), or None."""
+    path = folder / STREAM_INDEX
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 class SaveFailedError(RuntimeError):
@@ -187,7 +212,7 @@ def _agree(accelerator: Any, failure: str | None) -> str | None:
 
 def save_checkpoint(
     accelerator: Any, ckpt_dir: Path, state: TrainState, keep: int, stream_state: dict | None = None, *,
-    need_bytes: Callable[[], int] | None = None,
+    need_bytes: Callable[[], int] | None = None, stream_index: dict | None = None,
 ) -> Path:
     """``accelerator.save_state`` into a temporary folder, then an atomic rename to ``step-N``; the older
     checkpoints beyond the last ``keep`` (and any of a later step, left by the trajectory a resume from an
@@ -199,7 +224,8 @@ def save_checkpoint(
     written by accelerate (the main process for shared files, each process its ``random_states_<rank>.pkl``), so
     on a filesystem shared by several nodes each file has one writer. The main process then records the size and
     sha256 of every file (:func:`finetune.resume.file_manifest`) in ``train_state.json``, gives the files the
-    user's umask (safetensors writes ``0600``) and renames the folder.
+    user's umask (safetensors writes ``0600``) and renames the folder. ``stream_index``: the stream's shard index,
+    written by the main process as :data:`STREAM_INDEX`.
 
     Raises:
         SaveFailedError: a write failed on some process (every process raises it): the temporary folder is
@@ -221,6 +247,8 @@ def save_checkpoint(
         accelerator.save_state(str(tmp))
         if stream_state is not None:
             stream_state_file(tmp, accelerator.process_index).write_text(json.dumps(stream_state))
+        if stream_index is not None and main:
+            (tmp / STREAM_INDEX).write_text(json.dumps(stream_index))
 
     def finish() -> None:
         if main:

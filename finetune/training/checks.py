@@ -15,7 +15,7 @@ from accelerate.utils import broadcast_object_list
 from finetune.config import Recipe, RecipeError
 from finetune.data.images import DataError
 from finetune.data.sources import SourceSpec
-from finetune.data.streams import STREAM_EXAMPLE_FIELDS, _check_fields
+from finetune.data.streams import STREAM_EXAMPLE_FIELDS, check_fields
 from finetune.objectives import Objective
 from finetune.run_folder import RunFolderError, check_free_space, estimate_run_bytes, folder_bytes
 from finetune.training.optim import warmup_problem
@@ -56,7 +56,7 @@ def _check_example_fields(spec: SourceSpec, objective: Any, recipe: Any) -> None
     """A RecipeError when a term reads an example field (:meth:`~finetune.objectives.base.Term.example_fields`)
     that the stream does not pass through: without it the first batch would raise, after the evaluation."""
     try:
-        fields = _check_fields(spec)
+        fields = check_fields(spec)
     except DataError as error:
         raise RecipeError(f"data.train: {error}", key="data.train.options.fields") from None
     passed = {key.rpartition(".")[2] for key in fields} | STREAM_EXAMPLE_FIELDS

@@ -26,11 +26,13 @@ class RunData:
         train: ``data.train`` as loaded (a ``LoadedSource``), or None for a stream (opened by the loop).
         eval: one ``LoadedSource`` per ``eval.sets`` entry (empty when nothing is evaluated).
         resume: the checkpoint ``train.resume`` names, found and checked, or None.
+        stream_index: a streamed ``data.train``'s shard index (the same on every process), or None.
     """
 
     train: Any
     eval: list[Any] = field(default_factory=list)
     resume: Path | None = None
+    stream_index: Any = None
 
 
 @dataclass

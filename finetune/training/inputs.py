@@ -15,11 +15,13 @@ from finetune.config import Recipe
 from finetune.data.images import DEFAULT_MAX_IMAGE_PIXELS, DataError, set_max_image_pixels
 from finetune.data.skipping import drop_undecodable
 from finetune.data.sources import load_source
-from finetune.data.streams import (ExampleStream, check_stream_columns, check_stream_shards, open_stream,
+from finetune.data.streams import (ExampleStream, ShardIndex, check_stream_columns, check_stream_shards, open_stream,
                                    shard_layout)
+from finetune.data.streams.source import stream_shards
 from finetune.evaluation import set_label
 from finetune.objectives import Objective, Term
 from finetune.resume import CheckpointError, find_checkpoint
+from finetune.training.checkpoint import read_stream_index
 from finetune.training.context import RunData, TrainingSet
 
 log = logging.getLogger("xlipkit")
@@ -41,12 +43,15 @@ def load_data(recipe: Recipe, accelerator: Any) -> RunData:
     set_max_image_pixels(getattr(recipe.data, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
     options = dict(on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir,
                    validate=getattr(recipe.data, "validate", "header"))
-    train = None
+    train, index = None, None
     if recipe.data.train.is_stream:  # a typed SourceSpec since load_recipe
         try:
             check_stream_shards(recipe.data.train, accelerator.num_processes)
-            check_stream_columns(recipe.data.train, rank=accelerator.process_index,
-                                 world_size=accelerator.num_processes)
+            index = stream_index(recipe, accelerator, resume)
+            source = open_stream(recipe.data.train, rank=accelerator.process_index,
+                                 world_size=accelerator.num_processes, index=index)
+            check_stream_columns(recipe.data.train, source=source)
+            check_broken_shards(source, recipe.data.on_error)
         except DataError as exc:
             raise DataError(f"training set (data.train): {exc}") from exc
     else:
@@ -65,7 +70,53 @@ def load_data(recipe: Recipe, accelerator: Any) -> RunData:
                 except (DataError, OSError) as exc:
                     raise DataError(f"evaluation set {set_label(spec)!r} (eval.sets) could not be loaded: "
                                     f"{exc}") from exc
-    return RunData(train=train, eval=sets, resume=resume)
+    return RunData(train=train, eval=sets, resume=resume, stream_index=index)
+
+
+def stream_index(recipe: Recipe, accelerator: Any, resume: Path | None) -> ShardIndex:
+    """The streamed ``data.train``'s shard index (sample counts), the same on every process: the one the resumed
+    checkpoint saved (its positions count on it), else ``options.index``, else counted once by the main process
+    (:func:`finetune.data.streams.build_index`) and told to the others.
+
+    Raises:
+        DataError: on every process, when the main process could not count (naming the shard).
+    """
+    spec = recipe.data.train
+    found, error = None, None
+    if accelerator.is_main_process:
+        try:
+            saved = read_stream_index(resume) if resume is not None else None
+            kind, urls = stream_shards(spec)
+            if saved is not None:
+                found = ShardIndex.from_json(saved, kind, where=f"{resume}/stream_index.json")
+                if not found.matches(urls):
+                    raise DataError(f"train.resume: the checkpoint {resume} was saved reading other shards than "
+                                    "data.train's; resume with the shards it was saved with")
+            else:
+                found = open_stream(spec).index
+            found = found.to_json()
+        except DataError as exc:
+            error = str(exc)
+    if accelerator.num_processes > 1:
+        found, error = broadcast_object_list([found, error])
+    if error:
+        raise DataError(error)
+    return ShardIndex.from_json(found, found["kind"], where="the stream index")
+
+
+def check_broken_shards(source: Any, on_error: str) -> None:
+    """Tar shards that end early, found when they were counted: named in a warning (``data.on_error: skip``: the
+    rest of each is skipped and counted every epoch), or a DataError before the model loads (``raise``)."""
+    broken = source.index.broken
+    if not broken:
+        return
+    listed = "; ".join(f"{url}: {why}" for url, why in list(broken.items())[:5])
+    if on_error == "raise":
+        raise DataError(f"{len(broken)} shard(s) cannot be read to their end ({listed}): they are truncated or damaged. "
+                        "Replace or remove them, or set data.on_error: skip to skip the rest of a broken shard "
+                        "(counted in metrics.json)")
+    log.warning("data.train: %d shard(s) end early and their rest is skipped every epoch (data.on_error: skip): %s",
+                len(broken), listed)
 
 
 def find_resume(recipe: Recipe, accelerator: Any) -> Path | None:
@@ -92,13 +143,14 @@ def find_resume(recipe: Recipe, accelerator: Any) -> Path | None:
     return found
 
 
-def training_set(recipe: Recipe, source: Any, objective: Objective, model: Any, accelerator: Any) -> TrainingSet:
+def training_set(recipe: Recipe, source: Any, objective: Objective, model: Any, accelerator: Any,
+                 index: ShardIndex | None = None) -> TrainingSet:
     """The rows the loop trains on: ``data.train`` (``source``, as loaded) after the objective's preprocessing,
     computed once by the main process and reused from the cache by the others; images that do not decode are
     dropped first when a term preprocesses the whole set (it decodes every image). A stream is opened instead
     (``source`` None)."""
     if source is None:
-        return TrainingSet(open_train_stream(recipe, objective, model, accelerator))
+        return TrainingSet(open_train_stream(recipe, objective, model, accelerator, index))
     _log_skips("train", source)
     with accelerator.main_process_first():  # cached preprocessing: computed once, then reused by the others
         rows = source.dataset
@@ -114,16 +166,21 @@ def training_set(recipe: Recipe, source: Any, objective: Objective, model: Any, 
     return TrainingSet(rows, source)
 
 
-def open_train_stream(recipe: Recipe, objective: Objective, model: Any, accelerator: Any) -> ExampleStream:
-    """``data.train`` as this process's :class:`~finetune.data.streams.ExampleStream`, the objective's
-    per-example work (``stream_map``) run on every example."""
+def open_train_stream(recipe: Recipe, objective: Objective, model: Any, accelerator: Any,
+                      index: ShardIndex | None = None) -> ExampleStream:
+    """``data.train`` as this process's :class:`~finetune.data.streams.ExampleStream` (over ``index``, the run's
+    shard index), the objective's per-example work (``stream_map``) run on every example."""
     spec = recipe.data.train
     rank, world = accelerator.process_index, accelerator.num_processes
-    raw = open_stream(spec, rank=rank, world_size=world)
-    shards = check_stream_shards(spec, world)  # None for a hub dataset
-    log.info("training on a stream: %s, %s; process %d reads %d, %d steps", spec.name,
-             shard_layout(shards, world, recipe.data.num_workers) if shards else f"{world} process(es)",
-             rank, raw.num_shards, recipe.train.max_steps)
+    raw = open_stream(spec, rank=rank, world_size=world, index=index)
+    per_epoch = raw.num_examples / recipe.train.batch_size
+    log.info("training on a stream: %s, %s; an epoch is %.1f steps of train.batch_size=%d, %d steps in all",
+             spec.name, shard_layout(raw.num_shards, world, recipe.data.num_workers, raw.num_examples), per_epoch,
+             recipe.train.batch_size, recipe.train.max_steps)
+    if spec.shuffle_buffer > 1:
+        log.info("data.train.shuffle_buffer=%d: each reader gives its share in shuffled blocks of %d samples; a resume "
+                 "reads the current block again (at most %d samples per reader) and is exact", spec.shuffle_buffer,
+                 spec.shuffle_buffer, spec.shuffle_buffer)
     return ExampleStream(raw, spec, on_error=recipe.data.on_error, rank=rank, world_size=world,
                          transform=functools.partial(objective.stream_map, model=model))
 
@@ -131,8 +188,8 @@ def open_train_stream(recipe: Recipe, objective: Objective, model: Any, accelera
 def stream_report(loader: Any, accelerator: Any) -> dict:
     """The streams' counts summed over processes and their data-loader workers: examples ``read``, ``used``,
     ``skipped`` (and the first skipped ones), broken webdataset shards whose rest was skipped
-    (``skipped_shard_count``, each time; ``skipped_shards``, the first few with why), the ``epoch`` of process 0 (its
-    slowest worker's), ``num_processes``, ``num_workers`` (of process 0)."""
+    (``skipped_shard_count``, each time; ``skipped_shards``, the first few with why), the global ``epoch`` (epochs
+    every reader of every process finished), ``num_processes``, ``num_workers`` (of process 0)."""
     reports = gather_object([loader.report()]) if accelerator.num_processes > 1 else [loader.report()]
     skipped_examples = [e for r in reports for e in r["skipped_examples"]][:5]
     skipped = sum(r["skipped"] for r in reports)
@@ -140,12 +197,13 @@ def stream_report(loader: Any, accelerator: Any) -> dict:
         log.warning("train stream %s: skipped %d unreadable examples (first: %s)", loader.spec.name, skipped,
                     ", ".join(str(e["id"]) for e in skipped_examples))
     shards = list({e["shard"]: e for r in reports for e in r.get("skipped_shards", [])}.values())[:5]
+    epoch = min(r["epoch"] for r in reports)  # epochs every reader of every process finished
     broken = sum(r.get("skipped_shard_count", 0) for r in reports)
     if broken:
         log.warning("train stream %s: skipped the rest of %d broken shard(s) %d time(s) in all: %s", loader.spec.name,
                     len(shards), broken, ", ".join(f"{e['shard']} ({e['reason']})" for e in shards))
     return {"format": loader.spec.name, "num_processes": len(reports), "num_workers": reports[0]["num_workers"],
-            "epoch": reports[0]["epoch"], "read": sum(r["read"] for r in reports),
+            "epoch": epoch, "read": sum(r["read"] for r in reports),
             "used": sum(r["used"] for r in reports), "skipped": skipped, "skipped_examples": skipped_examples,
             "skipped_shard_count": broken, "skipped_shards": shards}
 

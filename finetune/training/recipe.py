@@ -142,7 +142,7 @@ class FinetuneRecipe:
                  recipe.model.name_or_path, ctx.model.backend, ctx.model.family, f"{ctx.parameters[1]:,}",
                  f"{ctx.parameters[0]:,}", ctx.model.max_text_len)
         check_room(recipe, ctx.model, ctx.objective, ctx.data.train, acc)  # before any preprocessing or step
-        ctx.training_set = training_set(recipe, ctx.data.train, ctx.objective, ctx.model, acc)
+        ctx.training_set = training_set(recipe, ctx.data.train, ctx.objective, ctx.model, acc, ctx.data.stream_index)
 
     def setup_eval(self) -> None:
         """The evaluation options of the recipe, and Recall@K before training (``eval.before``)."""

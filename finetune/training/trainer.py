@@ -30,10 +30,10 @@ from finetune.data.skipping import SKIPPED_KEY
 from finetune.data.streams import StreamLoader, set_terms_epoch
 from finetune.models.compile import compile_blocks
 from finetune.objectives.base import Features, Objective, merge_features
-from finetune.resume import check_continuation, find_checkpoint, rng_problem
+from finetune.resume import check_continuation, find_checkpoint, rng_problem, rng_state_name
 from finetune.run_folder import continuation_view
-from finetune.training.checkpoint import (SaveFailedError, TrainState, list_checkpoints, save_checkpoint,
-                                          stream_state_file)
+from finetune.training.checkpoint import (SaveFailedError, TrainState, list_checkpoints, read_stream_states,
+                                          save_checkpoint)
 from finetune.training.loaders import map_loader
 from finetune.training.meter import StepMeter
 from finetune.training.optim import build_optimizer, build_scheduler
@@ -255,6 +255,9 @@ class Trainer:
         saved = TrainState.from_json((path / "train_state.json").read_text())
         check_continuation(saved.recipe, view, path, ignore_changes=ignore_changes)
         rng_missing = rng_problem(path, self.acc.process_index) if ignore_rng else None
+        if rng_missing is None and not (path / rng_state_name(self.acc.process_index)).is_file():
+            rng_missing = (f"the checkpoint was saved by fewer processes (no {rng_state_name(self.acc.process_index)}): "
+                           "a requeue on another number of processes")
         self.acc.load_state(str(path))
         if rng_missing:  # accelerate skipped (or loaded a damaged) RNG state: a fresh one, reproducible from the step
             set_seed(self.cfg.seed + saved.step + 1_000_003 * self.acc.process_index)
@@ -263,13 +266,7 @@ class Trainer:
         self.state = saved
         self.state.recipe = view if view is not None else saved.recipe
         if self.stream is not None:
-            file = stream_state_file(path, self.acc.process_index)
-            if not file.is_file():
-                raise FileNotFoundError(
-                    f"train.resume: {path} has no stream position for process {self.acc.process_index} ({file.name}): "
-                    "it was saved from map-style data or with fewer processes; resume with the data.train and "
-                    "number of processes it was saved with")
-            self.stream.load_state_dict(json.loads(file.read_text()))
+            self.stream.load_states(read_stream_states(path))
         log.info("resumed from %s at step %d", path, self.state.step)
         return True
 
@@ -421,8 +418,9 @@ class Trainer:
         saving = time.perf_counter()
         self.state.train_time_s = self._time_before + clock.elapsed() - clock.excluded_s
         stream_state = self.stream.state_dict() if self.stream is not None else None
+        index = self.stream.stream.source.index.to_json() if self.stream is not None else None
         path = save_checkpoint(self.acc, self.ckpt_dir, self.state, self.cfg.keep_checkpoints, stream_state,
-                               need_bytes=self._checkpoint_bytes)
+                               need_bytes=self._checkpoint_bytes, stream_index=index)
         clock.excluded_s += time.perf_counter() - saving
         return path
 
@@ -485,12 +483,12 @@ class Trainer:
         if log_now and self.state.interval_counts:
             entry = self.state.close_interval(values)
             self.state.history.append({"step": step, **entry})
-            self.acc.log({f"train/{k}": v for k, v in entry.items()}, step=step)
+            self.acc.log({**{f"train/{k}": v for k, v in entry.items()}, "train/epoch": self.epoch_at(step)}, step=step)
         if values:
             rate = (self.state.samples_seen - clock.marks[0].samples) / max(clock.elapsed(), 1e-9)
             # the total, then every term's value under its logged name (``clip``, ``structxlip/local``)
             bar.set_postfix({"loss": f"{values['loss']:.4f}", **{k: f"{v:.4f}" for k, v in term_values(values)},
-                             "samples_s": f"{rate:.1f}"})
+                             "epoch": f"{self.epoch_at(step):.2f}", "samples_s": f"{rate:.1f}"})
         if stopping:
             bar.close()
             try:
@@ -502,6 +500,14 @@ class Trainer:
             self._save(clock)
         if on_step is not None and applied:
             on_step(step, values)
+
+    def epoch_at(self, step: int) -> float:
+        """The global epoch after ``step`` optimiser steps, in epochs of the whole training set (every process and
+        worker together): the examples drawn so far over the examples of one epoch (a stream: its samples, bad ones
+        included; map-style data: the steps of an epoch)."""
+        if self.stream is not None:
+            return step * self.cfg.batch_size / max(1, self.stream.stream.source.num_examples)
+        return step / max(1, self.steps_per_epoch)
 
     def _result(self, clock: LoopClock) -> TrainResult:
         """The :class:`TrainResult` of a finished loop."""

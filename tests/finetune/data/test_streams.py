@@ -347,45 +347,74 @@ def test_state_from_another_process_layout_is_refused(tmp_path):
     spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00001}.tar")}
     state = ExampleStream(open_stream(spec), spec).state_dict()
     other = ExampleStream(open_stream(spec, rank=1, world_size=2), spec, rank=1, world_size=2)
-    with pytest.raises(DataError, match="saved by process 0 of 1.*same number of processes"):
+    with pytest.raises(DataError, match=r"saved by reader 0 of 1 \(process 0 of 1\), this is reader 1 of 2: resume "
+                                        "through the loader, which re-splits"):
         other.load_state_dict(state)
 
 
 # --------------------------------------------------------------------------- processes and workers
 
 
-def test_uneven_shards_are_split_by_process_never_multiplied(tmp_path):
+def test_uneven_shards_are_split_by_samples_over_processes(tmp_path):
+    """9 shards of 1 to 4 samples on 4 processes: each process reads 5 or 6 samples of an epoch (a split by samples
+    from the shards' counts, not by shards), every sample exactly once, and the process that reads one more rotates
+    with the epoch."""
     from finetune.data.streams import check_stream_shards, shard_layout
 
-    scenes = _scenes(18)
-    write_webdataset(tmp_path, scenes, 2)  # 9 shards on 4 processes: 3, 2, 2, 2
+    sizes = [1, 4, 2, 3, 1, 4, 2, 3, 2]  # 22 samples
+    scenes = _scenes(sum(sizes))
+    _write_sized(tmp_path, scenes, sizes)
     spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00008}.tar"), "shuffle_buffer": 0}
-    raws = [open_stream(spec, rank=r, world_size=4) for r in range(4)]
-    assert [raw.num_shards for raw in raws] == [3, 2, 2, 2]
-    parts = [[e["id"] for e in _read(ExampleStream(raw, spec, rank=r, world_size=4), 2 * raw.num_shards)]
-             for r, raw in enumerate(raws)]  # one epoch of each process
-    assert sorted(i for part in parts for i in part) == sorted(s["id"] for s in scenes)  # each example once
-    assert parts[1] == [s["id"] for s in scenes[2:4] + scenes[10:12]]  # process 1: shards 1 and 5
-    assert shard_layout(332, 8, 8) == "332 shards over 8 processes: 41 or 42 each, 5 to 6 per worker (8 workers)"
-    assert shard_layout(16, 2, 4) == "16 shards over 2 processes: 8 each, 2 per worker (4 workers)"
-    with pytest.raises(DataError, match=r"has 9 shard file\(s\) for 10 processes.*Write at least 10 shards"):
-        open_stream(spec, rank=0, world_size=10)
-    with pytest.raises(DataError, match="Write at least 10 shards"):
-        check_stream_shards(spec, 10)
-    check_stream_shards(spec, 9)
+    epochs = []
+    for epoch in range(2):
+        parts = []
+        for r in range(4):
+            stream = ExampleStream(open_stream(spec, rank=r, world_size=4), spec)
+            stream.epoch = epoch
+            (first, stop), = stream.share(epoch)
+            parts.append([e["id"] for e in _read(stream, stop - first)])
+        epochs.append([len(p) for p in parts])
+        assert sorted(i for part in parts for i in part) == sorted(s["id"] for s in scenes)  # each sample once
+    assert epochs == [[6, 6, 5, 5], [5, 5, 6, 6]]  # 22 = 4 x 5 + 2: the two readers with one more rotate
+    assert parts[0] == [s["id"] for s in scenes[:5]]  # shards 0, 1 and the first sample... in order, no shuffle
+    assert shard_layout(332, 8, 8, 3_320_000) == ("332 shards (3,320,000 samples) over 8 processes x 8 workers: "
+                                                   "51,875 samples per reader")
+    assert shard_layout(9, 4, 0, 22) == "9 shards (22 samples) over 4 processes: 5 or 6 samples per reader"
+    assert check_stream_shards(spec, 10) == 9  # fewer shards than processes is fine now: samples are split
+    with pytest.raises(DataError, match=r"has 22 samples for 23 readers.*Lower data.num_workers or add data"):
+        _read(ExampleStream(open_stream(spec, rank=0, world_size=23), spec), 1)
 
 
-def test_hub_stream_is_split_by_process(tmp_path):
+def _write_sized(folder: Path, scenes: list[dict], sizes: list[int]) -> list[Path]:
+    """Tar shards ``shard-00000.tar`` ... holding ``sizes[k]`` scenes each, in order."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, start = [], 0
+    for k, n in enumerate(sizes):
+        path = folder / f"shard-{k:05d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for scene in scenes[start:start + n]:
+                for ext, data in (("png", scene["png"]), ("txt", scene["caption"].encode("utf-8"))):
+                    info = tarfile.TarInfo(f"{scene['id']}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(path)
+        start += n
+    return paths
+
+
+def test_hub_stream_is_split_by_samples(tmp_path):
     scenes = _scenes(12)
     write_parquet(tmp_path / "repo" / "data", scenes, 4, prefix="train")  # 3 files
     spec = {"name": "hub", "path": str(tmp_path / "repo"), "split": "train", "image_column": "jpg",
             "caption_column": "text", "id_column": "key", "shuffle_buffer": 0}
     raws = [open_stream(spec, rank=r, world_size=2) for r in range(2)]
-    assert [raw.num_shards for raw in raws] == [2, 1]
-    parts = [{e["id"] for e in _read(ExampleStream(raw, spec), 4 * raw.num_shards)} for raw in raws]
+    assert [(raw.num_shards, raw.num_examples, raw.index.kind) for raw in raws] == [(3, 12, "parquet")] * 2
+    parts = [{e["id"] for e in _read(ExampleStream(raw, spec), 6)} for raw in raws]
     assert not parts[0] & parts[1] and parts[0] | parts[1] == {s["id"] for s in scenes}
-    with pytest.raises(DataError, match="has 3 shard\\(s\\) for 4 processes"):
-        open_stream(spec, rank=0, world_size=4)
+    (tmp_path / "json" / "data").mkdir(parents=True)
+    (tmp_path / "json" / "data" / "train.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(DataError, match="its data files are jsonl files; a hub stream reads parquet or webdataset"):
+        open_stream({**spec, "path": str(tmp_path / "json")})
 
 
 class _Record:
@@ -471,27 +500,35 @@ def test_workers_count_bad_samples_for_the_report(tmp_path):
     assert {e["id"] for e in report["skipped_examples"]} == {scenes[2]["id"], scenes[5]["id"]}
 
 
-def test_fewer_shards_than_workers_warns_and_reads_with_fewer(tmp_path, caplog):
-    write_webdataset(tmp_path, _scenes(4), 4)  # one shard
+def test_one_shard_is_read_by_every_worker_each_sample_once_per_epoch(tmp_path):
+    write_webdataset(tmp_path, _scenes(6), 6)  # one shard of 6 for 3 workers: 2 samples each, by position
     spec = {"name": "webdataset", "urls": str(tmp_path / "shard-00000.tar")}
-    with caplog.at_level("WARNING", logger="finetune.data.streams"):
-        loader = _loader(spec, 3)
-    assert loader.num_workers == 1
-    assert "has only 1 shard(s) of webdataset: it reads them with 1 worker(s). Write at least 3 shards" in caplog.text
-    batches = _batches(loader, 5)  # 2.5 epochs, no worker waiting for a shard
-    assert len({b["pid"] for b in batches}) == 1 and [b["loader_epoch"] for b in batches] == [0, 0, 1, 1, 2]
+    loader = _loader(spec, 3)
+    assert loader.num_workers == 3
+    batches = _batches(loader, 6)  # two epochs
+    assert len({b["pid"] for b in batches}) == 3
+    for epoch in range(2):
+        ids = [i for b in batches[3 * epoch:3 * epoch + 3] for i in b["ids"]]
+        assert sorted(ids) == sorted(s["id"] for s in _scenes(6))
+    assert [b["loader_epoch"] for b in batches] == [0, 0, 0, 1, 1, 1]
 
 
-def test_resuming_with_another_number_of_workers_is_refused(tmp_path):
-    write_webdataset(tmp_path, _scenes(8), 2)
+def test_resuming_with_another_number_of_workers_splits_what_is_left(tmp_path):
+    scenes = _scenes(8)
+    write_webdataset(tmp_path, scenes, 2)
     spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00003}.tar")}
     first = _loader(spec, 2)
-    _batches(first, 3)
+    head = [i for b in _batches(first, 3) for i in b["ids"]]
     state = json.loads(json.dumps(first.state_dict()))
-    with pytest.raises(DataError, match="with 2 data-loader worker.*with 1: resume with the same number of processes"):
+    with pytest.raises(DataError, match="with 2 data-loader worker.*with 1: load every process's position"):
         _loader(spec, 1).load_state_dict(state)
+    resumed = _loader(spec, 1)
+    assert resumed.load_states([state]) is True  # the layout changed
+    tail = [i for b in _batches(resumed, 1) for i in b["ids"]]
+    assert sorted(head + tail) == sorted(s["id"] for s in scenes)  # the epoch ends with nothing read twice
+    assert resumed.report()["used"] == 8
     with pytest.raises(DataError, match="older xlipkit"):
-        _loader(spec, 0).load_state_dict({"version": 1, "rank": 0, "world_size": 1, "epoch": 0, "dataset": None})
+        _loader(spec, 0).load_state_dict({"version": 2, "rank": 0, "world_size": 1, "epoch": 0, "loader": {}})
 
 
 def test_fcast_superpixels_and_subcaption_epochs_are_computed_in_the_workers(tmp_path, monkeypatch):
@@ -621,8 +658,8 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
     assert b["train_stream"]["epoch"] == 1 and b["train_stream"]["used"] == 32
     ckpt = tmp_path / "run" / "checkpoints" / "step-6" / "stream_state_0.json"
     state = json.loads(ckpt.read_text())
-    assert (state["num_workers"], state["num_shards"]) == (2, 4)
-    assert [state["reports"][w]["used"] for w in ("0", "1")] == [12, 12]  # 3 batches of 4 from each worker
+    assert (state["num_workers"], state["readers"], state["num_examples"]) == (2, 2, 24)
+    assert [state["positions"][w]["yielded"] for w in ("0", "1")] == [12, 12]  # 3 batches of 4 from each worker
     # the stream position is part of the checkpoint's manifest: a changed byte is named on resume
     import hashlib
 
@@ -630,7 +667,7 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
 
     manifest = json.loads((ckpt.parent / "train_state.json").read_text())["files"]
     assert manifest["stream_state_0.json"]["sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest()
-    ckpt.write_text(ckpt.read_text().replace('"version": 2', '"version": 3', 1))  # same size, other bytes
+    ckpt.write_text(ckpt.read_text().replace('"version": 3', '"version": 4', 1))  # same size, other bytes
     assert checkpoint_problem(ckpt.parent).startswith("stream_state_0.json is damaged")
 
 
@@ -689,12 +726,13 @@ def test_two_processes_read_disjoint_shards(tmp_path):
     assert not set(ids[0]) & set(ids[1])
     shards_seen = [{shard_of[i] for i in x} for x in ids]
     assert shards_seen[0].isdisjoint(shards_seen[1])
-    assert ids[0] == [s["id"] for s in scenes[0:6]] and ids[1] == [s["id"] for s in scenes[6:12]]
+    # the epoch's 24 samples split by position: process 0 reads 0-11, process 1 12-23 (shuffle_buffer 0: in order)
+    assert ids[0] == [s["id"] for s in scenes[0:6]] and ids[1] == [s["id"] for s in scenes[12:18]]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["num_processes"] == 2 and metrics["train_stream"]["used"] == 12 and len(shards) == 4
     ckpt = tmp_path / "run" / "checkpoints" / "step-3"
     states = [json.loads((ckpt / f"stream_state_{r}.json").read_text()) for r in range(2)]
-    assert [(s["rank"], s["world_size"], s["reports"]["0"]["used"]) for s in states] == [(0, 2, 6), (1, 2, 6)]
+    assert [(s["rank"], s["world_size"], s["positions"]["0"]["yielded"]) for s in states] == [(0, 2, 6), (1, 2, 6)]
 
 
 def test_preview_of_a_stream_recipe(tmp_path):
@@ -739,7 +777,8 @@ def test_a_truncated_shard_is_skipped_counted_and_named(tmp_path, num_workers):
     ids = [i for b in _batches(loader, 11) for i in b["ids"]]  # about two epochs of 11 usable scenes
     assert set(ids) == {s["id"] for k, s in enumerate(scenes) if k != 5}
     report = loader.report()
-    assert report["skipped_shards"] == [{"shard": str(shards[1]), "reason": "ReadError: unexpected end of data"}]
+    assert report["skipped_shards"] == [{"shard": str(shards[1]),
+                                         "reason": f"it ends inside the data of member {scenes[5]['id']}.txt"}]
     assert report["skipped_shard_count"] >= 1 and report["skipped"] == 0  # no example blamed for the shard
 
 
@@ -747,8 +786,8 @@ def test_a_truncated_shard_raises_naming_it_with_on_error_raise(tmp_path):
     shards = write_webdataset(tmp_path, _scenes(12), 3)
     _truncate_last_member(shards[2])
     spec = {"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00003}.tar"), "shuffle_buffer": 0}
-    with pytest.raises(DataError, match=r"shard .*shard-00002\.tar cannot be read to its end \(ReadError: unexpected "
-                                        r"end of data\): it is truncated or damaged.*data\.on_error: skip"):
+    with pytest.raises(DataError, match=r"shard .*shard-00002\.tar cannot be read to its end \(it ends inside the data "
+                                        r"of member .*\.txt\): it is truncated or damaged.*data\.on_error: skip"):
         _batches(_loader(spec, 2, on_error="raise"), 6)
 
 

@@ -131,7 +131,7 @@ def test_two_processes_two_workers_killed_and_resumed_see_each_example_once_per_
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints == ["step-3", "step-6"] and not (tmp_path / "run" / "metrics.json").exists()
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-6" / "stream_state_1.json").read_text())
-    assert (state["rank"], state["world_size"], state["num_workers"], state["num_shards"]) == (1, 2, 2, 4)
+    assert (state["rank"], state["world_size"], state["num_workers"], state["readers"]) == (1, 2, 2, 4)
 
     with socket.socket() as sock:  # a free port for the "main process" of the two-node launch
         sock.bind(("127.0.0.1", 0))
@@ -160,8 +160,9 @@ def test_two_processes_two_workers_killed_and_resumed_see_each_example_once_per_
     assert sorted(epoch_0) == sorted(s["id"] for s in scenes)  # every example exactly once in the epoch
     epoch_1 = [i for r in range(2) for ids in trained[r][steps_per_epoch:] for i in ids]
     assert len(epoch_1) == len(set(epoch_1)) == 16  # half of the next epoch, no example twice
-    ranks = [{i for ids in trained[r] for i in ids} for r in range(2)]
-    assert not ranks[0] & ranks[1]  # each process reads its own shards
+    for part in (slice(0, steps_per_epoch), slice(steps_per_epoch, None)):  # each process its own samples
+        ranks = [{i for ids in trained[r][part] for i in ids} for r in range(2)]
+        assert not ranks[0] & ranks[1]
 
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["num_processes"] == 2 and metrics["steps"] == 12
