@@ -65,6 +65,7 @@ RECIPE_NAME = "recipe.yaml"
 RUN_OUTPUTS = ("final", "metrics.json", "report.md", "plots", "checkpoints", "logs", RECIPE_NAME)
 #: train keys that do not change the weights a continued run reaches
 _BOOKKEEPING_TRAIN_KEYS = frozenset({"resume", "resume_ignore_changes", "resume_ignore_rng", "checkpoint_every",
+                                     "process_group_timeout_s",
                                      "keep_checkpoints", "log_every", "trackers"})
 
 

@@ -401,6 +401,9 @@ class TrainConfig:
     fused_optimizer: Literal["auto"] | Bool = "auto"
     compile: Annotated[Bool, _doc(
         "compile the towers' transformer blocks with torch.compile (captions padded to a few fixed lengths)")] = False
+    process_group_timeout_s: Annotated[_int(ge=1), _doc(
+        "seconds a process waits for the others at a collective (a first download or preprocessing on the main "
+        "process included) before the launch fails; NCCL's own default is 600")] = 7200
 
 
 @_section(("output",))

@@ -11,14 +11,21 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
+
+from finetune.training.distributed import process_group_kwargs, slurm_environment
 
 __all__ = ["cpu_threads", "flat_scalars", "make_accelerator", "setup_logging"]
 
 
 def make_accelerator(recipe: Any) -> Accelerator:
     """The run's ``Accelerator``: ``train.mixed_precision``, the trackers of ``train.trackers`` logging into
-    ``output.dir/logs``, and loaders that split each global batch over the processes (``split_batches``)."""
+    ``output.dir/logs``, loaders that split each global batch over the processes (``split_batches``),
+    ``train.accumulation_steps`` micro-batches per optimiser step (accelerate's ``accumulate`` counts them, so that the
+    optimiser, DeepSpeed's engine included, steps once per accumulated batch), the process group's timeout
+    (``train.process_group_timeout_s``) and, under ``srun`` without a launcher, SLURM's variables
+    (:func:`~finetune.training.distributed.slurm_environment`)."""
+    slurm_environment()
     out_dir = Path(recipe.output.dir)
     trackers = list(recipe.train.trackers or [])
     return Accelerator(
@@ -26,6 +33,9 @@ def make_accelerator(recipe: Any) -> Accelerator:
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "logs")),
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),  # pinned batches overlap
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=recipe.train.accumulation_steps,
+                                                                sync_with_dataloader=False),
+        kwargs_handlers=process_group_kwargs(recipe),
     )
 
 

@@ -52,7 +52,7 @@ def evaluate_after(ctx: RunContext) -> AfterTraining:
     and the counts every process contributes to; a collective, so every process calls it."""
     ev, acc, trainer = ctx.recipe.eval, ctx.accelerator, ctx.trainer
     acc.wait_for_everyone()
-    model = trainer.trained_model()
+    model = trainer.final_model()  # gathered where FSDP or ZeRO-3 shard it
     model.eval()
     options = dict(accelerator=acc, sources=ctx.data.eval or None)
     after = evaluate_sets(model, ev.sets, ctx.evaluation, **options) if ev.sets and ev.after else {}

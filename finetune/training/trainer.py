@@ -8,7 +8,7 @@ does, feature by feature: :mod:`finetune.training`.
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import functools
 import json
 import logging
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -32,6 +32,7 @@ from finetune.models.compile import compile_blocks
 from finetune.objectives.base import Features, Objective, merge_features
 from finetune.resume import check_continuation, find_checkpoint, rng_problem, rng_state_name
 from finetune.run_folder import continuation_view
+from finetune.training.distributed import layer_classes, resolve_deepspeed, sharded
 from finetune.training.checkpoint import (SaveFailedError, TrainState, list_checkpoints, read_stream_states,
                                           save_checkpoint)
 from finetune.training.loaders import map_loader
@@ -60,6 +61,20 @@ class DivergedError(RuntimeError):
     newest checkpoint with finite weights and what to change)."""
 
 
+def distributed_type(accelerator: Any) -> str:
+    """accelerate's distributed type as a name (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``FSDP``, ``DEEPSPEED``)."""
+    kind = accelerator.distributed_type
+    return getattr(kind, "name", str(kind))
+
+
+class _RecipeView:
+    """The ``recipe.train`` shape :func:`~finetune.training.distributed.resolve_deepspeed` reads, over the loop's
+    ``cfg``."""
+
+    def __init__(self, train: Any) -> None:
+        self.train = train
+
+
 class TrainModule(nn.Module):
     """The model and the objective's own parameters in one module, so that ``accelerator.prepare`` wraps
     both (DDP synchronises the temperatures of added terms too) and every encoder call runs inside the
@@ -69,6 +84,8 @@ class TrainModule(nn.Module):
         super().__init__()
         self.model = model
         self.objective = objective
+        #: the encoder layers of the model's family, each one FSDP unit under accelerate's transformer wrap policy
+        self._no_split_modules = layer_classes(model)
 
     def forward(
         self,
@@ -202,10 +219,29 @@ class Trainer:
         processes. Batches stay on the host here and reach the device through the loop's
         :class:`~finetune.data.prefetch.DevicePrefetcher` (a side-stream copy from pageable memory:
         :mod:`finetune.data.prefetch` says why not pinned memory)."""
+        if distributed_type(self.acc) == "DEEPSPEED":
+            optimizer, scheduler = self._deepspeed(optimizer, scheduler)
+        self._skeleton = copy.deepcopy(self.module.model).cpu() if sharded(self.acc) else None
         self.wrapped, self.optimizer, self.scheduler = self.acc.prepare(self.module, optimizer, scheduler)
         self.loader = loader if self.stream is not None else self.acc.prepare_data_loader(
             loader, device_placement=False)
         self._model = self.trained_model()
+
+    def _deepspeed(self, optimizer: Any, scheduler: Any) -> tuple[Any, Any]:
+        """DeepSpeed's "auto" values resolved from the recipe (:func:`finetune.training.distributed.resolve_deepspeed`);
+        where its config has an ``optimizer`` / ``scheduler`` section, accelerate's ``DummyOptim`` /
+        ``DummyScheduler`` over the run's parameter groups take the place of the run's own."""
+        from accelerate.utils import DummyOptim, DummyScheduler
+
+        plugin = self.acc.state.deepspeed_plugin
+        resolve_deepspeed(plugin, _RecipeView(self.cfg), self.acc.num_processes, self.module, self.total_steps)
+        config = plugin.deepspeed_config
+        if "optimizer" in config:
+            optimizer = DummyOptim(optimizer.param_groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+            if "scheduler" in config:
+                scheduler = DummyScheduler(optimizer, total_num_steps=self.total_steps,
+                                           warmup_num_steps=self.cfg.warmup_steps)
+        return optimizer, scheduler
 
     @staticmethod
     def _planned(collate_fn: Callable, module: TrainModule, cfg: Any) -> Callable:
@@ -221,9 +257,23 @@ class Trainer:
                               pad_lengths=pad)
 
     def trained_model(self) -> nn.Module:
-        """The model as it trains, out of accelerate's wrapper (the one place that unwraps it: what the final
-        evaluation reads and ``final/`` saves)."""
+        """The model as it trains, out of accelerate's wrapper (the one place that unwraps it; sharded weights stay
+        sharded: :meth:`final_model` gathers them)."""
         return self.acc.unwrap_model(self.wrapped).model
+
+    def final_model(self) -> nn.Module:
+        """The trained model with its whole weights on every process, for the final evaluation, ``final/``, the push
+        and the export: :meth:`trained_model`, or, where FSDP or DeepSpeed ZeRO-3 shard the weights, a copy of the
+        model taken before sharding loaded with ``accelerator.get_state_dict`` (a collective: every process calls
+        it)."""
+        if self._skeleton is None:
+            return self.trained_model()
+        state = self.acc.get_state_dict(self.wrapped)
+        if self.acc.num_processes > 1:
+            state = broadcast_object_list([state if self.acc.is_main_process else None])[0]
+        weights = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        self._skeleton.load_state_dict(weights)
+        return self._skeleton.to(self.acc.device)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def maybe_resume(self, resume: str | None, *, checkpoint: str | Path | None = None,
@@ -283,8 +333,9 @@ class Trainer:
         # backward runs even on a non-finite loss, so that every process takes part in the gradient
         # all-reduce; the step is then dropped (or the run stopped) by the caller
         if accum == 1:
-            out = self.wrapped(batch)
-            self.acc.backward(out["loss"])
+            with self.acc.accumulate(self.wrapped):
+                out = self.wrapped(batch)
+                self.acc.backward(out["loss"])
             return out
         micro = split_batch(batch, accum)
         with torch.no_grad():
@@ -292,11 +343,13 @@ class Trainer:
         cache = [{k: v.detach() for k, v in feats.items()} for feats in cache]
         out: dict[str, Tensor] = {}
         for j, mb in enumerate(micro):
-            last = j == accum - 1
-            ctx = self.acc.no_sync(self.wrapped) if not last else contextlib.nullcontext()
-            with ctx:
-                out = self.wrapped(mb, cache=cache, index=j, detach_params=not last)
-                self.acc.backward(out["loss"])
+            # accelerate's accumulate: no gradient sync and no optimiser step (DeepSpeed's engine included) before the
+            # last micro-batch. Each micro-batch's loss is the whole accumulated batch's, so their gradients add up to
+            # its gradient: the division by the accelerator's accumulation steps that accelerate (or the engine) applies
+            # is undone here
+            with self.acc.accumulate(self.wrapped):
+                out = self.wrapped(mb, cache=cache, index=j, detach_params=j != accum - 1)
+                self.acc.backward(out["loss"] * self.acc.gradient_accumulation_steps)
         return out
 
     def train_step(self, batch: dict[str, Any], step: int) -> None:

@@ -1,0 +1,168 @@
+"""The engines past one GPU, through accelerate's own objects: the process group (its timeout, SLURM's ``srun``
+variables), DeepSpeed's "auto" values resolved from the recipe (:func:`resolve_deepspeed`), FSDP's layers to wrap
+(:func:`layer_classes`), and whether the trained weights are sharded (:func:`sharded`).
+
+DeepSpeed: ``accelerate config`` / ``--use_deepspeed`` writes ``"auto"`` for the batch sizes, the accumulation and
+the clipping; accelerate resolves them only when a dataloader is prepared, which a run never does for its model
+(the loop prepares the module, the optimiser and the schedule). :func:`resolve_deepspeed` fills them from the recipe
+through the plugin's own :meth:`~accelerate.utils.DeepSpeedPlugin.deepspeed_config_process` (a value given in the
+config that disagrees with the recipe is an error naming both), the optimiser and schedule keys when the config has
+an ``optimizer`` / ``scheduler`` section, and the bucket sizes from the model's width.
+
+FSDP: accelerate's transformer wrap policy reads ``_no_split_modules`` of the module it wraps; the run's
+:class:`~finetune.training.trainer.TrainModule` sets it to :func:`layer_classes` of its model, so that each encoder
+layer of every family is its own FSDP unit (``fsdp_transformer_layer_cls_to_wrap`` in an accelerate config
+overrides it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+from torch import nn
+
+log = logging.getLogger("xlipkit")
+
+__all__ = ["layer_classes", "process_group_kwargs", "resolve_deepspeed", "sharded", "slurm_environment"]
+
+
+def process_group_kwargs(recipe: Any) -> list[Any]:
+    """accelerate's ``InitProcessGroupKwargs`` with ``train.process_group_timeout_s``: how long a process waits for
+    the others at a collective (the main process downloading or preprocessing first, under ``main_process_first``,
+    included) before the launch fails."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    seconds = int(getattr(recipe.train, "process_group_timeout_s", 7200))
+    return [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=seconds))]
+
+
+def slurm_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Under ``srun`` with one task per GPU (no launcher), the process group's variables from SLURM's, as open_clip
+    does: ``RANK`` = ``SLURM_PROCID``, ``WORLD_SIZE`` = ``SLURM_NTASKS``, ``LOCAL_RANK`` = ``SLURM_LOCALID``,
+    ``LOCAL_WORLD_SIZE`` = the tasks on this node. Set into ``environ`` (``os.environ`` by default) only inside a job
+    step of several tasks whose launcher did not set them already (``torchrun`` / ``accelerate launch`` under
+    ``srun`` set ``RANK`` themselves). Returns what it set.
+
+    Raises:
+        RuntimeError: several tasks but no ``MASTER_ADDR`` / ``MASTER_PORT`` (the job script exports them).
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
+        return {}
+    tasks = int(env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or 1)
+    if tasks <= 1:
+        return {}
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise RuntimeError(
+            f"srun started {tasks} tasks, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: "
+            "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and MASTER_PORT=29500 "
+            "in the job script before srun (docs/guides/scaling.md)")
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or str(tasks // int(env.get("SLURM_NNODES", 1)))
+    values = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(tasks), "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+              "LOCAL_WORLD_SIZE": per_node}
+    env.update(values)
+    return values
+
+
+def sharded(accelerator: Any) -> bool:
+    """Whether the trained weights are sharded over the processes (FSDP, DeepSpeed ZeRO-3): the final model is then
+    gathered with ``accelerator.get_state_dict``."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        return True
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return kind == DistributedType.DEEPSPEED and plugin is not None and plugin.hf_ds_config.is_zero3()
+
+
+def layer_classes(model: nn.Module) -> list[str]:
+    """The class names of the encoder layers of ``model`` (any family), each to be one FSDP unit: the
+    ``_no_split_modules`` of every transformers model inside it that are present, and the blocks repeated in an
+    ``nn.ModuleList`` / ``nn.Sequential`` (open_clip's ``ResidualAttentionBlock``, FLAIR's and F-CAST's own layers).
+    Sorted, each once."""
+    present = {type(m).__name__ for m in model.modules()}
+    names: set[str] = set()
+    for module in model.modules():
+        for name in getattr(module, "_no_split_modules", None) or ():
+            if name in present:
+                names.add(name)
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            kinds = {type(child) for child in module}
+            if len(kinds) == 1:
+                kind = kinds.pop()
+                if any(isinstance(p, nn.Parameter) for p in module[0].parameters()) and len(list(module[0].children())):
+                    names.add(kind.__name__)
+    return sorted(names)
+
+
+def _width(model: nn.Module) -> int:
+    """The largest hidden size of the towers (for DeepSpeed's bucket sizes)."""
+    sizes = [getattr(m.config, "hidden_size", 0) for m in model.modules() if hasattr(m, "config")]
+    sizes += [getattr(m, "width", 0) for m in model.modules() if isinstance(getattr(m, "width", None), int)]
+    sizes = [s for s in sizes if isinstance(s, int) and s > 0]
+    return max(sizes) if sizes else 768
+
+
+def resolve_deepspeed(plugin: Any, recipe: Any, num_processes: int, model: nn.Module,
+                      total_steps: int) -> dict[str, Any]:
+    """Fill the "auto" values of ``plugin``'s DeepSpeed config from the recipe (see the module), in place, and
+    return what was filled.
+
+    Args:
+        plugin: ``accelerator.state.deepspeed_plugin`` (an ``accelerate.utils.DeepSpeedPlugin``).
+        recipe: the run's recipe (``train.batch_size`` is the global batch of one optimiser step).
+        num_processes: processes of the launch.
+        model: the module that trains (its width sizes the buckets).
+        total_steps: optimiser steps of the run (the schedule's length).
+    Raises:
+        ValueError: a value the config gives that disagrees with the recipe (naming both and the recipe key).
+    """
+    t = recipe.train
+    micro = t.batch_size // (num_processes * t.accumulation_steps)
+    width = _width(model)
+    values: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "train_batch_size": t.batch_size,
+        "gradient_accumulation_steps": t.accumulation_steps,
+        "gradient_clipping": float(t.grad_clip or 0.0),
+        "zero_optimization.reduce_bucket_size": width * width,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * width * width),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * width,
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
+        "optimizer.params.lr": t.lr,
+        "optimizer.params.betas": list(t.betas),
+        "optimizer.params.eps": t.eps,
+        "optimizer.params.weight_decay": t.weight_decay,
+        "scheduler.params.warmup_min_lr": 0,
+        "scheduler.params.warmup_max_lr": t.lr,
+        "scheduler.params.warmup_num_steps": max(1, t.warmup_steps),
+        "scheduler.params.total_num_steps": total_steps,
+    }
+    config = plugin.deepspeed_config
+    filled = {k: v for k, v in values.items() if plugin.is_auto(k)}
+    if config.get("gradient_accumulation_steps") == 1 and t.accumulation_steps != 1:
+        config["gradient_accumulation_steps"] = "auto"  # accelerate writes 1 when the config names none
+        filled["gradient_accumulation_steps"] = t.accumulation_steps
+    try:
+        plugin.deepspeed_config_process(must_match=True, **{k: values[k] for k in (
+            "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps")}, **{
+            k: v for k, v in values.items() if k not in ("train_micro_batch_size_per_gpu", "train_batch_size",
+                                                         "gradient_accumulation_steps") and plugin.is_auto(k)})
+    except ValueError as error:
+        raise ValueError(
+            f"the DeepSpeed config disagrees with the recipe ({error}). train.batch_size={t.batch_size} is the global "
+            f"batch: {num_processes} processes x train.accumulation_steps={t.accumulation_steps} x {micro} per micro-"
+            "batch; set these DeepSpeed keys to \"auto\" or change the recipe") from None
+    if plugin.get_value("gradient_clipping") == 0.0 and not t.grad_clip:
+        config.pop("gradient_clipping", None)  # no clipping
+    if plugin.hf_ds_config.is_zero3() and plugin.get_value(
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save") is False:
+        log.warning("DeepSpeed ZeRO-3 with stage3_gather_16bit_weights_on_model_save: false: the final model cannot be "
+                    "gathered for final/ and the evaluation; set it to true (accelerate config: zero3_save_16bit_model)")
+    log.info("DeepSpeed config resolved from the recipe: %s", ", ".join(f"{k}={v}" for k, v in filled.items()))
+    return filled
