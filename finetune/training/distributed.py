@@ -26,7 +26,8 @@ from torch import nn
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["layer_classes", "process_group_kwargs", "resolve_deepspeed", "sharded", "slurm_environment"]
+__all__ = ["average_gradients", "fsdp2_scalars", "layer_classes", "process_group_kwargs", "resolve_deepspeed", "sharded",
+           "slurm_environment"]
 
 
 def process_group_kwargs(recipe: Any) -> list[Any]:
@@ -80,6 +81,44 @@ def sharded(accelerator: Any) -> bool:
     return kind == DistributedType.DEEPSPEED and plugin is not None and plugin.hf_ds_config.is_zero3()
 
 
+def fsdp2_scalars(accelerator: Any, module: nn.Module) -> list[nn.Parameter]:
+    """Under FSDP2, the module's 0-dim parameters (CLIP's ``logit_scale``, SigLIP's ``logit_bias``, a term's
+    temperature), which ``fully_shard`` refuses ("fully_shard doesn't support scalar parameters"): given to accelerate
+    as ignored (``fsdp_plugin.ignored_modules``), so they stay whole on every process, and returned so that the loop
+    averages their gradients (:func:`average_gradients`). Elsewhere ``[]``."""
+    from accelerate.utils import DistributedType
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if accelerator.distributed_type != DistributedType.FSDP or getattr(plugin, "fsdp_version", 1) != 2:
+        return []
+    scalars = [p for p in module.parameters() if p.dim() == 0]
+    if scalars:
+        holder = nn.Module()
+        for i, p in enumerate(scalars):
+            holder.register_parameter(f"scalar_{i}", p)
+        existing = plugin.ignored_modules
+        plugin.ignored_modules = [holder, *(existing if isinstance(existing, (list, tuple)) else [])]
+        if isinstance(existing, str):
+            log.warning("FSDP2: fsdp_ignored_modules=%r is replaced by the model's scalar parameters", existing)
+    return scalars
+
+
+def average_gradients(params: list[nn.Parameter], num_processes: int) -> None:
+    """Average the gradients of parameters no engine reduces (:func:`fsdp2_scalars`) over the processes."""
+    import torch
+
+    if num_processes < 2 or not params:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.stack([g.reshape(()) for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= num_processes
+    for g, value in zip(grads, flat):
+        g.copy_(value.reshape(g.shape))
+
+
 def layer_classes(model: nn.Module) -> list[str]:
     """The class names of the encoder layers of ``model`` (any family), each to be one FSDP unit: the
     ``_no_split_modules`` of every transformers model inside it that are present, and the blocks repeated in an
@@ -93,11 +132,15 @@ def layer_classes(model: nn.Module) -> list[str]:
                 names.add(name)
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
             kinds = {type(child) for child in module}
-            if len(kinds) == 1:
+            if len(kinds) == 1 and not issubclass(next(iter(kinds)), (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
                 kind = kinds.pop()
                 if any(isinstance(p, nn.Parameter) for p in module[0].parameters()) and len(list(module[0].children())):
                     names.add(kind.__name__)
     return sorted(names)
+
+
+#: DeepSpeed keys whose given value must equal the recipe's (the others: the config's own choice stands)
+_MUST_MATCH = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps")
 
 
 def _width(model: nn.Module) -> int:
@@ -148,21 +191,21 @@ def resolve_deepspeed(plugin: Any, recipe: Any, num_processes: int, model: nn.Mo
     if config.get("gradient_accumulation_steps") == 1 and t.accumulation_steps != 1:
         config["gradient_accumulation_steps"] = "auto"  # accelerate writes 1 when the config names none
         filled["gradient_accumulation_steps"] = t.accumulation_steps
-    try:
-        plugin.deepspeed_config_process(must_match=True, **{k: values[k] for k in (
-            "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps")}, **{
-            k: v for k, v in values.items() if k not in ("train_micro_batch_size_per_gpu", "train_batch_size",
-                                                         "gradient_accumulation_steps") and plugin.is_auto(k)})
-    except ValueError as error:
+    mismatches: list[str] = []
+    for key in values:  # accelerate's own filling: "auto" takes the recipe's value, a given value must agree
+        plugin.fill_match(key, mismatches, must_match=key in _MUST_MATCH, **values)
+    if mismatches:
         raise ValueError(
-            f"the DeepSpeed config disagrees with the recipe ({error}). train.batch_size={t.batch_size} is the global "
-            f"batch: {num_processes} processes x train.accumulation_steps={t.accumulation_steps} x {micro} per micro-"
-            "batch; set these DeepSpeed keys to \"auto\" or change the recipe") from None
-    if plugin.get_value("gradient_clipping") == 0.0 and not t.grad_clip:
-        config.pop("gradient_clipping", None)  # no clipping
-    if plugin.hf_ds_config.is_zero3() and plugin.get_value(
-            "zero_optimization.stage3_gather_16bit_weights_on_model_save") is False:
-        log.warning("DeepSpeed ZeRO-3 with stage3_gather_16bit_weights_on_model_save: false: the final model cannot be "
-                    "gathered for final/ and the evaluation; set it to true (accelerate config: zero3_save_16bit_model)")
+            f"the DeepSpeed config disagrees with the recipe ({'; '.join(m.strip('- ') for m in mismatches)}). "
+            f"train.batch_size={t.batch_size} is the global batch: {num_processes} processes x "
+            f"train.accumulation_steps={t.accumulation_steps} x {micro} per micro-batch; set these DeepSpeed keys to "
+            "\"auto\" or change the recipe")
+    if config.get("gradient_clipping") == 0.0 and not t.grad_clip:
+        del config["gradient_clipping"]  # no clipping
+    if plugin.hf_ds_config.is_zero3() and not plugin.get_value(
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save"):
+        # accelerate's get_state_dict gathers ZeRO-3 weights only with it; final/ and the evaluation need them
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        filled["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = True
     log.info("DeepSpeed config resolved from the recipe: %s", ", ".join(f"{k}={v}" for k, v in filled.items()))
     return filled

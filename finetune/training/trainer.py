@@ -32,7 +32,8 @@ from finetune.models.compile import compile_blocks
 from finetune.objectives.base import Features, Objective, merge_features
 from finetune.resume import check_continuation, find_checkpoint, rng_problem, rng_state_name
 from finetune.run_folder import continuation_view
-from finetune.training.distributed import layer_classes, resolve_deepspeed, sharded
+from finetune.training.distributed import (average_gradients, fsdp2_scalars, layer_classes, resolve_deepspeed,
+                                          sharded)
 from finetune.training.checkpoint import (SaveFailedError, TrainState, list_checkpoints, read_stream_states,
                                           save_checkpoint)
 from finetune.training.loaders import map_loader
@@ -221,6 +222,8 @@ class Trainer:
         :mod:`finetune.data.prefetch` says why not pinned memory)."""
         if distributed_type(self.acc) == "DEEPSPEED":
             optimizer, scheduler = self._deepspeed(optimizer, scheduler)
+        #: 0-dim parameters FSDP2 leaves out (``fully_shard`` refuses scalars); their gradients are averaged here
+        self._replicated = fsdp2_scalars(self.acc, self.module)
         self._skeleton = copy.deepcopy(self.module.model).cpu() if sharded(self.acc) else None
         self.wrapped, self.optimizer, self.scheduler = self.acc.prepare(self.module, optimizer, scheduler)
         self.loader = loader if self.stream is not None else self.acc.prepare_data_loader(
@@ -359,6 +362,7 @@ class Trainer:
         between its reads; ``bench/loop.py`` times it alone as the bare step."""
         cfg = self.cfg
         out = self._step(batch)
+        average_gradients(self._replicated, self.acc.num_processes)
         self.meter.add(out, step, batch.get("truncated"))
         if cfg.grad_clip:
             self.acc.clip_grad_norm_(self.wrapped.parameters(), cfg.grad_clip)
