@@ -35,6 +35,7 @@ from finetune.run_folder import (RunFolderError, RunLock, check_run_folder, clea
 from finetune.training.checkpoint import is_write_error
 from finetune.training.checks import check_batch, check_room, check_stream_recipe, check_warmup
 from finetune.training.context import RunContext
+from finetune.training.distributed import slurm_environment
 from finetune.training.environment import cpu_threads, flat_scalars, make_accelerator, setup_logging
 from finetune.training.failures import stopped_or_failed
 from finetune.training.inputs import load_data, training_set
@@ -263,6 +264,7 @@ def run_recipe(recipe: Recipe, *, chain: tuple[str, ...] = ()) -> int:
     """
     if chain:  # a prerequisite: its stops and failures end the run that needs it, which says what to do
         return FinetuneRecipe(recipe, chain=chain).run()
+    slurm_environment()  # srun without a launcher: the rank decides who holds the run folder's lock
     with stop_signals():
         try:
             return FinetuneRecipe(recipe).run()

@@ -168,6 +168,8 @@ _FSDP_SCRIPT = textwrap.dedent('''
 
     from finetune import load_model
     from finetune.config.schema import AdapterConfig
+    from finetune.data.collate import Collator
+    from finetune.data.synthetic import synthetic_scenes
     from finetune.models.adapters import apply_adapter
     from finetune.objectives.base import Objective
     from finetune.objectives.contrastive import ClipTerm
@@ -193,9 +195,7 @@ _FSDP_SCRIPT = textwrap.dedent('''
     sharded = sum(isinstance(p, DTensor) for p in module.parameters())
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=0.1)
-    pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    text = model.tokenize(["a red circle", "a blue square", "a star", "two dots"])
-    batch = {"image_inputs": {"pixel_values": pixels}, "text_inputs": {k: v for k, v in text.items()}}
+    batch = Collator(model, module.objective)([dict(r) for r in synthetic_scenes(4, 0, image_size=32)])
     out = module(batch)
     out["loss"].backward()
     average_gradients(scalars, world)
