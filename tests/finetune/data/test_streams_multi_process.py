@@ -64,7 +64,8 @@ def _launch(tmp_path: Path, tag: str, args: list[str], nodes: list[str] | None =
                "IDS_DIR": str(tmp_path), "IDS_TAG": tag, **env}
     where = nodes or ["--standalone", "--nproc_per_node", "2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *where, str(tmp_path / "run_recording.py"), *args]
-    log = open(tmp_path / f"{tag}{nodes[3] if nodes else ''}.log", "w")
+    node = nodes[nodes.index("--node_rank") + 1] if nodes and "--node_rank" in nodes else ""
+    log = open(tmp_path / f"{tag}{node}.log", "w")
     # a session of its own: the kill reaches the launcher, both trainers and their data-loader workers
     return subprocess.Popen(cmd, cwd=tmp_path, env=environ, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -169,3 +170,84 @@ def test_two_processes_two_workers_killed_and_resumed_see_each_example_once_per_
     stream = metrics["train_stream"]
     assert (stream["num_processes"], stream["num_workers"], stream["used"], stream["read"], stream["epoch"]) == (
         2, 2, 48, 48, 1)
+
+
+def _uneven_args(tmp_path: Path, sizes: list[int], *extra: str) -> tuple[list[str], list[dict]]:
+    """A tiny model, webdataset shards of ``sizes`` samples, and the recording script's recipe arguments."""
+    from finetune.models.registry import save_tiny
+    from tests.finetune.data.test_streams import _write_sized
+
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny")
+    scenes = _scenes(sum(sizes))
+    _write_sized(tmp_path / "shards", scenes, sizes)
+    (tmp_path / "run_recording.py").write_text(_SCRIPT)
+    urls = str(tmp_path / "shards" / f"shard-{{00000..{len(sizes) - 1:05d}}}.tar")
+    args = [str(REPO / "recipes" / "quickstart_clip.yaml"), f"model.name_or_path={tiny}", "model.dtype=null",
+            "model.max_text_len=null", f"data.train={{name: webdataset, urls: '{urls}', seed: 11}}",
+            "eval.sets=[]", "eval.compare_base_length=false", "train.batch_size=6", "train.trackers=[]",
+            "train.mixed_precision=no", f"output.dir={tmp_path / 'run'}", *extra]
+    return args, scenes
+
+
+def _wait(tmp_path: Path, tag: str, launcher: subprocess.Popen) -> None:
+    try:
+        assert launcher.wait(timeout=600) == 0, (tmp_path / f"{tag}.log").read_text()[-4000:]
+    finally:
+        _kill(tmp_path, tag, [launcher])
+
+
+@pytest.mark.slow
+def test_three_processes_on_uneven_shards_read_each_example_once_per_epoch(tmp_path):
+    """36 samples in 8 shards of 1 to 9 on 3 gloo processes x 2 workers (6 readers of 6 samples each) with a global
+    batch of 6: every epoch (6 steps) trains on each example exactly once, and metrics.json's epoch is the global
+    one. (Split by shards, 8 shards of these sizes cannot give 6 readers the same number of samples.)"""
+    sizes = [1, 7, 3, 9, 2, 5, 4, 5]
+    args, scenes = _uneven_args(tmp_path, sizes, "data.num_workers=2", "train.max_steps=12")
+    launcher = _launch(tmp_path, "uneven", args, nodes=["--standalone", "--nproc_per_node", "3", "--nnodes", "1"])
+    _wait(tmp_path, "uneven", launcher)
+    steps = [_steps(tmp_path, "uneven", r) for r in range(3)]
+    assert {(s["world_size"], s["env_world_size"]) for r in steps for s in r} == {(3, 3)}  # three processes
+    assert all([s["step"] for s in r] == list(range(1, 13)) and all(len(s["ids"]) == 2 for s in r) for r in steps)
+    for epoch in range(2):
+        ids = [i for r in steps for s in r[6 * epoch:6 * epoch + 6] for i in s["ids"]]
+        assert sorted(ids) == sorted(s["id"] for s in scenes), epoch  # each of the 36 once
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["num_processes"] == 3 and metrics["train_stream"]["epoch"] == 2
+    assert metrics["train_stream"]["used"] == 72
+
+
+@pytest.mark.slow
+def test_a_requeue_on_three_processes_of_one_worker_continues_the_epoch(tmp_path):
+    """Killed on 2 processes x 2 workers after its step-3 checkpoint (18 of 36 samples), resumed on 3 processes x 1
+    worker: the 18 samples left of epoch 0 are split over the 3 new readers (steps 4-6), nothing skipped or read
+    twice, then epoch 1 (steps 7-12) reads every sample once."""
+    sizes = [1, 7, 3, 9, 2, 5, 4, 5]
+    args, scenes = _uneven_args(tmp_path, sizes, "train.max_steps=12", "train.checkpoint_every=3",
+                                "train.keep_checkpoints=5")
+    killed = _launch(tmp_path, "killed", [*args, "data.num_workers=2"], HANG_AT_STEP="5")
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"hung_{r}").exists() for r in range(2)):
+            assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-4000:]
+            time.sleep(0.5)
+    finally:
+        _kill(tmp_path, "killed", [killed])
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-3"]
+    for r in range(2):
+        (tmp_path / f"hung_{r}").unlink()
+    resumed = _launch(tmp_path, "resumed", [*args, "data.num_workers=1", "train.resume=latest"],
+                      nodes=["--standalone", "--nproc_per_node", "3", "--nnodes", "1"])
+    _wait(tmp_path, "resumed", resumed)
+    before = [[s for s in _steps(tmp_path, "killed", r) if s["step"] <= 3] for r in range(2)]
+    after = [_steps(tmp_path, "resumed", r) for r in range(3)]
+    assert {s["world_size"] for r in before for s in r} == {2} and {s["world_size"] for r in after for s in r} == {3}
+    assert all([s["step"] for s in r] == list(range(4, 13)) for r in after)
+    epoch_0 = [i for r in before for s in r for i in s["ids"]] + [i for r in after for s in r[:3] for i in s["ids"]]
+    assert sorted(epoch_0) == sorted(s["id"] for s in scenes)  # 18 before the kill, 18 after: each once
+    epoch_1 = [i for r in after for s in r[3:] for i in s["ids"]]
+    assert sorted(epoch_1) == sorted(s["id"] for s in scenes)
+    log = (tmp_path / "resumed.log").read_text()
+    assert "saved by 2 process(es) x 2 worker(s) and continues on 3 x 1: the 18 samples left of epoch 0" in log
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["num_processes"] == 3 and metrics["steps"] == 12 and metrics["train_stream"]["used"] == 72
