@@ -26,8 +26,8 @@ from torch import nn
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["average_gradients", "fsdp2_scalars", "layer_classes", "process_group_kwargs", "resolve_deepspeed", "sharded",
-           "slurm_environment"]
+__all__ = ["average_gradients", "deepspeed_objects", "fsdp2_scalars", "gathered_model", "layer_classes",
+           "process_group_kwargs", "resolve_deepspeed", "sharded", "slurm_environment"]
 
 
 def process_group_kwargs(recipe: Any) -> list[Any]:
@@ -209,3 +209,44 @@ def resolve_deepspeed(plugin: Any, recipe: Any, num_processes: int, model: nn.Mo
         filled["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = True
     log.info("DeepSpeed config resolved from the recipe: %s", ", ".join(f"{k}={v}" for k, v in filled.items()))
     return filled
+
+
+class _RecipeView:
+    """The ``recipe.train`` shape :func:`resolve_deepspeed` reads, over the loop's ``train`` section."""
+
+    def __init__(self, train: Any) -> None:
+        self.train = train
+
+
+def deepspeed_objects(accelerator: Any, module: nn.Module, optimizer: Any, scheduler: Any, train: Any,
+                      total_steps: int) -> tuple[Any, Any]:
+    """Under DeepSpeed, before ``accelerator.prepare``: the "auto" values resolved from the recipe's ``train`` section
+    (:func:`resolve_deepspeed`); where the DeepSpeed config has an ``optimizer`` / ``scheduler`` section,
+    accelerate's ``DummyOptim`` / ``DummyScheduler`` over the run's parameter groups take the place of the run's
+    own (which are returned otherwise)."""
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    plugin = accelerator.state.deepspeed_plugin
+    resolve_deepspeed(plugin, _RecipeView(train), accelerator.num_processes, module, total_steps)
+    config = plugin.deepspeed_config
+    if "optimizer" in config:
+        optimizer = DummyOptim(optimizer.param_groups, lr=train.lr, weight_decay=train.weight_decay)
+        if "scheduler" in config:
+            scheduler = DummyScheduler(optimizer, total_num_steps=total_steps, warmup_num_steps=train.warmup_steps)
+    return optimizer, scheduler
+
+
+def gathered_model(accelerator: Any, wrapped: nn.Module, skeleton: nn.Module) -> nn.Module:
+    """``skeleton`` (the model as it was before FSDP or ZeRO-3 sharded it) loaded with the trained weights gathered
+    by ``accelerator.get_state_dict(wrapped)`` (the run's :class:`~finetune.training.trainer.TrainModule`, keys
+    ``model.*``), on every process, on the device. A collective: every process calls it."""
+    import torch
+
+    state = accelerator.get_state_dict(wrapped)  # whole on the main process (FSDP: rank 0 only)
+    if accelerator.num_processes > 1:
+        box = [state if accelerator.is_main_process else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        state = box[0]
+    weights = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    skeleton.load_state_dict(weights)
+    return skeleton.to(accelerator.device)

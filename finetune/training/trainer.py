@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import logging
 import math
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from accelerate.utils import gather_object, set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -32,8 +31,8 @@ from finetune.models.compile import compile_blocks
 from finetune.objectives.base import Features, Objective, merge_features
 from finetune.resume import check_continuation, find_checkpoint, rng_problem, rng_state_name
 from finetune.run_folder import continuation_view
-from finetune.training.distributed import (average_gradients, fsdp2_scalars, layer_classes, resolve_deepspeed,
-                                          sharded)
+from finetune.training.distributed import (average_gradients, deepspeed_objects, fsdp2_scalars, gathered_model,
+                                          layer_classes, sharded)
 from finetune.training.checkpoint import (SaveFailedError, TrainState, list_checkpoints, read_stream_states,
                                           save_checkpoint)
 from finetune.training.loaders import map_loader
@@ -60,20 +59,6 @@ class NonFiniteLossError(RuntimeError):
 class DivergedError(RuntimeError):
     """The trainable weights became NaN or infinite; the run stops without saving them (names the steps, the
     newest checkpoint with finite weights and what to change)."""
-
-
-def distributed_type(accelerator: Any) -> str:
-    """accelerate's distributed type as a name (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``FSDP``, ``DEEPSPEED``)."""
-    kind = accelerator.distributed_type
-    return getattr(kind, "name", str(kind))
-
-
-class _RecipeView:
-    """The ``recipe.train`` shape :func:`~finetune.training.distributed.resolve_deepspeed` reads, over the loop's
-    ``cfg``."""
-
-    def __init__(self, train: Any) -> None:
-        self.train = train
 
 
 class TrainModule(nn.Module):
@@ -220,8 +205,9 @@ class Trainer:
         processes. Batches stay on the host here and reach the device through the loop's
         :class:`~finetune.data.prefetch.DevicePrefetcher` (a side-stream copy from pageable memory:
         :mod:`finetune.data.prefetch` says why not pinned memory)."""
-        if distributed_type(self.acc) == "DEEPSPEED":
-            optimizer, scheduler = self._deepspeed(optimizer, scheduler)
+        if self.acc.state.deepspeed_plugin is not None:
+            optimizer, scheduler = deepspeed_objects(self.acc, self.module, optimizer, scheduler, self.cfg,
+                                                     self.total_steps)
         #: 0-dim parameters FSDP2 leaves out (``fully_shard`` refuses scalars); their gradients are averaged here
         self._replicated = fsdp2_scalars(self.acc, self.module)
         self._skeleton = copy.deepcopy(self.module.model).cpu() if sharded(self.acc) else None
@@ -229,22 +215,6 @@ class Trainer:
         self.loader = loader if self.stream is not None else self.acc.prepare_data_loader(
             loader, device_placement=False)
         self._model = self.trained_model()
-
-    def _deepspeed(self, optimizer: Any, scheduler: Any) -> tuple[Any, Any]:
-        """DeepSpeed's "auto" values resolved from the recipe (:func:`finetune.training.distributed.resolve_deepspeed`);
-        where its config has an ``optimizer`` / ``scheduler`` section, accelerate's ``DummyOptim`` /
-        ``DummyScheduler`` over the run's parameter groups take the place of the run's own."""
-        from accelerate.utils import DummyOptim, DummyScheduler
-
-        plugin = self.acc.state.deepspeed_plugin
-        resolve_deepspeed(plugin, _RecipeView(self.cfg), self.acc.num_processes, self.module, self.total_steps)
-        config = plugin.deepspeed_config
-        if "optimizer" in config:
-            optimizer = DummyOptim(optimizer.param_groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-            if "scheduler" in config:
-                scheduler = DummyScheduler(optimizer, total_num_steps=self.total_steps,
-                                           warmup_num_steps=self.cfg.warmup_steps)
-        return optimizer, scheduler
 
     @staticmethod
     def _planned(collate_fn: Callable, module: TrainModule, cfg: Any) -> Callable:
@@ -271,12 +241,7 @@ class Trainer:
         it)."""
         if self._skeleton is None:
             return self.trained_model()
-        state = self.acc.get_state_dict(self.wrapped)
-        if self.acc.num_processes > 1:
-            state = broadcast_object_list([state if self.acc.is_main_process else None])[0]
-        weights = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-        self._skeleton.load_state_dict(weights)
-        return self._skeleton.to(self.acc.device)
+        return gathered_model(self.acc, self.wrapped, self._skeleton)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def maybe_resume(self, resume: str | None, *, checkpoint: str | Path | None = None,
@@ -309,8 +274,8 @@ class Trainer:
         check_continuation(saved.recipe, view, path, ignore_changes=ignore_changes)
         rng_missing = rng_problem(path, self.acc.process_index) if ignore_rng else None
         if rng_missing is None and not (path / rng_state_name(self.acc.process_index)).is_file():
-            rng_missing = (f"the checkpoint was saved by fewer processes (no {rng_state_name(self.acc.process_index)}): "
-                           "a requeue on another number of processes")
+            rng_missing = (f"the checkpoint was saved by fewer processes (no "
+                           f"{rng_state_name(self.acc.process_index)}): a requeue on another number of processes")
         self.acc.load_state(str(path))
         if rng_missing:  # accelerate skipped (or loaded a damaged) RNG state: a fresh one, reproducible from the step
             set_seed(self.cfg.seed + saved.step + 1_000_003 * self.acc.process_index)

@@ -16,7 +16,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from finetune.training.distributed import layer_classes, resolve_deepspeed, slurm_environment
 
@@ -173,7 +172,7 @@ _FSDP_SCRIPT = textwrap.dedent('''
     from finetune.models.adapters import apply_adapter
     from finetune.objectives.base import Objective
     from finetune.objectives.contrastive import ClipTerm
-    from finetune.training.distributed import average_gradients
+    from finetune.training.distributed import average_gradients, gathered_model
     from finetune.training.trainer import TrainModule
 
     torch.distributed.init_process_group("gloo")
@@ -195,16 +194,23 @@ _FSDP_SCRIPT = textwrap.dedent('''
     sharded = sum(isinstance(p, DTensor) for p in module.parameters())
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=0.1)
-    batch = Collator(model, module.objective)([dict(r) for r in synthetic_scenes(4, 0, image_size=32)])
+    batch = Collator(model, module.objective)([dict(r) for r in synthetic_scenes(4, rank, image_size=32)])
     out = module(batch)
     out["loss"].backward()
     average_gradients(scalars, world)
     opt.step()
-    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    weights = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
-    skeleton.load_state_dict(weights, strict=True)
+
+    class Accelerator:  # what gathered_model reads of accelerate's, with its FSDP2 get_state_dict (accelerate >= 1.x)
+        num_processes, is_main_process, device = world, rank == 0, torch.device("cpu")
+
+        def get_state_dict(self, model):
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)
+            return get_model_state_dict(model, options=options)
+
+    gathered = gathered_model(Accelerator(), module, skeleton)
+    weights = gathered.state_dict()
     print(json.dumps({"rank": rank, "world": world, "units": len(units), "sharded": sharded,
-                      "gathered": len(weights), "loss": float(out["loss"]),
+                      "gathered": len(weights), "loss": float(out["loss"].detach()),
                       "logit_scale_grad": float(model.logit_scale.grad),
                       "trainable": len(trainable), "norm": float(sum(v.float().norm() for v in weights.values()))}))
 ''')
@@ -227,6 +233,7 @@ def test_fully_sharded_model_trains_and_gathers_whole(tmp_path, adapter):
     assert records[0]["units"] == 6  # 2 + 2 encoder layers, the text and vision embeddings
     assert records[0]["sharded"] > 0 and records[0]["gathered"] == records[1]["gathered"] > 0
     assert records[0]["norm"] == pytest.approx(records[1]["norm"])  # the same whole weights on both processes
+    assert records[0]["loss"] != records[1]["loss"]  # each process its own batch
     assert records[0]["logit_scale_grad"] == pytest.approx(records[1]["logit_scale_grad"])  # averaged
 
 

@@ -171,8 +171,8 @@ def build_index(urls: list[str], kind: str, options: dict[str, Any] | None = Non
                        {u: why for u, (_, why) in zip(urls, results) if why})
     seconds = time.perf_counter() - started
     if seconds > 30:
-        logger.warning("counted the samples of %d shards in %.0f s; data.train.options.index: FILE (a wids shard index, "
-                       "written into every checkpoint as stream_index.json) skips this count", len(urls), seconds)
+        logger.warning("counted the samples of %d shards in %.0f s; data.train.options.index: FILE (a wids shard "
+                       "index, written into every checkpoint as stream_index.json) skips this count", len(urls), seconds)
     return index
 
 

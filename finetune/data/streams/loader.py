@@ -170,8 +170,8 @@ class StreamLoader:
                 "carry over to sample positions: resume with that version or start the run again")
         if state.get("num_examples") != self.stream.source.num_examples:
             raise DataError(
-                f"the checkpoint's stream position counts {state.get('num_examples')} samples per epoch, data.train now "
-                f"holds {self.stream.source.num_examples}: resume with the shards it was saved with")
+                f"the checkpoint's stream position counts {state.get('num_examples')} samples per epoch, data.train "
+                f"now holds {self.stream.source.num_examples}: resume with the shards it was saved with")
 
     def load_states(self, states: list[dict[str, Any]]) -> bool:
         """Continue from every process's saved :meth:`state_dict` (``states[r]`` of process ``r`` of the saved run).
@@ -245,7 +245,8 @@ def fresh_share_of(stream: ExampleStream, num_workers: int) -> list[tuple[int, i
 
 
 def _report(state: dict[str, Any]) -> dict[str, Any]:
-    return {"epoch": state["epoch"], "read": state["read"], "used": state["yielded"], "skipped": state["skipped"],
+    return {"epoch": state.get("finished", state["epoch"]), "read": state["read"], "used": state["yielded"],
+            "skipped": state["skipped"],
             "skipped_examples": state["skipped_examples"], "skipped_shard_count": state.get("skipped_shard_count", 0),
             "skipped_shards": state.get("skipped_shards", [])}
 

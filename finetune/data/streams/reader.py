@@ -220,7 +220,7 @@ class ExampleStream(torch.utils.data.IterableDataset):
         return {
             "version": STATE_VERSION, "name": self.spec.name, "rank": self.rank, "world_size": self.world_size,
             "worker": self.worker, "num_workers": self.num_workers, "reader": self.reader, "readers": self.readers,
-            "epoch": self.epoch, "done": self.done, "shares": {k: [list(x) for x in v] for k, v in self.shares.items()},
+            "epoch": self.epoch, "finished": self.finished, "done": self.done, "shares": {k: [list(x) for x in v] for k, v in self.shares.items()},
             "read": self.read, "yielded": self.yielded, "skipped": self.skipped,
             "skipped_examples": list(self.skipped_examples), "skipped_shard_count": self.skipped_shard_count,
             "skipped_shards": list(self.skipped_shards),
@@ -260,10 +260,15 @@ class ExampleStream(torch.utils.data.IterableDataset):
         self.shares = {}
         self._resumed = True
 
+    @property
+    def finished(self) -> int:
+        """Whole epochs this reader has read (its position may stand at the end of one it has not left yet)."""
+        return self.epoch + (self.done >= length(self.share(self.epoch)))
+
     def report(self) -> dict[str, Any]:
         """Counts for ``metrics.json``: examples read, used and skipped (this reader), the first skipped, the broken
-        shards and the epoch."""
-        return {"epoch": self.epoch, "read": self.read, "used": self.yielded, "skipped": self.skipped,
+        shards and the epochs it finished."""
+        return {"epoch": self.finished, "read": self.read, "used": self.yielded, "skipped": self.skipped,
                 "skipped_examples": list(self.skipped_examples), "skipped_shard_count": self.skipped_shard_count,
                 "skipped_shards": list(self.skipped_shards)}
 

@@ -156,7 +156,8 @@ def _fsspec_open(url: str, options: dict[str, Any]) -> IO[bytes]:
     except ImportError as error:
         scheme = url.split("://", 1)[0]
         package = REMOTE_EXTRA.get(scheme, f"the fsspec filesystem for {scheme}://")
-        raise DataError(f"reading {scheme}:// shards needs {package} ({error}): pip install 'xlipkit[remote]'") from None
+        raise DataError(f"reading {scheme}:// shards needs {package} ({error}): pip install 'xlipkit[remote]'") \
+            from None
     except TypeError as error:  # a filesystem option it does not take
         raise DataError(f"cannot open {url}: {error}; check data.train.options.storage_options") from None
 

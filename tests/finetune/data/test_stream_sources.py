@@ -156,7 +156,8 @@ def test_a_resume_reads_only_what_is_left(tmp_path, monkeypatch):
     state = json.loads(json.dumps(first.state_dict()))
     reads = []
     original = source._raw_sample
-    monkeypatch.setattr(source, "_raw_sample", lambda key, url, entries: (reads.append(key), original(key, url, entries))[1])
+    monkeypatch.setattr(source, "_raw_sample",
+                        lambda key, url, entries: (reads.append(key), original(key, url, entries))[1])
     resumed = ExampleStream(open_stream(spec), spec)
     resumed.load_state_dict(state)
     rest = [e["id"] for _, e in zip(range(30), resumed)]
@@ -222,8 +223,8 @@ def test_https_style_shards_from_a_local_server(http_shards):
 @pytest.fixture
 def s3_server(monkeypatch):
     """A real S3 API (moto's server mode) on 127.0.0.1, and botocore's environment pointing at it."""
-    moto_server = pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
+    import moto.server as moto_server  # the dev extra installs moto[server] and s3fs: a missing one fails here
+    import s3fs  # noqa: F401
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
