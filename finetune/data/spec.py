@@ -40,7 +40,8 @@ class SourceSpec:
             without ``id_column`` an ``id`` column is used if present, else the row index (tables)
             or the file name (image folders).
         options: source-specific extras (``hub`` streams: ``config``, ``revision``,
-            ``data_files``).
+            ``data_files``; every stream: ``fields``, ``storage_options`` (fsspec filesystem options),
+            ``index`` (a wids shard index of sample counts)).
         urls: shard files or URLs of a stream (``webdataset``, ``parquet``): a string or a list of
             strings with webdataset-style brace ranges, ``shards/{00000..00099}.tar`` (see
             :func:`finetune.data.streams.expand_urls`).
@@ -51,9 +52,9 @@ class SourceSpec:
             for stream entries (``{"format": "webdataset", "urls": ...}`` is
             ``{"name": "webdataset", "urls": ...}``); given with ``name``, the two must agree.
         shuffle_buffer: stream shuffling: ``0`` keeps the shard and example order; ``1`` (default)
-            reshuffles the shard order every epoch from ``seed`` (resume is exact); ``N > 1`` also
-            passes the examples through a shuffle buffer of N (a resumed run refills the buffer, so
-            the up to N examples held in it at the checkpoint are not seen in that epoch).
+            reshuffles the shard order every epoch from ``seed``; ``N > 1`` also gives each reader's
+            share in blocks of N samples shuffled from ``seed`` (a resume reads the current block
+            again). Resume is exact with every value.
     """
 
     name: str
