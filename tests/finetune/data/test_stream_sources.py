@@ -141,8 +141,11 @@ def test_block_shuffle_is_exact_on_resume(tmp_path):
 
 
 def test_a_resume_reads_only_what_is_left(tmp_path, monkeypatch):
-    """Resuming after 170 of 200 examples reads the data of the last 30 (a seek past the others), where datasets'
-    builder re-read most of the epoch (issue 30: 730 examples to resume after 700 of 800)."""
+    """Resuming after 175 of 200 examples reads the last 25 and the headers of the 5 before them in their shard (a
+    seek past their data), where datasets' builder re-read most of the epoch (issue 30: 730 examples to resume after 700 of
+    800)."""
+    import contextlib
+
     import finetune.data.streams.source as source
 
     scenes = _scenes(20)
@@ -151,17 +154,36 @@ def test_a_resume_reads_only_what_is_left(tmp_path, monkeypatch):
     spec = {"name": "webdataset", "urls": many, "shuffle_buffer": 0}
     first = ExampleStream(open_stream(spec), spec)
     it = iter(first)
-    for _ in range(170):
+    for _ in range(175):
         next(it)
     state = json.loads(json.dumps(first.state_dict()))
-    reads = []
-    original = source._raw_sample
-    monkeypatch.setattr(source, "_raw_sample",
-                        lambda key, url, entries: (reads.append(key), original(key, url, entries))[1])
-    resumed = ExampleStream(open_stream(spec), spec)
+    read_bytes = []
+    original = source.open_shard
+
+    class Counting:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def read(self, n=-1):
+            data = self.handle.read(n)
+            read_bytes.append(len(data))
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    @contextlib.contextmanager
+    def counting(url, options=None):
+        with original(url, options) as handle:
+            yield Counting(handle)
+
+    monkeypatch.setattr(source, "open_shard", counting)
+    resumed = ExampleStream(open_stream(spec, index=first.source.index), spec)
     resumed.load_state_dict(state)
-    rest = [e["id"] for _, e in zip(range(30), resumed)]
-    assert len(reads) == 30 and len(rest) == 30 and resumed.epoch == 0
+    rest = [e["id"] for _, e in zip(range(25), resumed)]
+    assert rest == [s["id"] for s in scenes[15:] + scenes[:10] + scenes[10:]]  # shards 17 (from its 6th), 18, 19
+    epoch_bytes = sum(Path(p).stat().st_size for p in many)
+    assert sum(read_bytes) < 0.15 * epoch_bytes  # under the last 3 of 20 shards: nothing of the 17 before
 
 
 def test_a_shard_index_file_is_used_and_checked(tmp_path, monkeypatch):
