@@ -52,6 +52,11 @@ def load_data(recipe: Recipe, accelerator: Any) -> RunData:
                                  world_size=accelerator.num_processes, index=index)
             check_stream_columns(recipe.data.train, source=source)
             check_broken_shards(source, recipe.data.on_error)
+            readers = accelerator.num_processes * max(1, recipe.data.num_workers)
+            if source.num_examples < readers:
+                raise DataError(f"its {source.num_examples} samples cannot give each of the {readers} readers "
+                                f"({accelerator.num_processes} processes x data.num_workers={recipe.data.num_workers}) "
+                                "one: lower data.num_workers or add data")
         except DataError as exc:
             raise DataError(f"training set (data.train): {exc}") from exc
     else:
