@@ -38,6 +38,7 @@ from finetune.config.errors import (SECTION_TYPES, RecipeError, _NOT_FINITE, _Or
                                     _non_finite, _raise_errors, _recipe_error, _suggest, _type_name)
 from finetune.config.io import MAX_RECIPE_BYTES, _compose, _first_comment, _plain
 from finetune.config.overrides import _parse_override, _set_path, check_override_sizes
+from finetune.config.secrets import mask_secrets, override_secrets, secret_values
 from finetune.config.terms import (_TERMS_MARK, _import_objectives, _import_user_modules, _term_options,
                                    registered_term_configs)
 from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_train_source, _no_streams,
@@ -556,6 +557,17 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"cannot read the recipe {file}: {exc}", file=file) from None
     data, node = _compose(text, file)
+    secrets = secret_values(data) + override_secrets(overrides)  # by key: masked in any error, whatever they are
+    try:
+        return _validated(data, node, text, file, overrides, trust_imports)
+    except RecipeError as exc:
+        if not secrets:
+            raise
+        raise RecipeError(mask_secrets(str(exc), secrets), file=exc.file, line=exc.line, key=exc.key) from None
+
+
+def _validated(data: Any, node: Any, text: str, file: str, overrides: Sequence[str], trust_imports: bool) -> Recipe:
+    """The :class:`Recipe` of a parsed recipe file and its overrides (:func:`load_recipe`)."""
     sections = [f.name for f in dataclasses.fields(Recipe) if not f.metadata.get("meta")]
     if data is None:
         raise RecipeError(f"{file}: the recipe is empty; write at least one section ({', '.join(sections)}), "
