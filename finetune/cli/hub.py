@@ -13,6 +13,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from finetune.cli.arguments import ArgumentParser
+
 __all__ = ["main"]
 
 #: ``--format`` choices (:data:`finetune.hub.upload.FORMATS`, repeated here so that ``--help`` imports no model code)
@@ -20,7 +22,7 @@ FORMATS = ("auto", "transformers", "open_clip")
 
 
 def _parser(prog: str = "python -m finetune.hub") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description="Push a fine-tuned run to the Hugging Face hub with a model card, or export it as a plain "
                     "transformers / open_clip folder (adapter merged, 248 text positions in the config).",

@@ -41,6 +41,8 @@ _SECRET_NAME = (r"(?:[\w-]+\.)*(?:[A-Za-z0-9]+[_-])*(?:token|secret|password|pas
 _KEY_VALUE = re.compile(rf"""(?<![`\w.])(?P<key>["']?{_SECRET_NAME}["']?[ \t]*(?::[ \t]+|:$|=)[ \t]*)"""
                         r"""(?P<value>"(?:[^"\\]|\\.)*"|'(?:[^']|'')*'|\[[^\]\n]*\]?|[^\s,{}\[\]]+)""",
                         re.MULTILINE | re.IGNORECASE)
+#: ``--name value`` on a command line (an option's value after a space), the name as in :data:`_KEY_VALUE`
+_OPTION_VALUE = re.compile(rf"""(?<!\S)(?P<key>--?{_SECRET_NAME}[ \t]+)(?P<value>(?!-)[^\s]+)""", re.IGNORECASE)
 #: secrets shorter than this are hidden where their key shows them, not searched for in free text (a token of
 #: one or two characters would mask every number in a message)
 _MIN_SEARCHED = 4
@@ -118,8 +120,8 @@ def override_secrets(overrides: Iterable[str]) -> list[str]:
 
 def mask_secrets(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` as it may be shown or written: the value of every secret key in it (``token: X``,
-    ``hub.token=X``, ``{"token": "X"}``) replaced by ``***``, every value of ``secrets`` (at least 4 characters)
-    wherever it appears, and every ``hf_...`` token.
+    ``hub.token=X``, ``{"token": "X"}``, ``--token X``) replaced by ``***``, every value of ``secrets`` (at least 4
+    characters) wherever it appears, and every ``hf_...`` token.
 
     Args:
         text: a message, a log line, the comment lines of a recipe, a command line.
@@ -128,6 +130,7 @@ def mask_secrets(text: str, secrets: Iterable[str] = ()) -> str:
     for secret in sorted({s for s in secrets if len(s) >= _MIN_SEARCHED}, key=len, reverse=True):
         text = text.replace(secret, MASK)
     text = _KEY_VALUE.sub(lambda m: m.group("key") + MASK, text)
+    text = _OPTION_VALUE.sub(lambda m: m.group("key") + MASK, text)
     return _TOKEN_VALUE.sub(lambda m: m.group(1) + MASK, text)
 
 

@@ -224,8 +224,8 @@ def test_a_token_in_a_section_override_never_reaches_the_card_or_the_staged_reci
     secret = "mysecret-4f2a9c"
     run = make_run(tmp_path / "run", "tiny-clip", "lora")
     text = (run / "recipe.yaml").read_text()
-    (run / "recipe.yaml").write_text(f"# tiny test run\n# overrides: train.lr=1e-5 'hub={{token: {secret}, push: true}}' "
-                                     f"hub.token={secret}-2\n" + text.split("\n", 1)[1])
+    header = f"# tiny test run\n# overrides: train.lr=1e-5 'hub={{token: {secret}, push: true}}' hub.token={secret}-2\n"
+    (run / "recipe.yaml").write_text(header + text.split("\n", 1)[1])
     out = stage_upload(run, tmp_path / "upload", repo_id=REPO_ID)
     leaked = [name for name, data in snapshot(out).items() if secret.encode() in data]
     assert leaked == []

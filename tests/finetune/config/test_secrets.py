@@ -80,7 +80,8 @@ def test_masking_is_by_key() -> None:
     assert without_secrets("train.lr=1e-5") == "train.lr=1e-5"
     # free text: values of secret keys, known secrets, anything shaped like a hub token
     line = (f"# overrides: hub.token={SECRET} train.lr=1 hub={{token: {SECRET}, repo_id: me/x}} "
-            f"'hub={{\"token\": \"{SECRET}\"}}' HF_TOKEN={SECRET} --token={SECRET} hf_abcdefghijklmnop")
+            f"'hub={{\"token\": \"{SECRET}\"}}' HF_TOKEN={SECRET} --token={SECRET} --hf-token {SECRET} "
+            "hf_abcdefghijklmnop")
     masked = mask_secrets(line)
     assert SECRET not in masked and "hf_abcdefghijklmnop" not in masked, masked
     assert "train.lr=1" in masked and "repo_id: me/x" in masked
