@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,7 +278,7 @@ def _check_output(dest: str | os.PathLike, overwrite: bool, *, sources: list[Pat
     return target
 
 
-def _write_into(target: Path, build: Any, *, command: str, source: Path) -> None:
+def _write_into(target: Path, build: Callable[[Path], Any], *, command: str, source: Path) -> None:
     """Build the output in a temporary folder beside ``target`` (``build(folder)``), mark it as written by
     ``command`` and put it in place of ``target`` (atomically); on any error ``target`` is left as it was."""
     target.parent.mkdir(parents=True, exist_ok=True)
