@@ -3,7 +3,7 @@
 The paper segments the *colour* image with SAM -- FastSAM in practice (D.3) -- into masks K_i,
 takes the structure-centric regions R_i as the edge map cut to each mask, splits the filtered
 caption T' into chunks at sentence delimiters, and pairs each chunk c_m with the K regions most
-similar to it under the *pretrained* encoders (R_m^K, K = 3). All of this is fixed before
+similar to it under the *pretrained* encoders (R_m^K; the paper names no K). All of this is fixed before
 fine-tuning, so it is computed once per dataset and cached (:func:`compute_regions`): per example
 the region boxes, whether the default regions were used, the chunks, and each chunk's top-K region
 indices and cosine scores. Crops are not stored; the collate re-cuts them from the (cached) edge
@@ -402,7 +402,7 @@ class RegionMatcher:
         encode_texts: ``list[str] -> (m, D)`` embeddings under the same model.
         model_id: names the model behind the encoders (hub id, revision, KPS length, ...); part
             of the cache key, so that another model gives other regions.
-        k: regions per chunk (paper: K = 3).
+        k: regions per chunk, K (the paper gives no number; the structxlip term's ``compat`` sets it).
         chunker: caption -> chunks; default :func:`split_chunks`.
         edge_cfg: edge extractor used when the batch has no ``edges_column``.
         match_on: ``"edges"`` (edge-map crops, the structure-centric regions) or ``"image"``

@@ -5,17 +5,24 @@ adds to the base image-text loss L_{I,T} (``objective.base``: clip, siglip or lo
 objective of eq. 4, ``L* = l1 L_{I',T'} + l2 L_{I,I'} + l3 L^local_{I',T'}``:
 
 - ``structure`` L_{I',T'} (3.2): symmetric InfoNCE between edge maps I' and appearance-filtered captions T'
-  with its own learnable temperature tau';
+  with its own temperature tau' (3.2: "a dedicated temperature"; learnable and clamped as D.2's main one: ours);
 - ``consistency`` L_{I,I'} (3.2, eq. 3): mean of ``1 - cos`` between each colour image and its edge map;
 - ``local`` L^local_{I',T'} (3.2, eqs. 1-2): each chunk of T' against the edge-map regions of the batch,
   its K most similar regions (under the frozen pretrained model) as positives, temperature 0.07.
 
-Defaults are the paper's (section 4 and Supp. Mat. D.2): weights 0.25 / 0.1 / 0.1, local temperature 0.07,
-Canny edge maps, the Fig. 5 lexicon, FastSAM regions, K = 3, chunks split at ``.`` and ``;``.
-``compat: official`` reproduces the public code's choices (DESIGN 5): weights 0.25 / 0.001 / 0.001 decayed
-per epoch (floors 0.7 / 0.5 / 0.4, :meth:`StructXLIPTerm.set_epoch`), L_{I',T'} with the main logit scale
-detached instead of its own temperature, a local scale ``min(s / 0.07, 100)``, chunks that are sliding word
-windows over clauses split at ``[.,;!?]``, and every kept region of the image a positive of every chunk.
+``compat: paper`` (the default) takes what the paper states: weights 0.25 / 0.1 / 0.1 (section 4), local
+temperature 0.07 (D.2), Canny edge maps (section 4), FastSAM regions (D.3), chunks split at sentence
+delimiters (3.2); the paper gives no number for K ("a total of K regions", 3.2): K = 3 is our choice (the
+public ``train.py``'s ``--chunk_top_k`` default), with 3 regions encoded per image. The lexicon is the Supp.
+Mat. Fig. 5 vocabulary; its revert threshold of one content word is ours (see :class:`LexiconOptions`).
+``compat: official`` reproduces the public code's choices (DESIGN 5; intelligolabs/StructXLIP ``train.py``,
+``losses.py``, ``scripts/finetune.sh``): weights 0.25 / 0.001 / 0.001 decayed per epoch (floors 0.7 / 0.5 /
+0.4, :meth:`StructXLIPTerm.set_epoch`), L_{I',T'} with the main logit scale detached instead of its own
+temperature, a local scale ``min(s / 0.07, 100)``, chunks that are sliding word windows over clauses split at
+``[.,;!?]``, K = 2 regions per image (``finetune.sh``'s ``--chunk_top_k 2``), every one a positive of every
+chunk, and the lexicon's colours only with a revert threshold of 2 (``--remove_colors``,
+``min_content_tokens``). ``null`` in ``weights``, ``lexicon``, ``regions.k`` and ``regions.per_image`` takes
+the ``compat`` value; a number given in the recipe wins over both.
 
 Where the work happens:
 
@@ -46,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -97,6 +104,7 @@ __all__ = [
     "StructXLIPOptions",
     "StructXLIPTerm",
     "StructXLIPWeights",
+    "COMPAT_K",
     "DefaultRegionSegmenter",
     "build_structxlip",
     "length_buckets",
@@ -108,6 +116,14 @@ logger = logging.getLogger("xlipkit")
 
 TERM_NAME = "structxlip"
 LOSS_KEYS = ("structure", "consistency", "local")
+
+#: K of each ``compat`` when ``regions.k`` is null: the paper names none (3.2); 3 is the public ``train.py``'s
+#: ``--chunk_top_k`` default, 2 what its ``scripts/finetune.sh`` passes
+COMPAT_K = {"paper": 3, "official": 2}
+
+
+def _count_or_all(value: Any) -> str | None:
+    return None if value == "all" else _at_least_one(value)
 
 
 # -- options (validated by the recipe schema) ---------------------------------------------------------
@@ -170,20 +186,24 @@ class RegionOptions:
             positives are the regions of its sentence, ``finetune.preprocess.regions.DatasetRegionLinks``).
         checkpoint: FastSAM checkpoint (``FastSAM-s.pt`` / ``FastSAM-x.pt`` from the ultralytics assets);
             ``null`` gives every image the default regions (4 quadrants + centre), counted and logged.
-        k: K, the positives of each chunk (paper: 3).
+        k: K, the positives of each chunk; ``null``: the ``compat`` value (:data:`COMPAT_K`). The paper gives
+            no number (3.2); ``paper``: 3, our choice (the public ``train.py``'s ``--chunk_top_k`` default);
+            ``official``: 2, the public ``scripts/finetune.sh``'s ``--chunk_top_k 2``.
         per_image: regions encoded per image and step (the ones most often among its chunks' top-K, then
-            by score); ``null`` keeps every region that is a top-K of some chunk.
+            by score); ``null``: as many as K (the public code encodes each image's top-K crops); ``all``:
+            every region that is a top-K of some chunk.
         encode: ``crop`` (the paper: each region's edge-map crop through the image tower) or ``pool`` (our
             extension: the edge map's patch states inside the box, mean-pooled and projected).
         min_area, max_area: FastSAM masks kept by area share of the image (GOAL's LISM: 0.01-0.8).
-        imgsz, conf, iou, max_masks, device: FastSAM inference settings.
+        imgsz, conf, iou, max_masks, device: FastSAM inference settings (ours: neither the paper nor the public
+            code gives them).
         match_on: top-K measured on ``edges`` crops (the structure-centric regions) or ``image`` crops.
     """
 
     source: Literal["segmenter", "dataset"] = "segmenter"
     checkpoint: str | None = None
-    k: int = field(default=3, metadata={"check": _at_least_one})
-    per_image: int | None = field(default=3, metadata={"check": _at_least_one})
+    k: int | None = field(default=None, metadata={"check": _at_least_one})
+    per_image: int | Literal["all"] | None = field(default=None, metadata={"check": _count_or_all})
     encode: Literal["crop", "pool"] = "crop"
     min_area: float = field(default=0.01, metadata={"check": _unit})
     max_area: float = field(default=0.8, metadata={"check": _unit})
@@ -203,9 +223,10 @@ class StructXLIPOptions:
         compat: ``paper`` (defaults of the paper) or ``official`` (the public code's choices, DESIGN 5).
         weights: lambda_1-3 (:class:`StructXLIPWeights`).
         local_temperature: gamma of eq. 1, fixed (D.2: 0.07). Official: the main scale is divided by it.
-        structure_temperature: initial tau' of L_{I',T'} (learnable, paper mode).
-        structure_logit_scale_max: upper clamp of log(1 / tau') after each step (as D.2's clamp of the
-            main scale, 3.5).
+        structure_temperature: initial tau' of L_{I',T'} (paper mode; the paper gives no value: 0.07, CLIP's
+            initial temperature, is ours; learnable, ours).
+        structure_logit_scale_max: upper clamp of log(1 / tau') after each step (ours, as D.2 clamps the
+            main scale at 3.5).
         edges, lexicon, regions: the preprocessing (:class:`EdgeOptions`, :class:`LexiconOptions`,
             :class:`RegionOptions`).
     """
@@ -252,7 +273,11 @@ class StructXLIPTerm(Term):
         from finetune.preprocess.edges import EdgeConfig
         from finetune.preprocess.lexicon import LexiconFilter
 
-        self.options = opts = options or StructXLIPOptions()
+        opts = options or StructXLIPOptions()
+        k = COMPAT_K[opts.compat] if opts.regions.k is None else opts.regions.k
+        per_image = k if opts.regions.per_image is None else opts.regions.per_image
+        #: the options with the compat values filled in (``regions.k``, ``regions.per_image``), as recorded
+        self.options = opts = replace(opts, regions=replace(opts.regions, k=k, per_image=per_image))
         self.compat = opts.compat
         edge_values = {k: v for k, v in asdict(opts.edges).items() if k != "on_the_fly"}
         self.edge_cfg = EdgeConfig(**edge_values)
@@ -516,7 +541,9 @@ class StructXLIPTerm(Term):
 
     def kept_regions(self, example: dict[str, Any]) -> list[int]:
         """Indices of the regions of ``example`` that are encoded (:func:`select_regions`)."""
-        return select_regions(example["chunk_topk"], example["chunk_topk_scores"], self.options.regions.per_image)
+        per_image = self.options.regions.per_image
+        return select_regions(example["chunk_topk"], example["chunk_topk_scores"],
+                              None if per_image == "all" else per_image)
 
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
         """Per example: the edge map, the filtered caption and, for the local loss, the chunks, their top-K

@@ -48,6 +48,8 @@ REPO = Path(__file__).resolve().parents[4]
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black", "grey", "pink", "cyan")
 
 
+ROOT = Path(__file__).resolve().parents[4]
+
 pytestmark = pytest.mark.usefixtures("quiet_datasets")
 
 
@@ -152,6 +154,46 @@ def test_compat_sets_the_lexicon_defaults():
     mine = StructXLIPTerm(StructXLIPOptions(compat="official", lexicon=LexiconOptions(min_content_words=1,
                                                                                     categories=["material"])))
     assert mine.lexicon(caption) == "A red bag. A blue and white pattern."
+
+
+def test_compat_sets_k_and_the_regions_per_image():
+    """The paper names no K (3.2): paper mode takes 3 (the public train.py's default); official takes the 2
+    that the public scripts/finetune.sh passes (--chunk_top_k 2), with as many regions encoded per image."""
+    paper = StructXLIPTerm(StructXLIPOptions()).options.regions
+    assert (paper.k, paper.per_image) == (3, 3)
+    official = StructXLIPTerm(StructXLIPOptions(compat="official")).options.regions
+    assert (official.k, official.per_image) == (2, 2)
+    given = StructXLIPTerm(_options(compat="official", k=5, per_image="all")).options.regions
+    assert (given.k, given.per_image) == (5, "all")
+    assert StructXLIPTerm(_options(compat="official", per_image=4)).options.regions.per_image == 4
+
+
+@pytest.mark.parametrize("name", ["structxlip_docci", "structxlip_dci", "structxlip_lora_docci",
+                                  "structxlip_dora_docci", "structxlip_siglip2_docci",
+                                  "fastgoal_structxlip_docci"])
+def test_shipped_recipes_switch_to_the_public_scripts_values_with_compat_official(name):
+    """`compat=official` on a shipped recipe gives every value the public code runs with (the notes on
+    intelligolabs/StructXLIP): K = 2 regions per image, each a positive of every chunk, weights 0.25 / 0.001 /
+    0.001 decayed per epoch, the main scale detached for L_I'T', the local scale min(s / 0.07, 100), word-window
+    chunks, colours only with a revert threshold of 2; and the paper's values without it."""
+    recipe_path = ROOT / "recipes" / f"{name}.yaml"
+    overrides = ["objective.terms.structxlip.regions.checkpoint=null"]  # FastSAM-x.pt is not here
+    paper = build_objective(load_recipe(recipe_path, overrides).objective)
+    (sx,) = [t for t in paper.terms if isinstance(t, StructXLIPTerm)]
+    assert (sx.options.regions.k, sx.options.regions.per_image) == (3, 3)
+    assert sx.weights == {"structure": 0.25, "consistency": 0.1, "local": 0.1}
+
+    official = build_objective(load_recipe(recipe_path, [*overrides, "objective.terms.structxlip.compat=official"])
+                               .objective)
+    (sx,) = [t for t in official.terms if isinstance(t, StructXLIPTerm)]
+    assert (sx.options.regions.k, sx.options.regions.per_image) == (2, 2)
+    assert sx.weights == {"structure": 0.25, "consistency": 0.001, "local": 0.001}
+    assert sx.structure_logit_scale is None
+    assert sx.chunker() is official_chunks
+    assert (sx.lexicon.min_content_words, sx.lexicon.categories) == (2, ("colour",))
+    assert sx.positives({}) is None  # every kept region of the chunk's image
+    sx.set_epoch(8)
+    assert sx.weights == pytest.approx({"structure": 0.175, "consistency": 0.0005, "local": 0.0004})
 
 
 def test_structure_scale_is_clamped_after_a_step():
@@ -657,7 +699,7 @@ def test_structxlip_alone_with_base_none_encodes_the_colour_images_itself(model,
 def test_dataset_regions_make_the_ground_truth_links_the_positives(model, scenes, tmp_path, encode):
     """regions.source: dataset on the synthetic scenes: the regions are the objects' boxes and each chunk's
     positives are exactly the object its sentence describes (no segmenter, no frozen matching)."""
-    term = StructXLIPTerm(_options(encode=encode, source="dataset", per_image=None))
+    term = StructXLIPTerm(_options(encode=encode, source="dataset", per_image="all"))
     data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
     assert term.stats["regions"]["source"] == "dataset"
     rows = (0, 1, 2, 3)
@@ -698,7 +740,7 @@ def test_dci_masks_are_the_ground_truth_regions_of_their_chunks(model, tmp_path)
     folder = write_dci_fixture(tmp_path / "dci", 2, 0, 0, masks=True)
     dci = load_source({"name": "dci", "path": str(folder), "split": "train",
                        "options": {"caption": "complete", "mask_min_size": 0}}).dataset
-    term = StructXLIPTerm(_options(encode="pool", source="dataset", per_image=None))
+    term = StructXLIPTerm(_options(encode="pool", source="dataset", per_image="all"))
     data = term.preprocess(dci, model, cache_dir=str(tmp_path / "cache"))
     bounds = {m["label"]: m["bounds"] for m in DCI_MASKS.values()}
     for row in data:
