@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from finetune.extras import require_extra
 from finetune.models.frozen import FrozenEncoders, model_fingerprint
 from losses import clip_loss
 
@@ -181,6 +182,8 @@ class FastGoalTerm(Term):
         if r.min_area > r.max_area:
             raise ValueError(f"objective.terms.fastgoal.regions: min_area ({r.min_area}) must not exceed max_area "
                              f"({r.max_area})")
+        if r.method == "detector" and r.detector and str(r.detector).endswith(".pt"):
+            require_extra("regions", "objective.terms.fastgoal.regions.detector (an ultralytics YOLO checkpoint)")
         if r.method == "detector" and r.detector and str(r.detector).endswith(".pt") \
                 and not Path(r.detector).expanduser().is_file():
             raise FileNotFoundError(

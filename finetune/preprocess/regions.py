@@ -47,6 +47,7 @@ from PIL import Image
 from torch import Tensor
 
 from finetune.data.text import split_sentences
+from finetune.extras import require_extra
 
 from .cache import cached_map
 from .edges import EdgeConfig, edge_map
@@ -199,6 +200,7 @@ def load_ultralytics(checkpoint: Path, model_class: str, task_class: str, *, exa
     ``ultralytics.nn.tasks.<task_class>`` (``exact``: that very class, as a segmentation model is also a
     detection model). Offline by default (``YOLO_OFFLINE``). Errors start with ``prefix`` (the recipe key)
     and end with ``hint`` (where to get a checkpoint)."""
+    require_extra("regions", f"{prefix}{str(checkpoint)!r} (an ultralytics checkpoint)".strip())
     os.environ.setdefault("YOLO_OFFLINE", "1")  # no update checks or analytics by default
     import ultralytics  # noqa: PLC0415 - heavy import, only when a checkpoint runs
     from ultralytics.nn import tasks  # noqa: PLC0415
@@ -278,6 +280,7 @@ class FastSAMRegions(UltralyticsCheckpoint):
         batch_size: int = 8,
     ) -> None:
         path = Path(checkpoint)
+        require_extra("regions", f"the FastSAM checkpoint {str(path)!r}")
         if not path.is_file():
             raise FileNotFoundError(
                 f"FastSAM checkpoint {str(path)!r} not found: {FASTSAM_DOWNLOAD_HINT}."

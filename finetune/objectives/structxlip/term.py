@@ -60,6 +60,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from finetune.extras import require_extra
 from finetune.models.frozen import FrozenEncoders, model_fingerprint
 from finetune.preprocess.geometry import box_patch_mask, patch_count
 from losses import clip_loss, consistency_loss, local_structure_loss
@@ -289,6 +290,8 @@ class StructXLIPTerm(Term):
             categories=(["colour"] if official else None) if lex.categories is None else lex.categories,
         )
         r = opts.regions
+        if r.checkpoint is not None and r.source == "segmenter":
+            require_extra("regions", "objective.terms.structxlip.regions.checkpoint (FastSAM regions)")
         if r.checkpoint is not None and not Path(r.checkpoint).expanduser().is_file():
             from finetune.preprocess.regions import FASTSAM_DOWNLOAD_HINT
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import logging
 import math
@@ -114,8 +115,9 @@ def test_recipe_section_is_validated_and_builds_the_term(tmp_path):
 
 
 def test_missing_fastsam_checkpoint_and_bad_edges_fail_at_build(tmp_path):
-    with pytest.raises(FileNotFoundError, match="regions.checkpoint.*FastSAM-s.pt or FastSAM-x.pt"):
-        StructXLIPTerm(_options(checkpoint=str(tmp_path / "FastSAM-x.pt")))
+    if importlib.util.find_spec("ultralytics") is not None:  # without the `regions` extra: tests/test_extras.py
+        with pytest.raises(FileNotFoundError, match="regions.checkpoint.*FastSAM-s.pt or FastSAM-x.pt"):
+            StructXLIPTerm(_options(checkpoint=str(tmp_path / "FastSAM-x.pt")))
     with pytest.raises(ValueError, match="low <= high"):
         StructXLIPTerm(StructXLIPOptions(edges=EdgeOptions(low=200, high=100)))
     with pytest.raises(FileNotFoundError, match="lexicon"):
@@ -540,6 +542,7 @@ def test_report_sections_have_the_lexicon_statistics_and_the_preview(crop_setup,
 # -- end to end -------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_structxlip_docci_recipe_runs_offline_and_reuses_its_preprocessing(tmp_path):
+    pytest.importorskip("ultralytics")  # the `regions` extra
     from ultralytics import YOLO
 
     from tests.finetune.data.fixtures import write_dci_fixture, write_docci_fixture, write_urban1k_fixture
@@ -604,6 +607,7 @@ def test_naflex_siglip2_model_in_crop_and_pool_modes(scenes, tmp_path):
 
 @pytest.fixture(scope="module")
 def run_fixtures(tmp_path_factory):
+    pytest.importorskip("ultralytics")  # the `regions` extra
     from ultralytics import YOLO
 
     from tests.finetune.data.fixtures import write_dci_fixture, write_docci_fixture, write_urban1k_fixture
