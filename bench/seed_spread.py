@@ -3,7 +3,8 @@
 Run ``python bench/seed_spread.py recipes/quickstart.yaml --seeds 0 1 2``: the recipe and each recipe of its
 ``eval.compare_with`` are run once per seed, as shipped except for ``train.seed`` (data order, augmentation and
 the initialisation of new parameters), ``output.dir`` (``runs/seed_spread/<recipe>-seed<N>``) and
-``eval.compare_with`` (emptied: the comparison runs are runs of this sweep). Each run is a ``finetune/run.py``
+``eval.compare_with`` (emptied: the comparison runs are runs of this sweep; ``eval.seed_spread``, which this
+measures, is nulled too, so that setting it does not make the runs stale). Each run is a ``finetune/run.py``
 process of its own, one at a time; a run folder that already holds a finished run of the same resolved recipe
 (and the same ``model.init_from`` start) is reused, as ``model.init_from`` reuses one.
 
@@ -36,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DIRECTIONS = (("t2i", "text→image"), ("i2t", "image→text"))
+#: how finetune.report.verdict says where a single run's spread comes from
+RECIPE_SPREAD = "taken from the recipe (`eval.seed_spread`, measured over seeds beforehand, not by this run)"
 
 
 def seeded_recipe(ref: str, seed: int, runs: Path) -> tuple[Path, dict[str, Any]]:
@@ -47,7 +50,8 @@ def seeded_recipe(ref: str, seed: int, runs: Path) -> tuple[Path, dict[str, Any]
 
     name = f"{Path(ref).stem}-seed{seed}"
     out_dir = runs / name
-    recipe = load_recipe(ref, [f"train.seed={seed}", f"output.dir={out_dir}", "eval.compare_with=[]"])
+    recipe = load_recipe(ref, [f"train.seed={seed}", f"output.dir={out_dir}", "eval.compare_with=[]",
+                               "eval.seed_spread=null"])
     data = recipe_to_dict(recipe)
     for meta in ("source", "description"):
         data.pop(meta, None)
@@ -201,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     objective = {ref: next(iter(runs[ref].values())).get("objective", "?") for ref in refs}
     said = verdict((args.recipe, {"after": mean_after(table, args.recipe), "objective": objective[args.recipe]}),
                    [(o, {"after": mean_after(table, o), "objective": objective[o]}) for o in others], spread)
+    if said:  # the verdict of a single run reads the spread from its recipe; here this sweep measured it
+        said = said.replace(RECIPE_SPREAD, f"measured over seeds {', '.join(map(str, args.seeds))} by this sweep")
     text = markdown(table, args.recipe, others, args.seeds)
     print(text)
     print(f"seed spread (largest R@1 range over seeds {args.seeds}): {spread:.1f} points")
