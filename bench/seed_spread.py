@@ -63,9 +63,14 @@ def seeded_recipe(ref: str, seed: int, runs: Path) -> tuple[Path, dict[str, Any]
     return path, data
 
 
+#: written into a run folder this sweep trained: the commit and machine load it was trained with
+TRAINED_WITH = "seed_spread_trained_with.json"
+
+
 def run_seeded(path: Path) -> tuple[dict[str, Any], str]:
     """The finished run of the seeded recipe at ``path``: reused when current, else trained now by a
-    ``finetune/run.py`` process. Returns its ``metrics.json`` and ``reused`` / ``trained``."""
+    ``finetune/run.py`` process. Returns its ``metrics.json`` (with ``trained_with``: the commit, thread
+    setting and load average it was trained with, when this sweep trained it) and ``reused`` / ``trained``."""
     from finetune.prerequisites import ensure
 
     def launch(recipe: Any, chain: tuple[str, ...] = ()) -> int:
@@ -73,10 +78,21 @@ def run_seeded(path: Path) -> tuple[dict[str, Any], str]:
         if getattr(recipe.output, "overwrite", False):
             cmd.append("output.overwrite=true")
         print("$", " ".join(cmd), flush=True)
-        return subprocess.call(cmd, cwd=Path.cwd())
+        load, commit = os.getloadavg()[0], _commit()
+        status = subprocess.call(cmd, cwd=Path.cwd())
+        if status == 0:
+            record = {"commit": commit, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                      "load_average_1min": [round(load, 2), round(os.getloadavg()[0], 2)]}
+            (Path(recipe.output.dir) / TRAINED_WITH).write_text(json.dumps(record) + "\n", encoding="utf-8")
+        return status
 
     done = ensure(str(path), "bench/seed_spread.py", launch)
-    return done.metrics(), done.status
+    metrics = done.metrics()
+    try:
+        metrics["trained_with"] = json.loads((done.run_dir / TRAINED_WITH).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        metrics["trained_with"] = None
+    return metrics, done.status
 
 
 def recall_table(runs: dict[str, dict[int, dict[str, Any]]], at: str = "R@1") -> dict[str, Any]:
@@ -198,7 +214,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             metrics, status = run_seeded(path)
             runs.setdefault(ref, {})[seed] = metrics
             record.append({"recipe": ref, "seed": seed, "run": str(path.with_suffix("")), "status": status,
-                           "wall_time_s": metrics.get("wall_time_s"), "after": metrics.get("after")})
+                           "wall_time_s": metrics.get("wall_time_s"), "trained_with": metrics.get("trained_with"),
+                           "after": metrics.get("after")})
             load.append(os.getloadavg()[0])
     table = recall_table(runs)
     spread = seed_spread(table)
@@ -221,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "r1_gaps": {o: paired_gaps(table, args.recipe, o) for o in others},
         "verdict_on_means": said,
         "runs": record,
-        "commit": _commit(),
+        "commit": _commit(),  # of this sweep; each run's own is its trained_with (null: not trained by a sweep)
         "command": "python bench/seed_spread.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "python": platform.python_version(),

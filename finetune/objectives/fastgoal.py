@@ -82,8 +82,9 @@ class FlismOptions:
             synthetic scenes; with ``links`` their ``sentence_index`` fixes the sentence) or ``pairs`` (the
             ``box`` / ``sentence_index`` columns of a pairs file from ``python -m finetune.preprocess.flism``).
         default: add the four quadrants and the centre box (III-A); false is Table VII's "YOLO only".
-        detector: a transformers YOLOS hub id or folder (the paper's ``hustvl/yolos-base``) or an ultralytics
-            ``.pt`` checkpoint (``yolov8x.pt``); null: the default regions only.
+        detector: a transformers YOLOS hub id or folder (``hustvl/yolos-base``: the paper names YOLOS and its
+            127.8M parameters, Table X; which checkpoint is ours) or an ultralytics ``.pt`` checkpoint
+            (``yolov8x.pt``, needs the ``regions`` extra); null: the default regions only.
         threshold: detection score threshold (null: 0.9 for YOLOS, as its model card; 0.25 for ultralytics).
         classes: keep only these detector classes (names or ids); null: all.
         max_boxes: most detector / SAM boxes per image, by score (null: all).
@@ -126,9 +127,10 @@ class FastGoalOptions:
         weights: lambda_local, lambda_TSL (:class:`FastGoalWeights`, V-A: 0.5 / 1).
         tsl_form: ``matrix`` (eq. 14 as written: n x n cosine matrices against I, 1 / n of the weight on the
             pairs) or ``diagonal`` (the GOAL code's ``MSE(diag, 1)``, the form the paper's numbers most likely
-            used: README, FAST-GOAL).
+            used: docs/methods/fastgoal.md).
         heads: psi_v / psi_t: ``own`` (the model's final norm + projection, as the GOAL code) or ``new``
-            (separate heads initialised from them, trained and saved with the model).
+            (separate heads initialised from them, trained and saved with the model; the paper calls psi "a
+            learned projection function" and gives no initialisation).
         box_cover: which patches a box pools: ``overlap`` (every patch it touches) or ``centre`` (patches whose
             centre lies inside, as StructXLIP's pooled regions).
         regions: FLISM (:class:`FlismOptions`).
