@@ -19,8 +19,8 @@ Features:
   ``train.resume: latest | PATH`` continues to the same weights as an uninterrupted run;
 - no host read of a device tensor between logging steps: the loss terms, the non-finite check and the counts
   accumulate on the device (:class:`StepMeter`) and are read at ``train.log_every``, checkpoints and the end;
-  text-length buckets are planned and JPEGs decoded to ``uint8`` in the data-loader workers
-  (:class:`finetune.data.collate.PlannedCollate`), pixels normalised on the device; the map-style loader's
+  batches are planned and JPEGs decoded to ``uint8`` in the data-loader workers
+  (:class:`finetune.objectives.planning.PlannedCollate`), pixels normalised on the device; the map-style loader's
   workers are persistent and prefetch across epochs, its batches pinned;
 - a non-finite loss is never applied (fused AdamW skips the update on the device through ``found_inf``); at
   the next read the run stops naming the first bad step and term (``on_nonfinite: raise``) or goes on
@@ -28,8 +28,9 @@ Features:
 - every loss term and the learning rate logged to the recipe's trackers, a progress bar with the recent loss
   and samples/s on the main process; the steady samples/s, the data-wait share and TFLOP/s
   (:mod:`finetune.throughput`) in the result;
-- ``train.compile``: the towers' transformer blocks compiled with ``torch.compile``
-  (:mod:`finetune.models.compile`).
+- fixed shapes: every text and image pass takes its shape from a small set fixed before training, at most two
+  text passes per step (:mod:`finetune.objectives.shapes`); ``train.attention`` chooses the attention backend,
+  ``train.compile`` compiles the towers' transformer blocks once (:mod:`finetune.objectives.step_setup`).
 """
 
 from __future__ import annotations
@@ -148,8 +149,8 @@ class EpochShuffleSampler(Sampler[tuple[int, int]]):
 
 class EpochIndexed:
     """A map-style dataset read by ``(epoch, index)`` (:class:`EpochShuffleSampler`): row ``index`` with the
-    epoch under :data:`finetune.data.collate.EPOCH_KEY`, which :class:`finetune.data.collate.PlannedCollate` hands to
-    the terms in the worker that collates the batch."""
+    epoch under :data:`finetune.data.collate.EPOCH_KEY`, which :class:`finetune.objectives.planning.PlannedCollate`
+    hands to the terms in the worker that collates the batch."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
@@ -604,8 +605,8 @@ class StepMeter:
 
 
 def _split(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """Split a collated batch into ``n`` equal micro-batches (:func:`finetune.data.collate.split_batch`)."""
-    from .data.collate import split_batch
+    """Split a collated batch into ``n`` equal micro-batches (:func:`finetune.objectives.planning.split_batch`)."""
+    from .objectives.planning import split_batch
 
     return split_batch(batch, n)
 
@@ -852,7 +853,7 @@ class Trainer:
         self.acc = accelerator
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        collate_fn = self._planned(collate_fn, module, cfg)
+        collate_fn = self._planned(collate_fn, module, cfg, dataset)
         self.ckpt_dir = self.run_dir / "checkpoints"
         world = accelerator.num_processes
         accum = cfg.accumulation_steps
@@ -900,22 +901,13 @@ class Trainer:
                                optimizer=getattr(self.optimizer, "optimizer", self.optimizer),
                                scaler=getattr(self.optimizer, "scaler", None))
 
-    @staticmethod
-    def _planned(collate_fn: Callable, module: TrainModule, cfg: Any) -> Callable:
-        """``collate_fn`` plus the text plan of each batch (:class:`finetune.data.collate.PlannedCollate`); under
-        ``train.compile`` the towers are compiled here and captions padded to :func:`compile_lengths`."""
-        from .data.collate import PlannedCollate, compile_lengths
+    def _planned(self, collate_fn: Callable, module: TrainModule, cfg: Any, dataset: Any) -> Callable:
+        """``collate_fn`` planned for the step: the run's fixed shapes, attention backend (``train.attention``) and
+        compiled blocks (``train.compile``) set up by :func:`finetune.objectives.step_setup.setup_step`."""
+        from .objectives.step_setup import setup_step
 
-        pad = None
-        if getattr(cfg, "compile", False):
-            from .models.compile import compile_blocks
-
-            n = compile_blocks(module.model)
-            pad = compile_lengths(int(module.model.max_text_len))
-            log.info("train.compile: %d transformer blocks compiled with torch.compile; captions padded to %s "
-                     "tokens", n, ", ".join(map(str, pad)))
-        return PlannedCollate(collate_fn, module.objective, module.model, micro_batches=cfg.accumulation_steps,
-                              pad_lengths=pad)
+        self.step_setup = setup_step(module, cfg, dataset, self.acc.device)
+        return self.step_setup.collate(collate_fn)
 
     def _map_loader(self, dataset: Any, collate_fn: Callable, cfg: Any, num_workers: int) -> DataLoader:
         """The loader of a map-style dataset; sets ``sampler``, ``steps_per_epoch`` and ``total_steps``."""
@@ -1037,7 +1029,8 @@ class Trainer:
         optimiser step (not applied where the meter says so), the schedule and the clamps. The loop calls it
         between its reads; ``bench/loop.py`` times it alone as the bare step."""
         cfg = self.cfg
-        out = self._step(batch)
+        with self.step_setup.attention_context():
+            out = self._step(batch)
         self.meter.add(out, step, batch.get("truncated"))
         if cfg.grad_clip:
             self.acc.clip_grad_norm_(self.wrapped.parameters(), cfg.grad_clip)
@@ -1204,7 +1197,8 @@ class Trainer:
             step = self.state.step + 1
             if step == 1:  # FLOPs of the first step from the shapes (finetune.throughput); only in a fresh run,
                 # because ops under a dispatch mode may round differently and a resumed run must match a straight one
-                _, self.state.flops_per_step = count_flops(lambda: self.train_step(batch, step))
+                _, self.state.flops_per_step = count_flops(
+                    lambda: self.step_setup.observed(lambda: self.train_step(batch, step)))
             else:
                 self.train_step(batch, step)
             self.state.step = step
@@ -1277,7 +1271,7 @@ class Trainer:
         out: dict[str, Any] = {"steady_samples_per_s": None, "data_wait_share": None, "steady_steps": 0,
                                "flops_per_sample": None, "tflops_per_device": None, "mfu": None,
                                "flops_counted_by": "torch.utils.flop_counter on the first step (matmul, conv, "
-                                                   "SDPA forward and backward)"}
+                                                   "SDPA forward and backward)", **self.step_setup.summary()}
         if flops_per_step:
             out["flops_per_sample"] = flops_per_step / per_device_batch
         if steady is not None:

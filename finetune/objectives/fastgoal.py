@@ -328,6 +328,23 @@ class FastGoalTerm(Term):
                          "finetune.preprocess.flism IMAGES OUT) and train on that file (data.train: {name: jsonl, "
                          "path: OUT}, regions.method: pairs)")
 
+    def shape_scan(self, dataset: Any, model: Any) -> Any:
+        """The pairs' sentences over the training set (the run's short text length is their longest), from the
+        preprocessed columns, as :meth:`prepare` picks them."""
+        from finetune.data.text import split_sentences
+
+        from .shapes import ShapeScan, dataset_columns
+
+        cols = dataset_columns(dataset, ["caption", "flism_num_pairs", "flism_pair_sentence"])
+        if cols is None:
+            return None
+        texts = []
+        for caption, m, index in zip(cols["caption"], cols["flism_num_pairs"], cols["flism_pair_sentence"]):
+            sentences = split_sentences(caption or "")
+            picked = [0] * self.k if int(m) == 0 else [int(i) for i in index[: self.k]]  # as _pairs_of
+            texts += [sentences[i] for i in picked if 0 <= i < len(sentences)]
+        return ShapeScan(short_texts=tuple(texts) or ("",))
+
     # -- data workers ----------------------------------------------------------------------------
     def _pairs_of(self, example: dict[str, Any]) -> tuple[list[list[float]], list[int], list[bool], list[float]]:
         """Boxes, sentence indices, validity and TSL weights of the example's ``k`` pairs."""
@@ -479,10 +496,11 @@ class FastGoalTerm(Term):
 
     def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
         """``text`` (the captions, with token states; merged with the base term's request) and
-        ``fastgoal_sentence`` (the ``B * k`` sentences alone)."""
+        ``fastgoal_sentence`` (the ``B * k`` sentences alone, short texts: the run's short length)."""
         fg = batch["fastgoal"]
         return {"text": TextRequest(batch["input_ids"], batch["attention_mask"], states=True),
-                "fastgoal_sentence": TextRequest(_flat(fg["sentence_input_ids"]), _flat(fg["sentence_attention_mask"]))}
+                "fastgoal_sentence": TextRequest(_flat(fg["sentence_input_ids"]), _flat(fg["sentence_attention_mask"]),
+                                                 short=True)}
 
     def _heads(self, model: Any) -> Any:
         if self.options.heads == "own":

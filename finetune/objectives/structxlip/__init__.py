@@ -27,7 +27,6 @@ from finetune.objectives.structxlip.term import (
     StructXLIPWeights,
     _trim,
     build_structxlip,
-    length_buckets,
 )
 
 __all__ = [
@@ -43,7 +42,6 @@ __all__ = [
     "StructXLIPWeights",
     "TERM_NAME",
     "build_structxlip",
-    "length_buckets",
     "official_chunks",
     "select_regions",
 ]

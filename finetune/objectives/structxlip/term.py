@@ -25,18 +25,19 @@ Where the work happens:
   and each chunk's top-K regions under the frozen model as loaded, before any training step.
 - :meth:`prepare` / :meth:`collate` (data workers): the regions kept per image (``regions.per_image``, the
   ones most often among the chunks' top-K), their edge-map crops (crop mode) or patch masks (pool mode),
-  and tokenised filtered captions and chunks. Chunks are padded to the longest chunk of the batch, not to
-  248 tokens. Samples without chunks or regions add no rows: nothing is encoded for them.
+  and tokenised filtered captions and chunks. Chunks and regions take a fixed number of rows per sample, the
+  most of any example of the training set (:meth:`shape_scan`, before training), padded rows marked invalid in
+  ``chunk_valid`` / ``region_valid`` and left out of every loss, so that every step's passes have one shape.
 - :meth:`image_inputs` / :meth:`text_inputs`: the edge maps and (crop mode) the region crops join the base
-  term's colour images in ONE pass of the image tower; filtered captions and chunks go through the text
-  tower with the captions, for causal towers (CLIP) in a few passes of rows of similar length
-  (:func:`finetune.objectives.base.length_buckets`), so that chunks are not padded to caption length.
+  term's colour images in ONE pass of the image tower; filtered captions go through the text tower with the
+  captions, and chunks, marked short, in the second pass at the run's short length
+  (:mod:`finetune.objectives.shapes`: the longest chunk of the training set), so that chunks are not padded to
+  caption length.
 - ``regions.encode: pool`` (our extension, not in the paper): a region is the mean of the edge map's last
   patch states inside its box (the box mapped through the processor's exact resize and centre crop), then
   the model's own final norm and projection (``DualEncoder.project_image_states``): no extra image forward.
 
-Per-sample batch fields are kept per sample (lists of length B, or ``(B, ...)`` tensors) under
-``batch["structxlip"]``, so that the trainer's micro-batch split slices them correctly; feature rows carry
+Per-sample batch fields are ``(B, ...)`` tensors under ``batch["structxlip"]``, so that the trainer's micro-batch split slices them correctly; feature rows carry
 their sample index in ``*_owner`` keys, which ``merge_features`` offsets, and positives are stored as region
 indices *within the sample* (``chunk_topk`` against ``region_slot``), so merged micro-batches give the loss
 of one batch.
@@ -71,7 +72,6 @@ from finetune.objectives.base import (
     Term,
     TextRequest,
     host_tensor,
-    length_buckets,
     scale_of,
 )
 from finetune.objectives.checks import at_least_one as _at_least_one
@@ -99,7 +99,6 @@ __all__ = [
     "StructXLIPWeights",
     "DefaultRegionSegmenter",
     "build_structxlip",
-    "length_buckets",
     "official_chunks",
     "select_regions",
 ]
@@ -220,11 +219,6 @@ class StructXLIPOptions:
     regions: RegionOptions = field(default_factory=RegionOptions)
 
 
-def _cat(parts: list[Tensor], empty: Tensor) -> Tensor:
-    parts = [p for p in parts if p is not None and p.shape[0]]
-    return torch.cat(parts) if parts else empty
-
-
 # -- the term ----------------------------------------------------------------------------------------
 class StructXLIPTerm(Term):
     """StructXLIP's L* (paper 3.2, eq. 4) as an objective term added to any base term and any adapter.
@@ -245,7 +239,8 @@ class StructXLIPTerm(Term):
     produces = frozenset({"sx_edges", "sx_filtered", "sx_chunks", "sx_topk", "sx_slots", "sx_boxes", "sx_size",
                           "sx_crops", "structxlip"})
     requests = frozenset({"image", "edge", "region", "filtered_text", "chunk"})
-    features = frozenset({"chunk_owner", "chunk_topk", "region_owner", "region_slot", "chunk", "region"})
+    features = frozenset({"chunk_owner", "chunk_topk", "chunk_valid", "region_owner", "region_slot", "region_valid",
+                          "chunk", "region"})
 
     def __init__(self, options: StructXLIPOptions | None = None) -> None:
         super().__init__()
@@ -499,6 +494,23 @@ class StructXLIPTerm(Term):
         )
         return lexicon_stats(results)
 
+    def shape_scan(self, dataset: Any, model: Any) -> Any:
+        """The chunks of the training set (the run's short text length: their longest) and the most chunks and kept
+        regions of any example (rows per sample), read from the preprocessed columns before training."""
+        from finetune.objectives.shapes import ShapeScan, dataset_columns
+
+        if not self.use_local:
+            return None
+        cols = dataset_columns(dataset, ["chunks", "chunk_topk", "chunk_topk_scores"])
+        if cols is None:
+            return None
+        per_image = self.options.regions.per_image
+        regions = [len(select_regions(t, s, per_image)) if c else 0
+                   for c, t, s in zip(cols["chunks"], cols["chunk_topk"], cols["chunk_topk_scores"])]
+        return ShapeScan(short_texts=tuple(t for chunks in cols["chunks"] for t in chunks),
+                         capacities={f"{TERM_NAME}/chunks": max((len(c) for c in cols["chunks"]), default=0),
+                                     f"{TERM_NAME}/regions": max(regions, default=0)})
+
     # -- data workers ----------------------------------------------------------------------------
     def edge_image(self, example: dict[str, Any]) -> Any:
         """The example's edge map as a one-channel PIL image (cached column, or computed now)."""
@@ -546,10 +558,12 @@ class StructXLIPTerm(Term):
 
         - ``edge_inputs``: the edge maps through ``model.preprocess_images`` (``pixel_values (B, 3, H, W)``);
         - ``filtered_input_ids`` / ``filtered_attention_mask``: ``(B, L')`` filtered captions;
-        - per sample (lists of length B): ``chunk_input_ids`` / ``chunk_attention_mask`` ``(m_i, Lc)`` with
-          Lc the longest chunk of the batch, ``chunk_topk`` ``(m_i, K)`` region indices (-1 padded),
-          ``region_slot`` ``(r_i,)`` the kept regions' indices, and ``region_inputs`` (crop mode: a dict of
-          ``(r_i, ...)`` processor outputs) or ``region_patch_mask`` (pool mode: ``(r_i, N)`` bool).
+        - per sample, padded to a fixed number of rows (the run's capacity, :attr:`Term.shapes`, else the batch's
+          most) with validity masks: ``chunk_input_ids`` / ``chunk_attention_mask`` ``(B, C, Lc)`` with Lc the
+          longest chunk of the batch (the step pads it to the run's short length), ``chunk_valid`` ``(B, C)``,
+          ``chunk_topk`` ``(B, C, K)`` region indices (-1 padded), ``region_slot`` ``(B, P)`` the kept regions'
+          indices (-2 padded), ``region_valid`` ``(B, P)``, and ``region_inputs`` (crop mode: a dict of
+          ``(B, P, ...)`` processor outputs) or ``region_patch_mask`` (pool mode: ``(B, P, N)`` bool).
         """
         filtered = model.tokenize([e["sx_filtered"] for e in examples])
         sx: dict[str, Any] = {
@@ -561,33 +575,69 @@ class StructXLIPTerm(Term):
             sx.update(self._collate_local(examples, model, sx["edge_inputs"]))
         return {"structxlip": sx}
 
-    def _collate_local(self, examples: list[dict[str, Any]], model: Any, edge_inputs: dict[str, Tensor]) -> dict:
+    def _capacity(self, name: str, most: int) -> int:
+        """Rows per sample of ``chunks`` / ``regions``: the run's fixed capacity (:attr:`Term.shapes`), else this
+        batch's most."""
+        cap = self.shapes.capacity(f"{TERM_NAME}/{name}") if self.shapes is not None else None
+        if cap is None:
+            return most
+        if most > cap:
+            raise ValueError(f"structxlip: a sample of this batch has {most} {name}, more than the {cap} per sample "
+                             "planned before training from the training set (finetune.objectives.shapes): the "
+                             "batch does not come from the preprocessed training set the run was planned on")
+        return cap
+
+    def _collate_chunks(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Tensor]:
+        """``chunk_input_ids`` / ``chunk_attention_mask`` ``(B, C, Lc)``, ``chunk_valid`` ``(B, C)`` and
+        ``chunk_topk`` ``(B, C, K)`` (-1 padded): C chunk rows per sample, the padded ones holding the empty text."""
+        from finetune.objectives.shapes import empty_text_row, pad_rows
+
         k = self.options.regions.k
         counts = [len(e["sx_chunks"]) for e in examples]
-        all_chunks = [c for e in examples for c in e["sx_chunks"]]
-        if all_chunks:
-            tok = model.tokenize(all_chunks)
+        c = self._capacity("chunks", max(counts, default=0))
+        fill_ids, fill_mask = empty_text_row(model)
+        chunks = [t for e in examples for t in e["sx_chunks"]]
+        if chunks:
+            tok = model.tokenize(chunks)
             ids, mask = _trim(tok.input_ids, tok.attention_mask, model)
-            chunk_ids, chunk_mask = list(ids.split(counts)), list(mask.split(counts))
         else:
-            chunk_ids = [torch.zeros((0, 1), dtype=torch.long) for _ in examples]
-            chunk_mask = [torch.zeros((0, 1), dtype=torch.long) for _ in examples]
-        topk = []
-        for e in examples:
-            t = torch.full((len(e["sx_topk"]), k), -1, dtype=torch.long)
-            for i, row in enumerate(e["sx_topk"]):
-                t[i, : len(row)] = torch.tensor(row[:k], dtype=torch.long)
-            topk.append(t)
-        out: dict[str, Any] = {"chunk_input_ids": chunk_ids, "chunk_attention_mask": chunk_mask, "chunk_topk": topk}
+            ids = mask = torch.zeros((0, fill_ids.shape[0]), dtype=torch.long)
+        width = max(ids.shape[1], fill_ids.shape[0])
+        pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None) or 0
+        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=pad)
+        mask = torch.nn.functional.pad(mask, (0, width - mask.shape[1]), value=0)
+        fill_ids = torch.nn.functional.pad(fill_ids, (0, width - fill_ids.shape[0]), value=pad)
+        fill_mask = torch.nn.functional.pad(fill_mask, (0, width - fill_mask.shape[0]), value=0)
+        per_ids, per_mask = ids.split(counts), mask.split(counts)
+        topk = torch.full((len(examples), c, k), -1, dtype=torch.long)
+        for i, e in enumerate(examples):
+            for j, row in enumerate(e["sx_topk"][:c]):
+                topk[i, j, : len(row[:k])] = torch.tensor(row[:k], dtype=torch.long)
+        return {"chunk_input_ids": torch.stack([pad_rows(t, c, fill_ids) for t in per_ids]),
+                "chunk_attention_mask": torch.stack([pad_rows(t, c, fill_mask) for t in per_mask]),
+                "chunk_valid": torch.arange(c)[None, :] < torch.tensor(counts)[:, None],
+                "chunk_topk": topk}
+
+    def _collate_local(self, examples: list[dict[str, Any]], model: Any, edge_inputs: dict[str, Tensor]) -> dict:
+        """The local loss's fields, ``P`` region rows per sample (``region_slot`` ``(B, P)``, -2 where padded;
+        ``region_valid`` ``(B, P)``) and crop inputs ``(B, P, ...)`` (padded with the batch's first edge map) or
+        patch masks ``(B, P, N)`` (all False where padded)."""
+        from finetune.objectives.shapes import pad_rows
+
+        out: dict[str, Any] = self._collate_chunks(examples, model)
         if self.options.regions.encode == "crop":
-            slots = [torch.tensor(e["sx_slots"], dtype=torch.long) for e in examples]
             n_crops = [len(e["sx_crops"]) for e in examples]
+            p = self._capacity("regions", max(n_crops, default=0))
             crops = [c for e in examples for c in e["sx_crops"]]
-            region_inputs: dict[str, list[Tensor | None]] = {}
-            if crops:
-                processed = model.preprocess_images(crops)
-                region_inputs = {name: list(t.split(n_crops)) for name, t in processed.items()}
-            out.update({"region_slot": slots, "region_inputs": region_inputs})
+            region_inputs: dict[str, Tensor] = {}
+            if p:
+                processed = dict(model.preprocess_images(crops)) if crops else {
+                    name: t[:0] for name, t in edge_inputs.items()}
+                region_inputs = {name: torch.stack([pad_rows(part, p, edge_inputs[name][0])
+                                                    for part in t.split(n_crops)])
+                                 for name, t in processed.items()}
+            slots = [list(e["sx_slots"]) for e in examples]
+            out.update(_region_slots(slots, p), region_inputs=region_inputs)
             return out
         if self._transform is None:
             model.require("patch_geometry", "StructXLIP's region pooling (regions.encode: pool)")
@@ -604,67 +654,67 @@ class StructXLIPTerm(Term):
                 if m is not None:  # a region cut away by the centre crop has no patch: it is dropped
                     kept.append(slot)
                     rows.append(m)
-            slots.append(torch.tensor(kept, dtype=torch.long))
-            empty = torch.zeros((0, n_patches or patch_count(params)), dtype=torch.bool)
-            masks.append(torch.stack(rows) if rows else empty)
-        out.update({"region_slot": slots, "region_patch_mask": masks})
+            slots.append(kept)
+            masks.append(torch.stack(rows) if rows else torch.zeros((0, n_patches or patch_count(params)),
+                                                                     dtype=torch.bool))
+        p = self._capacity("regions", max((len(k) for k in slots), default=0))
+        out.update(_region_slots(slots, p), region_patch_mask=torch.stack([pad_rows(m, p, False) for m in masks]))
         return out
 
     # -- model side ------------------------------------------------------------------------------
     def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
         """``image`` (the B colour images, shared with the base term: encoded once), ``edge`` (the B edge maps,
-        with patch states in pool mode) and, in crop mode, ``region`` (only the kept crops of the batch; absent
-        when there are none)."""
+        with patch states in pool mode) and, in crop mode, ``region`` (``B * P`` crops, padded rows included;
+        absent when P is 0)."""
         sx = batch["structxlip"]
         pool = self.use_local and self.options.regions.encode == "pool"
         reqs = {"image": image_request(batch), "edge": ImageRequest(sx["edge_inputs"], states=pool)}
         if self.use_local and not pool and sx["region_inputs"]:
-            inputs = {name: torch.cat([t for t in parts if t is not None])
-                      for name, parts in sx["region_inputs"].items()}
+            inputs = {name: t.reshape(-1, *t.shape[2:]) for name, t in sx["region_inputs"].items()}
             if inputs["pixel_values"].shape[0]:
                 reqs["region"] = ImageRequest(inputs)
         return reqs
 
     def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
-        """``filtered_text`` (B filtered captions) and ``chunk``, the batch's chunks (absent when there are
-        none). The objective encodes causal (CLIP) requests in length buckets, so that short chunks are not
-        padded to the longest caption (:func:`finetune.objectives.base.length_buckets`)."""
+        """``filtered_text`` (B filtered captions, as long as captions) and ``chunk`` (``B * C`` chunk rows, short
+        texts: the objective pads them to the run's short length, not to the captions'; absent when C is 0)."""
         sx = batch["structxlip"]
         reqs = {"filtered_text": TextRequest(sx["filtered_input_ids"], sx["filtered_attention_mask"])}
         if self.use_local:
-            ids = torch.cat(sx["chunk_input_ids"])
-            if ids.shape[0]:
-                reqs["chunk"] = TextRequest(ids, torch.cat(sx["chunk_attention_mask"]))
+            ids = sx["chunk_input_ids"]
+            if ids.shape[0] * ids.shape[1]:
+                reqs["chunk"] = TextRequest(ids.reshape(-1, ids.shape[-1]),
+                                            sx["chunk_attention_mask"].reshape(-1, ids.shape[-1]), short=True)
         return reqs
 
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
-        """Owners, positives and (pool mode) the pooled region embeddings; empty ``(0, D)`` rows where a
-        micro-batch has no chunks or regions, so that every micro-batch has the same keys."""
+        """Owners, validity, positives' indices and (pool mode) the pooled region embeddings, ``B * C`` chunk and
+        ``B * P`` region rows (fixed per sample, padded rows marked invalid), so that every micro-batch has the
+        same keys."""
         if not self.use_local:
             return
         sx = batch["structxlip"]
         ref = feats["image"]
         dim, device = ref.shape[1], ref.device
-        chunk_counts = [t.shape[0] for t in sx["chunk_topk"]]
-        region_counts = [t.shape[0] for t in sx["region_slot"]]
-        feats["chunk_owner"] = _owners(chunk_counts, device)
-        feats["chunk_topk"] = _cat([t.to(device) for t in sx["chunk_topk"]],
-                                   torch.zeros((0, self.options.regions.k), dtype=torch.long, device=device))
-        feats["region_owner"] = _owners(region_counts, device)
-        feats["region_slot"] = _cat([t.to(device) for t in sx["region_slot"]],
-                                    torch.zeros(0, dtype=torch.long, device=device))
+        b, c = sx["chunk_valid"].shape
+        p = sx["region_valid"].shape[1]
+        feats["chunk_owner"] = _owners([c] * b, device)
+        feats["chunk_valid"] = sx["chunk_valid"].reshape(-1).to(device)
+        feats["chunk_topk"] = sx["chunk_topk"].reshape(b * c, self.options.regions.k).to(device)
+        feats["region_owner"] = _owners([p] * b, device)
+        feats["region_slot"] = sx["region_slot"].reshape(-1).to(device)
+        feats["region_valid"] = sx["region_valid"].reshape(-1).to(device)
         if "chunk" not in feats:
             feats["chunk"] = ref.new_zeros((0, dim))
         if self.options.regions.encode == "pool":
             states = feats.pop("edge_states")
-            masks = [m.to(device) for m in sx["region_patch_mask"]]
-            if sum(region_counts):
-                mask = torch.cat(masks).to(states.dtype)
+            if b * p:
+                mask = sx["region_patch_mask"].to(device).reshape(b * p, -1).to(states.dtype)
                 if mask.shape[1] != states.shape[1]:
                     raise ValueError(f"region patch masks have {mask.shape[1]} patches, the edge maps' states "
                                      f"{states.shape[1]}: the model's image_transform_params() does not match "
                                      "its processor")
-                weights = mask / mask.sum(dim=1, keepdim=True)
+                weights = mask / mask.sum(dim=1, keepdim=True).clamp(min=1)  # padded rows: all zero
                 pooled = torch.einsum("rn,rnw->rw", weights, states[feats["region_owner"]])
                 feats["region"] = model.project_image_states(pooled)
             else:
@@ -672,12 +722,13 @@ class StructXLIPTerm(Term):
         elif "region" not in feats:
             feats["region"] = ref.new_zeros((0, dim))
 
-    def positives(self, feats: Features) -> Tensor | None:
-        """``(Nc, Nr)`` bool P_c of eq. 1: the chunk's top-K regions among the kept regions of its sample.
-        ``compat: official``: None (every kept region of the chunk's image, the loss's default)."""
-        if self.compat == "official":
-            return None
+    def positives(self, feats: Features) -> Tensor:
+        """``(Nc, Nr)`` bool P_c of eq. 1: the chunk's top-K regions among the kept regions of its sample
+        (``compat: official``: every kept region of the chunk's image); none for padded chunk or region rows."""
         same = feats["chunk_owner"][:, None] == feats["region_owner"][None, :]
+        same = same & feats["chunk_valid"][:, None] & feats["region_valid"][None, :]
+        if self.compat == "official":
+            return same
         listed = (feats["chunk_topk"][:, :, None] == feats["region_slot"][None, None, :]).any(dim=1)
         return same & listed
 
@@ -703,7 +754,7 @@ class StructXLIPTerm(Term):
                 temperature = self.local_temperature
             out["local"] = local_structure_loss(
                 feats["chunk"], feats["chunk_owner"], feats["region"], feats["region_owner"],
-                temperature=temperature, positives=self.positives(feats),
+                temperature=temperature, positives=self.positives(feats), region_valid=feats["region_valid"],
             )
         return out
 
@@ -798,6 +849,16 @@ class StructXLIPTerm(Term):
 def _owners(counts: list[int], device: torch.device) -> Tensor:
     """``(sum(counts),)`` the sample index of each row, from host counts (no device read)."""
     return host_tensor([i for i, c in enumerate(counts) for _ in range(c)], device)
+
+
+def _region_slots(slots: list[list[int]], p: int) -> dict[str, Tensor]:
+    """``region_slot`` ``(B, p)`` (-2 where padded: never a top-K index, which -1 pads) and ``region_valid``."""
+    out = torch.full((len(slots), p), -2, dtype=torch.long)
+    valid = torch.zeros((len(slots), p), dtype=torch.bool)
+    for i, row in enumerate(slots):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        valid[i, : len(row)] = True
+    return {"region_slot": out, "region_valid": valid}
 
 
 def _trim(ids: Tensor, mask: Tensor, model: Any, *, causal: bool | None = None) -> tuple[Tensor, Tensor]:
