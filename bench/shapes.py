@@ -150,6 +150,7 @@ def run_case(name: str, steps: int, warmup: int, batch: int, workdir: Path) -> d
     from finetune.train import Trainer, TrainModule
 
     case = CASES[name]
+    workdir.mkdir(parents=True, exist_ok=True)
     recipe = {"objective": case["objective"],
               "train": {"lr": 1e-4, "batch_size": batch, "max_steps": warmup + steps, "trackers": [],
                         "log_every": 1000, "seed": 0, "mixed_precision": "bf16"}}
@@ -197,7 +198,8 @@ def run_case(name: str, steps: int, warmup: int, batch: int, workdir: Path) -> d
             "parameter_casts_per_step": sum(s["casts"]["parameter"] for s in steady) / len(steady),
             "text_passes_per_step": mean("text_passes"), "image_passes_per_step": mean("image_passes"),
             "new_sdpa_shapes_after_warmup": sum(s["new_sdpa_shapes"] for s in steady),
-            "distinct_sdpa_shapes": len(seen), "per_step": per_step}
+            "distinct_sdpa_shapes": len(seen), "parameters": sum(1 for p in model.parameters() if p.requires_grad),
+            "per_step": per_step}
 
 
 # -- the driver: fresh process per (tree, case) ---------------------------------------------------------------
@@ -232,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:  # the child process: one case in this tree
-        args.workdir.mkdir(parents=True, exist_ok=True)
         result = run_case(args.case, args.steps, args.warmup, args.batch, args.workdir)
         args.out.write_text(json.dumps(result))
         return 0

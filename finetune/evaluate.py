@@ -296,7 +296,8 @@ def encode_for_retrieval(
     Args:
         model: a DualEncoder (or an Accelerate-wrapped one; it is unwrapped).
         dataset: a ``datasets.Dataset`` or any sequence of row mappings.
-        batch_size: rows per forward pass.
+        batch_size: rows per forward pass: every image and text pass has exactly this many (the last ones filled),
+            texts at the model's fixed length, so that evaluation brings no new shape after its first batch.
         accelerator: an ``accelerate.Accelerator`` (device, autocast, sharding), or None.
         num_workers: DataLoader workers that fetch rows.
         progress: show a progress bar (main process only).
@@ -320,6 +321,7 @@ def encode_for_retrieval(
     rank = accelerator.process_index if accelerator is not None else 0
     from finetune.data.images import DataError
     from finetune.data.skipping import undecoded
+    from finetune.objectives.shapes import encode_fixed_rows, fixed_text_columns
 
     shard, offset = _shard(undecoded(dataset), rank, world)
     device = accelerator.device if accelerator is not None else dual.device
@@ -366,11 +368,15 @@ def encode_for_retrieval(
                     row += 1
                 if not images:
                     continue
+                # fixed shapes (finetune.objectives.shapes): every pass batch_size rows, texts at the fixed length
                 inputs = _to_device(dual.preprocess_images(images), device, dtype)
-                image_chunks.append(scorer.encode_images(dual, inputs))
+                names = list(inputs)
+                image_chunks.append(encode_fixed_rows(lambda *t: scorer.encode_images(dual, dict(zip(names, t))),
+                                                      [inputs[k] for k in names], batch_size))
                 tokens = dual.tokenize(captions)
-                text_chunks.append(scorer.encode_texts(dual, tokens.input_ids.to(device),
-                                                       tokens.attention_mask.to(device)))
+                ids, mask = fixed_text_columns(dual, tokens.input_ids.to(device), tokens.attention_mask.to(device))
+                text_chunks.append(encode_fixed_rows(lambda i, m: scorer.encode_texts(dual, i, m), [ids, mask],
+                                                     batch_size))
                 truncated += int(tokens.truncated.sum())
                 owners.append(torch.tensor(owner, dtype=torch.long, device=device))
     finally:

@@ -24,7 +24,7 @@ of one length go through it together), and the image tower in one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,3 +200,25 @@ def empty_text_row(model: Any) -> tuple[Tensor, Tensor]:
             model.truncation_stats = stats
     keep = max(int(tok.attention_mask[0].sum()), 1)
     return tok.input_ids[0, :keep], tok.attention_mask[0, :keep]
+
+
+def encode_fixed_rows(encode: Callable[..., Mapping[str, Tensor]], inputs: Sequence[Tensor], rows: int
+                      ) -> dict[str, Tensor]:
+    """``encode(*inputs)`` run on passes of exactly ``rows`` rows (evaluation: every pass one shape): the inputs
+    ``(n, ...)`` are cut into chunks of ``rows``, the last one filled with copies of its first row, and the payloads
+    (``{key: (rows, ...)}``) cut back to the real rows and concatenated: ``{key: (n, ...)}``."""
+    n = inputs[0].shape[0]
+    parts = []
+    for start in range(0, n, rows):
+        chunk = [t[start:start + rows] for t in inputs]
+        real = chunk[0].shape[0]
+        out = encode(*(pad_rows(t, rows, t[0]) for t in chunk))
+        parts.append({k: v[:real] for k, v in out.items()})
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+
+
+def fixed_text_columns(model: Any, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Token rows right-padded to the model's fixed text length (``max_text_len``, or the width its tokenizer always
+    gives when wider: F-CAST's N x 77 chunks), so that every evaluation text pass has one shape."""
+    length = max(int(getattr(model, "max_text_len", 0) or 0), int(ids.shape[-1]))
+    return pad_columns(ids, mask, length, pad_token_id(model))

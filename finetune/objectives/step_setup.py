@@ -103,7 +103,7 @@ def setup_step(module: Any, cfg: Any, dataset: Any, device: torch.device | str) 
     blocks = 0
     if options is not None:
         blocks = compile_blocks(model, **options)
-        log.info("train.compile: %d transformer blocks compiled with torch.compile(mode=%s, dynamic=False)", blocks,
-                 options["mode"])
+        log.info("train.compile: %d transformer blocks compiled with torch.compile(%s)", blocks,
+                 ", ".join(f"{k}={v}" for k, v in options.items()))
     return StepSetup(objective, model, shapes, attention, torch.device(device), options, blocks,
                      int(getattr(cfg, "accumulation_steps", 1)))

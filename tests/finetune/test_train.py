@@ -433,8 +433,8 @@ def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeyp
 
 @pytest.mark.slow
 def test_compile_gives_the_losses_of_eager(tmp_path, scenes):
-    """train.compile: the towers' blocks compiled (captions padded to compile_lengths) train to the same losses
-    as eager, step for step."""
+    """train.compile: the towers' blocks compiled (static shapes, the run's fixed batch shapes) train to the same
+    losses as eager, step for step."""
     from finetune.models.compile import transformer_blocks
 
     eager = _trainer(tmp_path / "eager", scenes, max_steps=3, log_every=1)

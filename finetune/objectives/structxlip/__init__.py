@@ -25,7 +25,6 @@ from finetune.objectives.structxlip.term import (
     StructXLIPOptions,
     StructXLIPTerm,
     StructXLIPWeights,
-    _trim,
     build_structxlip,
 )
 

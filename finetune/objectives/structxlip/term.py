@@ -54,8 +54,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from finetune.models.frozen import FrozenEncoders, model_fingerprint
-from finetune.preprocess.geometry import box_patch_mask, patch_count
 from losses import clip_loss, consistency_loss, local_structure_loss
 from losses.structxlip import (
     OFFICIAL_LOCAL_SCALE_MAX,
@@ -80,6 +78,7 @@ from finetune.objectives.checks import positive as _positive
 from finetune.objectives.checks import unit as _unit
 from finetune.objectives.contrastive import image_request
 from finetune.objectives.registry import register_term
+from finetune.objectives.structxlip.preprocessing import add_regions, lexicon_statistics
 from finetune.objectives.structxlip.data import (
     CODE_VERSION,
     LEXICON_COLUMNS,
@@ -365,7 +364,7 @@ class StructXLIPTerm(Term):
             features=text_features, desc="StructXLIP lexicon filter",
         )
         added = [lexicon.select_columns(list(LEXICON_COLUMNS))]
-        self.stats = {"lexicon": self._lexicon_stats(lexicon)}
+        self.stats = {"lexicon": lexicon_statistics(lexicon)}
         s = self.stats["lexicon"]
         log.info("structxlip lexicon: %d of %d captions modified (%.1f%%), %.2f words removed per caption, "
                  "%d reverted; removed words by category: %s", s["modified"], s["captions"],
@@ -380,84 +379,8 @@ class StructXLIPTerm(Term):
         out = datasets.concatenate_datasets([dataset.remove_columns([c for c in dataset.column_names if c in
                                                                      (*LEXICON_COLUMNS, "edges")]), *added], axis=1)
         if self.use_local:
-            out = self._preprocess_regions(out, model, root, log)
+            out = add_regions(self, out, model, root, log)
         return out
-
-    def _preprocess_regions(self, dataset: Any, model: Any, root: Path | None, log: Any) -> Any:
-        from finetune.preprocess.regions import RegionMatcher, compute_regions
-
-        r = self.options.regions
-        if r.source == "dataset":
-            regions = self._dataset_regions(dataset, root, log)
-            return self._add_region_columns(dataset, regions, log)
-        segmenter = self.segmenter()
-        if r.checkpoint is None:
-            log.warning("structxlip: regions.checkpoint is not set, so every image uses the default regions (4 "
-                        "quadrants + centre) instead of FastSAM masks; download FastSAM-x.pt (or FastSAM-s.pt) and "
-                        "set objective.terms.structxlip.regions.checkpoint for the paper's regions")
-        encoders = FrozenEncoders(model)
-        was_training = model.training
-        model.eval()
-        try:
-            matcher = RegionMatcher(
-                segmenter, encoders.images, encoders.texts, model_id=model_fingerprint(model), k=r.k,
-                chunker=self.chunker(), edge_cfg=self.edge_cfg, match_on=r.match_on,
-                edges_column="edges" if "edges" in dataset.column_names else None,
-            )
-            columns = ["image", "filtered_caption"] + (["edges"] if "edges" in dataset.column_names else [])
-            regions = compute_regions(dataset.select_columns(columns), matcher, cache_dir=root,
-                                      code_version=CODE_VERSION)
-        finally:
-            model.train(was_training)
-        return self._add_region_columns(dataset, regions, log)
-
-    def _dataset_regions(self, dataset: Any, root: Path | None, log: Any) -> Any:
-        """``regions.source: dataset``: the dataset's boxes and sentence links (:class:`DatasetRegionLinks`)."""
-        from finetune.preprocess.cache import cached_map
-        from finetune.preprocess.regions import DatasetRegionLinks, region_features
-
-        missing = [c for c in ("sentences", "objects") if c not in dataset.column_names]
-        if missing:
-            raise ValueError(
-                f"objective.terms.structxlip.regions.source: dataset needs the columns 'sentences' (the caption's "
-                f"sentences) and 'objects' (a list of {{box: [x1, y1, x2, y2], sentence_index}}), which the "
-                f"training set lacks ({', '.join(missing)}; it has {dataset.column_names}); use a dataset that "
-                "provides them (synthetic, or dci with options: {caption: complete}) or regions.source: segmenter")
-        links = DatasetRegionLinks(k=self.options.regions.k, chunker=self.chunker())
-        log.info("structxlip regions: from the dataset (its objects' boxes, each chunk linked to the objects of "
-                 "its sentence), not FastSAM + frozen matching")
-        return cached_map(dataset.select_columns(["filtered_caption", "sentences", "objects"]), links,
-                          params=links.params(), name="regions", cache_dir=root, code_version=CODE_VERSION,
-                          batched=True, batch_size=256, features=region_features(),
-                          desc="StructXLIP regions from the dataset")
-
-    def _add_region_columns(self, dataset: Any, regions: Any, log: Any) -> Any:
-        import datasets
-
-        from finetune.preprocess.regions import region_features
-
-        r = self.options.regions
-        names = list(region_features())
-        fallback = regions["region_fallback"]
-        n_regions = [len(b) for b in regions["region_boxes"]]
-        n_chunks = [len(c) for c in regions["chunks"]]
-        n = max(1, len(fallback))
-        self.stats["regions"] = {
-            "images": len(fallback),
-            "fallback_images": int(sum(fallback)),
-            "fallback_share": sum(fallback) / n,
-            "regions_per_image": sum(n_regions) / n,
-            "chunks_per_caption": sum(n_chunks) / n,
-            "captions_without_chunks": sum(1 for c in n_chunks if c == 0),
-            "segmenter": "dataset" if r.source == "dataset" else "fastsam" if r.checkpoint else "default_regions",
-            "source": r.source,
-        }
-        st = self.stats["regions"]
-        log.info("structxlip regions: %d images, %d use the default regions, %.2f regions and %.2f chunks per "
-                 "image, %d captions without chunks", st["images"], st["fallback_images"], st["regions_per_image"],
-                 st["chunks_per_caption"], st["captions_without_chunks"])
-        base = dataset.remove_columns([c for c in dataset.column_names if c in names])
-        return datasets.concatenate_datasets([base, regions.select_columns(names)], axis=1)
 
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
         """Streamed data: the lexicon columns and the edge map of one example, computed now (as
@@ -481,35 +404,12 @@ class StructXLIPTerm(Term):
                 "objective.terms.structxlip.weights.local: 0 to train on a stream (edge maps and the lexicon "
                 "filter run per example), or use a map-style data.train")
 
-    @staticmethod
-    def _lexicon_stats(dataset: Any) -> dict[str, Any]:
-        from finetune.preprocess.lexicon import FilterResult, lexicon_stats
-
-        results = (
-            FilterResult(text, removed, reverted, categories, words)
-            for text, removed, reverted, categories, words in zip(
-                dataset["filtered_caption"], dataset["lexicon_removed"], dataset["lexicon_reverted"],
-                dataset["lexicon_categories"], dataset["caption_words"],
-            )
-        )
-        return lexicon_stats(results)
-
     def shape_scan(self, dataset: Any, model: Any) -> Any:
-        """The chunks of the training set (the run's short text length: their longest) and the most chunks and kept
-        regions of any example (rows per sample), read from the preprocessed columns before training."""
-        from finetune.objectives.shapes import ShapeScan, dataset_columns
+        """The training set's chunks and most chunks and kept regions per example
+        (:func:`~finetune.objectives.structxlip.batch.shape_scan`)."""
+        from finetune.objectives.structxlip.batch import shape_scan
 
-        if not self.use_local:
-            return None
-        cols = dataset_columns(dataset, ["chunks", "chunk_topk", "chunk_topk_scores"])
-        if cols is None:
-            return None
-        per_image = self.options.regions.per_image
-        regions = [len(select_regions(t, s, per_image)) if c else 0
-                   for c, t, s in zip(cols["chunks"], cols["chunk_topk"], cols["chunk_topk_scores"])]
-        return ShapeScan(short_texts=tuple(t for chunks in cols["chunks"] for t in chunks),
-                         capacities={f"{TERM_NAME}/chunks": max((len(c) for c in cols["chunks"]), default=0),
-                                     f"{TERM_NAME}/regions": max(regions, default=0)})
+        return shape_scan(self, dataset) if self.use_local else None
 
     # -- data workers ----------------------------------------------------------------------------
     def edge_image(self, example: dict[str, Any]) -> Any:
@@ -565,101 +465,9 @@ class StructXLIPTerm(Term):
           indices (-2 padded), ``region_valid`` ``(B, P)``, and ``region_inputs`` (crop mode: a dict of
           ``(B, P, ...)`` processor outputs) or ``region_patch_mask`` (pool mode: ``(B, P, N)`` bool).
         """
-        filtered = model.tokenize([e["sx_filtered"] for e in examples])
-        sx: dict[str, Any] = {
-            "edge_inputs": dict(model.preprocess_images([e["sx_edges"] for e in examples])),
-            "filtered_input_ids": filtered.input_ids,
-            "filtered_attention_mask": filtered.attention_mask,
-        }
-        if self.use_local:
-            sx.update(self._collate_local(examples, model, sx["edge_inputs"]))
-        return {"structxlip": sx}
+        from finetune.objectives.structxlip.batch import collate_batch
 
-    def _capacity(self, name: str, most: int) -> int:
-        """Rows per sample of ``chunks`` / ``regions``: the run's fixed capacity (:attr:`Term.shapes`), else this
-        batch's most."""
-        cap = self.shapes.capacity(f"{TERM_NAME}/{name}") if self.shapes is not None else None
-        if cap is None:
-            return most
-        if most > cap:
-            raise ValueError(f"structxlip: a sample of this batch has {most} {name}, more than the {cap} per sample "
-                             "planned before training from the training set (finetune.objectives.shapes): the "
-                             "batch does not come from the preprocessed training set the run was planned on")
-        return cap
-
-    def _collate_chunks(self, examples: list[dict[str, Any]], model: Any) -> dict[str, Tensor]:
-        """``chunk_input_ids`` / ``chunk_attention_mask`` ``(B, C, Lc)``, ``chunk_valid`` ``(B, C)`` and
-        ``chunk_topk`` ``(B, C, K)`` (-1 padded): C chunk rows per sample, the padded ones holding the empty text."""
-        from finetune.objectives.shapes import empty_text_row, pad_rows
-
-        k = self.options.regions.k
-        counts = [len(e["sx_chunks"]) for e in examples]
-        c = self._capacity("chunks", max(counts, default=0))
-        fill_ids, fill_mask = empty_text_row(model)
-        chunks = [t for e in examples for t in e["sx_chunks"]]
-        if chunks:
-            tok = model.tokenize(chunks)
-            ids, mask = _trim(tok.input_ids, tok.attention_mask, model)
-        else:
-            ids = mask = torch.zeros((0, fill_ids.shape[0]), dtype=torch.long)
-        width = max(ids.shape[1], fill_ids.shape[0])
-        pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None) or 0
-        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=pad)
-        mask = torch.nn.functional.pad(mask, (0, width - mask.shape[1]), value=0)
-        fill_ids = torch.nn.functional.pad(fill_ids, (0, width - fill_ids.shape[0]), value=pad)
-        fill_mask = torch.nn.functional.pad(fill_mask, (0, width - fill_mask.shape[0]), value=0)
-        per_ids, per_mask = ids.split(counts), mask.split(counts)
-        topk = torch.full((len(examples), c, k), -1, dtype=torch.long)
-        for i, e in enumerate(examples):
-            for j, row in enumerate(e["sx_topk"][:c]):
-                topk[i, j, : len(row[:k])] = torch.tensor(row[:k], dtype=torch.long)
-        return {"chunk_input_ids": torch.stack([pad_rows(t, c, fill_ids) for t in per_ids]),
-                "chunk_attention_mask": torch.stack([pad_rows(t, c, fill_mask) for t in per_mask]),
-                "chunk_valid": torch.arange(c)[None, :] < torch.tensor(counts)[:, None],
-                "chunk_topk": topk}
-
-    def _collate_local(self, examples: list[dict[str, Any]], model: Any, edge_inputs: dict[str, Tensor]) -> dict:
-        """The local loss's fields, ``P`` region rows per sample (``region_slot`` ``(B, P)``, -2 where padded;
-        ``region_valid`` ``(B, P)``) and crop inputs ``(B, P, ...)`` (padded with the batch's first edge map) or
-        patch masks ``(B, P, N)`` (all False where padded)."""
-        from finetune.objectives.shapes import pad_rows
-
-        out: dict[str, Any] = self._collate_chunks(examples, model)
-        if self.options.regions.encode == "crop":
-            n_crops = [len(e["sx_crops"]) for e in examples]
-            p = self._capacity("regions", max(n_crops, default=0))
-            crops = [c for e in examples for c in e["sx_crops"]]
-            region_inputs: dict[str, Tensor] = {}
-            if p:
-                processed = dict(model.preprocess_images(crops)) if crops else {
-                    name: t[:0] for name, t in edge_inputs.items()}
-                region_inputs = {name: torch.stack([pad_rows(part, p, edge_inputs[name][0])
-                                                    for part in t.split(n_crops)])
-                                 for name, t in processed.items()}
-            slots = [list(e["sx_slots"]) for e in examples]
-            out.update(_region_slots(slots, p), region_inputs=region_inputs)
-            return out
-        if self._transform is None:
-            model.require("patch_geometry", "StructXLIP's region pooling (regions.encode: pool)")
-            self._transform = model.image_transform_params()
-        params = self._transform
-        shapes = edge_inputs.get("spatial_shapes")
-        n_patches = int(edge_inputs["pixel_values"].shape[1]) if params["mode"] == "naflex" else None
-        slots, masks = [], []
-        for i, e in enumerate(examples):
-            shape = tuple(int(v) for v in shapes[i]) if shapes is not None else None
-            kept, rows = [], []
-            for slot, box in zip(e["sx_slots"], e["sx_boxes"]):
-                m = box_patch_mask(box, e["sx_size"], params, n_patches=n_patches, spatial_shape=shape)
-                if m is not None:  # a region cut away by the centre crop has no patch: it is dropped
-                    kept.append(slot)
-                    rows.append(m)
-            slots.append(kept)
-            masks.append(torch.stack(rows) if rows else torch.zeros((0, n_patches or patch_count(params)),
-                                                                     dtype=torch.bool))
-        p = self._capacity("regions", max((len(k) for k in slots), default=0))
-        out.update(_region_slots(slots, p), region_patch_mask=torch.stack([pad_rows(m, p, False) for m in masks]))
-        return out
+        return collate_batch(self, examples, model)
 
     # -- model side ------------------------------------------------------------------------------
     def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
@@ -765,81 +573,18 @@ class StructXLIPTerm(Term):
         return {"options": asdict(self.options), "weights": dict(self.weights), **self.stats}
 
     def preview_fields(self, example: dict[str, Any]) -> dict[str, Any]:
-        """What the preview shows of one preprocessed example (:mod:`finetune.objectives.structxlip.preview`)."""
-        edges = self.edge_image(example)
-        fields = {
-            "id": str(example.get("id", "")),
-            "image": example["image"],
-            "edges": edges,
-            "caption": example["caption"],
-            "filtered_caption": example["filtered_caption"],
-            "removed": list(example.get("lexicon_removed") or []),
-            "reverted": bool(example.get("lexicon_reverted", False)),
-            "boxes": [], "kept": [], "chunks": [], "chunk_topk": [], "fallback": False,
-        }
-        if self.use_local and "chunk_topk" in example:
-            fields.update({
-                "boxes": [list(b) for b in example["region_boxes"]],
-                "kept": self.kept_regions(example) if example["chunks"] else [],
-                "chunks": list(example["chunks"]),
-                "chunk_topk": [list(t) for t in example["chunk_topk"]],
-                "fallback": bool(example["region_fallback"]),
-                "region_source": self.options.regions.source,
-            })
-        return fields
+        """What the preview shows of one preprocessed example (:func:`~finetune.objectives.structxlip.preview.fields`)."""
+        from finetune.objectives.structxlip.preview import fields
+
+        return fields(self, example)
 
     def report_sections(self, run_dir: str | Path, dataset: Any, *, n: int = 8) -> list[str]:
-        """Markdown sections for the run report: the lexicon statistics (paper B.3), the regions, and a
-        preview of ``n`` training examples written to ``<run_dir>/plots/structxlip_preview.png``.
+        """Markdown sections for the run report (:func:`~finetune.objectives.structxlip.preview.report_sections`):
+        the lexicon statistics (paper B.3), the regions, and a preview of ``n`` training examples written to
+        ``<run_dir>/plots/structxlip_preview.png``."""
+        from finetune.objectives.structxlip.preview import report_sections
 
-        Args:
-            run_dir: the run folder.
-            dataset: the preprocessed training set (what :meth:`preprocess` returned).
-        """
-        from finetune.objectives.structxlip.preview import render_preview
-
-        lines = ["## StructXLIP inputs", ""]
-        lex = self.stats.get("lexicon")
-        if lex:
-            share = ", ".join(f"{k} {100 * v:.1f}%" for k, v in lex["category_share"].items()) or "none"
-            lines += [
-                "Lexicon filter (paper Supp. Mat. B.3):", "",
-                "| statistic | value |", "|---|---|",
-                f"| captions | {lex['captions']} |",
-                f"| modified | {lex['modified']} ({100 * lex['modified_share']:.1f}%) |",
-                f"| reverted to the original | {lex['reverted']} ({100 * lex['reverted_share']:.1f}%) |",
-                f"| removed words per caption | {lex['removed_words_per_caption']:.2f} |",
-                f"| removed words per modified caption | {lex['removed_words_per_modified_caption']:.2f} "
-                f"({100 * lex['removed_share_of_length']:.1f}% of its words) |",
-                f"| removed words by category | {share} |",
-                "",
-            ]
-        reg = self.stats.get("regions")
-        if reg and reg.get("source") == "dataset":
-            lines += [
-                f"Regions from the dataset (`regions.source: dataset`: its objects' boxes, each chunk's positives "
-                f"the objects its sentence describes; no FastSAM, no frozen matching): {reg['regions_per_image']:.2f} "
-                f"per image; {reg['chunks_per_caption']:.2f} linked chunks per caption, "
-                f"{reg['captions_without_chunks']} captions without one; encoded as "
-                f"`{self.options.regions.encode}`.",
-                "",
-            ]
-        elif reg:
-            lines += [
-                f"Regions ({reg['segmenter']}): {reg['regions_per_image']:.2f} per image, "
-                f"{reg['fallback_images']} of {reg['images']} images on the default regions; "
-                f"{reg['chunks_per_caption']:.2f} chunks per caption, {reg['captions_without_chunks']} captions "
-                f"without chunks; encoded as `{self.options.regions.encode}`, K = {self.options.regions.k}.",
-                "",
-            ]
-        n = min(n, len(dataset))
-        if n:
-            path = Path(run_dir) / "plots" / "structxlip_preview.png"
-            render_preview([self.preview_fields(dataset[i]) for i in range(n)], path,
-                           title=f"StructXLIP training inputs ({self.compat})")
-            lines += ["![StructXLIP preview: images, edge maps with regions, captions](plots/structxlip_preview.png)",
-                      ""]
-        return ["\n".join(lines).rstrip()]
+        return report_sections(self, run_dir, dataset, n=n)
 
     def extra_repr(self) -> str:
         return (f"compat={self.compat!r}, weights={self.base_weights}, encode={self.options.regions.encode!r}, "
@@ -849,28 +594,6 @@ class StructXLIPTerm(Term):
 def _owners(counts: list[int], device: torch.device) -> Tensor:
     """``(sum(counts),)`` the sample index of each row, from host counts (no device read)."""
     return host_tensor([i for i, c in enumerate(counts) for _ in range(c)], device)
-
-
-def _region_slots(slots: list[list[int]], p: int) -> dict[str, Tensor]:
-    """``region_slot`` ``(B, p)`` (-2 where padded: never a top-K index, which -1 pads) and ``region_valid``."""
-    out = torch.full((len(slots), p), -2, dtype=torch.long)
-    valid = torch.zeros((len(slots), p), dtype=torch.bool)
-    for i, row in enumerate(slots):
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        valid[i, : len(row)] = True
-    return {"region_slot": out, "region_valid": valid}
-
-
-def _trim(ids: Tensor, mask: Tensor, model: Any, *, causal: bool | None = None) -> tuple[Tensor, Tensor]:
-    """Cut right padding down to the longest real row, for causal towers that pool the end token (CLIP):
-    there, trailing padding does not change the embedding. Towers that pool the last position of a
-    fixed-length context (SigLIP) keep the model's own padding."""
-    if causal is None:
-        causal = getattr(model, "family", "clip") == "clip"
-    if not causal or not ids.shape[0]:
-        return ids, mask
-    longest = max(int(mask.sum(dim=1).max()), 1)
-    return ids[:, :longest], mask[:, :longest]
 
 
 @register_term(TERM_NAME, StructXLIPOptions, citation={  # a finetune.plugins.Citation's fields
