@@ -42,17 +42,18 @@ def _scenes(size: int = 8, **options):
 
 # -- planning -----------------------------------------------------------------------------------------------
 def test_short_texts_take_the_training_sets_longest_rounded_up(tmp_path):
-    """Long-CLIP's first sentences: the short length is the longest one of the training set, rounded up to 8; the
-    captions keep the model's 248."""
-    from finetune.data.text import first_sentence
-
+    """Long-CLIP's first sentences: the short length is the longest one of the training set (here 13 tokens),
+    rounded up to 8; the captions keep the model's 248."""
     model = load_model("tiny-clip", max_text_len=248)
     objective = _objective({"base": "longclip"}, tmp_path)
-    rows = _scenes()
+    rows = [{"caption": "A red circle. A square below it."},
+            {"caption": "Two small green triangles beside a large blue house. A tree."},
+            {"caption": "A dog"}]
     shapes = plan_shapes(objective, model, rows)
     assert model.truncation_stats == {"captions": 0, "truncated": 0}  # the scan is not counted as training captions
-    longest = max(int(model.tokenize([first_sentence(c)]).attention_mask.sum()) for c in rows["caption"])
-    assert shapes == BatchShapes(248, round_up(longest, 8), {}) and shapes.short_length < 248
+    longest = int(model.tokenize(["Two small green triangles beside a large blue house."])
+                  .attention_mask.sum())
+    assert longest == 13 and shapes == BatchShapes(248, 16, {})
 
 
 def test_towers_that_read_their_padding_and_streams_keep_one_length(tmp_path):
