@@ -262,19 +262,22 @@ def test_on_the_fly_edges_are_not_cached_and_match(model, scenes, tmp_path):
 
 # -- collate and encoding -----------------------------------------------------------------------------
 def test_collate_gives_every_sample_the_same_rows_padded_to_the_longest_chunk(crop_setup, model):
-    """Without fixed shapes: C = the batch's most chunks and P its most kept regions per sample, padded rows invalid;
-    chunk columns the longest chunk of the batch, not 248."""
+    """Without fixed shapes: C = the batch's most chunks and P its most kept regions per sample, padded rows invalid
+    (a sample without chunks has only padded rows); chunk columns the longest chunk of the batch, not 248."""
     term, data = crop_setup
-    batch = _batch(term, model, data)
+    rows = [dict(data[i]) for i in range(4)]
+    rows[2].update(filtered_caption="", chunks=[], chunk_topk=[], chunk_topk_scores=[])
+    batch = Collator(model, _objective(term))(rows)
     sx = batch["structxlip"]
     assert sx["edge_inputs"]["pixel_values"].shape == (4, 3, 32, 32)
     assert sx["filtered_input_ids"].shape[0] == 4
-    chunks = [c for i in range(4) for c in data[i]["chunks"]]
+    chunks = [c for r in rows for c in r["chunks"]]
     longest = max(int(model.tokenize([c]).attention_mask.sum()) for c in chunks)
     assert longest < 248
-    counts = [len(data[i]["chunks"]) for i in range(4)]
-    kept = [term.kept_regions(data[i]) for i in range(4)]
+    counts = [len(r["chunks"]) for r in rows]
+    kept = [term.kept_regions(r) if r["chunks"] else [] for r in rows]
     c, p = max(counts), max(len(k) for k in kept)
+    assert counts[2] == 0 and kept[2] == [] and p > 0
     assert sx["chunk_input_ids"].shape == (4, c, longest) and sx["chunk_topk"].shape == (4, c, 3)
     assert sx["chunk_valid"].sum(dim=1).tolist() == counts
     assert sx["region_inputs"]["pixel_values"].shape == (4, p, 3, 32, 32)
