@@ -142,6 +142,7 @@ def run_case(name: str, steps: int, warmup: int, batch: int, workdir: Path) -> d
     import torch
     import yaml
     from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
 
     from finetune.config import load_recipe
     from finetune.data.collate import Collator
@@ -163,6 +164,8 @@ def run_case(name: str, steps: int, warmup: int, batch: int, workdir: Path) -> d
     rows = load_source({"name": "synthetic", "size": batch * (warmup + steps), "seed": 0,
                         "options": {"image_size": 48}}).dataset
     rows = objective.preprocess(rows, model, cache_dir=str(workdir / "cache"))
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process that made an Accelerator before (tests)
+    GradientState._reset_state()
     acc = Accelerator(cpu=True, mixed_precision="bf16", dataloader_config=DataLoaderConfiguration(split_batches=True))
     trainer = Trainer(acc, TrainModule(model, objective), rows, Collator(model, objective), loaded.train,
                       workdir / f"run-{name}")
