@@ -212,7 +212,11 @@ def test_a_run_brings_no_new_attention_shape_after_its_first_step(method, projec
     clear_run(out)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    assert main([f"recipes/{path.name}", *overrides]) == 0, capsys.readouterr().err[-3000:]
+    try:
+        assert main([f"recipes/{path.name}", *overrides]) == 0, capsys.readouterr().err[-3000:]
+    finally:  # the recipe's mixed precision must not stay in accelerate's state for the next test's Accelerator
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     assert len(steps) == 6 and all(s["calls"] for s in steps)
     seen = set(steps[0]["shapes"])
     for i, s in enumerate(steps[1:], start=2):
