@@ -10,7 +10,7 @@ request keeps its own width and requests of equal width share a pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -134,8 +134,3 @@ def _split(feats: Features, reqs: dict[str, Any], p: TextPass, embeds: Tensor, s
             feats[f"{k}_states"] = states[start:start + n]
             feats[f"{k}_mask"] = mask[start:start + n]
         start += n
-
-
-def with_states(req: Any) -> Any:
-    """``req`` asking for states too."""
-    return replace(req, states=True)
