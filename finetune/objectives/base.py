@@ -192,8 +192,8 @@ class Term(nn.Module):
 
     def plan(self, model: Any, batch: Batch) -> Any:
         """Host values the step needs from a collated (micro-)batch: sizes and counts as Python numbers, computed
-        where the batch is collated, on the CPU (:class:`~finetune.objectives.planning.PlannedCollate`, in the data-loader
-        workers), so that the step does not read them back from the device. The step finds them with
+        where the batch is collated, on the CPU (:class:`~finetune.objectives.planning.PlannedCollate`, in the
+        data-loader workers), so that the step does not read them back from the device. The step finds them with
         :func:`term_plan`; a batch collated without a plan (a direct call) has none, and the term then computes
         them itself. None (the default): nothing to plan."""
         return None

@@ -120,7 +120,8 @@ def plan_shapes(objective: Any, model: Any, dataset: Any = None) -> BatchShapes:
             short requests take ``text_length``.
     """
     text_length = int(model.max_text_len)
-    streamed = dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
+    streamed = (dataset is None or isinstance(dataset, torch.utils.data.IterableDataset)
+                or not hasattr(dataset, "__len__"))
     rows = None if streamed else dataset
     short_texts: list[str] = []
     capacities: dict[str, int] = {}

@@ -37,10 +37,10 @@ Where the work happens:
   patch states inside its box (the box mapped through the processor's exact resize and centre crop), then
   the model's own final norm and projection (``DualEncoder.project_image_states``): no extra image forward.
 
-Per-sample batch fields are ``(B, ...)`` tensors under ``batch["structxlip"]``, so that the trainer's micro-batch split slices them correctly; feature rows carry
-their sample index in ``*_owner`` keys, which ``merge_features`` offsets, and positives are stored as region
-indices *within the sample* (``chunk_topk`` against ``region_slot``), so merged micro-batches give the loss
-of one batch.
+Per-sample batch fields are ``(B, ...)`` tensors under ``batch["structxlip"]``, so that the trainer's
+micro-batch split slices them correctly; feature rows carry their sample index in ``*_owner`` keys, which
+``merge_features`` offsets, and positives are stored as region indices *within the sample* (``chunk_topk``
+against ``region_slot``), so merged micro-batches give the loss of one batch.
 """
 
 from __future__ import annotations
@@ -573,7 +573,8 @@ class StructXLIPTerm(Term):
         return {"options": asdict(self.options), "weights": dict(self.weights), **self.stats}
 
     def preview_fields(self, example: dict[str, Any]) -> dict[str, Any]:
-        """What the preview shows of one preprocessed example (:func:`~finetune.objectives.structxlip.preview.fields`)."""
+        """What the preview shows of one preprocessed example
+        (:func:`~finetune.objectives.structxlip.preview.fields`)."""
         from finetune.objectives.structxlip.preview import fields
 
         return fields(self, example)

@@ -220,7 +220,7 @@ def test_a_run_brings_no_new_attention_shape_after_its_first_step(method, projec
     assert len(steps) == 6 and all(s["calls"] for s in steps)
     seen = set(steps[0]["shapes"])
     for i, s in enumerate(steps[1:], start=2):
-        assert s["shapes"] <= seen, f"{method}: step {i} brought new attention shapes {s['shapes'] - seen} (step 1: {seen})"
+        assert s["shapes"] <= seen, f"{method}: step {i}: new attention shapes {s['shapes'] - seen} (step 1: {seen})"
     assert all(1 <= s["passes"] <= 2 for s in steps), [s["passes"] for s in steps]
     throughput = json.loads((out / "metrics.json").read_text())["throughput"]
     assert throughput["shapes"]["text_length"] >= throughput["shapes"]["short_length"]
