@@ -25,7 +25,7 @@ from finetune.objectives.contrastive import ClipTerm
 from finetune.objectives.fastgoal import FastGoalOptions, FastGoalTerm, FastGoalWeights, FlismOptions
 from finetune.objectives.tsl_heads import TSL_HEADS_NAME
 from finetune.preprocess.geometry import box_patch_mask
-from finetune.data.collate import split_batch
+from finetune.objectives.planning import split_batch
 from losses import clip_loss
 from losses.tsl import TSLHeads
 from tests.losses.tsl_host_reads import HostReads
