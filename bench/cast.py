@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune.models.cast import CAST_CONFIGS, CastEncoder  # noqa: E402
 from finetune.preprocess.superpixels import SuperpixelSettings, compute_superpixels  # noqa: E402
-from finetune.report import write_json_atomic  # noqa: E402
+from finetune.files import write_json_atomic  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -3,7 +3,7 @@
 Run ``python bench/checkpoint_hash.py``: prints the numbers and writes ``bench/results/checkpoint_hash.json``.
 
 The checkpoint is a real one: CLIP ViT-B/16 (``random:clip-vit-base-patch16``, 150M parameters, fp32) with its
-AdamW state, written by ``accelerator.save_state`` as :func:`finetune.train.save_checkpoint` writes it, once for
+AdamW state, written by ``accelerator.save_state`` as :func:`finetune.training.save_checkpoint` writes it, once for
 full fine-tuning (weights and both AdamW moments: about 1.8 GB) and once for LoRA (the frozen weights are saved too,
 the moments only for the adapter: about 0.6 GB). For each it times, interleaved and repeated:
 

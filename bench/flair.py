@@ -18,7 +18,7 @@ shapes, scored with its pool; five texts per image):
 
 - ``public``: the public code's way, one image at a time conditioned on all texts (``public_code_scores``),
   then the ranks from the full matrix;
-- ``full``: ``finetune.scorers.retrieval_ranks`` with the ``flair`` scorer (texts projected once, images in
+- ``full``: ``finetune.evaluation.scorers.retrieval_ranks`` with the ``flair`` scorer (texts projected once, images in
   chunks);
 - ``topk``: the same with the global-cosine top-k prefilter (``rerank_top_k = --top-k``).
 
@@ -111,9 +111,9 @@ def training_steps(args: argparse.Namespace) -> dict:
 
 def retrieval(args: argparse.Namespace) -> dict:
     """Best wall-clock time of text-conditioned retrieval: public way, full, top-k prefilter."""
-    from finetune.scorers_flair import FlairScorer, public_code_scores
+    from finetune.evaluation.scorers.flair import FlairScorer, public_code_scores
     from finetune.models.registry import build_model
-    from finetune.scorers import CosineScorer, retrieval_ranks
+    from finetune.evaluation.scorers import CosineScorer, retrieval_ranks
 
     model = build_model(args.model).eval()
     n_local = (model.image_size // model.patch_size) ** 2
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from finetune.report import write_json_atomic
+    from finetune.files import write_json_atomic
 
     sections = {name.strip() for name in args.sections.split(",") if name.strip()}
     unknown = sections - {"train", "retrieval", "draws"}

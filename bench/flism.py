@@ -19,7 +19,7 @@
    weights, 248 text positions) and batch, interleaved over ``--rounds`` rounds, each keeping its best step
    (load from other processes hits both alike).
 
-Results go to ``bench/results/flism.json`` (``finetune.report.write_json_atomic``); ratios compare numbers of
+Results go to ``bench/results/flism.json`` (``finetune.files.write_json_atomic``); ratios compare numbers of
 this run only.
 """
 
@@ -84,7 +84,7 @@ def preprocessing_costs(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Seconds per image of FLISM and LISM on the same images (detector / SAM loaded before timing; one
     warm-up image each)."""
     from finetune import load_model
-    from finetune.models.frozen import FrozenEncoders
+    from finetune.preprocess.frozen import FrozenEncoders
     from finetune.preprocess.flism import FLISMMatcher, SamMasks, YolosDetector
 
     model = load_model(args.clip, max_text_len=248).eval()
@@ -120,7 +120,7 @@ def step_costs(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from finetune.data.collate import Collator
     from finetune.objectives import ClipTerm, Objective
     from finetune.objectives.fastgoal import FastGoalOptions, FastGoalTerm, FlismOptions
-    from finetune.train import TrainModule, build_optimizer
+    from finetune.training import TrainModule, build_optimizer
 
     torch.manual_seed(0)
     model = load_model(args.clip, max_text_len=248)
@@ -151,7 +151,7 @@ def step_costs(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from finetune.report import write_json_atomic
+    from finetune.files import write_json_atomic
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=4, help="timed images of each preprocessing")

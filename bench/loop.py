@@ -6,12 +6,12 @@ scenes written as 224 px JPEG files in a JSONL dataset, decoded by ``--workers``
 by the real collator):
 
 - ``loop``: steady samples/s of ``Trainer.train()`` (steps after the first log interval, where the loop reads
-  the device: ``finetune.throughput.LoopClock``), the share of that time spent waiting for data;
+  the device: ``finetune.training.throughput.LoopClock``), the share of that time spent waiting for data;
 - ``bare``: samples/s of ``Trainer.train_step`` alone on batches of the same loader already on the device
   (synchronised before and after), and ``loop / bare``;
 - peak accelerator memory, FLOPs per sample (``torch.utils.flop_counter`` on the first step: matmul, conv and
   SDPA forward and backward, element-wise work not counted), TFLOP/s and MFU of the bare step and the loop
-  against the device's dense bf16 peak (``finetune.throughput.PEAK_BF16_TFLOPS``);
+  against the device's dense bf16 peak (``finetune.training.throughput.PEAK_BF16_TFLOPS``);
 - on a GPU, host syncs per bare step (``torch.cuda.set_sync_debug_mode("warn")``: every D2H read, blocking copy
   and stream synchronisation warns) and in the whole loop (which makes one read per logging step by design).
 
@@ -56,8 +56,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from finetune.report import write_json_atomic  # noqa: E402
-from finetune.throughput import peak_tflops  # noqa: E402
+from finetune.files import write_json_atomic  # noqa: E402
+from finetune.training.throughput import peak_tflops  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 #: seconds of --budget a case (CASE_S) and the compiled variant (COMPILE_S) must have left to start
@@ -177,7 +177,7 @@ def write_scenes(folder: Path, rows: int, *, image_size: int = 224, seed: int = 
     return folder
 
 
-# -- building a case as finetune/run.py does -----------------------------------------------------------------
+# -- building a case as a run does --------------------------------------------------------------------------
 def _recipe(case: Case, args: argparse.Namespace, data: Path, work: Path, compile_: bool) -> Any:
     import yaml
 
@@ -216,17 +216,18 @@ def _sfcn_weights(work: Path) -> str:
 
 
 def build_trainer(recipe: Any, accelerator: Any) -> Any:
-    """The ``Trainer`` of ``recipe`` built the way :func:`finetune.run._run` builds it (model, adapter, objective,
-    the terms' model changes, cached preprocessing, skipping dataset, the tensor-path collator)."""
+    """The ``Trainer`` of ``recipe`` built the way :class:`finetune.training.FinetuneRecipe` builds it (model,
+    adapter, objective, the terms' model changes, cached preprocessing, skipping dataset, the tensor-path collator)."""
     from finetune.data.collate import Collator
     from finetune.data.skipping import SkippingDataset, SkipReportingCollate, drop_undecodable
     from finetune.data.sources import load_source
     from finetune.models.adapters import apply_adapter, enable_gradient_checkpointing
     from finetune.objectives import build_objective
-    from finetune.run import _load_start_model, _preprocesses
-    from finetune.train import TrainModule, Trainer
+    from finetune.training import TrainModule, Trainer
+    from finetune.training.inputs import preprocesses
+    from finetune.training.model import load_start_model
 
-    model = apply_adapter(_load_start_model(recipe.model, None), recipe.adapter)
+    model = apply_adapter(load_start_model(recipe.model, None), recipe.adapter)
     if recipe.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     objective = build_objective(recipe.objective)
@@ -236,7 +237,7 @@ def build_trainer(recipe: Any, accelerator: Any) -> Any:
     objective.prepare_model(model)
     d = recipe.data
     rows = load_source(d.train, on_error=d.on_error, cache_dir=d.cache_dir, validate="header").dataset
-    if _preprocesses(objective):
+    if preprocesses(objective):
         rows, _ = drop_undecodable(rows, on_error=d.on_error, cache_dir=d.cache_dir)
     rows = objective.preprocess(rows, model, cache_dir=d.cache_dir)
     collator = Collator(model, objective, tensor_images=True)
@@ -390,7 +391,7 @@ def run_variants(args: argparse.Namespace, data: Path, root: Path) -> list[dict[
         trainer = build_trainer(recipe, acc)
         batches = _device_batches(trainer, 2)
         t0 = time.perf_counter()
-        from finetune.throughput import count_flops
+        from finetune.training.throughput import count_flops
 
         trainer.wrapped.train()
         _, flops = count_flops(lambda: trainer.train_step(batches[0], 1))
@@ -470,10 +471,11 @@ def cpu_figures(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     own cost per step: ``Trainer.train()`` on a model whose step costs nothing against the same step in a bare
     Python loop."""
     from finetune import load_model
-    from finetune.data.collate import Collator, PlannedCollate
+    from finetune.data.collate import Collator
     from finetune.data.skipping import SkippingDataset
     from finetune.data.sources import load_source
     from finetune.objectives import ClipTerm, Objective
+    from finetune.objectives.planning import PlannedCollate
 
     batch, per_round = args.cpu_batch, args.cpu_batches
     data = write_scenes(root / "scenes", batch * (per_round + 1) * 2, image_size=224)
@@ -530,7 +532,7 @@ def loop_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
     from finetune.config import load_recipe
     from finetune.objectives.base import Objective, Term
-    from finetune.train import TrainModule, Trainer, build_optimizer
+    from finetune.training import TrainModule, Trainer, build_optimizer
 
     class Null(Term):
         name = "null"

@@ -1,4 +1,4 @@
-"""Peak memory and time of cosine Recall@K at 100k x 100k in blocks (``finetune.scorers``), against the
+"""Peak memory and time of cosine Recall@K at 100k x 100k in blocks (``finetune.evaluation.scorers``), against the
 full-matrix computation at a size it can afford, measured in the same run; prints the ratios and writes
 ``bench/results/retrieval.json``.
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.report import write_json_atomic  # noqa: E402
+from finetune.files import write_json_atomic  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KS = (1, 5, 10)
@@ -59,7 +59,7 @@ def full_matrix_recall(images: torch.Tensor, texts: torch.Tensor, owner: torch.T
 
 def _measure(method: str, n: int, dim: int, block_size: int, device: str, threads: int, queue: mp.Queue) -> None:
     torch.set_num_threads(threads)
-    from finetune.evaluate import recall_at_k
+    from finetune.evaluation import recall_at_k
 
     images, texts, owner = _inputs(n, dim, device)
     cuda = device.startswith("cuda")

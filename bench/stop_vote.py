@@ -1,4 +1,4 @@
-"""What the per-step stop vote of several processes costs (:class:`finetune.train.StopVote`).
+"""What the per-step stop vote of several processes costs (:class:`finetune.training.StopVote`).
 
 Run ``python bench/stop_vote.py``: prints the numbers and writes ``bench/results/stop_vote.json``.
 
@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str
     import torch
     import torch.distributed as dist
 
-    from finetune.train import StopSignals, StopVote
+    from finetune.training import StopSignals, StopVote
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

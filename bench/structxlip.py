@@ -114,7 +114,7 @@ def _build(args: argparse.Namespace, cache_dir: str, modes: list[str]) -> tuple[
     from finetune.data.collate import Collator
     from finetune.objectives import ClipTerm, Objective
     from finetune.objectives.structxlip import RegionOptions, StructXLIPOptions, StructXLIPTerm
-    from finetune.train import TrainModule
+    from finetune.training import TrainModule
 
     torch.manual_seed(0)
     model = load_model(args.model, max_text_len=248)
@@ -216,7 +216,7 @@ class _PublicCodeStep(torch.nn.Module):
     def forward(self, batch: dict) -> dict:
         import torch.nn.functional as F
 
-        from finetune.models.activations import use_fast_quick_gelu
+        from finetune.models.backends.activations import use_fast_quick_gelu
 
         b, k, eps = self.b, self.k, self.EPS
         filtered = [self.filter(c) for c in self.captions]
@@ -277,7 +277,7 @@ def _timing_worker(args: argparse.Namespace, cache_dir: str, queue: Any) -> None
     that load from other processes hits all modes alike; each mode keeps its best step."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    from finetune.train import build_optimizer
+    from finetune.training import build_optimizer
 
     _, modules, info = _build(args, cache_dir, list(args.modes))
     optimizer = build_optimizer(torch.nn.ModuleList([m for m, _ in modules.values()]), _OptimCfg())
@@ -306,7 +306,7 @@ def _memory_worker(mode: str, args: argparse.Namespace, cache_dir: str, queue: A
     """One mode alone in a fresh process: resident memory after setup and the peak over one step."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    from finetune.train import build_optimizer
+    from finetune.training import build_optimizer
 
     _, modules, _ = _build(args, cache_dir, [mode])
     module, batch = modules[mode]

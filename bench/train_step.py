@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetune import load_model  # noqa: E402
 from finetune.objectives import ClipTerm, Objective  # noqa: E402
-from finetune.report import write_json_atomic  # noqa: E402
-from finetune.train import TrainModule, build_optimizer  # noqa: E402
+from finetune.files import write_json_atomic  # noqa: E402
+from finetune.training import TrainModule, build_optimizer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from finetune.objectives import ImageRequest, Term, TextRequest, register_term
 from finetune.objectives.base import scale_of
-from finetune.scorers import Scorer, register_scorer
+from finetune.evaluation.scorers import Scorer, register_scorer
 
 
 def token_wise_similarity(tokens: Tensor, token_mask: Tensor, patches: Tensor) -> tuple[Tensor, Tensor]:
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # so that `objective.import` finds this module
     from finetune.config import load_recipe
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     root = Path(__file__).resolve().parent.parent
     recipe = load_recipe(root / "recipes" / "quickstart_clip.yaml", [
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "output.overwrite=true",
         "train.trackers=[]",
     ])
-    return run(recipe)
+    return run_recipe(recipe)
 
 
 if __name__ == "__main__":

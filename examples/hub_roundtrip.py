@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.config import RecipeError, load_recipe
     from finetune.data.sources import load_source
     from finetune.hub import HubPushError, push, stage_upload
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     out = Path(args.out)
     try:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"recipe error: {e}", file=sys.stderr)
         return 2
-    status = run(recipe)
+    status = run_recipe(recipe)
     if status:
         return status
 

@@ -233,8 +233,8 @@ class TermEntry:
 TERMS: Registry[TermEntry] = Registry("objective term", ("finetune.objectives",), recipe_key="objective")
 #: objective terms: name -> the options dataclass that ``objective.terms.<name>`` is validated against
 TERM_OPTIONS: Registry[type] = Registry("objective term", ("finetune.objectives",), recipe_key="objective.terms")
-#: scorers for evaluation: name -> a :class:`finetune.scorers.Scorer` class or factory
-SCORERS: Registry[Any] = Registry("scorer", ("finetune.scorers",), recipe_key="eval.scorer")
+#: scorers for evaluation: name -> a :class:`finetune.evaluation.scorers.Scorer` class or factory
+SCORERS: Registry[Any] = Registry("scorer", ("finetune.evaluation.scorers",), recipe_key="eval.scorer")
 #: model families: name -> :class:`finetune.models.families.ModelFamily`
 MODEL_FAMILIES: Registry[Any] = Registry("model family", ("finetune.models.families",), recipe_key="model.family")
 #: named model configs (``random:NAME``, FLAIR / F-CAST / GRM sizes): name -> their registration record

@@ -1,6 +1,6 @@
 """Run folders are never silently overwritten, and a resume continues the run it claims to.
 
-Before :func:`finetune.run.run` writes anything into ``output.dir`` it calls
+Before :func:`finetune.training.run_recipe` writes anything into ``output.dir`` it calls
 :func:`check_run_folder`: a folder that holds a finished run (``metrics.json`` or ``final/``) or
 the ``recipe.yaml`` of a different run is refused, unless ``output.overwrite: true`` (then
 :func:`clear_previous_run` removes the old run's files first, so nothing of it mixes with the new
@@ -35,17 +35,8 @@ from typing import Any
 
 import yaml
 
-from finetune.run_basics import (  # noqa: F401  (re-exported: this module's public names since before)
-    _LEGACY_PID,
-    _TAG,
-    RunFolderError,
-    _flatten,
-    _host,
-    differing_keys,
-    owner_alive,
-    process_tag,
-    tag_owner,
-)
+from finetune.files import _host, owner_alive, process_tag, tag_owner
+from finetune.run_basics import RunFolderError, differing_keys
 
 __all__ = [
     "RunFolderError",
@@ -62,9 +53,6 @@ __all__ = [
     "RunLock",
     "LOCK_NAME",
     "OWNER_NAME",
-    "process_tag",
-    "tag_owner",
-    "owner_alive",
     "check_writable",
     "check_free_space",
     "estimate_run_bytes",
@@ -595,8 +583,9 @@ def check_eval_output(out: str | os.PathLike, model_dirs: list[str | os.PathLike
     for folder in model_dirs:
         folder = Path(folder)
         if folder.is_dir() and resolved.is_relative_to(folder.resolve()):
-            raise RunFolderError(f"--out {str(path)!r} is inside the model folder {str(folder)!r}, whose files it could "
-                                 "overwrite; write the results elsewhere (e.g. the run folder's metrics_eval.json)")
+            raise RunFolderError(f"--out {str(path)!r} is inside the model folder {str(folder)!r}, whose files it "
+                                 "could overwrite; write the results elsewhere (e.g. the run folder's "
+                                 "metrics_eval.json)")
     if path.exists():
         try:
             previous = json.loads(path.read_text(encoding="utf-8"))

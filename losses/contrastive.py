@@ -15,15 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .checks import check_embeds, check_mask, check_number, check_scalar, zero_with_graph
 from .distributed import gather_with_grad, ring_exchange_with_grad, should_gather, world_info
 
 logger = logging.getLogger(__name__)
 
 
 def _check_embeds(name: str, x: Tensor) -> None:
-    if not isinstance(x, Tensor) or x.dim() != 2:
-        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ValueError(f"{name} must be a (B, D) tensor, got {shape}")
+    check_embeds(name, x)
 
 
 def _check_pair(image_embeds: Tensor, text_embeds: Tensor, *, same_batch: bool = True) -> None:
@@ -42,9 +41,16 @@ def _check_pair(image_embeds: Tensor, text_embeds: Tensor, *, same_batch: bool =
 
 
 def _check_mask(name: str, mask: Tensor, shape: tuple[int, ...]) -> None:
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:
-        got = (mask.dtype, tuple(mask.shape)) if isinstance(mask, Tensor) else type(mask).__name__
-        raise ValueError(f"{name} must be a bool tensor of shape {shape}, got {got}")
+    check_mask(name, mask, shape)
+
+
+def _check_label_smoothing(value: float) -> float:
+    return check_number("label_smoothing", value, low=0.0, high=1.0)
+
+
+def _check_gather(gather: bool | None) -> None:
+    if gather is not None and not isinstance(gather, bool):
+        raise ValueError(f"gather must be None, True or False, got {gather!r}")
 
 
 def _masked_cross_entropy(
@@ -123,8 +129,10 @@ def clip_loss(
     Args:
         image_embeds: ``(B, D)`` raw image embeddings (normalised here).
         text_embeds: ``(B, D)`` raw text embeddings, row i paired with image row i.
-        logit_scale: scalar multiplier of the cosine logits (``exp`` of the model's parameter).
-        label_smoothing: cross-entropy label smoothing over the candidates (``F.cross_entropy``).
+        logit_scale: scalar multiplier of the cosine logits (``exp`` of the model's parameter): a number or a
+            ``()`` / ``(1,)`` tensor, finite and >= 0 (a tensor's value is checked on the device, see
+            :mod:`losses.checks`).
+        label_smoothing: cross-entropy label smoothing over the candidates (``F.cross_entropy``), in [0, 1].
         valid: optional ``(B,)`` bool; pairs marked False are dropped from the batch (neither
             queries nor negatives), e.g. StructXLIP rows without an edge map. The mean runs over
             valid pairs; 0 (with the graph intact) when there are none.
@@ -135,11 +143,20 @@ def clip_loss(
             every rank must pass the same B.
 
     Returns:
-        Scalar loss (mean reduction).
+        Scalar loss (mean reduction); 0 with the graph intact for an empty batch (B = 0).
+
+    Raises:
+        ValueError: naming the argument: shapes that do not pair, a ``valid`` that is not a ``(B,)`` bool
+            tensor, a ``logit_scale`` that is not a finite scalar >= 0, ``label_smoothing`` outside [0, 1].
     """
     _check_pair(image_embeds, text_embeds)
     if valid is not None:
         _check_mask("valid", valid, (image_embeds.shape[0],))
+    check_scalar("logit_scale", logit_scale, low=0.0, where="clip_loss")
+    label_smoothing = _check_label_smoothing(label_smoothing)
+    _check_gather(gather)
+    if image_embeds.shape[0] == 0:  # every rank passes the same B: all return here, no collective is skipped
+        return zero_with_graph(image_embeds, text_embeds, logit_scale)
     image = F.normalize(image_embeds, dim=-1)
     text = F.normalize(text_embeds, dim=-1)
     rank, world = world_info() if should_gather(gather) else (0, 1)
@@ -178,8 +195,8 @@ def siglip_loss(
     Args:
         image_embeds: ``(B_image, D)`` raw image embeddings.
         text_embeds: ``(B_text, D)`` raw text embeddings.
-        logit_scale: scalar multiplier ``s`` (``exp`` of the model's parameter).
-        logit_bias: scalar bias ``b`` (raw).
+        logit_scale: scalar multiplier ``s`` (``exp`` of the model's parameter), finite and >= 0.
+        logit_bias: scalar bias ``b`` (raw), finite.
         positives: ``(B_image, B_text)`` bool, True where text j describes image i (several
             captions per image); default the identity (then ``B_image == B_text``). With a gather
             it indexes this rank's texts; other ranks' texts are negatives.
@@ -194,9 +211,16 @@ def siglip_loss(
             at a time, all negatives. Same value and gradients.
 
     Returns:
-        Scalar loss.
+        Scalar loss; 0 with the graph intact when there is no image or no text (B = 0).
+
+    Raises:
+        ValueError: naming the argument (shapes, ``positives``, ``exchange``, a ``logit_scale`` that is not
+            finite and >= 0, a ``logit_bias`` that is not finite).
     """
     _check_pair(image_embeds, text_embeds, same_batch=False)
+    check_scalar("logit_scale", logit_scale, low=0.0, where="siglip_loss")
+    check_scalar("logit_bias", logit_bias, where="siglip_loss")
+    _check_gather(gather)
     n_image, n_text = image_embeds.shape[0], text_embeds.shape[0]
     if positives is None:
         if n_image != n_text:
@@ -208,6 +232,8 @@ def siglip_loss(
     _check_mask("positives", positives, (n_image, n_text))
     if exchange not in ("gather", "ring"):
         raise ValueError(f"siglip_loss: exchange must be 'gather' or 'ring', got {exchange!r}")
+    if n_image == 0 or n_text == 0:  # every rank passes the same shapes: all return here
+        return zero_with_graph(image_embeds, text_embeds, logit_scale, logit_bias)
     image = F.normalize(image_embeds, dim=-1)
     text = F.normalize(text_embeds, dim=-1)
     rank, world = world_info() if should_gather(gather) else (0, 1)
@@ -247,8 +273,8 @@ def pca_reconstruct(x: Tensor, k: int = 32) -> Tensor:
         input is returned unreduced.
     """
     _check_embeds("x", x)
-    if k < 1:
-        raise ValueError(f"k (number of principal components) must be >= 1, got {k}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k (number of principal components) must be an integer >= 1, got {k!r}")
     x = F.normalize(x, dim=-1)
     if x.shape[0] <= k + 1:
         return x
@@ -287,9 +313,9 @@ def longclip_loss(
         image_embeds: ``(B, D)`` raw image embeddings.
         long_text_embeds: ``(B, D)`` raw embeddings of the long captions.
         short_text_embeds: ``(B, D)`` raw embeddings of the short captions (first sentences).
-        logit_scale: scalar multiplier (``exp`` of the model's parameter).
-        pca_dim: principal components kept for the short loss's image features (32).
-        label_smoothing: for both cross-entropies (0.1).
+        logit_scale: scalar multiplier (``exp`` of the model's parameter), finite and >= 0.
+        pca_dim: principal components kept for the short loss's image features (32), an integer >= 1.
+        label_smoothing: for both cross-entropies (0.1), in [0, 1].
         gather: as in :func:`clip_loss`. Distributed, the PCA runs on the *gathered* image batch
             (every rank decomposes the same ``(world * B, D)`` matrix): the loss then equals the
             single-process loss on the concatenated batch whatever the number of ranks. The
@@ -297,10 +323,20 @@ def longclip_loss(
             sharding and turns PCA into a no-op for per-GPU batches of 33 or fewer (issue #68).
 
     Returns:
-        Scalar loss, the sum of the long and the short loss.
+        Scalar loss, the sum of the long and the short loss; 0 with the graph intact for an empty batch.
+
+    Raises:
+        ValueError: naming the argument, as :func:`clip_loss`, and a ``pca_dim`` that is not an integer >= 1.
     """
     _check_pair(image_embeds, long_text_embeds)
     _check_pair(image_embeds, short_text_embeds)
+    check_scalar("logit_scale", logit_scale, low=0.0, where="longclip_loss")
+    label_smoothing = _check_label_smoothing(label_smoothing)
+    if isinstance(pca_dim, bool) or not isinstance(pca_dim, int) or pca_dim < 1:
+        raise ValueError(f"longclip_loss: pca_dim must be an integer >= 1, got {pca_dim!r}")
+    _check_gather(gather)
+    if image_embeds.shape[0] == 0:
+        return zero_with_graph(image_embeds, long_text_embeds, short_text_embeds, logit_scale)
     image = F.normalize(image_embeds, dim=-1)
     long_text = F.normalize(long_text_embeds, dim=-1)
     short_text = F.normalize(short_text_embeds, dim=-1)

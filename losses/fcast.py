@@ -69,10 +69,16 @@ def fcast_part_loss(
         distributed: ``"global"`` (the paper's global batch) or ``"ring"`` (FLAIR's public code).
         gather: None works across processes when a process group of size > 1 is initialised.
     Returns:
-        Scalar loss.
+        Scalar loss; 0 with the graph intact for an empty batch (B = 0).
+    Raises:
+        ValueError: naming the argument (see :func:`losses.flair_loss`; ``logit_scale`` finite and >= 0,
+            ``logit_bias`` finite).
     """
-    if fine.dim() != 3:
-        raise ValueError(f"fcast_part_loss: fine must be (B, M, D) segment tokens, got {tuple(fine.shape)}")
+    if not isinstance(fine, Tensor) or fine.dim() != 3 or not fine.is_floating_point():
+        got = (fine.dtype, tuple(fine.shape)) if isinstance(fine, Tensor) else type(fine).__name__
+        raise ValueError(f"fcast_part_loss: fine must be (B, M, D) floating-point segment tokens, got {got}")
+    if fine.shape[1] == 0:
+        raise ValueError("fcast_part_loss: fine has M = 0 segment tokens; the part level needs at least one")
     # flair_loss takes a global image for its L_mps; with add_mps=False it is not read
     return flair_loss(sub_embeds, fine, fine[:, 0], pool, logit_scale, logit_bias, add_mps=False,
                       text_indices=text_indices, seed=seed, distributed=distributed, gather=gather,
@@ -96,7 +102,9 @@ def fcast_whole_loss(
         logit_scale: ``tau_whole`` as a multiplier; logit_bias: ``b_whole``.
         gather: as :func:`losses.siglip_loss` (local images against all processes' captions).
     Returns:
-        Scalar loss.
+        Scalar loss; 0 with the graph intact for an empty batch (B = 0).
+    Raises:
+        ValueError: naming the argument (see :func:`losses.siglip_loss`).
     """
     return siglip_loss(coarse, long_embeds, logit_scale, logit_bias, gather=gather)
 

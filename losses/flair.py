@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .checks import check_number, check_scalar, zero_with_graph
 from .distributed import gather_with_grad, ring_exchange_with_grad, should_gather, world_info
 
 Distributed = Literal["global", "ring"]
@@ -39,6 +40,10 @@ class TextConditionedAttentionPool(nn.Module):
 
     def __init__(self, dim: int, heads: int = 8, *, eps: float = 1e-5) -> None:
         super().__init__()
+        for name, value in (("dim", dim), ("heads", heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TextConditionedAttentionPool: {name} must be an integer >= 1, got {value!r}")
+        check_number("eps", eps, low=0.0, above=True, where="TextConditionedAttentionPool")
         if dim % heads:
             raise ValueError(f"TextConditionedAttentionPool: dim {dim} is not divisible by heads {heads}")
         self.dim, self.heads = dim, heads
@@ -228,13 +233,17 @@ def _check_rows(rows: Tensor, first_image: int, num_images: int, k: int) -> None
 
 def _check_inputs(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
                   local_mask: Tensor | None) -> None:
-    if not isinstance(text_embeds, Tensor) or text_embeds.dim() != 3:
-        got = tuple(text_embeds.shape) if isinstance(text_embeds, Tensor) else type(text_embeds).__name__
-        raise ValueError(f"flair_loss: text_embeds must be (B, K, D), got {got}")
-    if not isinstance(local_image, Tensor) or local_image.dim() != 3:
-        raise ValueError("flair_loss: local_image must be (B, N, D) patch embeddings")
-    if not isinstance(global_image, Tensor) or global_image.dim() != 2:
-        raise ValueError("flair_loss: global_image must be (B, D)")
+    if not isinstance(text_embeds, Tensor) or text_embeds.dim() != 3 or not text_embeds.is_floating_point():
+        got = (text_embeds.dtype, tuple(text_embeds.shape)) if isinstance(text_embeds, Tensor) \
+            else type(text_embeds).__name__
+        raise ValueError(f"flair_loss: text_embeds must be a (B, K, D) floating-point tensor, got {got}")
+    if not isinstance(local_image, Tensor) or local_image.dim() != 3 or not local_image.is_floating_point():
+        raise ValueError("flair_loss: local_image must be (B, N, D) floating-point patch embeddings")
+    if not isinstance(global_image, Tensor) or global_image.dim() != 2 or not global_image.is_floating_point():
+        raise ValueError("flair_loss: global_image must be a (B, D) floating-point tensor")
+    if text_embeds.shape[1] == 0:
+        raise ValueError("flair_loss: text_embeds has K = 0 sub-captions per image; FLAIR needs at least one "
+                         "(K >= 1) per image")
     b, _, d = text_embeds.shape
     if local_image.shape[0] != b or global_image.shape[0] != b:
         raise ValueError(f"flair_loss: text_embeds, local_image and global_image must share B, got "
@@ -367,7 +376,19 @@ def _flair_parts(text_embeds: Tensor, local_image: Tensor, global_image: Tensor,
     _check_mps_negatives(mps_negatives, "flair_loss")
     if text_indices is not None and seed is not None:
         raise ValueError("flair_loss: give text_indices (a fixed draw) or seed (the draw's key), not both")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"flair_loss: seed must be an int, got {seed!r}")
     _check_inputs(text_embeds, local_image, global_image, local_mask)
+    check_scalar("logit_scale", logit_scale, low=0.0, where="flair_loss")
+    check_scalar("logit_bias", logit_bias, where="flair_loss")
+    if gather is not None and not isinstance(gather, bool):
+        raise ValueError(f"flair_loss: gather must be None, True or False, got {gather!r}")
+    if text_embeds.shape[0] == 0:  # every process passes the same B: all return here, no collective is skipped
+        zero = zero_with_graph(text_embeds, local_image, global_image, logit_scale, logit_bias, pool.parameters())
+        parts = {"tcs": zero, "loss": zero}
+        if add_mps:
+            parts["mps"] = zero
+        return parts
     compute = _global_parts if distributed == "global" else _ring_parts
     parts = compute(text_embeds, local_image, global_image, pool, logit_scale, logit_bias, add_mps,
                     mps_negatives, text_indices, seed, gather, local_mask)
@@ -437,8 +458,8 @@ def flair_loss(
         local_image: ``(B, N, D)`` raw projected local (patch) image tokens.
         global_image: ``(B, D)`` raw global image embedding (class token).
         pool: the :class:`TextConditionedAttentionPool` (a model module; its gradient flows).
-        logit_scale: ``s``, the multiplier (already exponentiated).
-        logit_bias: ``b`` (FLAIR initialises it to -10).
+        logit_scale: ``s``, the multiplier (already exponentiated), finite and >= 0.
+        logit_bias: ``b`` (FLAIR initialises it to -10), finite.
         add_mps: add L_mps (the paper's and the public code's final loss).
         mps_negatives: ``"paper"`` or ``"public_code"`` (above).
         text_indices: a fixed draw, for tests: integer indices into the image-major sub-captions,
@@ -457,7 +478,13 @@ def flair_loss(
         local_mask: ``(B, N)`` bool, True for real local tokens (see the pool).
 
     Returns:
-        Scalar loss. Every process must pass the same B, K and D (N may differ).
+        Scalar loss. Every process must pass the same B, K and D (N may differ). An empty batch (B = 0)
+        gives 0 with the graph intact.
+
+    Raises:
+        ValueError: naming the argument: shapes (K = 0 included), a ``logit_scale`` that is not finite and >= 0,
+            a ``logit_bias`` that is not finite, a bad ``text_indices``, ``seed``, ``distributed`` or
+            ``mps_negatives``.
     """
     return _flair_parts(text_embeds, local_image, global_image, pool, logit_scale, logit_bias,
                         add_mps=add_mps, mps_negatives=mps_negatives, text_indices=text_indices, seed=seed,

@@ -55,6 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .checks import check_number, device_check, zero_with_graph
 from .distributed import gather_counts, gather_with_grad, should_gather, world_info
 
 # Eq. 9 weights a, b, c (paper, "Parameter Analysis" and implementation details).
@@ -89,8 +90,8 @@ def _require_rows(name: str, present: Tensor, what: str = "real token", *, lazy:
     """Every row of the ``(B, L)`` bool ``present`` has a True, without a host read in training.
 
     ``lazy`` (default: ``torch.is_grad_enabled()``, i.e. the training step): a device-side assertion
-    (``torch._assert_async``: no synchronisation on accelerators, a RuntimeError on the CPU);
-    otherwise (evaluation, inference) a ``ValueError`` naming the rows.
+    (:func:`losses.checks.device_check`: no synchronisation on accelerators, a ``ValueError`` at once on the CPU);
+    otherwise (evaluation, inference) a ``ValueError`` naming the rows (a host read).
     """
     if present.shape[0] == 0:
         return
@@ -98,7 +99,7 @@ def _require_rows(name: str, present: Tensor, what: str = "real token", *, lazy:
         raise ValueError(f"{name}: no token positions (L = 0); every sample needs at least one {what}")
     ok = present.any(dim=1)
     if torch.is_grad_enabled() if lazy is None else lazy:
-        torch._assert_async(ok.all(), f"{name}: a sample has no {what}; every sample needs at least one")
+        device_check(ok.all(), f"{name}: a sample has no {what}; every sample needs at least one")
         return
     if not bool(ok.all()):
         empty = (~ok).nonzero().flatten().tolist()
@@ -138,8 +139,18 @@ def _token_weights(name: str, weights: Tensor | None, tokens: Tensor) -> Tensor 
 
 
 def _check_min_keep(name: str, min_keep: float | None) -> None:
-    if min_keep is not None and not 0.0 <= float(min_keep) <= 1.0:
-        raise ValueError(f"{name}: min_keep must be a fraction in [0, 1] (or None: no floor), got {min_keep!r}")
+    if min_keep is None:
+        return
+    try:
+        check_number("min_keep", min_keep, low=0.0, high=1.0, where=name)
+    except ValueError:
+        raise ValueError(f"{name}: min_keep must be a fraction in [0, 1] (or None: no floor), "
+                         f"got {min_keep!r}") from None
+
+
+def _check_leaky_slope(name: str, leaky_slope: float | None) -> None:
+    if leaky_slope is not None:
+        check_number("leaky_slope", leaky_slope, low=0.0, where=name)
 
 
 def keep_floor(preference: Tensor, mask: Tensor | None, min_keep: float) -> Tensor:
@@ -206,8 +217,7 @@ def gumbel_gate(
         raise ValueError(
             f"gumbel_gate: logits must end with 2 columns (drop, keep), got {tuple(logits.shape)}"
         )
-    if tau <= 0:
-        raise ValueError(f"gumbel_gate: tau must be > 0, got {tau}")
+    check_number("tau", tau, low=0.0, above=True, where="gumbel_gate")
     _check_min_keep("gumbel_gate", min_keep)
     if (mask is not None or min_keep is not None) and logits.dim() != 3:
         raise ValueError(f"gumbel_gate: with mask or min_keep, logits must be (B, L, 2), got {tuple(logits.shape)}")
@@ -249,6 +259,7 @@ class TokenAdapter(nn.Module):
         hidden_dim = dim if hidden_dim is None else hidden_dim
         if dim < 1 or hidden_dim < 1:
             raise ValueError(f"TokenAdapter: dim and hidden_dim must be >= 1, got {dim}, {hidden_dim}")
+        check_number("keep_bias", keep_bias, where="TokenAdapter")
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = nn.GELU()
         self.fc2 = nn.Linear(hidden_dim, 2)
@@ -421,11 +432,15 @@ class GRMHead(nn.Module):
             raise ValueError(f"GRMHead: dim must be >= 1, got {dim}")
         if num_regions < 1:
             raise ValueError(f"GRMHead: num_regions (K) must be >= 1, got {num_regions}")
-        if tau <= 0:
-            raise ValueError(f"GRMHead: tau must be > 0, got {tau}")
+        check_number("tau", tau, low=0.0, above=True, where="GRMHead")
+        check_number("keep_bias", keep_bias, where="GRMHead")
         _check_min_keep("GRMHead", min_keep)
-        if leaky_slope is not None and leaky_slope < 0:
-            raise ValueError(f"GRMHead: leaky_slope must be >= 0 or None, got {leaky_slope!r}")
+        if leaky_slope is not None:
+            try:
+                check_number("leaky_slope", leaky_slope, low=0.0, where="GRMHead")
+            except ValueError:
+                raise ValueError(f"GRMHead: leaky_slope must be a finite number >= 0 or None, got {leaky_slope!r}") \
+                    from None
         self.dim, self.num_regions, self.tau, self.hard = dim, num_regions, float(tau), bool(hard)
         self.hidden_dim, self.keep_bias = hidden_dim, float(keep_bias)
         self.min_keep = float(min_keep)
@@ -645,8 +660,9 @@ def token_wise_similarity(
         raise ValueError(
             f"text and image tokens must share the width d, got {text.shape[-1]} and {image.shape[-1]}"
         )
-    if block_elements < 1:
-        raise ValueError(f"block_elements must be >= 1, got {block_elements}")
+    if isinstance(block_elements, bool) or not isinstance(block_elements, int) or block_elements < 1:
+        raise ValueError(f"block_elements must be an integer >= 1, got {block_elements!r}")
+    _check_leaky_slope("token_wise_similarity", leaky_slope)
     inputs = (text, image, text_weights, image_weights)
     # Training (a graph to build): the value checks run on the device, without a host read.
     needs_graph = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in inputs)
@@ -763,17 +779,28 @@ def vse_hinge_loss(
             over ranks is the single-process loss on the concatenated batch.
 
     Returns:
-        Scalar loss (sum reduction, as eq. 8).
+        Scalar loss (sum reduction, as eq. 8); 0 with the graph intact when there is no image or no text.
+
+    Raises:
+        ValueError: naming the argument: ``sim`` not a floating ``(Bi, Bt)`` tensor, a ``margin`` that is not
+            finite and >= 0, ``positives`` of the wrong shape or dtype, an unknown ``anchors``, shapes that the
+            anchors or the processes cannot split.
     """
     if not isinstance(sim, Tensor) or sim.dim() != 2 or not sim.is_floating_point():
         got = (sim.dtype, tuple(sim.shape)) if isinstance(sim, Tensor) else type(sim).__name__
         raise ValueError(f"sim must be a floating (Bi, Bt) tensor of image-text similarities, got {got}")
-    if margin < 0:
-        raise ValueError(f"margin must be >= 0, got {margin}")
+    try:
+        check_number("margin", margin, low=0.0)
+    except ValueError:
+        raise ValueError(f"margin must be a finite number >= 0, got {margin!r}") from None
     if anchors not in ("own", "positives"):
         raise ValueError(f"anchors must be 'own' (LAPS) or 'positives', got {anchors!r}")
     rank, world = world_info() if should_gather(gather) else (0, 1)
     n_rows, n_cols = sim.shape
+    if n_rows == 0 or n_cols == 0:  # every rank holds as many images and texts: all return here
+        if positives is not None and (not isinstance(positives, Tensor) or tuple(positives.shape) != (n_rows, n_cols)):
+            raise ValueError(f"positives must be a bool tensor of shape {(n_rows, n_cols)} like sim")
+        return zero_with_graph(sim)
     if world > 1 and n_cols % world:
         raise ValueError(
             f"vse_hinge_loss: distributed, sim's columns are the texts of all {world} ranks; "
@@ -910,6 +937,26 @@ def grm_similarity(
     raise ValueError(f"level must be 'ori', 'key' or 'unc', got {level!r}")
 
 
+def _check_grm_options(level_weights: Any, margin: Any, recon_weight: Any, reg_weight: Any, leaky_slope: Any,
+                       entropy_of: Any, where: str) -> None:
+    """The numeric options of :func:`grm_loss` / :class:`GRMLoss`, checked when given (``ValueError`` naming each)."""
+    try:
+        weights = tuple(level_weights)
+        if len(weights) != 3:
+            raise ValueError
+        for w in weights:
+            check_number("level_weights", w, low=0.0)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: level_weights must be three finite non-negative numbers (a, b, c), got "
+                         f"{level_weights!r}") from None
+    check_number("margin", margin, low=0.0, where=where)
+    check_number("recon_weight", recon_weight, low=0.0, where=where)
+    check_number("reg_weight", reg_weight, low=0.0, where=where)
+    _check_leaky_slope(where, leaky_slope)
+    if entropy_of not in ("normalised", "sigmoid"):
+        raise ValueError(f"entropy_of must be 'normalised' or 'sigmoid', got {entropy_of!r}")
+
+
 def grm_loss(
     image: GRMImageOutput,
     text: GRMTextOutput,
@@ -954,12 +1001,15 @@ def grm_loss(
     Returns:
         ``{"ori", "key", "unc", "con", "recon", "kl", "ent", "reg", "loss"}`` scalars, and
         ``"keep_image"`` / ``"keep_text"``, the mean fraction of real tokens the significance- and
-        granularity-aware gates keep (this rank's samples; detached: for logs, not for training).
+        granularity-aware gates keep (this rank's samples; detached: for logs, not for training). An empty
+        batch gives 0 for every term, with the graph intact.
+
+    Raises:
+        ValueError: naming the option: ``level_weights`` not three finite numbers >= 0, a ``margin``,
+            ``recon_weight``, ``reg_weight`` or ``leaky_slope`` that is not finite and >= 0, an unknown
+            ``entropy_of`` (and what :func:`vse_hinge_loss` refuses).
     """
-    if len(level_weights) != 3 or any(w < 0 for w in level_weights):
-        raise ValueError(f"level_weights must be three non-negative numbers (a, b, c), got {level_weights}")
-    if recon_weight < 0 or reg_weight < 0:
-        raise ValueError(f"recon_weight and reg_weight must be >= 0, got {recon_weight}, {reg_weight}")
+    _check_grm_options(level_weights, margin, recon_weight, reg_weight, leaky_slope, entropy_of, "grm_loss")
     _, world = world_info() if should_gather(gather) else (0, 1)
     keep = {"keep_image": _batch_mean(image.keep_ratio()), "keep_text": _batch_mean(text.keep_ratio())}
     if world > 1:
@@ -1005,8 +1055,9 @@ class GRMLoss(nn.Module):
         gather: bool | None = None,
     ) -> None:
         super().__init__()
-        if entropy_of not in ("normalised", "sigmoid"):
-            raise ValueError(f"entropy_of must be 'normalised' or 'sigmoid', got {entropy_of!r}")
+        _check_grm_options(level_weights, margin, recon_weight, reg_weight, leaky_slope, entropy_of, "GRMLoss")
+        if isinstance(block_elements, bool) or not isinstance(block_elements, int) or block_elements < 1:
+            raise ValueError(f"GRMLoss: block_elements must be an integer >= 1, got {block_elements!r}")
         if anchors not in ("own", "positives"):
             raise ValueError(f"anchors must be 'own' (LAPS) or 'positives', got {anchors!r}")
         self.level_weights = tuple(float(w) for w in level_weights)

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .checks import check_index_range, check_number, check_scalar, zero_with_graph
 from .contrastive import _check_embeds, _check_mask, clip_loss
 from .distributed import gather_variable_with_grad, should_gather, sum_over_ranks, world_info
 
@@ -31,10 +32,7 @@ OFFICIAL_WEIGHT_FLOORS = (0.7, 0.5, 0.4)
 OFFICIAL_LOCAL_SCALE_MAX = 100.0
 
 
-def _zero_with_graph(*tensors: Tensor) -> Tensor:
-    """A scalar 0 that depends on ``tensors``: backward still runs (and, distributed, every
-    rank's backward reaches the same collectives)."""
-    return sum(t.sum() for t in tensors) * 0.0
+_zero_with_graph = zero_with_graph
 
 
 def consistency_loss(
@@ -82,7 +80,7 @@ def consistency_loss(
     return total * world / count.clamp(min=1)
 
 
-def _check_owner(name: str, owner: Tensor, n: int) -> None:
+def _check_owner(name: str, owner: Tensor, n: int, num_samples: int | None) -> None:
     if (
         not isinstance(owner, Tensor)
         or owner.dtype not in (torch.int32, torch.int64)
@@ -90,6 +88,7 @@ def _check_owner(name: str, owner: Tensor, n: int) -> None:
     ):
         got = (owner.dtype, tuple(owner.shape)) if isinstance(owner, Tensor) else type(owner).__name__
         raise ValueError(f"{name} must be an integer (long) tensor of shape ({n},), got {got}")
+    check_index_range(name, owner, num_samples, where="local_structure_loss")
 
 
 def local_structure_loss(
@@ -101,6 +100,7 @@ def local_structure_loss(
     temperature: float | Tensor = 0.07,
     positives: Tensor | None = None,
     region_valid: Tensor | None = None,
+    num_samples: int | None = None,
     gather: bool | None = None,
 ) -> Tensor:
     """Local structure-centric alignment L^local_{I',T'} (StructXLIP 3.2, eqs. 1-2).
@@ -113,16 +113,20 @@ def local_structure_loss(
 
     Args:
         chunk_embeds: ``(Nc, D)`` raw embeddings of the text chunks of the batch.
-        chunk_owner: ``(Nc,)`` long, the batch index of each chunk's sample.
+        chunk_owner: ``(Nc,)`` long, the batch index of each chunk's sample, in ``[0, num_samples)``.
         region_embeds: ``(Nr, D)`` raw embeddings of the image regions of the batch.
-        region_owner: ``(Nr,)`` long, the batch index of each region's sample.
-        temperature: T; a float or a scalar tensor (the ``compat="official"`` scale is one).
+        region_owner: ``(Nr,)`` long, the batch index of each region's sample, in ``[0, num_samples)``.
+        temperature: T, finite and > 0; a float or a scalar tensor (the ``compat="official"`` scale is one).
         positives: ``(Nc, Nr)`` bool, P_c (e.g. the K regions most similar to each chunk under
             the frozen encoders). Default: every valid region of the chunk's own sample.
             Distributed, it indexes this rank's regions ``(Nc, Nr_local)``; regions of other
             ranks are negatives only. Invalid regions are never positives.
         region_valid: ``(Nr,)`` bool; invalid regions (e.g. padding, missing crops) take no
             part at all. Default: all valid.
+        num_samples: B, the number of samples of this process's batch: the owners must lie in ``[0, B)``.
+            None: the owners must be >= 0. Checked on the device (:mod:`losses.checks`: no host read; on the CPU a
+            ``ValueError`` at once). An owner outside the batch would leave its chunk without positives and
+            silently drop it from the loss.
         gather: ``None`` gathers when a process group of size > 1 is initialised. Distributed,
             the regions of every rank (different counts per rank) are gathered with autograd
             and are the denominator's R^B; chunks stay local; the value is scaled by
@@ -130,7 +134,11 @@ def local_structure_loss(
             loss on the concatenated batch.
 
     Returns:
-        Scalar loss; 0 (graph intact) when no chunk has a positive anywhere.
+        Scalar loss; 0 (graph intact) when no chunk has a positive anywhere (an empty batch included).
+
+    Raises:
+        ValueError: naming the argument: shapes, dtypes, a ``temperature`` that is not finite and > 0, a
+            ``num_samples`` that is not an integer >= 0, owners outside ``[0, num_samples)`` (on the CPU).
     """
     _check_embeds("chunk_embeds", chunk_embeds)
     _check_embeds("region_embeds", region_embeds)
@@ -140,15 +148,17 @@ def local_structure_loss(
             f"chunk_embeds and region_embeds must share the embedding dim D, got "
             f"{chunk_embeds.shape[1]} and {region_embeds.shape[1]}"
         )
-    _check_owner("chunk_owner", chunk_owner, n_chunks)
-    _check_owner("region_owner", region_owner, n_regions)
+    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+                                    or num_samples < 0):
+        raise ValueError(f"local_structure_loss: num_samples must be an integer >= 0 (B), got {num_samples!r}")
+    _check_owner("chunk_owner", chunk_owner, n_chunks, num_samples)
+    _check_owner("region_owner", region_owner, n_regions, num_samples)
     if region_valid is None:
         region_valid = torch.ones(n_regions, dtype=torch.bool, device=region_embeds.device)
     _check_mask("region_valid", region_valid, (n_regions,))
     if positives is not None:
         _check_mask("positives", positives, (n_chunks, n_regions))
-    if isinstance(temperature, (int, float)) and temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_scalar("temperature", temperature, low=0.0, above=True, where="local_structure_loss")
 
     chunks = F.normalize(chunk_embeds, dim=-1)
     regions = F.normalize(region_embeds, dim=-1)
@@ -220,8 +230,11 @@ def official_weight_decay(
     Returns:
         The multiplier for that epoch (the trainer multiplies the term's base weight by it).
     """
-    if epoch < 0:
-        raise ValueError(f"epoch must be >= 0, got {epoch}")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+    check_number("floor", floor, low=0.0, where="official_weight_decay")
+    for name, value in (("warm", warm), ("decay_start", decay_start), ("decay_end", decay_end)):
+        check_number(name, value, low=0.0, where="official_weight_decay")
     if epoch < warm:
         return (epoch + 1) / max(1, warm)
     if epoch < decay_start:
@@ -253,13 +266,17 @@ class StructXLIPLoss(nn.Module):
 
     Args:
         compat: ``"paper"`` or ``"official"``.
-        structure_weight, consistency_weight, local_weight: lambda1-3; ``None`` takes the
+        structure_weight, consistency_weight, local_weight: lambda1-3, finite and >= 0; ``None`` takes the
             ``compat`` default.
-        structure_logit_scale_init: initial log scale of L_{I',T'} (paper mode).
-        structure_logit_scale_max: upper clamp of that log scale.
-        local_temperature: gamma of eq. 1 (official mode: the main scale is divided by it).
+        structure_logit_scale_init: initial log scale of L_{I',T'} (paper mode), finite.
+        structure_logit_scale_max: upper clamp of that log scale, finite.
+        local_temperature: gamma of eq. 1 (official mode: the main scale is divided by it), finite and > 0.
         gather: passed to every term (see :func:`clip_loss`); every rank must pass the same set
             of inputs to ``forward``.
+
+    Raises:
+        ValueError: naming the argument: an unknown ``compat``, a NaN, infinite or negative weight, a
+            ``local_temperature`` that is not finite and > 0, a log scale init or max that is not finite.
     """
 
     def __init__(
@@ -277,21 +294,24 @@ class StructXLIPLoss(nn.Module):
         super().__init__()
         if compat not in ("paper", "official"):
             raise ValueError(f"compat must be 'paper' or 'official', got {compat!r}")
-        if local_temperature <= 0:
-            raise ValueError(f"local_temperature must be > 0, got {local_temperature}")
+        where = "StructXLIPLoss"
+        local_temperature = check_number("local_temperature", local_temperature, low=0.0, above=True, where=where)
         defaults = PAPER_WEIGHTS if compat == "paper" else OFFICIAL_WEIGHTS
+        names = ("structure_weight", "consistency_weight", "local_weight")
         given = (structure_weight, consistency_weight, local_weight)
         self.compat = compat
         self.structure_weight, self.consistency_weight, self.local_weight = (
-            float(d if w is None else w) for w, d in zip(given, defaults)
+            d if w is None else check_number(name, w, low=0.0, where=where)
+            for name, w, d in zip(names, given, defaults)
         )
-        self.local_temperature = float(local_temperature)
-        self.structure_logit_scale_max = float(structure_logit_scale_max)
+        structure_logit_scale_init = check_number("structure_logit_scale_init", structure_logit_scale_init,
+                                                  where=where)
+        structure_logit_scale_max = check_number("structure_logit_scale_max", structure_logit_scale_max, where=where)
+        self.local_temperature = local_temperature
+        self.structure_logit_scale_max = structure_logit_scale_max
         self.gather = gather
         if compat == "paper":
-            self.structure_logit_scale: nn.Parameter | None = nn.Parameter(
-                torch.tensor(float(structure_logit_scale_init))
-            )
+            self.structure_logit_scale: nn.Parameter | None = nn.Parameter(torch.tensor(structure_logit_scale_init))
         else:
             self.structure_logit_scale = None
 
@@ -333,7 +353,12 @@ class StructXLIPLoss(nn.Module):
                 unused otherwise.
 
         Returns:
-            ``{"structure": L_{I',T'}, "consistency": L_{I,I'}, "local": L^local, "loss": L*}``.
+            ``{"structure": L_{I',T'}, "consistency": L_{I,I'}, "local": L^local, "loss": L*}``; each 0 with the
+            graph intact for an empty batch (B = 0).
+
+        Raises:
+            ValueError: naming the argument (see :func:`clip_loss`, :func:`consistency_loss` and
+                :func:`local_structure_loss`; the owners must lie in ``[0, B)``).
         """
         local_inputs = {
             "chunk_embeds": chunk_embeds,
@@ -353,6 +378,7 @@ class StructXLIPLoss(nn.Module):
                     "StructXLIPLoss(compat='official') needs logit_scale (the main CLIP multiplier, "
                     "model.logit_scale.exp()) in forward"
                 )
+            check_scalar("logit_scale", logit_scale, low=0.0, where="StructXLIPLoss")
             logit_scale = torch.as_tensor(logit_scale, dtype=edge_embeds.dtype, device=edge_embeds.device)
             structure_scale = logit_scale.detach()
             local_scale = (logit_scale / self.local_temperature).clamp(max=OFFICIAL_LOCAL_SCALE_MAX)
@@ -376,6 +402,7 @@ class StructXLIPLoss(nn.Module):
                 temperature=local_temperature,
                 positives=chunk_positives,
                 region_valid=region_valid,
+                num_samples=image_embeds.shape[0],
                 gather=self.gather,
             )
         loss = (

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .checks import check_number, device_check
 from .distributed import gather_with_grad, should_gather, world_info
 
 __all__ = [
@@ -331,6 +332,11 @@ class TSLHeads(nn.Module):
     def __init__(self, image_width: int, text_width: int, dim: int, *, image_bias: bool = False,
                  text_bias: bool = False, image_eps: float = 1e-5, text_eps: float = 1e-5) -> None:
         super().__init__()
+        for name, value in (("image_width", image_width), ("text_width", text_width), ("dim", dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TSLHeads: {name} must be an integer >= 1, got {value!r}")
+        check_number("image_eps", image_eps, low=0.0, above=True, where="TSLHeads")
+        check_number("text_eps", text_eps, low=0.0, above=True, where="TSLHeads")
         self._config = {"image_width": int(image_width), "text_width": int(text_width), "dim": int(dim),
                         "image_bias": bool(image_bias), "text_bias": bool(text_bias), "image_eps": float(image_eps),
                         "text_eps": float(text_eps)}
@@ -355,8 +361,9 @@ class TSLHeads(nn.Module):
 
 def _check_pair(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
     for name, x in ((name_a, a), (name_b, b)):
-        if not isinstance(x, Tensor) or x.dim() != 2:
-            raise ValueError(f"{name} must be a (B, D) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+        if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
+            got = (x.dtype, tuple(x.shape)) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a (B, D) floating-point tensor, got {got}")
     if a.shape != b.shape:
         raise ValueError(f"{name_a} {tuple(a.shape)} and {name_b} {tuple(b.shape)} must be paired row by row "
                          "with the same embedding width")
@@ -390,25 +397,33 @@ def tsl_similarity_loss(
         form: ``"matrix"`` or ``"diagonal"``.
         valid: optional ``(B,)`` bool; pairs marked False leave the batch (neither rows nor columns);
             n counts the valid pairs of every rank. No valid pair: 0 with the graph intact.
-        weights: optional ``(B,)`` per-pair weights (FAST-GOAL Table VIII's similarity-weighted top-3):
-            each pair's row of squared errors is multiplied by its weight; the normaliser stays n^2
-            (``matrix``) or n (``diagonal``).
+        weights: optional ``(B,)`` floating per-pair weights (FAST-GOAL Table VIII's similarity-weighted
+            top-3), finite and >= 0 (checked on the device, :mod:`losses.checks`): each pair's row of squared
+            errors is multiplied by its weight; the normaliser stays n^2 (``matrix``) or n (``diagonal``).
         gather: ``None`` gathers across ranks when a process group of size > 1 is initialised; rows
             are local, columns gathered with autograd, and the value is scaled so that the mean over
             ranks equals the single-process loss on the concatenated batch. Every rank must pass the
             same B.
 
     Returns:
-        Scalar loss.
+        Scalar loss; 0 with the graph intact for an empty batch or when no pair is valid.
+
+    Raises:
+        ValueError: naming the argument: ``form``, shapes that do not pair, a ``valid`` that is not a
+            ``(B,)`` bool tensor, ``weights`` that are not a ``(B,)`` floating tensor of finite values >= 0.
     """
     if form not in TSL_FORMS:
         raise ValueError(f"TSL form must be one of {TSL_FORMS}, got {form!r}")
     _check_pair("pooled_embeds", pooled_embeds, "target_embeds", target_embeds)
     batch = pooled_embeds.shape[0]
     valid = _check_valid(valid, batch)
-    if weights is not None and (not isinstance(weights, Tensor) or weights.shape != (batch,)):
-        got = getattr(weights, "shape", type(weights).__name__)
-        raise ValueError(f"weights must be a ({batch},) tensor, got {got}")
+    if weights is not None:
+        if not isinstance(weights, Tensor) or weights.shape != (batch,) or not weights.is_floating_point():
+            got = (weights.dtype, tuple(weights.shape)) if isinstance(weights, Tensor) else type(weights).__name__
+            raise ValueError(f"tsl_similarity_loss: weights must be a ({batch},) floating tensor, got {got}")
+        if batch:
+            device_check((torch.isfinite(weights) & (weights >= 0)).all(),
+                         "tsl_similarity_loss: weights must be finite and >= 0")
     pooled = F.normalize(pooled_embeds, dim=-1)
     target = F.normalize(target_embeds, dim=-1)
     rank, world = world_info() if should_gather(gather) else (0, 1)

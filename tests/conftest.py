@@ -38,3 +38,25 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
         return saved[name]
 
     return get
+
+
+@pytest.fixture
+def load_tiny(tiny_dir: Callable[[str], Path]) -> Callable[..., object]:
+    """``load_tiny(name, **load_model_kwargs)``: a fresh model loaded from the saved folder (:func:`tiny_dir`)."""
+    from finetune import load_model
+
+    def load(name: str, **kwargs: object) -> object:
+        return load_model(str(tiny_dir(name)), **kwargs)
+
+    return load
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Every test starts and ends with a clean accelerate state: a recipe run in-process with
+    ``mixed_precision: bf16`` must not leave its autocast to the next test's ``Accelerator``."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

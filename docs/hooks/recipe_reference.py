@@ -27,11 +27,11 @@ _ATTRIBUTE = re.compile(r"^    (\w[\w, ]*?):\s*(.*)$")
 
 def _cli_output(argv: list[str]) -> str:
     """What ``finetune/run.py ARGV`` prints to stdout (its exit status must be 0)."""
-    from finetune import run
+    from finetune.cli.train import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = run.main(argv)
+        status = main(argv)
     if status != 0:
         raise RuntimeError(f"finetune/run.py {' '.join(argv)} exited {status}")
     return out.getvalue()

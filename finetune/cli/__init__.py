@@ -9,7 +9,9 @@
     xlipkit recipes                             # = finetune/run.py --list
     xlipkit schema                              # = finetune/run.py --schema
 
-Each command hands its arguments to the ``main(argv)`` of the module it names, so options, output and
-exit status are those of the module's own command line. Several processes:
+One module per command, each with ``main(argv, *, prog=None) -> int``: ``train`` (also ``recipes``, ``schema``),
+``evaluate`` (``eval``), ``hub`` (``push``, ``export``), ``preview`` and ``pairs``; :mod:`finetune.cli.main`
+dispatches to them, so options, output and exit status are those of the module's own command line. The entry
+points users type (``finetune/run.py``, ``python -m finetune.evaluate``, ...) are thin modules over these. Several processes:
 ``accelerate launch [--num_processes N] -m finetune.cli train RECIPE`` (see :mod:`finetune.cli.main`).
 """

@@ -1,5 +1,5 @@
 """``xlipkit eval`` / ``python -m finetune.evaluate``: Recall@K (or zero-shot accuracy) of a run folder or of any
-model, from the command line. The metric and the protocols are the library :mod:`finetune.evaluate`.
+model, from the command line. The metric and the protocols are the library :mod:`finetune.evaluation`.
 
     python -m finetune.evaluate runs/quickstart
     python -m finetune.evaluate openai/clip-vit-base-patch16 --sets docci,urban1k --max-text-len 248
@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.evaluate import DEFAULT_KS, evaluate_sets, format_table
+from finetune.evaluation import DEFAULT_KS, RetrievalOptions, evaluate_sets, format_table
 
 if TYPE_CHECKING:
-    from finetune.scorers import Scorer
+    from finetune.evaluation.scorers import Scorer
 
 __all__ = ["main"]
 
@@ -55,8 +55,8 @@ def _parser(prog: str = "python -m finetune.evaluate") -> argparse.ArgumentParse
     p.add_argument("--on-error", choices=("skip", "raise"), help="bad examples: skip and count, or stop")
     p.add_argument("--cache-dir", help="where data sources cache their files")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (default 0)")
-    p.add_argument("--scorer", help="a registered scorer (finetune.scorers), e.g. cosine (default: the recipe's "
-                                    "eval.scorer, else cosine)")
+    p.add_argument("--scorer", help="a registered scorer (finetune.evaluation.scorers), e.g. cosine (default: the "
+                                    "recipe's eval.scorer, else cosine)")
     p.add_argument("--rerank-top-k", metavar="K",
                    help="re-score only each query's global-cosine top-K with the scorer (FLAIR's inference); "
                         "'none' scores all (default: the recipe's eval.rerank_top_k, else none)")
@@ -144,7 +144,7 @@ def _parse_rerank(text: str) -> int | None:
 def _resolve_scorer(name: str, imports: list[str]) -> Scorer:
     import importlib
 
-    from finetune.scorers import get_scorer
+    from finetune.evaluation.scorers import get_scorer
 
     for module in imports:
         try:
@@ -200,9 +200,10 @@ def _main(args: argparse.Namespace) -> int:
     elif recipe is not None:
         sets = _apply_protocols(list(recipe.eval.sets), args.protocol)
     else:
-        raise _UsageError(f"{args.model_or_run} is not a run folder: give the sets to evaluate, e.g. --sets docci,urban1k")
+        raise _UsageError(f"{args.model_or_run} is not a run folder: give the sets to evaluate, e.g. "
+                          "--sets docci,urban1k")
     if args.zeroshot:
-        from finetune.zeroshot import folder_classes, load_templates
+        from finetune.evaluation.zeroshot import folder_classes, load_templates
 
         try:
             folder_classes(args.zeroshot)
@@ -211,18 +212,7 @@ def _main(args: argparse.Namespace) -> int:
             raise _UsageError(str(exc)) from None
     if not sets and not args.zeroshot:
         raise _UsageError("no evaluation sets: the run's recipe has an empty eval.sets; give --sets")
-    ks = _parse_ks(args.ks) if args.ks else list(recipe.eval.ks if recipe else DEFAULT_KS)
-    batch_size = args.batch_size or (recipe.eval.batch_size if recipe else 64)
-    on_error = args.on_error or (recipe.data.on_error if recipe else "skip")
-    cache_dir = args.cache_dir or (recipe.data.cache_dir if recipe else None)
-    scorer = _resolve_scorer(args.scorer or (recipe.eval.scorer if recipe else "cosine"), args.imports)
-    if args.rerank_top_k is not None:
-        rerank_top_k = _parse_rerank(args.rerank_top_k)
-    else:
-        rerank_top_k = recipe.eval.rerank_top_k if recipe else None
-    if args.block_size is not None and args.block_size < 1:
-        raise _UsageError(f"--block-size must be >= 1, got {args.block_size}")
-    block_size = args.block_size or (recipe.eval.block_size if recipe else 1024)
+    options = _options(args, recipe)
     if args.out:
         from finetune.run_folder import RunFolderError, check_eval_output
 
@@ -233,12 +223,27 @@ def _main(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else (target / "metrics_eval.json" if recipe is not None else None)
     lock = _claim_output(out, target if recipe is not None else None)
     try:
-        return _evaluate_and_write(args, target, recipe, out, sets, ks=ks, batch_size=batch_size, on_error=on_error,
-                                   cache_dir=cache_dir, scorer=scorer, rerank_top_k=rerank_top_k,
-                                   block_size=block_size)
+        return _evaluate_and_write(args, target, recipe, out, sets, options)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _options(args: argparse.Namespace, recipe: Any) -> RetrievalOptions:
+    """How to evaluate: each option given on the command line, else the run's recipe's, else the default."""
+    if args.block_size is not None and args.block_size < 1:
+        raise _UsageError(f"--block-size must be >= 1, got {args.block_size}")
+    ev, data = (recipe.eval, recipe.data) if recipe is not None else (None, None)
+    return RetrievalOptions(
+        ks=_parse_ks(args.ks) if args.ks else list(ev.ks if ev else DEFAULT_KS),
+        batch_size=args.batch_size or (ev.batch_size if ev else 64),
+        on_error=args.on_error or (data.on_error if data else "skip"),
+        cache_dir=args.cache_dir or (data.cache_dir if data else None),
+        scorer=_resolve_scorer(args.scorer or (ev.scorer if ev else "cosine"), args.imports),
+        rerank_top_k=(_parse_rerank(args.rerank_top_k) if args.rerank_top_k is not None
+                      else ev.rerank_top_k if ev else None),
+        block_size=args.block_size or (ev.block_size if ev else 1024),
+        num_workers=args.num_workers)
 
 
 #: what an evaluation writes at most (metrics JSON), with room to spare
@@ -274,9 +279,9 @@ def _claim_output(out: Path | None, run_dir: Path | None) -> Any:
         raise _UsageError(f"{exc} (nothing was evaluated)") from None
 
 
-def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out: Path | None, sets: list, *,
-                        ks: list[int], batch_size: int, on_error: str, cache_dir: str | None, scorer: Any,
-                        rerank_top_k: int | None, block_size: int) -> int:
+def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out: Path | None, sets: list,
+                        options: RetrievalOptions) -> int:
+    """Load the model, evaluate it (and classify zero-shot), print the table and write ``out``."""
     from accelerate import Accelerator
 
     from finetune.models import load_finetuned, load_model
@@ -295,16 +300,14 @@ def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out
 
     zeroshot = None
     if args.zeroshot:
-        from finetune.zeroshot import zeroshot_classify
+        from finetune.evaluation.zeroshot import zeroshot_classify
 
         # the paper classifies by the global embeddings: cosine unless --scorer names another
         zeroshot_scorer = _resolve_scorer(args.scorer, args.imports) if args.scorer else "cosine"
         zeroshot = zeroshot_classify(model, args.zeroshot, templates=args.templates, scorer=zeroshot_scorer,
-                                     batch_size=batch_size, accelerator=accelerator)
+                                     batch_size=options.batch_size, accelerator=accelerator)
     try:
-        results = {} if not sets else evaluate_sets(model, sets, batch_size=batch_size, ks=ks, on_error=on_error, cache_dir=cache_dir,
-                                accelerator=accelerator, num_workers=args.num_workers, scorer=scorer,
-                                rerank_top_k=rerank_top_k, block_size=block_size)
+        results = evaluate_sets(model, sets, options, accelerator=accelerator) if sets else {}
     except DataError as exc:  # unknown set or protocol, missing files, bad examples
         raise _UsageError(str(exc)) from None
     if accelerator.is_main_process:
@@ -314,10 +317,10 @@ def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out
             print(f"zero-shot {zeroshot['folder']}: {zeroshot['n_images']} images, {zeroshot['n_classes']} classes, "
                   f"top-1 {zeroshot['top1']:.2f} %, top-5 {zeroshot['top5']:.2f} % ({zeroshot['scorer']})", flush=True)
         if out is not None:
-            from finetune.report import write_json_atomic
+            from finetune.files import write_json_atomic
 
             write_json_atomic(out, {"model": args.model_or_run, "run": recipe is not None,
-                                    "max_text_len": model.max_text_len, "ks": ks, "sets": results,
+                                    "max_text_len": model.max_text_len, "ks": list(options.ks), "sets": results,
                                     **({"zeroshot": zeroshot} if zeroshot is not None else {})})
             print(f"wrote {out}", flush=True)
     accelerator.wait_for_everyone()

@@ -63,21 +63,23 @@ class Command:
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("train", "fine-tune or pretrain a model from a recipe, evaluate it before and after",
-            "finetune.run", "finetune/run.py RECIPE [key.sub=value ...]"),
+            "finetune.cli.train", "finetune/run.py RECIPE [key.sub=value ...]"),
     Command("eval", "Recall@K (or zero-shot accuracy) of a run folder or of any model",
             "finetune.cli.evaluate", "python -m finetune.evaluate"),
     Command("push", "push a run to the Hugging Face hub with a generated model card",
-            "finetune.hub", "python -m finetune.hub push", subcommand="push"),
+            "finetune.cli.hub", "python -m finetune.hub push", subcommand="push"),
     Command("export", "write a run as a plain transformers / open_clip folder (adapter merged)",
-            "finetune.hub", "python -m finetune.hub export", subcommand="export"),
+            "finetune.cli.hub", "python -m finetune.hub export", subcommand="export"),
     Command("preview", "draw what StructXLIP trains on for a recipe's first examples",
-            "finetune.preview", "python -m finetune.preview"),
+            "finetune.cli.preview", "python -m finetune.preview"),
     Command("pairs", "write FLISM's global-local pairs of a dataset as jsonl (FAST-GOAL III-A)",
-            "finetune.preprocess.flism", "python -m finetune.preprocess.flism"),
+            "finetune.cli.pairs", "python -m finetune.preprocess.flism"),
+    Command("superpixels", "write F-CAST's superpixels once into a copy of a recipe's webdataset shards",
+            "finetune.cli.superpixels", "python -m finetune.cli.superpixels"),
     Command("recipes", "list the recipes shipped in recipes/",
-            "finetune.run", "finetune/run.py --list", fixed=("--list",)),
+            "finetune.cli.train", "finetune/run.py --list", fixed=("--list",)),
     Command("schema", "print the recipe JSON schema, for editors and the docs",
-            "finetune.run", "finetune/run.py --schema", fixed=("--schema",)),
+            "finetune.cli.train", "finetune/run.py --schema", fixed=("--schema",)),
 )}
 
 

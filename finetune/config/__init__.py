@@ -9,6 +9,8 @@ The package, one module per concern (each imports only those listed before it):
   :class:`~finetune.data.sources.SourceSpec` objects once, at load time.
 - :mod:`finetune.config.io`: reading YAML safely and writing the resolved recipe.
 - :mod:`finetune.config.overrides`: ``key.sub=value`` overrides.
+- :mod:`finetune.config.terms`: the options of objective terms (:func:`register_term_config`) and
+  ``objective.import``.
 - :mod:`finetune.config.schema`: the sections, :class:`Recipe` and :func:`load_recipe`.
 
 Every name is importable from ``finetune.config`` as before the package existed.
@@ -16,15 +18,14 @@ Every name is importable from ``finetune.config`` as before the package existed.
 
 from __future__ import annotations
 
-from typing import Any
-
 from finetune.config.errors import RecipeError, mask_secrets, secret_key
 from finetune.config.io import (MAX_YAML_VALUES, BoundedSafeLoader, YAMLAliasError, check_aliases, dump_recipe,
                                 list_recipes, recipe_to_dict, safe_load_yaml)
 from finetune.config.schema import (AdapterConfig, DataConfig, EvalConfig, HubConfig, KPSConfig, ModelConfig,
                                     ObjectiveConfig, OutputConfig, Recipe, TrainConfig, load_recipe,
-                                    recipe_json_schema, register_term_config, registered_term_configs)
-from finetune.config.sources import parse_source_shorthand, parse_sources
+                                    recipe_json_schema)
+from finetune.config.sources import parse_source_shorthand, parse_sources, source_spec_keys
+from finetune.config.terms import register_term_config, registered_term_configs
 
 __all__ = [
     "AdapterConfig",
@@ -37,7 +38,6 @@ __all__ = [
     "OutputConfig",
     "Recipe",
     "RecipeError",
-    "SOURCE_SPEC_KEYS",
     "TrainConfig",
     "dump_recipe",
     "list_recipes",
@@ -48,17 +48,10 @@ __all__ = [
     "recipe_to_dict",
     "register_term_config",
     "registered_term_configs",
+    "source_spec_keys",
 ]
 
 # also importable as before (not part of __all__)
 _ALSO = (MAX_YAML_VALUES, BoundedSafeLoader, YAMLAliasError, check_aliases, mask_secrets, safe_load_yaml,
          secret_key)
 
-
-def __getattr__(name: str) -> Any:
-    if name == "SOURCE_SPEC_KEYS":
-        #: the keys of a dataset entry, from ``finetune.data.sources.SourceSpec``
-        from finetune.config.sources import _source_keys
-
-        return _source_keys()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,6 @@
-"""Reading and writing recipe YAML: ``yaml.safe_load`` semantics with YAML aliases bounded before the
-document is built (:func:`safe_load_yaml`), duplicate keys refused with their lines, and the resolved
+"""Reading and writing recipe YAML: ``yaml.safe_load`` semantics with the size of a document bounded (bytes,
+keys and values as written, and what YAML aliases expand to) before the document is built
+(:func:`safe_load_yaml`), duplicate keys refused with their lines, and the resolved
 recipe written back as plain YAML that loads to the same recipe (:func:`dump_recipe`, ``recipe.yaml`` in a
 run folder; ``hub.token`` never written)."""
 
@@ -17,7 +18,7 @@ import yaml
 from pydantic import BaseModel
 
 from finetune.config.errors import KeyPath, RecipeError, _alias, _dotted
-from finetune.run_basics import process_tag
+from finetune.files import process_tag
 
 #: keys never written out (:func:`recipe_to_dict`)
 _SECRET_KEYS = {("hub", "token")}
@@ -25,11 +26,29 @@ _SECRET_KEYS = {("hub", "token")}
 
 #: the most values a YAML document may hold once its aliases are expanded (a recipe holds hundreds)
 MAX_YAML_VALUES = 100_000
+#: the largest recipe file, and the most text all command-line overrides may hold together, in bytes: 200 times the
+#: largest shipped recipe (5.3 kB). A 50 MB recipe of 3.3 million keys took 7.5 minutes and 3.9 GB before its
+#: error and is now refused from its size before it is read; the slowest documents under the bound (1 MB of blank
+#: lines or of one comment) take PyYAML 1.5 to 3 s on a shared 2-core CPU, 2 to 5 times the load of the largest
+#: shipped recipe measured in the same run (bench/recipe_size.py)
+MAX_RECIPE_BYTES = 1 << 20
+#: the most keys and values a YAML document may hold as written (the shipped recipes hold a few hundred; 20,000
+#: take PyYAML about a second to read)
+MAX_RECIPE_VALUES = 20_000
+#: the most command-line overrides one run may take
+MAX_OVERRIDES = 1_000
+#: how to keep a recipe small, for the messages
+_SMALLER = ("list long things in files the recipe names (a captions file, an ids file), or write shard URLs as "
+            "brace patterns (shards-{000000..000999}.tar)")
 
 
-class YAMLAliasError(yaml.YAMLError):
-    """YAML aliases that expand past :data:`MAX_YAML_VALUES` values (a "billion laughs" document) or
-    refer to themselves."""
+class YAMLLimitError(yaml.YAMLError):
+    """A YAML document past one of the bounds of this module (:class:`YAMLAliasError`, :class:`YAMLSizeError`).
+
+    Attributes:
+        problem: what is wrong and what to do.
+        problem_mark: where (the line), or None.
+    """
 
     def __init__(self, problem: str, line: int | None) -> None:
         super().__init__(problem)
@@ -37,17 +56,47 @@ class YAMLAliasError(yaml.YAMLError):
         self.problem_mark = yaml.Mark("", 0, line - 1, 0, None, None) if line else None
 
 
+class YAMLAliasError(YAMLLimitError):
+    """YAML aliases that expand past :data:`MAX_YAML_VALUES` values (a "billion laughs" document) or
+    refer to themselves."""
+
+
+class YAMLSizeError(YAMLLimitError):
+    """A YAML document larger than :data:`MAX_RECIPE_BYTES` bytes or with more than :data:`MAX_RECIPE_VALUES` keys
+    and values as written, refused before it is read (bytes) or as soon as the bound is passed (values)."""
+
+
+def check_yaml_size(text: str) -> None:
+    """Refuse a YAML text of more than :data:`MAX_RECIPE_BYTES` bytes before it is parsed.
+
+    Raises:
+        YAMLSizeError: naming the size and the bound.
+    """
+    if len(text) > MAX_RECIPE_BYTES // 4 and len(text.encode("utf-8")) > MAX_RECIPE_BYTES:
+        raise YAMLSizeError(f"the YAML is {len(text.encode('utf-8')):,} bytes, more than the {MAX_RECIPE_BYTES:,} a "
+                            f"recipe may hold (the shipped ones hold about 5 kB); {_SMALLER}", None)
+
+
 class BoundedSafeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that notes where aliases are used, so that :func:`check_aliases` can bound
+    """``yaml.SafeLoader`` that counts the keys and values it composes (at most ``max_values``: the parse stops
+    there, :class:`YAMLSizeError`) and notes where aliases are used, so that :func:`check_aliases` can bound
     what they expand to before anything walks or copies the document."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, max_values: int = MAX_RECIPE_VALUES) -> None:
         super().__init__(stream)
         self.alias_lines: list[int] = []
+        self.max_values = max_values
+        self.values = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             self.alias_lines.append(self.peek_event().start_mark.line + 1)
+        else:
+            self.values += 1
+            if self.values > self.max_values:
+                line = self.peek_event().start_mark.line + 1
+                raise YAMLSizeError(f"the YAML holds more than {self.max_values:,} keys and values, far more than any "
+                                    f"recipe (the shipped ones hold a few hundred); {_SMALLER}", line)
         return super().compose_node(parent, index)
 
 
@@ -95,8 +144,9 @@ def safe_load_yaml(text: str) -> Any:
     """``yaml.safe_load(text)`` with aliases bounded (:func:`check_aliases`) before the data is built.
 
     Raises:
-        yaml.YAMLError: invalid YAML, or a :class:`YAMLAliasError`.
+        yaml.YAMLError: invalid YAML, or a :class:`YAMLLimitError` (too large, or an alias bomb).
     """
+    check_yaml_size(text)
     loader = BoundedSafeLoader(text)
     try:
         node = loader.get_single_node()
@@ -109,8 +159,13 @@ def safe_load_yaml(text: str) -> Any:
 
 
 def _compose(text: str, file: str) -> tuple[Any, yaml.Node | None]:
-    """Parse YAML once, keeping both the node tree (for line numbers) and the safe-loaded data; aliases
-    are bounded (:func:`check_aliases`) before anything walks or builds the document."""
+    """Parse YAML once, keeping both the node tree (for line numbers) and the safe-loaded data; the size
+    (:func:`check_yaml_size`, :class:`BoundedSafeLoader`) and the aliases (:func:`check_aliases`) are bounded
+    before anything walks or builds the document."""
+    try:
+        check_yaml_size(text)
+    except YAMLSizeError as exc:
+        raise RecipeError(f"{file}: {exc.problem}", file=file) from None
     loader = BoundedSafeLoader(text)
     try:
         node = loader.get_single_node()
@@ -122,7 +177,7 @@ def _compose(text: str, file: str) -> tuple[Any, yaml.Node | None]:
     except RecursionError:
         raise RecipeError(f"{file}: the YAML is nested too deeply to read; a recipe has a few levels of sections",
                           file=file) from None
-    except YAMLAliasError as exc:
+    except YAMLLimitError as exc:
         line = exc.problem_mark.line + 1 if exc.problem_mark is not None else None
         raise RecipeError(f"{file}{f', line {line}' if line else ''}: {exc.problem}", file=file, line=line) from None
     except yaml.YAMLError as exc:

@@ -4,12 +4,13 @@ checked like a file value and its errors name the override."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
 from finetune.config.errors import KeyPath, RecipeError, _dotted, _mask_override
-from finetune.config.io import YAMLAliasError, safe_load_yaml
+from finetune.config.io import MAX_OVERRIDES, MAX_RECIPE_BYTES, YAMLLimitError, safe_load_yaml
 from finetune.config.sources import parse_source_shorthand
 
 def _parse_override(text: str) -> tuple[KeyPath, Any]:
@@ -25,7 +26,7 @@ def _parse_override(text: str) -> tuple[KeyPath, Any]:
                           key=key)
     try:
         value = safe_load_yaml(raw) if raw.strip() else None
-    except YAMLAliasError as exc:
+    except YAMLLimitError as exc:
         raise RecipeError(f"command-line override `{_mask_override(text)}`: {exc.problem}",
                           key=key) from None
     except yaml.YAMLError as exc:
@@ -33,6 +34,25 @@ def _parse_override(text: str) -> tuple[KeyPath, Any]:
         raise RecipeError(f"command-line override `{_mask_override(text)}`: the value is not valid YAML ({problem}); "
                           f"quote it, e.g. {key}='...'", key=key) from None
     return tuple(int(p) if p.isdigit() else p for p in parts), value
+
+
+def check_override_sizes(overrides: Sequence[str]) -> None:
+    """At most :data:`~finetune.config.io.MAX_OVERRIDES` overrides holding at most
+    :data:`~finetune.config.io.MAX_RECIPE_BYTES` bytes together, checked before any is parsed.
+
+    Raises:
+        RecipeError: naming the count, or the size and the key of the longest override (its value not shown).
+    """
+    if len(overrides) > MAX_OVERRIDES:
+        raise RecipeError(f"{len(overrides):,} command-line overrides, more than the {MAX_OVERRIDES:,} a run may take; "
+                          "write the values into the recipe instead")
+    sizes = [len(str(o).encode("utf-8", "surrogatepass")) for o in overrides]
+    if sum(sizes) > MAX_RECIPE_BYTES:
+        longest = str(overrides[max(range(len(sizes)), key=sizes.__getitem__)])
+        key = longest.partition("=")[0].strip()[:80]
+        raise RecipeError(f"the command-line overrides hold {sum(sizes):,} bytes, more than the {MAX_RECIPE_BYTES:,} a "
+                          f"recipe may hold (the longest sets `{key}`, {max(sizes):,} bytes); write long values into "
+                          "files the recipe names", key=key or None)
 
 
 def _is_source_path(path: KeyPath) -> bool:

@@ -13,7 +13,7 @@ JSON schema that editors use to complete and check recipes.
 
 Dataset entries (``data.train`` and each of ``eval.sets``) are validated by :mod:`finetune.config.sources`.
 The options of each objective term are validated by the class (a dataclass or a pydantic model) that the
-term registered with :func:`register_term_config`.
+term registered with :func:`finetune.config.terms.register_term_config`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import importlib
 import os
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,32 +35,16 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 import finetune.plugins as plugins
 
 from finetune.config.errors import (SECTION_TYPES, RecipeError, _NOT_FINITE, _Origins, _alias, _arms, _fields_of,
-                                    _non_finite, _prefixed, _raise_errors, _recipe_error, _suggest, _type_name)
-from finetune.config.io import _compose, _first_comment, _plain
-from finetune.config.overrides import _parse_override, _set_path
+                                    _non_finite, _raise_errors, _recipe_error, _suggest, _type_name)
+from finetune.config.io import MAX_RECIPE_BYTES, _compose, _first_comment, _plain
+from finetune.config.overrides import _parse_override, _set_path, check_override_sizes
+from finetune.config.terms import (_TERMS_MARK, _import_objectives, _import_user_modules, _term_options,
+                                   registered_term_configs)
 from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_train_source, _no_streams,
                                      _validate_source_list)
 from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas,
-                                    _build_options, _doc, _float, _int, _is_options_class, _json_schema_of,
+                                    _build_options, _doc, _float, _int, _json_schema_of,
                                     _positive_ints, _yaml_word)
-
-class _TermOptions:
-    """Marks ``objective.terms``; its JSON schema lists the registered terms and their options, and its keys
-    (for error messages) are the registered term names, each with its options class."""
-
-    def recipe_fields(self) -> dict[str, Any]:
-        return plugins.TERM_OPTIONS.snapshot()
-
-    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
-        props = {name: {"anyOf": [_json_schema_of(cls, handler), {"type": "null"}]}
-                 for name, cls in sorted(registered_term_configs().items())}
-        return {"type": "object", "properties": props, "additionalProperties": False,
-                "description": "registered objective term -> its options (null: the defaults)"}
-
-
-_TERMS_MARK = _TermOptions()
-
-
 
 # -- the sections ---------------------------------------------------------------------------------
 _SECTION_CONFIG = ConfigDict(extra="forbid", populate_by_name=True)
@@ -106,21 +89,21 @@ class KPSConfig:
 
 
 # -- model family options --------------------------------------------------------------------------------
-#: the options class of each model family that takes ``model.options``, as ``module:Class``; read through
-#: :func:`family_options_class` only, so that the family registry can take the lookup over
-_FAMILY_OPTIONS: dict[str, str] = {"vision_text": "finetune.models.families.vision_text:VisionTextOptions"}
 #: ``model`` keys of the vision_text family before ``model.options`` held them: still read, with a warning
 _MOVED_MODEL_KEYS = ("vision", "text", "projection_dim")
 
 
 def family_options_class(family: str) -> type | None:
-    """The options class that ``model.options`` is validated against for model family ``family``, or ``None``
-    for a family that takes no options."""
-    path = _FAMILY_OPTIONS.get(family)
-    if path is None:
-        return None
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    """The options class that ``model.options`` is validated against for model family ``family`` (the
+    ``options`` its registration in :data:`finetune.plugins.MODEL_FAMILIES` names), or ``None`` for a family
+    that takes no options or is not registered."""
+    entry = plugins.MODEL_FAMILIES.get(family) if family in plugins.MODEL_FAMILIES else None
+    return getattr(entry, "options", None)
+
+
+def _families_with_options() -> list[str]:
+    """The registered model families that take ``model.options``, sorted."""
+    return [name for name in plugins.MODEL_FAMILIES.names() if family_options_class(name) is not None]
 
 
 def family_loader_options(model: Any) -> dict[str, Any]:
@@ -141,15 +124,15 @@ class _ModelOptions:
 
     def recipe_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for family in _FAMILY_OPTIONS:
+        for family in _families_with_options():
             out.update(_fields_of(family_options_class(family)) or {})
         return out
 
     def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
-        arms = [_json_schema_of(family_options_class(f), handler) for f in sorted(_FAMILY_OPTIONS)]
+        arms = [_json_schema_of(family_options_class(f), handler) for f in _families_with_options()]
         return {"anyOf": [*arms, {"type": "null"}],
                 "description": "options of model.family: " + "; ".join(
-                    f"{f}: {', '.join(_fields_of(family_options_class(f)) or {})}" for f in sorted(_FAMILY_OPTIONS))}
+                    f"{f}: {', '.join(_fields_of(family_options_class(f)) or {})}" for f in _families_with_options())}
 
 
 _OPTIONS_MARK = _ModelOptions()
@@ -167,7 +150,8 @@ def _validate_model_options(value: Any, info: ValidationInfo) -> Any:
     if cls is None:
         if isinstance(value, Mapping) and not value:
             return None
-        takes = ", ".join(f"{f} ({', '.join(_fields_of(family_options_class(f)) or {})})" for f in _FAMILY_OPTIONS)
+        takes = ", ".join(f"{f} ({', '.join(_fields_of(family_options_class(f)) or {})})"
+                          for f in _families_with_options())
         if family == "auto":
             raise PydanticCustomError("recipe_value", "belongs to a model family: set model.family (families with "
                                       "options: {takes})", {"takes": takes})
@@ -214,8 +198,7 @@ def _moved_model_keys(tree: dict[str, Any], origins: _Origins) -> None:
 
 def _check_family(value: str) -> str:
     if value != "auto":
-        known = _registry_names("finetune.models.families",
-                                ("model_family_names", "available_model_families"))
+        known = plugins.MODEL_FAMILIES.names()
         _check_registered(value, known, "a registered model family", extra=("auto",))
     return value
 
@@ -241,7 +224,7 @@ class ModelConfig:
     init_from: Annotated[Str | None, _doc(
         "start from another run's final/: a recipe YAML (its run is reused when its output.dir holds a "
         "finished run of the same resolved recipe, else trained first) or a run folder with final/; "
-        "name_or_path is then not loaded (finetune.prerequisites)")] = None
+        "name_or_path is then not loaded (finetune.training.prerequisites)")] = None
     options: Annotated[Any, BeforeValidator(_validate_model_options), _OPTIONS_MARK, _doc(
         "the model family's own options, validated by the options class the family declares (vision_text: "
         "vision, text, projection_dim); null: its defaults")] = None
@@ -310,14 +293,14 @@ class DataConfig:
 
 def _check_scorer(value: str) -> str:
     if value != "cosine":  # the built-in default: no need to import the scorers (and torch) for it
-        known = _registry_names("finetune.scorers", ("available_scorers", "scorer_names"))
+        known = plugins.SCORERS.names()
         _check_registered(value, known, "a registered scorer")
     return value
 
 
 @_section(("eval",))
 class EvalConfig:
-    """Retrieval evaluation before and after training (``finetune.evaluate``)."""
+    """Retrieval evaluation before and after training (``finetune.evaluation``)."""
 
     sets: Annotated[list[SourceEntry], BeforeValidator(_validate_source_list), AfterValidator(_no_streams),
                     _doc("the evaluation sets (dataset entries)")] = dataclasses.field(
@@ -331,7 +314,7 @@ class EvalConfig:
         "also evaluate the trained model with captions cut at its original length (77 for CLIP), to "
         "show what reading past it buys (only when KPS stretched the model)")] = False
     scorer: Annotated[NonEmptyStr, AfterValidator(_check_scorer), _doc(
-        "a registered scorer (finetune.scorers): cosine or one a method registers")] = "cosine"
+        "a registered scorer (finetune.evaluation.scorers): cosine or one a method registers")] = "cosine"
     rerank_top_k: Annotated[_int(ge=1) | None, _doc(
         "re-score only the global-cosine top-k candidates with the scorer; null: all")] = None
     block_size: Annotated[_int(ge=1), _doc("texts x images scored per block (bounds memory)")] = 1024
@@ -416,8 +399,13 @@ class TrainConfig:
     trackers: list[Str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
     on_nonfinite: Literal["raise", "skip"] = "raise"
     fused_optimizer: Literal["auto"] | Bool = "auto"
-    compile: Annotated[Bool, _doc(
-        "compile the towers' transformer blocks with torch.compile (captions padded to a few fixed lengths)")] = False
+    compile: Annotated[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | Bool,
+                       _doc("compile the towers' transformer blocks once with torch.compile (static shapes: the run's "
+                            "fixed batch shapes); true is mode default, reduce-overhead adds CUDA graphs")] = False
+    attention: Annotated[Literal["auto", "torch", "flash", "efficient", "cudnn", "math"], _doc(
+        "the scaled-dot-product-attention backend of the training step: auto (CUDA: flash, then efficient for "
+        "masked calls, then cudnn, then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend "
+        "tried first")] = "auto"
 
 
 @_section(("output",))
@@ -470,23 +458,6 @@ _SECTION_TYPES = (Recipe, ModelConfig, KPSConfig, AdapterConfig, DataConfig, Eva
 SECTION_TYPES[:] = _SECTION_TYPES  # the error messages walk the schema from the root
 
 
-# -- registries of other modules ------------------------------------------------------------------
-def _registry_names(module: str, functions: Sequence[str]) -> list[str] | None:
-    """The names a registry module lists (its first function of ``functions`` that exists), or
-    ``None`` when the module or function is not there (then any name is accepted)."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module.startswith(exc.name):
-            return None
-        raise
-    for name in functions:
-        fn = getattr(mod, name, None)
-        if callable(fn):
-            return sorted(fn())
-    return None
-
-
 def _check_registered(value: str, known: Iterable[str] | None, what: str, extra: Sequence[str] = ()) -> None:
     if known is None:
         return
@@ -497,111 +468,6 @@ def _check_registered(value: str, known: Iterable[str] | None, what: str, extra:
         raise PydanticCustomError("recipe_value", "is {value}, not {what}: {hint}choose one of {known}",
                                   {"value": repr(value), "what": what, "hint": hint,
                                    "known": ", ".join(f"`{k}`" for k in known)})
-
-
-# -- objective term registry ----------------------------------------------------------------------
-# The options classes live in the ground floor, finetune.plugins.TERM_OPTIONS (read at call time, so a test may
-# swap it); this module never imports finetune.objectives: the registry's first lookup discovers the terms.
-
-
-def register_term_config(name: str, cls: type) -> None:
-    """Register the options class of an objective term (a dataclass, stdlib or pydantic, or a
-    pydantic model), so that ``objective.terms.<name>`` in a recipe is validated against and built
-    as ``cls``. Unknown keys are rejected with the closest valid one; a dataclass field's
-    ``metadata={"check": fn}`` (``fn(value) -> message or None``) is a range check.
-
-    Registering the same class twice is a no-op; a different class under a taken name is an error.
-    (:func:`finetune.objectives.register_term` registers a term's options here itself.)
-    """
-    if not _is_options_class(cls):
-        raise TypeError(f"register_term_config({name!r}, ...): expected a dataclass or a pydantic model "
-                        f"type, got {cls!r}")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_term_config: the term name must be a non-empty string, got {name!r}")
-    known = plugins.TERM_OPTIONS.peek(name)
-    if known is not None and known is not cls:
-        raise ValueError(
-            f"objective term {name!r} is already registered with {known.__module__}.{known.__qualname__}; "
-            f"pick another name for {cls.__module__}.{cls.__qualname__}"
-        )
-    plugins.TERM_OPTIONS.add(name, cls)
-
-
-def registered_term_configs() -> dict[str, type]:
-    """The registered term names and their options classes (the built-in terms discovered first)."""
-    _import_objectives()
-    return plugins.TERM_OPTIONS.snapshot()
-
-
-def _import_objectives() -> None:
-    """Discover the registered terms (the first lookup of ``finetune.plugins.TERM_OPTIONS`` imports the
-    term modules); without their dependencies (torch), only the terms registered so far are known."""
-    try:
-        plugins.TERM_OPTIONS.discover()
-    except ImportError:
-        pass
-
-
-
-def _term_options(value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise PydanticCustomError("recipe_value", "expected a mapping of term name -> options, got {got} ({kind})",
-                                  {"got": repr(value), "kind": _type_name(value)})
-    registry = registered_term_configs()
-    out, errors = {}, []
-    for name, options in value.items():
-        if name not in registry:
-            known = ", ".join(f"`{n}`" for n in sorted(registry)) or "none (finetune.objectives registered no terms)"
-            close = difflib.get_close_matches(str(name), list(registry), n=1)
-            hint = f"did you mean `{close[0]}`? " if close else ""
-            message = f"is not a registered objective term: {hint}registered terms: {known}"
-            errors.append(InitErrorDetails(type=PydanticCustomError("recipe_key", message.replace("{", "{{")),
-                                           loc=(name,), input=options))
-            continue
-        try:
-            out[name] = _build_options(registry[name], options)
-        except ValidationError as exc:
-            errors.extend(_prefixed(exc, (name,)))
-    _raise_errors(errors, "objective.terms")
-    return out
-
-
-
-#: the packages of xlipkit itself: importing them runs no code from a recipe's folder
-_OWN_PACKAGES = ("finetune", "losses")
-
-
-def _import_user_modules(tree: dict[str, Any], origins: _Origins, trust: bool = True) -> None:
-    """``objective.import: [my_pkg.my_term]``: import the modules (they register terms, scorers or
-    model families) before the rest is validated. Untrusted (``trust=False``), only modules already
-    imported or of xlipkit itself are."""
-    objective = tree.get("objective")
-    if not isinstance(objective, dict) or "import" not in objective:
-        return
-    modules = objective["import"]
-    if modules is None:
-        objective["import"] = modules = []
-    if isinstance(modules, str):
-        objective["import"] = modules = [modules]
-    if not isinstance(modules, list) or not all(isinstance(m, str) and m.strip() for m in modules):
-        raise origins.error(("objective", "import"), f"expected a list of module names (e.g. `[my_pkg.my_term]`), "
-                                                     f"got {modules!r}")
-    import sys
-
-    for i, name in enumerate(modules):
-        if not trust and name.strip() not in sys.modules and name.strip().split(".")[0] not in _OWN_PACKAGES:
-            raise origins.error(("objective", "import", i),
-                                f"would import the module {name.strip()!r}, which runs its code; this recipe is not "
-                                f"trusted to do that (it comes from a folder, not from you)")
-        try:
-            importlib.import_module(name.strip())
-        except ImportError as exc:
-            raise origins.error(("objective", "import", i),
-                                f"cannot import module {name!r} ({exc}); install it or put its folder on "
-                                f"PYTHONPATH") from None
-
 
 
 def _merge_defaults(data: Any, cls: type) -> Any:
@@ -672,8 +538,11 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
             suggests the closest valid key), a value has the wrong type or range (the message names
             the expected type), an objective term is not registered, a module of
             ``objective.import`` does not import (or may not: ``trust_imports``), a number is not
-            finite (``.inf``, ``.nan``), YAML aliases expand past a bound, or the sections disagree
-            (``train.batch_size`` not divisible by ``train.accumulation_steps``, ...).
+            finite (``.inf``, ``.nan``), the file or the overrides are too large (more than
+            :data:`~finetune.config.io.MAX_RECIPE_BYTES` bytes, more than
+            :data:`~finetune.config.io.MAX_RECIPE_VALUES` keys and values, more than
+            :data:`~finetune.config.io.MAX_OVERRIDES` overrides), YAML aliases expand past a bound, or the
+            sections disagree (``train.batch_size`` not divisible by ``train.accumulation_steps``, ...).
     """
     file = os.fspath(path)
     p = Path(file)
@@ -681,6 +550,12 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
         hint = " (it is a folder; give the YAML file inside)" if p.is_dir() else ""
         raise RecipeError(f"recipe file not found: {file}{hint}; give the path of a YAML recipe "
                           f"(`finetune/run.py --list` shows the ones in recipes/)", file=file)
+    size = p.stat().st_size
+    if size > MAX_RECIPE_BYTES:  # refused before it is read: PyYAML reads about 10,000 keys a second
+        raise RecipeError(f"{file}: the recipe is {size:,} bytes, more than the {MAX_RECIPE_BYTES:,} a recipe may "
+                          "hold (the shipped ones hold about 5 kB); list long things in files the recipe names, or "
+                          "write shard URLs as brace patterns (shards-{000000..000999}.tar)", file=file)
+    check_override_sizes(overrides)
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -54,7 +54,7 @@ def _validate_source_list(value: Any) -> Any:
     if not isinstance(value, (list, tuple)):
         raise PydanticCustomError(
             "recipe_value", "expected a list of datasets (names like `docci` or mappings with {keys}), got {got}",
-            {"keys": ", ".join(_source_keys()), "got": repr(value)})
+            {"keys": ", ".join(source_spec_keys()), "got": repr(value)})
     return value
 
 
@@ -83,15 +83,10 @@ def _source_spec_class() -> type:
     return SourceSpec
 
 
-def _source_keys() -> tuple[str, ...]:
+def source_spec_keys() -> tuple[str, ...]:
+    """The keys of a dataset entry (``data.train``, each of ``eval.sets``): the fields of
+    :class:`finetune.data.sources.SourceSpec`, in order."""
     return tuple(f.name for f in dataclasses.fields(_source_spec_class()))
-
-
-def __getattr__(name: str) -> Any:
-    if name == "SOURCE_SPEC_KEYS":
-        #: the keys of a dataset entry, from ``finetune.data.sources.SourceSpec``
-        return _source_keys()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _available_sources() -> dict[str, str]:
@@ -136,7 +131,7 @@ def _source_entry(value: Any) -> Any:
     if not isinstance(value, Mapping):
         raise PydanticCustomError(
             "recipe_value", "expected a dataset name (e.g. `docci`, `docci:goal`) or a mapping with {keys}; "
-            "got {got} ({kind})", {"keys": ", ".join(_source_keys()), "got": repr(value), "kind": _type_name(value)})
+            "got {got} ({kind})", {"keys": ", ".join(source_spec_keys()), "got": repr(value), "kind": _type_name(value)})
     probe = dict(value)
     if "name" not in probe:
         # an alias of `name` that the source module knows (a stream's `format`) counts as a name

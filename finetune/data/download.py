@@ -33,7 +33,7 @@ from pathlib import Path
 from filelock import FileLock
 from tqdm.auto import tqdm
 
-from finetune.models.atomic import give_user_permissions
+from finetune.files import give_user_permissions
 
 logger = logging.getLogger(__name__)
 

@@ -37,6 +37,8 @@ __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
     "max_image_pixels",
     "set_max_image_pixels",
+    "broken_link_reason",
+    "image_files",
 ]
 
 # PIL's own default (``PIL.Image.MAX_IMAGE_PIXELS``): about 0.25 GB of RGB pixels, 1024 MiB as RGBA.
@@ -176,7 +178,8 @@ def _open(src: str | os.PathLike | bytes | bytearray | memoryview | dict) -> tup
     if isinstance(src, (str, os.PathLike)):
         path = Path(os.fspath(src)).expanduser()
         if not path.is_file():
-            reason = "is a directory, not an image file" if path.is_dir() else "file not found"
+            reason = ("is a directory, not an image file" if path.is_dir()
+                      else broken_link_reason(path) or "file not found")
             raise ImageReadError(where, reason)
         if path.stat().st_size == 0:
             raise ImageReadError(where, "empty file (0 bytes)")
@@ -198,6 +201,28 @@ def _open(src: str | os.PathLike | bytes | bytearray | memoryview | dict) -> tup
     raise TypeError(
         f"an image must be a file path, bytes, a {{'bytes', 'path'}} dict or a PIL image; got {type(src).__name__}"
     )
+
+
+def broken_link_reason(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be opened when it is a symbolic link whose target is missing (or a loop of links):
+    ``"broken symbolic link (it points to TARGET, which does not exist)"``; None for anything else."""
+    path = Path(os.fspath(path)).expanduser()
+    if not path.is_symlink() or path.exists():
+        return None
+    try:
+        target = os.readlink(path)
+    except OSError:  # pragma: no cover - a link that vanished meanwhile
+        target = "?"
+    return f"broken symbolic link (it points to {target}, which does not exist)"
+
+
+def image_files(root: str | os.PathLike) -> list[Path]:
+    """The image files under ``root`` (by extension, :data:`IMAGE_EXTENSIONS`), sorted, recursively, with the
+    broken symbolic links among them: ``Path.is_file()`` is False for a link whose target is missing, and a
+    listing that filters on it would drop such an image without counting it. A data source lists them, and
+    validation skips and counts each (:func:`broken_link_reason`) or stops on it (``data.on_error: raise``)."""
+    return sorted(p for p in Path(root).rglob("*")
+                  if p.suffix.lower() in IMAGE_EXTENSIONS and (p.is_file() or broken_link_reason(p) is not None))
 
 
 def _too_large(error: Exception) -> str:
@@ -467,7 +492,7 @@ def _norm_constants(norm: PixelNorm, device: Any) -> tuple:
 
 
 class TensorImages:
-    """A model's image geometry (:meth:`~finetune.models.encoder.DualEncoder.image_transform_params`: shortest
+    """A model's image geometry (:meth:`~finetune.models.core.encoder.DualEncoder.image_transform_params`: shortest
     side resized then centre-cropped, or squashed) with torchvision's v2 functional ops on ``uint8`` tensors,
     batched as ``uint8 (B, 3, H, W)``; the normalisation (:class:`PixelNorm`) is left to the device.
 

@@ -158,7 +158,7 @@ def drop_undecodable(
     """
     import datasets
 
-    from finetune.preprocess.cache import cached_map
+    from finetune.data.cache import cached_map
 
     from .images import max_image_pixels
 

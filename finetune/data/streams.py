@@ -47,8 +47,10 @@ from typing import Any
 import datasets
 import torch
 
+from finetune.data.formats import _data_files
 from finetune.data.images import DataError, ImageReadError, read_image
-from finetune.data.sources import STREAM_SOURCES, SourceSpec, _data_files, register_source
+from finetune.data.sources import register_source
+from finetune.data.spec import STREAM_SOURCES, SourceSpec
 from finetune.data.text import as_captions
 
 __all__ = [
@@ -58,7 +60,6 @@ __all__ = [
     "StreamCollate",
     "StreamLoader",
     "check_stream_columns",
-    "check_stream_recipe",
     "check_stream_shards",
     "expand_urls",
     "open_stream",
@@ -73,6 +74,10 @@ WEBDATASET_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 #: keys tried, in order, for the caption when ``caption_column`` is left at ``caption``
 #: (``json.caption``: the ``caption`` field of a webdataset ``KEY.json``)
 DEFAULT_CAPTION_KEYS = ("txt", "text", "json.caption")
+#: a sample's precomputed superpixels (``KEY.superpixels.png``, written by ``xlipkit superpixels``), passed through
+#: as the example's :data:`SUPERPIXELS_FIELD` (its raw PNG)
+SUPERPIXELS_ENTRY = "superpixels.png"
+SUPERPIXELS_FIELD = "superpixels_entry"
 _SKIPPED_EXAMPLES_KEPT = 5
 _STATE_VERSION = 2
 _LOADER_STATE_VERSION = 2  # 1 was the single-reader ExampleStream state
@@ -342,68 +347,8 @@ def _check_fields(spec: SourceSpec) -> list[str]:
     return list(fields)
 
 
-def check_stream_recipe(recipe: Any, objective: Any = None) -> None:
-    """Recipe checks for a streamed ``data.train``, run before the model loads.
-
-    Args:
-        recipe: a loaded :class:`finetune.config.Recipe` (``data.train`` a typed ``SourceSpec``).
-        objective: the run's objective, built from ``recipe.objective``
-            (:func:`finetune.objectives.build_objective`); ``None``: built here, once (for a stream only).
-
-    Raises:
-        RecipeError: ``train.max_steps`` is null (a stream has no length to count epochs with), an
-            objective term cannot run on streamed examples (naming the option that makes it streamable), or a
-            term reads an example field the stream does not pass through (``data.train.options.fields``).
-    """
-    from finetune.config import RecipeError
-
-    spec = recipe.data.train  # a typed SourceSpec, checked (streams included) by load_recipe
-    if not spec.is_stream:
-        return
-    if recipe.train.max_steps is None:
-        raise RecipeError(
-            f"data.train is a stream ({spec.name}) whose length is unknown, so train.epochs cannot be counted: "
-            "set train.max_steps (the number of optimiser steps)", key="train.max_steps")
-    try:
-        if objective is None:
-            from finetune.objectives import build_objective
-
-            objective = build_objective(recipe.objective)
-        objective.check_stream()
-    except ValueError as error:
-        raise RecipeError(str(error), key="objective") from None
-    _check_example_fields(spec, objective, recipe)
-
-
 #: the fields every streamed example has (:class:`ExampleStream`), besides ``options.fields``
 STREAM_EXAMPLE_FIELDS = frozenset({"id", "image", "caption", "captions", "url"})
-
-
-def _check_example_fields(spec: SourceSpec, objective: Any, recipe: Any) -> None:
-    """A RecipeError when a term reads an example field (:meth:`~finetune.objectives.base.Term.example_fields`)
-    that the stream does not pass through: without it the first batch would raise, after the evaluation."""
-    from finetune.config import RecipeError
-
-    try:
-        fields = _check_fields(spec)
-    except DataError as error:
-        raise RecipeError(f"data.train: {error}", key="data.train.options.fields") from None
-    passed = {key.rpartition(".")[2] for key in fields} | STREAM_EXAMPLE_FIELDS
-    missing: dict[str, list[str]] = {}
-    for term in objective.all_terms:
-        for name, key in term.example_fields().items():
-            if name not in passed:
-                missing.setdefault(key, []).append(name)
-    if missing:
-        key, names = next(iter(missing.items()))
-        given = ", ".join(fields) or "none"
-        where = f"{recipe.source}: " if getattr(recipe, "source", None) else ""
-        raise RecipeError(
-            f"{where}{key} reads {', '.join(names)} from every example, which data.train (a {spec.name} stream) does not "
-            f"pass through (data.train.options.fields: {given}): add "
-            f"{', '.join('json.' + n if spec.name == 'webdataset' else n for n in names)} to data.train.options.fields "
-            f"(json.FIELD for a field of a webdataset KEY.json), or set {key}: null",
-            file=getattr(recipe, "source", None), key="data.train.options.fields")
 
 
 def _caption_feature_problem(feature: Any) -> str | None:
@@ -510,7 +455,8 @@ class ExampleStream(torch.utils.data.IterableDataset):
     sources: ``image_column`` (default ``image``, else the first webdataset key of
     :data:`WEBDATASET_IMAGE_KEYS`), ``caption_column`` (default ``caption``, else ``txt``, ``text`` or the
     ``caption`` field of ``json``; ``json.FIELD`` reads another field), ``options.fields`` (more raw columns,
-    each kept under its last name: ``json.long_IB_captions`` -> ``long_IB_captions``), ``id_column`` (default
+    each kept under its last name: ``json.long_IB_captions`` -> ``long_IB_captions``; a webdataset
+    ``KEY.superpixels.png`` entry, written by ``xlipkit superpixels``, as ``superpixels_entry``), ``id_column`` (default
     ``id``, else the webdataset ``__key__``, else ``<name>-<rank>-<worker>-<epoch>-<position>``).
 
     Iterated in the training process it reads all of ``dataset``; iterated in DataLoader worker ``w`` of
@@ -625,6 +571,8 @@ class ExampleStream(torch.utils.data.IterableDataset):
             return example, error.reason, url
         except (TypeError, ValueError, OSError) as error:
             return example, f"unreadable image ({error})", url
+        if raw.get(SUPERPIXELS_ENTRY) is not None:  # F-CAST's term decodes and checks it (stream_map)
+            example[SUPERPIXELS_FIELD] = raw[SUPERPIXELS_ENTRY]
         return example, None, url
 
     # -- iteration -------------------------------------------------------------------------------

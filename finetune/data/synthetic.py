@@ -221,6 +221,26 @@ def _features() -> datasets.Features:
     )
 
 
+def _check_scene_options(size: int, split: str, image_size: int, objects: tuple[int, int],
+                         family_size: tuple[int, int]) -> None:
+    """:func:`synthetic_scenes`' options checked: a ValueError naming the option and its range."""
+    min_objects, max_objects = objects
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"synthetic: size must be a positive integer (number of scenes), got {size!r}")
+    if split not in _SPLIT_KEYS:
+        raise ValueError(f"synthetic: unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    if not 2 <= min_objects <= max_objects <= 9:
+        raise ValueError(
+            f"synthetic: need 2 <= min_objects <= max_objects <= 9 (one object per cell of a 3x3 grid), "
+            f"got min_objects={min_objects}, max_objects={max_objects}"
+        )
+    if image_size < 24:
+        raise ValueError(f"synthetic: image_size must be at least 24 pixels, got {image_size}")
+    low, high = family_size
+    if not 1 <= low <= high:
+        raise ValueError(f"synthetic: family_size must be (low, high) with 1 <= low <= high, got {family_size}")
+
+
 def synthetic_scenes(
     size: int,
     seed: int = 0,
@@ -248,21 +268,8 @@ def synthetic_scenes(
         "sentence_index"}`` where ``sentences[sentence_index]`` describes the object) and
         ``group`` (int, the family: scenes of a family share their caption's beginning).
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"synthetic: size must be a positive integer (number of scenes), got {size!r}")
-    if split not in _SPLIT_KEYS:
-        raise ValueError(f"synthetic: unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    if not 2 <= min_objects <= max_objects <= 9:
-        raise ValueError(
-            f"synthetic: need 2 <= min_objects <= max_objects <= 9 (one object per cell of a 3x3 grid), "
-            f"got min_objects={min_objects}, max_objects={max_objects}"
-        )
-    if image_size < 24:
-        raise ValueError(f"synthetic: image_size must be at least 24 pixels, got {image_size}")
+    _check_scene_options(size, split, image_size, (min_objects, max_objects), family_size)
     low, high = family_size
-    if not 1 <= low <= high:
-        raise ValueError(f"synthetic: family_size must be (low, high) with 1 <= low <= high, got {family_size}")
-
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_SPLIT_KEYS[split],)))
     columns: dict[str, list] = {name: [] for name in ("id", "image", "caption", "sentences", "objects", "group")}
     seen: set[str] = set()

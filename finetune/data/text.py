@@ -111,7 +111,7 @@ def split_sentences(text: str) -> list[str]:
     """Split a caption into sentences, keeping each sentence's own punctuation.
 
     The one sentence splitter of the toolkit (FLAIR sub-captions, StructXLIP chunks, DOCCI-FG,
-    :meth:`finetune.models.encoder.DualEncoder.sentence_spans`). A sentence ends at ``.``, ``!``,
+    :meth:`finetune.models.core.encoder.DualEncoder.sentence_spans`). A sentence ends at ``.``, ``!``,
     ``?`` or ``…`` (plus closing quotes or brackets) followed by whitespace and a character that
     is not lower-case, unless the word before a single period is a known abbreviation ("Mr.",
     "Dr.", "Fig.", "e.g."), an initial ("J.") or a dotted acronym ("U.S."); an ellipsis ("...",

@@ -7,8 +7,7 @@ Layout: ``core/`` (``encoder``: DualEncoder; ``tokens``: TokenizedText; ``spans`
 (``hf``, ``openclip``, ``pooled_tower``, ``activations``), ``families/`` (one module per model
 family with its named configs: ``hf``, ``open_clip``, ``vision_text``, ``flair``, ``fcast``),
 ``longclip`` (KPS), ``adapters`` (full / LoRA / DoRA), ``finetuned`` (``load_model``,
-``save_finetuned`` / ``load_finetuned``), ``registry`` (named-config lookup). The old module paths
-(``finetune.models.encoder``, ``.hf``, ``.loading``, ...) stay importable as aliases."""
+``save_finetuned`` / ``load_finetuned``), ``registry`` (named-config lookup)."""
 
 from __future__ import annotations
 

@@ -238,16 +238,3 @@ def merge_adapter(model: DualEncoder) -> DualEncoder:
     _attach_peft(model, None)
     model.adapter = None
     return model
-
-
-#: names that moved to :mod:`finetune.models.finetuned` (issue 25): still importable from here, as aliases
-#: resolved on access (this module's own code never uses them, so the import graph stays a tree)
-_MOVED = ("save_finetuned", "load_finetuned", "read_info", "INFO_NAME", "FORMAT_VERSION")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module("finetune.models.finetuned"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,8 +31,9 @@ from finetune.models.adapters import (
     merge_adapter,
     peft_model_of,
 )
-from finetune.models.atomic import atomic_dir
+from finetune.files import atomic_dir
 from finetune.models.core.encoder import DualEncoder
+from finetune.models.weight_files import check_weight_files, naming_damaged_weights
 
 INFO_NAME = "xlipkit.json"
 FORMAT_VERSION = 1
@@ -109,6 +110,7 @@ def _load_folder(folder: Path, family: str, dtype: torch.dtype | None, trust_rem
     from finetune.models.families import detect_family, get_model_family, model_family_names
     from finetune.models.inference_modules import load_inference_modules
 
+    check_weight_files(folder)  # a damaged file is named before a loader trips over it
     if _adapter_folder(folder):
         return load_finetuned(str(folder))
     if family == "auto":
@@ -354,13 +356,16 @@ def load_model(
             unsupported architecture, bad ``dtype`` / ``kps``, or a ``max_text_len`` below the
             model's original length.
         FileNotFoundError: a local path that does not exist or is not a model folder.
+        DamagedWeightsError: an ``OSError`` naming a weight file that cannot be read (empty, truncated, not
+            safetensors), with what to do (:mod:`finetune.models.weight_files`).
     """
     from finetune.models.families import resolve_family_setting
 
     if backend not in (None, "auto"):
         warnings.warn("load_model(backend=...) is deprecated: use family=...", DeprecationWarning, stacklevel=2)
     name, _ = resolve_family_setting(family, backend)
-    model = _load(str(name_or_path), name, _torch_dtype(dtype), trust_remote_code, revision, family_options)
+    with naming_damaged_weights(str(name_or_path), revision):
+        model = _load(str(name_or_path), name, _torch_dtype(dtype), trust_remote_code, revision, family_options)
     if max_text_len is not None:
         apply_text_length(model, int(max_text_len), kps)
     return model
@@ -482,13 +487,9 @@ def load_finetuned(
     Raises:
         FileNotFoundError: no ``xlipkit.json``.
         ValueError: a base model whose architecture does not match the adapter's.
+        DamagedWeightsError: an ``OSError`` naming a weight file of the folder (or of its base model) that cannot
+            be read, with what to do.
     """
-    from peft import PeftModel
-    from safetensors.torch import load_file
-
-    from finetune.models.inference_modules import load_inference_modules
-    from finetune.models.longclip import apply_kps
-
     folder = Path(path)
     if not folder.is_dir():
         if folder.exists() or str(path).startswith(("/", ".", "~")):
@@ -496,6 +497,19 @@ def load_finetuned(
         from huggingface_hub import snapshot_download
 
         folder = Path(snapshot_download(str(path), revision=revision))
+    check_weight_files(folder)
+    with naming_damaged_weights(str(folder)):
+        return _load_finetuned_folder(folder, merge, base)
+
+
+def _load_finetuned_folder(folder: Path, merge: bool, base: str | DualEncoder | None) -> DualEncoder:
+    """:func:`load_finetuned` of a local folder."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from finetune.models.inference_modules import load_inference_modules
+    from finetune.models.longclip import apply_kps
+
     info = read_info(folder)
     family = info.get("model_family") or info["backend"]
     if info["kind"] == "full":  # load_model restores the inference modules beside the model

@@ -2,7 +2,7 @@
 
 A head trained by an objective term that the model also needs at inference (GRM's adapters,
 FLAIR's text-conditioned attention pool) goes into ``model.inference_modules`` (an
-``nn.ModuleDict`` on every :class:`~finetune.models.encoder.DualEncoder`)::
+``nn.ModuleDict`` on every :class:`~finetune.models.core.encoder.DualEncoder`)::
 
     register_inference_module(MyHead)                 # once, where MyHead is defined
     model.inference_modules["pool"] = MyHead(width=512, heads=8)

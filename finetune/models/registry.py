@@ -32,7 +32,6 @@ no family: the registry's discovery rule imports them on the first lookup. Other
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -189,9 +188,6 @@ _COMPUTED = {
     # configs that their family's own loader builds: {family: {name: real}}
     "FAMILY_CONFIGS": lambda: _family_configs(),
 }
-#: helpers of the open_clip backend, where they live now
-_MOVED = {"TIMM_TINY_SIGLIP": "finetune.models.backends.openclip",
-          "register_tiny_timm_siglip": "finetune.models.backends.openclip"}
 
 
 def _family_configs() -> dict[str, dict[str, bool]]:
@@ -205,6 +201,4 @@ def _family_configs() -> dict[str, dict[str, bool]]:
 def __getattr__(name: str) -> Any:
     if name in _COMPUTED:
         return _COMPUTED[name]()
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,9 +5,10 @@ data workers, the caption is split into sentences (:func:`finetune.data.text.spl
 N random chunks of 1-3 sentences (:func:`~finetune.data.text.random_chunks`, appendix C) and completed
 to K sub-captions with FLAIR's sampler (:func:`~finetune.data.text.sample_subcaptions`, K - N more of
 1-3 sentences): the first N are the long caption's chunks (3.3, "Training batch construction"). The
-model's :meth:`~finetune.models.fcast.FCastModel.preprocess_images` puts superpixels next to the pixels;
+model's :meth:`~finetune.models.families.fcast.FCastModel.preprocess_images` puts superpixels next to the pixels;
 for map-style data :meth:`FCastTerm.preprocess` points it at an on-disk cache so every image's
-superpixels are computed once.
+superpixels are computed once; a stream whose shards hold precomputed superpixels (``xlipkit superpixels``)
+reads them back (:meth:`FCastTerm.stream_map`) and computes none.
 
 Per batch: the CAST encoder gives ``v_fine`` and ``v_coarse``, stage 1 encodes all K sub-captions, the
 adapter and stage 2 turn the first N into ``t_long``; the loss is
@@ -28,6 +29,7 @@ Fig. 6) and the part-level attention of a few sub-captions over the 64 segments 
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import zlib
@@ -45,6 +47,12 @@ from .flair import DrawCounter
 from .registry import Citation, register_term
 
 TERM_NAME = "fcast"
+#: the CAST encoder's segment tokens per image under fixed shapes: the superpixels' target count times this,
+#: rounded up to a multiple of SEGMENT_ALIGN (SLIC gives about its target, sometimes a little more)
+SEGMENT_MARGIN = 1.25
+SEGMENT_ALIGN = 16
+
+log = logging.getLogger("xlipkit")
 
 
 def _positive(value: Any) -> str | None:
@@ -125,7 +133,7 @@ class FCastTerm(Term):
 
     # -- the model the term works with (kept out of the module tree) ------------------------------
     def _attach(self, model: Any) -> Any:
-        from finetune.models.fcast import FCastModel
+        from finetune.models.families.fcast import FCastModel
 
         if not isinstance(model, FCastModel):
             raise ValueError(f"objective.terms.fcast needs an F-CAST model (model.family: fcast, e.g. "
@@ -154,7 +162,7 @@ class FCastTerm(Term):
         """Point the model's superpixels at an on-disk cache (map-style data: each image once)."""
         self._attach(model)
         if self.options.cache_superpixels:
-            from finetune.preprocess.cache import default_cache_dir
+            from finetune.data.cache import default_cache_dir
 
             root = Path(cache_dir) / "preprocess" if cache_dir else default_cache_dir()
             model.superpixel_cache_dir = str(root / "superpixels")
@@ -168,9 +176,28 @@ class FCastTerm(Term):
         return {name: "objective.terms.fcast.caption_fields" for name in self.options.caption_fields or ()}
 
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
-        """Streams: nothing to add (superpixels are computed with the pixels, uncached; the model got its
-        settings in :meth:`prepare_model`)."""
-        return {}
+        """Streams: a sample's precomputed superpixels (``KEY.superpixels.png``, written by ``xlipkit superpixels``)
+        decoded and checked against the model's settings, as ``superpixels``, which the model's
+        ``preprocess_images`` then uses instead of computing them; without the entry nothing is added (they are
+        computed with the pixels, uncached; the model got its settings in :meth:`prepare_model`).
+
+        Raises:
+            DataError: an entry made with other settings than the model's (naming both, the sample and the fix).
+        """
+        from finetune.data.collate import PRECOMPUTED_SUPERPIXELS
+        from finetune.data.streams import SUPERPIXELS_FIELD
+
+        entry = example.get(SUPERPIXELS_FIELD)
+        if entry is None:
+            return {}
+        from finetune.preprocess.superpixels import decode_entry, settings_stamp
+
+        key = (model.superpixels, model.image_size)
+        stamps = self.__dict__.setdefault("_stamps", {})
+        if key not in stamps:
+            stamps[key] = settings_stamp(model.superpixels, model.image_size)
+        where = f"sample {example.get('id')!r}" + (f" of {example['url']}" if example.get("url") else "")
+        return {PRECOMPUTED_SUPERPIXELS: decode_entry(entry, stamps[key], where=where)}
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -227,18 +254,42 @@ class FCastTerm(Term):
         return {"fcast_sub_ids": tok.input_ids.reshape(b, k, -1), "fcast_sub_mask": tok.attention_mask.reshape(b, k, -1)}
 
     # -- model --------------------------------------------------------------------------------------
+    def shape_scan(self, dataset: Any, model: Any) -> Any:
+        """The segment tokens per image of the CAST encoder's first stage, fixed before training
+        (:data:`SEGMENT_MARGIN` over the superpixels' target count, rounded up to :data:`SEGMENT_ALIGN`): the
+        superpixels are computed in the data workers, so their count is not known before; a batch with more
+        segments takes the next multiple of :data:`SEGMENT_ALIGN` (a new shape, logged by the worker)."""
+        from .shapes import ShapeScan, round_up
+
+        target = int(self._attach(model).superpixels.n_segments)
+        return ShapeScan(capacities={f"{TERM_NAME}/segments": round_up(math.ceil(target * SEGMENT_MARGIN),
+                                                                         SEGMENT_ALIGN)})
+
     def plan(self, model: Any, batch: Batch) -> dict[str, int] | None:
         """The sizes the step would otherwise read from the device, counted on the CPU where the batch is collated:
         ``segments``, the CAST segment count of the superpixels (``CastEncoder.segment_count``), and ``longest``,
-        the longest real sub-caption the chunk encoder cuts the rows to."""
+        the columns the chunk encoder runs the sub-captions at. Under the run's fixed shapes (:attr:`Term.shapes`)
+        both are fixed: the planned segment capacity (invalid segments are masked in every attention and pooling)
+        and all 77 columns (a causal tower: trailing padding never reaches the end token); else this batch's
+        count and longest real sub-caption."""
         inputs = batch.get("image_inputs") or {}
         if inputs.get("superpixels") is None or "fcast_sub_mask" not in batch:
             return None
-        from finetune.models.fcast import ChunkEncoder
+        from finetune.models.families.fcast import ChunkEncoder
+
+        from .shapes import round_up
 
         mask = batch["fcast_sub_mask"]
-        return {"segments": model.segment_count(inputs["pixel_values"], inputs["superpixels"]),
-                "longest": ChunkEncoder.longest(mask.reshape(-1, mask.shape[-1]))}
+        count = model.segment_count(inputs["pixel_values"], inputs["superpixels"])
+        cap = self.shapes.capacity(f"{TERM_NAME}/segments") if self.shapes is not None else None
+        if cap is None:
+            return {"segments": count, "longest": ChunkEncoder.longest(mask.reshape(-1, mask.shape[-1]))}
+        if count > cap:
+            cap = round_up(count, SEGMENT_ALIGN)
+            log.warning("fcast: %d superpixel segments in a batch, more than the %d planned per image: this batch "
+                        "runs at %d segment tokens (a new shape)", count, self.shapes.capacity(
+                            f"{TERM_NAME}/segments"), cap)
+        return {"segments": cap, "longest": int(mask.shape[-1])}
 
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
         self._attach(model)

@@ -8,7 +8,7 @@ through one :class:`losses.GRMHead` (the significance- and granularity-aware ada
 prompts, the log-variance network). The head is part of the fine-tuned model: it lives in
 ``model.inference_modules["grm"]`` (installed when the training set is preprocessed, on the model's
 device), so that it is trained with the model, saved in ``final/`` and in adapter folders, pushed, and
-restored by ``load_finetuned``; the ``grm`` scorer (:mod:`finetune.scorers.grm`) reads it at retrieval.
+restored by ``load_finetuned``; the ``grm`` scorer (:mod:`finetune.evaluation.scorers.grm`) reads it at retrieval.
 
 ``objective.base: none`` makes the hinge loss the only contrastive objective (the paper); beside
 ``clip`` both train. The term's values are logged as ``grm/ori``, ``grm/key``, ``grm/unc`` (eq. 8 on

@@ -13,7 +13,7 @@ high 200, aperture 3, L1 gradient, no blur; edges are white on black (Canny's ou
 defaults are MATLAB ``edge(I, "log")``'s: sigma 2 and a threshold of 0.75 x the mean absolute
 LoG response.
 
-Edge maps are computed once per dataset and cached (``finetune.preprocess.cache``) or, with
+Edge maps are computed once per dataset and cached (``finetune.data.cache``) or, with
 ``edges.on_the_fly``, in the data workers through :func:`edge_example_fn`.
 """
 

@@ -156,7 +156,7 @@ def test_the_recipe_reference_documents_every_key_of_finetune_run_schema():
 
 def test_the_shipped_recipes_page_lists_every_recipe_with_its_description():
     from finetune.config import list_recipes
-    from finetune.run import RECIPES_DIR
+    from finetune.cli.train import RECIPES_DIR
 
     hook = _module("recipe_reference")
     page = hook.render_recipe_list(hook._cli_output(["--list"]))
@@ -168,9 +168,10 @@ def test_the_shipped_recipes_page_lists_every_recipe_with_its_description():
 
 def test_sphinx_roles_and_shared_parameters_become_markdown():
     roles = _module("sphinx_roles")
-    text = roles.convert("See :func:`~finetune.models.loading.load_model` and :class:`Recipe`::\n\n"
+    text = roles.convert("See :func:`~finetune.models.finetuned.load_model` and :class:`Recipe`::\n\n"
                          "Args:\n    a, b: the two widths\n        of the towers.\n    c: own.\n")
-    assert '<autoref identifier="finetune.models.loading.load_model" optional><code>load_model</code></autoref>' in text
+    assert ('<autoref identifier="finetune.models.finetuned.load_model" optional><code>load_model</code></autoref>'
+            in text)
     assert '<autoref identifier="Recipe" optional><code>Recipe</code></autoref>:\n' in text
     assert "    a: the two widths of the towers.\n    b: the two widths of the towers.\n    c: own." in text
 

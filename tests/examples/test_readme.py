@@ -41,7 +41,7 @@ def test_the_losses_snippet_runs_and_its_structxlip_temperature_reaches_the_opti
 
 def test_the_zero_shot_templates_the_docs_list_are_the_clis():
     from finetune.cli.evaluate import _parser
-    from finetune.zeroshot import TEMPLATES
+    from finetune.evaluation.zeroshot import TEMPLATES
 
     match = re.search(r"`--templates ([\w|]+)`, default `(\w+)`", _section("Zero-shot classification", EVALUATION_GUIDE))
     assert match, "docs/guides/evaluation.md names the --templates choices and default"

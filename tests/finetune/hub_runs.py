@@ -53,7 +53,8 @@ def make_run(root: Path, base: str, adapter: str = "lora", *, token: str | None 
     """Write a run folder under ``root`` for base model ``base`` (a registry name or a saved
     folder) with a ``full`` / ``lora`` / ``dora`` adapter; return the run folder."""
     from finetune import load_model
-    from finetune.models.adapters import apply_adapter, save_finetuned
+    from finetune.models.adapters import apply_adapter
+    from finetune.models.finetuned import save_finetuned
 
     model = load_model(base, max_text_len=248)
     apply_adapter(model, {"type": adapter, "r": 4, "alpha": 8})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import run as run_module
+from finetune.cli import train as train_command
 from finetune.cli.main import COMMANDS, main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,6 +26,7 @@ OPTIONS = {
     "preview": ["recipe", "overrides", "--n", "--out"],
     "pairs": ["IMAGES_AND_CAPTIONS", "OUT", "--model", "--detector", "--method", "--pairs", "--weighting",
               "--no-default"],
+    "superpixels": ["RECIPE", "OUT", "overrides", "--workers", "--device", "--batch-size", "--overwrite"],
     "recipes": ["-h"],
     "schema": ["-h"],
 }
@@ -67,7 +68,7 @@ def test_recipes_lists_every_shipped_recipe_as_run_py_list_does(capsys):
     names = [line.split()[0] for line in listed.splitlines() if line.strip()]
     shipped = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
     assert names == shipped and "quickstart" in names
-    assert run_module.main(["--list"]) == 0
+    assert train_command.main(["--list"]) == 0
     assert capsys.readouterr().out == listed
 
 
@@ -92,7 +93,7 @@ def test_train_gives_the_same_recipe_error_and_exit_status_as_run_py(case, tmp_p
         argv = [str(REPO / "recipes" / "quickstart.yaml"), "train.lr=-1"]
     status = main(["train", *argv])
     xlipkit_err = capsys.readouterr().err
-    assert status == run_module.main(argv) == 2
+    assert status == train_command.main(argv) == 2
     assert capsys.readouterr().err == xlipkit_err
     assert xlipkit_err.startswith("recipe error: ")
     assert {"unknown_key": "train.lrr", "missing_file": "nope.yaml", "bad_override": "train.lr"}[case] in xlipkit_err

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune.evaluate import format_table, recall_at_k
+from finetune.evaluation import format_table, recall_at_k
 
 
 def direct_recall(image_embeds, text_embeds, text_to_image, ks):
@@ -207,7 +207,7 @@ def _direct(model, rows):
 
 @pytest.mark.slow
 def test_encode_matches_one_by_one_encoding(tiny_clip, tmp_path):
-    from finetune.evaluate import encode_for_retrieval
+    from finetune.evaluation import encode_for_retrieval
 
     rows = _rows(tmp_path)
     tiny_clip.train()
@@ -224,7 +224,7 @@ def test_encode_matches_one_by_one_encoding(tiny_clip, tmp_path):
 @pytest.mark.slow
 def test_encode_names_the_bad_example(tiny_clip, tmp_path):
     from finetune.data.images import DataError
-    from finetune.evaluate import encode_for_retrieval
+    from finetune.evaluation import encode_for_retrieval
 
     rows = _rows(tmp_path)
     with pytest.raises(DataError, match=r"example 'x' has an empty or missing caption"):
@@ -237,7 +237,7 @@ def test_encode_names_the_bad_example(tiny_clip, tmp_path):
 @pytest.mark.slow
 def test_evaluate_sets_on_synthetic_scenes(tiny_clip):
     from finetune.data.sources import load_source
-    from finetune.evaluate import encode_for_retrieval, evaluate_sets
+    from finetune.evaluation import encode_for_retrieval, evaluate_sets
 
     spec = {"name": "synthetic", "split": "test", "size": 12, "seed": 4}
     res = evaluate_sets(tiny_clip, [spec, spec], batch_size=5, ks=(1, 5), progress=False)
@@ -250,7 +250,7 @@ def test_evaluate_sets_on_synthetic_scenes(tiny_clip):
     assert res["synthetic#2"] == one
 
 
-# Recall@K of tiny-clip computed before the scorers existed (finetune.evaluate at a25cdc1): the
+# Recall@K of tiny-clip computed before the scorers existed (finetune.evaluation at a25cdc1): the
 # cosine scorer must give these numbers to the last digit.
 BEFORE_SCORERS_SINGLE = {
     "t2i": {"R@1": 0.0, "R@2": 4.166666666666666, "R@3": 8.333333333333332, "R@5": 10.416666666666668,
@@ -277,7 +277,7 @@ def _multi_caption_set():
 
 @pytest.mark.slow
 def test_cosine_scorer_gives_the_numbers_from_before_the_scorers(tiny_clip):
-    from finetune.evaluate import encode_for_retrieval, evaluate_sets
+    from finetune.evaluation import encode_for_retrieval, evaluate_sets
 
     spec = {"name": "synthetic", "split": "test", "size": 48, "seed": 11}
     for block_size in (1024, 5):
@@ -293,7 +293,7 @@ def test_cosine_scorer_gives_the_numbers_from_before_the_scorers(tiny_clip):
 
 
 def _register_neg_euclidean():
-    from finetune.scorers import Scorer, available_scorers, register_scorer
+    from finetune.evaluation.scorers import Scorer, available_scorers, register_scorer
 
     if "test-neg-euclidean" not in available_scorers():
         @register_scorer("test-neg-euclidean")
@@ -322,7 +322,7 @@ def _neg_euclidean_recall(emb, ks):
 @pytest.mark.slow
 def test_a_registered_scorer_is_used_through_evaluate_sets(tiny_clip):
     from finetune.data.sources import load_source
-    from finetune.evaluate import encode_for_retrieval, evaluate_sets
+    from finetune.evaluation import encode_for_retrieval, evaluate_sets
 
     name = _register_neg_euclidean()
     spec = {"name": "synthetic", "split": "test", "size": 40, "seed": 3}
@@ -350,7 +350,8 @@ def test_cli_scorer_from_the_recipe_and_the_flags(tiny_clip, tmp_path, capsys):
     import json
 
     from finetune.config import dump_recipe, load_recipe
-    from finetune.evaluate import evaluate_sets, main
+    from finetune.cli.evaluate import main
+    from finetune.evaluation import evaluate_sets
     from finetune.models import save_finetuned
 
     name = _register_neg_euclidean()
@@ -393,7 +394,8 @@ def test_cli_run_folder_and_model(tiny_clip, tmp_path, capsys):
     import json
 
     from finetune.config import dump_recipe, load_recipe
-    from finetune.evaluate import evaluate_sets, main
+    from finetune.cli.evaluate import main
+    from finetune.evaluation import evaluate_sets
     from finetune.models import save_finetuned
 
     recipe_file = tmp_path / "in.yaml"
@@ -424,7 +426,7 @@ def test_cli_run_folder_and_model(tiny_clip, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_bad_arguments_exit_2(tmp_path, capsys):
-    from finetune.evaluate import main
+    from finetune.cli.evaluate import main
 
     assert main(["no-such-model-xyz"]) == 2
     assert "not a run folder: give the sets" in capsys.readouterr().err
@@ -451,7 +453,7 @@ MULTI_PROCESS_SCRIPT = """
 import os, sys, torch
 from accelerate import Accelerator
 from finetune.data.sources import load_source
-from finetune.evaluate import encode_for_retrieval
+from finetune.evaluation import encode_for_retrieval
 from finetune.models import load_model
 
 acc = Accelerator(cpu=True)
@@ -477,7 +479,7 @@ def test_two_processes_give_the_single_process_embeddings(tiny_clip, tmp_path):
     import sys
 
     from finetune.data.sources import load_source
-    from finetune.evaluate import encode_for_retrieval
+    from finetune.evaluation import encode_for_retrieval
 
     script, out = tmp_path / "enc.py", tmp_path / "emb.pt"
     script.write_text(MULTI_PROCESS_SCRIPT)
@@ -499,7 +501,7 @@ def test_two_processes_give_the_single_process_embeddings(tiny_clip, tmp_path):
 
 # -- rSum and the 5-fold COCO 1K protocol (GRM, LAPS, VSE++) -----------------------------------------
 def test_recall_sum_and_its_table_row():
-    from finetune.evaluate import recall_sum
+    from finetune.evaluation import recall_sum
 
     metrics = {"t2i": {"R@1": 1.0, "R@5": 2.0, "R@10": 3.0, "R@50": 90.0}, "i2t": {"R@1": 4.0, "R@5": 5.0, "R@10": 6.0}}
     assert recall_sum(metrics) == 21.0
@@ -511,7 +513,7 @@ def test_recall_sum_and_its_table_row():
 
 
 def test_fold_recall_averages_blocks_that_see_only_their_own_captions():
-    from finetune.evaluate import fold_recall
+    from finetune.evaluation import fold_recall
 
     g = torch.Generator().manual_seed(0)
     images = torch.randn(6, 8, generator=g)
@@ -531,7 +533,7 @@ def test_fold_recall_averages_blocks_that_see_only_their_own_captions():
 
 def test_coco_karpathy_1k_is_evaluated_as_five_folds(tmp_path):
     from finetune import load_model
-    from finetune.evaluate import evaluate_sets, fold_recall, encode_for_retrieval
+    from finetune.evaluation import evaluate_sets, fold_recall, encode_for_retrieval
     from finetune.data.sources import load_source
     from tests.finetune.data.fixtures import write_coco_fixture
 
@@ -571,7 +573,7 @@ def no_model_load(monkeypatch):
 def test_a_run_folders_imports_run_only_with_the_flag(tmp_path, monkeypatch, capsys):
     import sys
 
-    from finetune.evaluate import main
+    from finetune.cli.evaluate import main
 
     marker = tmp_path / "imported"
     (tmp_path / "planted_xyz.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
@@ -588,7 +590,7 @@ def test_a_run_folders_imports_run_only_with_the_flag(tmp_path, monkeypatch, cap
 
 
 def test_a_read_only_run_folder_is_refused_before_the_model_loads(tmp_path, no_model_load, capsys):
-    from finetune.evaluate import main
+    from finetune.cli.evaluate import main
     from tests.finetune.mounts import require_read_only_possible, tmpfs
 
     with tmpfs(tmp_path / "mnt", "4m") as mount:
@@ -607,7 +609,7 @@ def test_no_room_for_the_results_or_a_busy_run_folder_is_refused_first(tmp_path,
     import subprocess
     import sys
 
-    from finetune.evaluate import main
+    from finetune.cli.evaluate import main
 
     run = _run_folder(tmp_path)
     with monkeypatch.context() as patch:
@@ -630,20 +632,18 @@ def test_no_room_for_the_results_or_a_busy_run_folder_is_refused_first(tmp_path,
         holder.wait()
 
 
-def test_the_command_line_lives_in_cli_and_the_old_forms_keep_working():
-    """The library does not import its command line (finetune.cli.evaluate); ``finetune.evaluate.main``,
-    ``python -m finetune.evaluate`` and ``python finetune/evaluate.py`` still run it (README, docs)."""
+def test_the_command_line_lives_in_cli_and_the_documented_command_keeps_working():
+    """The library (finetune.evaluation) does not import its command line (finetune.cli.evaluate), and
+    ``python -m finetune.evaluate`` (DESIGN 1) still runs it (``tests/test_old_paths.py``: without a warning)."""
     import subprocess
     import sys
 
-    import finetune.cli.evaluate as cli
-    import finetune.evaluate as lib
     from finetune.cli.main import COMMANDS
 
-    assert lib.main is cli.main and COMMANDS["eval"].module == "finetune.cli.evaluate"
-    probe = "import sys, finetune.evaluate; print('finetune.cli.evaluate' in sys.modules)"
+    assert COMMANDS["eval"].module == "finetune.cli.evaluate"
+    probe = "import sys, finetune.evaluation; print('finetune.cli.evaluate' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert out.stdout.strip() == "False", out.stderr
-    for argv in (["-m", "finetune.evaluate", "--help"], [str(REPO / "finetune" / "evaluate.py"), "--help"]):
-        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=REPO, timeout=600)
-        assert out.returncode == 0 and "MODEL_OR_RUN" in out.stdout, out.stderr
+    out = subprocess.run([sys.executable, "-m", "finetune.evaluate", "--help"], capture_output=True, text=True,
+                         cwd=REPO, timeout=600)
+    assert out.returncode == 0 and "MODEL_OR_RUN" in out.stdout, out.stderr

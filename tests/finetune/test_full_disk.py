@@ -22,7 +22,7 @@ from finetune.data.collate import Collator
 from finetune.data.sources import load_source
 from finetune.objectives import ClipTerm, Objective
 from finetune.resume import checkpoint_problem
-from finetune.train import SaveFailedError, TrainModule, Trainer
+from finetune.training import SaveFailedError, TrainModule, Trainer
 from tests.finetune.mounts import require_mount, tmpfs
 
 @pytest.fixture(autouse=True)
@@ -90,11 +90,11 @@ def _recipe(tmp_path: Path, model: Path, out: Path, *extra: str):
 
 
 def _run(recipe) -> int:
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return run(recipe)
+    return run_recipe(recipe)
 
 
 def _grow(disk, size: str) -> None:
@@ -106,7 +106,7 @@ def _grow(disk, size: str) -> None:
 def no_upfront_check(monkeypatch):
     """The free-space estimate made before training would refuse these small disks: let the run start, as on a
     disk that other writers fill while it trains."""
-    monkeypatch.setattr("finetune.run_folder.check_free_space", lambda *args, **kwargs: None)
+    monkeypatch.setattr("finetune.training.checks.check_free_space", lambda *args, **kwargs: None)
 
 
 @pytest.mark.slow

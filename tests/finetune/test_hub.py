@@ -15,8 +15,9 @@ import torch
 import yaml
 
 from finetune import load_finetuned, load_model
-from finetune.hub import HubPushError, export, main, push, read_run, stage_upload
-from finetune.model_card import read_front_matter
+from finetune.cli.hub import main
+from finetune.hub import HubPushError, export, push, read_run, stage_upload
+from finetune.hub.model_card import read_front_matter
 from tests.finetune.hub_runs import AFTER, CAPTIONS, FAKE_TOKEN, embeddings, images, make_run, snapshot
 
 REPO_ID = "me/tiny-clip-long"

@@ -11,7 +11,7 @@ import torch
 
 from finetune import load_finetuned
 from finetune.hub import export, stage_upload
-from finetune.model_card import (
+from finetune.hub.model_card import (
     hub_model_id,
     is_local_path,
     peft_snippet,

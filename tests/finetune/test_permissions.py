@@ -39,7 +39,7 @@ def test_recipe_dump_preview_download_and_extract_follow_the_umask(tmp_path, uma
 
 
 def test_apply_umask_gives_every_file_and_folder_the_umask(tmp_path):
-    from finetune.models.atomic import apply_umask
+    from finetune.files import apply_umask
 
     folder = tmp_path / "model"
     (folder / "sub").mkdir(parents=True)

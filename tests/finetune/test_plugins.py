@@ -76,7 +76,7 @@ def test_the_toolkits_registries_are_the_ones_their_public_lookups_read():
     from finetune.data.sources import available_sources
     from finetune.models.inference_modules import inference_module_names
     from finetune.objectives import TERM_BUILDERS, TERM_OPTIONS
-    from finetune.scorers import available_scorers
+    from finetune.evaluation.scorers import available_scorers
 
     terms = plugins.TERMS.names()
     assert set(terms) >= {"clip", "siglip", "longclip", "structxlip", "fastgoal", "grm", "flair", "fcast"}

@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from finetune.config import load_recipe
 from finetune.models.registry import save_tiny
-from finetune.prerequisites import PrerequisiteError, chain_hash, ensure, reference_hash
+from finetune.training.prerequisites import PrerequisiteError, chain_hash, ensure, reference_hash
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,10 +51,10 @@ def _recipe(path: Path, tiny: Path, out: Path, *, lr: float = 1e-3, init_from: s
 
 
 def _run(path: Path, *overrides: str) -> int:
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     _reset_accelerate()
-    return run(load_recipe(path, list(overrides)))
+    return run_recipe(load_recipe(path, list(overrides)))
 
 
 def _metrics(folder: Path) -> dict:
@@ -143,7 +143,7 @@ def test_missing_reference_folder_without_final_and_cycles_are_clear_errors(tiny
 
 
 def test_run_reports_a_bad_init_from_as_a_recipe_error(tiny, tmp_path, capsys):
-    from finetune.run import main
+    from finetune.cli.train import main
 
     fine = _recipe(tmp_path / "fine.yaml", tiny, tmp_path / "runs" / "fine", init_from=str(tmp_path / "none.yaml"))
     assert main([str(fine)]) == 2
@@ -205,7 +205,7 @@ def test_keys_added_to_the_toolkit_since_a_run_do_not_make_it_stale(tiny, tmp_pa
     """A run folder written before a recipe key existed (the key absent from its recipe.yaml) is still current
     when the key is at its default; a real change still makes it stale."""
     from finetune.config import dump_recipe
-    from finetune.prerequisites import _current
+    from finetune.training.prerequisites import _current
 
     path = _recipe(tmp_path / "pre.yaml", tiny, tmp_path / "runs" / "pre")
     recipe = load_recipe(path)

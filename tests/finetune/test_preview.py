@@ -1,4 +1,4 @@
-"""``finetune.preview``: the command that draws a recipe's StructXLIP inputs (the drawing itself:
+"""``xlipkit preview`` (:mod:`finetune.cli.preview`): the command that draws a recipe's StructXLIP inputs (the drawing itself:
 tests/finetune/objectives/structxlip/test_preview.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from finetune.models.registry import save_tiny
-from finetune.preview import main
+from finetune.cli.preview import main
 
 
 pytestmark = pytest.mark.usefixtures("quiet_datasets")
@@ -30,7 +30,7 @@ def test_preview_command_on_a_recipe(tmp_path, capsys):
 def test_preview_of_a_recipe_without_structxlip_uses_the_default_options(tmp_path, monkeypatch, caplog):
     import logging
 
-    import finetune.preview as preview
+    import finetune.cli.preview as preview
     from finetune.objectives.structxlip import build_structxlip
 
     terms, drawn = [], []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.report import chance_level, loss_figure, recall_figure, verdict, write_report
+from finetune.evaluation.report import chance_level, loss_figure, recall_figure, verdict, write_report
 
 
 def _result(t2i: float, i2t: float, r5: float = 90.0) -> dict:
@@ -171,7 +171,7 @@ def test_a_run_with_compare_with_writes_the_verdict_the_plots_and_consistent_cou
 
     from finetune.config import load_recipe
     from finetune.models.registry import save_tiny
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     tiny = save_tiny("tiny-clip", tmp_path / "tiny-clip")
     data = {"train": {"name": "synthetic", "split": "train", "size": 8, "seed": 100, "options": {"image_size": 32}},
@@ -193,7 +193,7 @@ def test_a_run_with_compare_with_writes_the_verdict_the_plots_and_consistent_cou
         "output": {"dir": str(tmp_path / "runs" / "main")}}))
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    assert run(load_recipe(main)) == 0
+    assert run_recipe(load_recipe(main)) == 0
     out = tmp_path / "runs" / "main"
     metrics = json.loads((out / "metrics.json").read_text())
     report = (out / "report.md").read_text().splitlines()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +21,9 @@ from finetune.data.sources import load_source
 from finetune.objectives import ClipTerm, Objective
 from finetune.resume import CheckpointError, checkpoint_problem, find_checkpoint
 from finetune.run_folder import RunFolderError
-from finetune.train import TrainModule, Trainer
+from finetune.training import TrainModule, Trainer
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +31,12 @@ def scenes():
     return load_source({"name": "synthetic", "size": 16, "seed": 0, "options": {"image_size": 32}}).dataset
 
 
-def _recipe(lr: float = 1e-3, max_steps: int = 4) -> dict:
-    return {"model": {"name_or_path": "tiny-clip"}, "adapter": {"type": "full"}, "objective": {"base": "clip"},
-            "data": {"train": {"name": "synthetic", "size": 16}},
-            "train": {"lr": lr, "max_steps": max_steps, "batch_size": 4, "checkpoint_every": 2}}
+def _recipe(lr: float = 1e-3, max_steps: int = 4) -> Any:
+    """The recipe a checkpoint of these tests records (its continuation view is compared on resume)."""
+    return load_recipe(REPO / "recipes" / "quickstart_clip.yaml",
+                       ["model.name_or_path=tiny-clip", "adapter.type=full", "objective.base=clip",
+                        "data.train={name: synthetic, size: 16}", f"train.lr={lr}", f"train.max_steps={max_steps}",
+                        "train.batch_size=4", "train.checkpoint_every=2"])
 
 
 def _trainer(tmp_path, scenes, **train):
@@ -106,7 +112,7 @@ def test_checkpoint_files_follow_the_umask_and_temp_folders_name_their_writer(fi
     import os
     import stat
 
-    from finetune.run_folder import process_tag, tag_owner
+    from finetune.files import process_tag, tag_owner
 
     assert [os.path.basename(w) for w in SAVED_INTO] == [f"step-2.{process_tag()}.tmp", f"step-4.{process_tag()}.tmp"]
     assert tag_owner(os.path.basename(SAVED_INTO[0]))[0] == os.getpid()
@@ -267,19 +273,19 @@ def test_metrics_after_a_resume_cover_the_whole_run(finished, tmp_path, scenes):
 
 @pytest.mark.slow
 def test_a_bad_resume_path_is_found_before_the_model_loads(tmp_path, monkeypatch, capsys):
-    import finetune
-    from finetune.run import run
+    import finetune.training.model as start
+    from finetune.training import run_recipe
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(finetune, "load_model", no_model)
+    monkeypatch.setattr(start, "load_model", no_model)
     path = tmp_path / "r.yaml"
     path.write_text("# r\ntrain: {trackers: []}\n")
     recipe = load_recipe(path, [f"output.dir={tmp_path / 'run'}", f"train.resume={tmp_path / 'nowhere'}",
                                 "train.trackers=[]"])
     AcceleratorState._reset_state(reset_partial_state=True)
-    assert run(recipe) == 2
+    assert run_recipe(recipe) == 2
     err = capsys.readouterr().err
     assert "nowhere is not a checkpoint folder (it does not exist)" in err
     assert not (tmp_path / "run").exists()

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune.run import _cpu_threads
+from finetune.training.environment import cpu_threads
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -35,7 +35,7 @@ def _accelerator(processes: int = 1, device: str = "cpu") -> SimpleNamespace:
 def test_accelerate_launch_without_cpu_flag_gets_every_core(one_thread, monkeypatch, caplog):
     monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # what `accelerate launch` exports without --cpu
     with caplog.at_level("INFO", logger="xlipkit"):
-        _cpu_threads(_accelerator())
+        cpu_threads(_accelerator())
     assert torch.get_num_threads() == CORES
     assert "OMP_NUM_THREADS=1" in caplog.text
 
@@ -47,7 +47,7 @@ def test_chosen_threads_are_left_alone(one_thread, monkeypatch, env, processes):
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    _cpu_threads(_accelerator(processes))
+    cpu_threads(_accelerator(processes))
     assert torch.get_num_threads() == 1
 
 
@@ -56,7 +56,7 @@ def test_the_parameter_count_includes_the_objectives_own_parameters():
     from finetune.config import load_recipe
     from finetune.models.registry import build_model
     from finetune.objectives import build_objective
-    from finetune.run import parameter_counts
+    from finetune.training.model import parameter_counts
 
     model = build_model("tiny-clip")
     objective = build_objective(load_recipe("recipes/quickstart.yaml").objective)
@@ -119,20 +119,20 @@ def test_a_recipe_error_under_the_readmes_accelerate_launch_is_one_line():
 
 
 def test_the_resume_command_is_the_launch_command_with_train_resume_latest(monkeypatch):
-    import finetune.run as run_module
+    from finetune.training.launch import resume_command
 
     monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", "finetune/run.py", "recipes/x.yaml", "train.lr=1e-5",
                                            "train.resume=runs/x/checkpoints/step-3", "output.overwrite=true"])
     monkeypatch.setattr(os, "getppid", lambda: 1)  # init: not a launcher
-    assert run_module._resume_command() == ("/venv/bin/python finetune/run.py recipes/x.yaml train.lr=1e-5 "
-                                            "train.resume=latest")
+    assert resume_command() == ("/venv/bin/python finetune/run.py recipes/x.yaml train.lr=1e-5 "
+                                "train.resume=latest")
     monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", "/venv/bin/xlipkit", "train", "my recipe.yaml"])
-    assert run_module._resume_command() == "xlipkit train 'my recipe.yaml' train.resume=latest"
+    assert resume_command() == "xlipkit train 'my recipe.yaml' train.resume=latest"
 
 
 def test_the_resume_command_of_a_launched_process_is_the_launchers(monkeypatch, tmp_path):
     """Under torchrun or accelerate launch the command to give again is the launcher's, read from /proc."""
-    import finetune.run as run_module
+    from finetune.training.launch import resume_command
 
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "torch.distributed.run",
                                  "--nproc_per_node", "8", "finetune/run.py", "r.yaml"])
@@ -142,7 +142,7 @@ def test_the_resume_command_of_a_launched_process_is_the_launchers(monkeypatch, 
         while not Path(f"/proc/{launcher.pid}/cmdline").read_bytes().count(b"\0") > 3:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        command = run_module._resume_command()
+        command = resume_command()
     finally:
         launcher.kill()
         launcher.wait()
@@ -156,11 +156,11 @@ def _recipe_at(out: Path):
 def test_stops_and_failures_end_with_a_status_and_a_message_not_a_traceback(tmp_path, capsys, monkeypatch):
     import signal
 
-    import finetune.run as run_module
+    import finetune.training.failures as failures
     from finetune.data.images import DataError
-    from finetune.train import DivergedError, RunInterrupted, SaveFailedError, TrainingStopped
+    from finetune.training import DivergedError, RunInterrupted, SaveFailedError, TrainingStopped
 
-    monkeypatch.setattr(run_module, "_resume_command", lambda: "python finetune/run.py r.yaml train.resume=latest")
+    monkeypatch.setattr(failures, "resume_command", lambda: "python finetune/run.py r.yaml train.resume=latest")
     monkeypatch.delenv("RANK", raising=False)
     recipe = _recipe_at(tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "step-6"
@@ -181,12 +181,12 @@ def test_stops_and_failures_end_with_a_status_and_a_message_not_a_traceback(tmp_
                    "cannot be read"), 1, "data error: data source 'webdataset': shard s.tar cannot be read"),
     ]
     for exc, status, said in cases:
-        assert run_module._stopped_or_failed(exc, recipe) == status, exc
+        assert failures.stopped_or_failed(exc, recipe) == status, exc
         err = capsys.readouterr().err
         assert said in err and "Traceback" not in err, err
-    assert run_module._stopped_or_failed(ValueError("a bug"), recipe) is None  # re-raised with its traceback
+    assert failures.stopped_or_failed(ValueError("a bug"), recipe) is None  # re-raised with its traceback
     monkeypatch.setenv("RANK", "1")  # another rank of an agreed stop prints nothing
-    assert run_module._stopped_or_failed(TrainingStopped(signal.SIGTERM, 6, ckpt), recipe) == 143
+    assert failures.stopped_or_failed(TrainingStopped(signal.SIGTERM, 6, ckpt), recipe) == 143
     assert capsys.readouterr().err == ""
 
 
@@ -194,11 +194,13 @@ def test_a_run_builds_its_objective_once(tmp_path, monkeypatch, capsys):
     """One objective per run (issue 25 item 3): built before the data and the model, checked, counted and
     trained; the stream check and the batch check reuse it instead of building their own."""
     import finetune.objectives as objectives
-    from finetune.run import main
+    import finetune.training.recipe as recipe_module
+    from finetune.cli.train import main
 
     built = []
     real = objectives.build_objective
-    monkeypatch.setattr(objectives, "build_objective", lambda cfg: built.append(cfg) or real(cfg))
+    for module in (objectives, recipe_module):
+        monkeypatch.setattr(module, "build_objective", lambda cfg: built.append(cfg) or real(cfg))
     recipe = tmp_path / "r.yaml"
     recipe.write_text("# r\nmodel: {name_or_path: random:tiny-clip, max_text_len: null}\n"
                       "data: {train: {name: synthetic, size: 16}}\neval: {before: false, after: false}\n"
@@ -209,11 +211,21 @@ def test_a_run_builds_its_objective_once(tmp_path, monkeypatch, capsys):
 
 
 def test_the_stream_check_uses_the_objective_it_is_given(monkeypatch):
-    from finetune.config import load_recipe
-    from finetune.data.streams import check_stream_recipe
-    import finetune.objectives as objectives
+    """Streams receive the run's objective instead of building one (issue 32): the check lives with the run's
+    other checks, takes the objective it is given, and the data layer builds none."""
+    import inspect
 
+    import finetune.data.streams as streams
+    import finetune.objectives as objectives
+    from finetune.config import RecipeError, load_recipe
+    from finetune.training.checks import check_stream_recipe
+
+    assert not hasattr(streams, "check_stream_recipe")
+    assert inspect.signature(check_stream_recipe).parameters["objective"].default is inspect.Parameter.empty
     recipe = load_recipe(REPO / "recipes" / "fcast_cc3m_recap.yaml")
     objective = objectives.build_objective(recipe.objective)
     monkeypatch.setattr(objectives, "build_objective", lambda cfg: pytest.fail("built a second objective"))
     check_stream_recipe(recipe, objective)
+    recipe.train.max_steps = None
+    with pytest.raises(RecipeError, match="train.max_steps"):
+        check_stream_recipe(recipe, objective)

@@ -20,6 +20,7 @@ import yaml
 from accelerate.state import AcceleratorState, GradientState
 
 from finetune.config import load_recipe
+from finetune.files import process_tag
 from finetune.run_folder import (
     OWNER_NAME,
     RunFolderBusy,
@@ -32,7 +33,6 @@ from finetune.run_folder import (
     continuation_view,
     differing_keys,
     estimate_run_bytes,
-    process_tag,
 )
 from tests.finetune.mounts import require_mount, require_read_only_possible, tmpfs
 
@@ -178,7 +178,7 @@ def test_eval_out_never_hits_the_model(tmp_path):
 
 
 def test_evaluate_cli_refuses_out_onto_the_model_before_loading_it(tmp_path, capsys):
-    from finetune.evaluate import main
+    from finetune.cli.evaluate import main
 
     model = tmp_path / "model"
     model.mkdir()
@@ -212,11 +212,11 @@ def _recipe(tmp_path: Path, model: Path, out: Path, *extra: str):
 
 
 def _run(recipe) -> int:
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return run(recipe)
+    return run_recipe(recipe)
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -299,9 +299,9 @@ def test_an_unknown_model_is_a_clean_exit_2_with_the_registry_list(tmp_path, cap
 
 @pytest.mark.slow
 def test_a_bad_training_data_path_is_found_before_the_model_loads(tmp_path, tiny_model, monkeypatch, capsys):
-    import finetune
+    import finetune.training.model as start
 
-    monkeypatch.setattr(finetune, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(start, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "run"
     recipe = _recipe(tmp_path, tiny_model, out, f'data.train={{"name": "jsonl", "path": "{tmp_path / "nope.jsonl"}"}}')
     assert _run(recipe) == 2
@@ -315,7 +315,8 @@ def test_a_bad_training_data_path_is_found_before_the_model_loads(tmp_path, tiny
 HOLDER = """
 import sys, time
 from pathlib import Path
-from finetune.run_folder import RunLock, process_tag
+from finetune.files import process_tag
+from finetune.run_folder import RunLock
 folder = Path(sys.argv[1])
 lock = RunLock(folder, command="a test holder").acquire()  # held while referenced
 (folder / f".metrics.json.{process_tag()}.k1ll3d.tmp").write_text("{")  # a write in progress

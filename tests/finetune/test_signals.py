@@ -162,17 +162,17 @@ SLOW_SAVE = textwrap.dedent('''
     import sys
     import time
 
-    import finetune.train as train
+    import finetune.training.trainer as trainer
 
-    save = train.save_checkpoint
+    save = trainer.save_checkpoint
 
     def slow(*args, **kwargs):
         print("saving", file=sys.stderr, flush=True)
         time.sleep(60)
         return save(*args, **kwargs)
 
-    train.save_checkpoint = slow
-    from finetune.run import main
+    trainer.save_checkpoint = slow
+    from finetune.cli.train import main
 
     sys.exit(main(sys.argv[1:]))
 ''')
@@ -202,17 +202,18 @@ def test_a_signal_before_training_exits_without_a_traceback(tmp_path, tiny_model
     script = tmp_path / "slow_load.py"
     script.write_text(textwrap.dedent('''
         import sys, time
-        import finetune.run as run
+        import finetune.training.recipe as recipe
+        from finetune.cli.train import main
 
-        load = run._load_start_model
+        load = recipe.load_start_model
 
         def slow(*args, **kwargs):
             print("loading", file=sys.stderr, flush=True)
             time.sleep(60)
             return load(*args, **kwargs)
 
-        run._load_start_model = slow
-        sys.exit(run.main(sys.argv[1:]))
+        recipe.load_start_model = slow
+        sys.exit(main(sys.argv[1:]))
     '''))
     run = _Run([sys.executable, str(script), str(_recipe(tmp_path, tiny_model, tmp_path / "run"))])
     run.wait_for(r"(^|\n)loading\n")
@@ -228,7 +229,7 @@ VOTE = textwrap.dedent('''
 
     import torch.distributed as dist
 
-    from finetune.train import StopVote, stop_signals
+    from finetune.training import StopVote, stop_signals
 
     dist.init_process_group("gloo")
     assert dist.get_world_size() == 2, dist.get_world_size()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.throughput import LoopClock, Mark, count_flops, peak_tflops
+from finetune.training.throughput import LoopClock, Mark, count_flops, peak_tflops
 
 
 def test_flops_of_a_linear_layer_forward_and_backward():

@@ -21,13 +21,7 @@ from finetune.models import param_groups
 from finetune.models.adapters import AdapterConfig, apply_adapter
 from finetune.objectives import ClipTerm, Objective, build_objective
 from finetune.objectives.base import Term
-from finetune.train import (
-    NonFiniteLossError,
-    TrainModule,
-    Trainer,
-    list_checkpoints,
-    lr_lambda,
-)
+from finetune.training import NonFiniteLossError, TrainModule, Trainer, list_checkpoints, lr_lambda
 
 
 @pytest.fixture(scope="module")
@@ -161,10 +155,10 @@ def test_naive_micro_batch_losses_would_differ(tmp_path, scenes):
     module = one.acc.unwrap_model(one.wrapped)
     batch = Collator(module.model, module.objective)([scenes[i] for i in range(8)])
     g_big, _ = _grads(one, batch)
-    from finetune.train import _split
+    from finetune.objectives.planning import split_batch
 
     one.optimizer.zero_grad(set_to_none=True)
-    for mb in _split(batch, 2):
+    for mb in split_batch(batch, 2):
         one.wrapped(mb)["loss"].backward()
     g_naive = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
     name = "model.model.visual_projection.weight"
@@ -235,7 +229,7 @@ def test_weights_that_diverge_under_skip_stop_the_run_and_are_never_saved(tmp_pa
     """on_nonfinite: skip after the weights themselves became NaN would skip every remaining step (and crash in the
     evaluation): the run stops at the next logging step naming the steps and the last good checkpoint, and no
     checkpoint holds the NaN weights."""
-    from finetune.train import DivergedError
+    from finetune.training import DivergedError
 
     objective = Objective(ClipTerm(), [(_NaNGradientAtStep(), 1.0)])
     trainer = _trainer(tmp_path, scenes, objective=objective, max_steps=8, on_nonfinite="skip", log_every=2,
@@ -309,7 +303,7 @@ def test_build_objective_from_recipe(tmp_path):
 
 
 def _counting_trainer(tmp_path, objective_section: dict, *, size: int = 48):
-    """A Trainer built as ``finetune.run`` builds it (recipe objective, cached preprocessing, skipping dataset,
+    """A Trainer built as a run builds it (recipe objective, cached preprocessing, skipping dataset,
     collator in one data-loader worker) on tiny-clip at 248 tokens and synthetic scenes."""
     from finetune.data.skipping import SkippingDataset, SkipReportingCollate
 
@@ -400,8 +394,8 @@ def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeyp
     optimiser step, counted in the training process (the data-loader workers work on the CPU)."""
     import logging
 
-    from finetune import train
-    from finetune.run import main
+    from finetune.cli.train import main
+    from finetune.training import Trainer
     from tests.recipes.shipped import RECIPES_DIR, as_shipped_overrides, clear_run, output_dir, \
         prerequisites_as_shipped
 
@@ -412,7 +406,7 @@ def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeyp
     monkeypatch.setattr(logging.getLogger("xlipkit"), "handlers", [])
     monkeypatch.chdir(project.root)
     prerequisites_as_shipped(monkeypatch, project)
-    original, found = train.Trainer.train, []
+    original, found = Trainer.train, []
 
     def counted(self):
         self.total_steps = min(self.total_steps, 6)  # after the schedule was built from the recipe's length
@@ -420,7 +414,7 @@ def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeyp
         found.extend(_reads_between_logging_steps(self, lambda: result.append(original(self)) or result[0]))
         return result[0]
 
-    monkeypatch.setattr(train.Trainer, "train", counted)
+    monkeypatch.setattr(Trainer, "train", counted)
     out = output_dir(path, project)
     clear_run(out)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -433,8 +427,8 @@ def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeyp
 
 @pytest.mark.slow
 def test_compile_gives_the_losses_of_eager(tmp_path, scenes):
-    """train.compile: the towers' blocks compiled (captions padded to compile_lengths) train to the same losses
-    as eager, step for step."""
+    """train.compile: the towers' blocks compiled (static shapes, the run's fixed batch shapes) train to the same
+    losses as eager, step for step."""
     from finetune.models.compile import transformer_blocks
 
     eager = _trainer(tmp_path / "eager", scenes, max_steps=3, log_every=1)
@@ -529,7 +523,7 @@ def test_training_workers_tokenize_on_one_thread(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from finetune.train import worker_signals
+    from finetune.training import worker_signals
 
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     folder = tmp_path / "tiny-clip"  # written by another process: tokenizers disables the pool in a fork of a

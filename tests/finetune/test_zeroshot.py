@@ -1,4 +1,4 @@
-"""Zero-shot classification of an image folder (finetune/zeroshot.py) and ``evaluate --zeroshot``."""
+"""Zero-shot classification of an image folder (finetune/evaluation/zeroshot.py) and ``evaluate --zeroshot``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from finetune.data.images import read_image
-from finetune.evaluate import main
+from finetune.cli.evaluate import main
 from finetune.models.registry import build_model
-from finetune.zeroshot import SEVEN_TEMPLATES, class_embeddings, folder_classes, load_templates, zeroshot_classify
+from finetune.evaluation.zeroshot import SEVEN_TEMPLATES, class_embeddings, folder_classes, load_templates, zeroshot_classify
 
 COLOURS = {"red_thing": (220, 20, 20), "green_thing": (20, 200, 20), "blue_thing": (20, 20, 220),
            "white_thing": (240, 240, 240), "black_thing": (5, 5, 5), "grey_thing": (128, 128, 128)}

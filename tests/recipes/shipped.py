@@ -149,7 +149,7 @@ class Project:
         return self._once(f"model:{name}", lambda: save_tiny(name, self.fixtures / "models" / name))
 
     def towers(self) -> dict[str, Path]:
-        from finetune.models.vision_text import save_tiny_towers
+        from finetune.models.families.vision_text import save_tiny_towers
 
         return self._once("towers", lambda: save_tiny_towers(self.fixtures / "models" / "towers"))
 
@@ -336,22 +336,22 @@ def output_dir(path: Path, project: Project) -> Path:
 def cap_steps(monkeypatch: Any, steps: int = STEPS) -> None:
     """Stop every run (prerequisites included) after ``steps`` optimiser steps: the trainer's step count is
     lowered once it is built, after its learning-rate schedule was made from the recipe's own length."""
-    from finetune import train
+    from finetune.training import Trainer
 
-    original = train.Trainer.__init__
+    original = Trainer.__init__
 
     def capped(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        assert hasattr(self, "total_steps"), "finetune.train.Trainer has no total_steps: update cap_steps"
+        assert hasattr(self, "total_steps"), "finetune.training.Trainer has no total_steps: update cap_steps"
         self.total_steps = min(self.total_steps, steps)
 
-    monkeypatch.setattr(train.Trainer, "__init__", capped)
+    monkeypatch.setattr(Trainer, "__init__", capped)
 
 
 def prerequisites_as_shipped(monkeypatch: Any, project: Project) -> None:
     """The recipes a run builds on (``model.init_from``, ``eval.compare_with``), which the run loads and trains
-    itself (:mod:`finetune.prerequisites`), get the same data and model overrides as a recipe run directly."""
-    from finetune import prerequisites
+    itself (:mod:`finetune.training.prerequisites`), get the same data and model overrides as a recipe run directly."""
+    from finetune.training import prerequisites
     from finetune.config import RecipeError, load_recipe
 
     def load(ref: str, key: str) -> Any:

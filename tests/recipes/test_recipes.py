@@ -95,7 +95,7 @@ def test_as_shipped_overrides_change_only_data_and_model(path, project):
 def test_recipe_runs_as_shipped(path, project, monkeypatch, capsys):
     """Every shipped recipe, with only its data pointed at fixtures and its model at its family's tiny config,
     trains 2 steps and evaluates every set, from `finetune/run.py recipes/NAME.yaml` in a checkout."""
-    from finetune.run import main
+    from finetune.cli.train import main
 
     overrides = as_shipped_overrides(path, project)
     out = output_dir(path, project)
@@ -145,7 +145,7 @@ def test_recipe_runs_as_shipped(path, project, monkeypatch, capsys):
 def test_fastgoal_recipe_with_an_ultralytics_detector(project, monkeypatch, capsys):
     """The route fastgoal_docci.yaml's header offers (`regions.detector=checkpoints/yolov8x.pt`): FLISM's boxes
     from an ultralytics checkpoint, the recipe otherwise as in test_recipe_runs_as_shipped."""
-    from finetune.run import main
+    from finetune.cli.train import main
 
     path = ROOT / "recipes" / "fastgoal_docci.yaml"
     overrides = [o for o in as_shipped_overrides(path, project) if "regions.detector" not in o]
@@ -195,16 +195,16 @@ def test_stream_recipe_passes_the_fields_its_terms_read(path):
     """A stream recipe passes every caption field its term reads (issue 23, item 10: fcast_cc3m_recap did not,
     and its first batch raised after the pre-training evaluation); leaving fields out is a RecipeError naming
     the term's key and the fields, from the check that runs before anything slow."""
-    from finetune.data.streams import check_stream_recipe
+    from finetune.training.checks import check_stream_recipe
 
     recipe = load_recipe(path)
-    check_stream_recipe(recipe)
-    reads = {name: key for term in build_objective(recipe.objective).all_terms
-             for name, key in term.example_fields().items()}
+    objective = build_objective(recipe.objective)
+    check_stream_recipe(recipe, objective)
+    reads = {name: key for term in objective.all_terms for name, key in term.example_fields().items()}
     assert reads, "a shipped stream recipe reads DreamLIP's pre-split caption fields"
     first, *rest = sorted(reads)
     with pytest.raises(RecipeError) as err:
-        check_stream_recipe(load_recipe(path, [f"data.train.options.fields=[json.{first}]"]))
+        check_stream_recipe(load_recipe(path, [f"data.train.options.fields=[json.{first}]"]), objective)
     assert err.value.key == "data.train.options.fields"
     message = str(err.value)
     assert all(f"json.{name}" in message for name in rest) and f"json.{first}," not in message
@@ -213,7 +213,7 @@ def test_stream_recipe_passes_the_fields_its_terms_read(path):
 
 def test_a_stream_without_the_terms_fields_stops_before_anything_runs(tmp_path, capsys):
     """`finetune/run.py` exits 2 with the recipe error and writes nothing (no run folder, no evaluation)."""
-    from finetune.run import main
+    from finetune.cli.train import main
 
     out = tmp_path / "run"
     status = main([str(ROOT / "recipes" / "fcast_cc3m_recap.yaml"), "data.train.options={}", f"output.dir={out}"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datasets
 
 from finetune.data.download import fetch_archive
+from finetune.data.images import broken_link_reason
 from finetune.data.protocols import available_protocols, get_protocol
 from finetune.data.sources import DataError, SourceSpec, register_source
 
@@ -42,6 +43,10 @@ def build_urban1k(spec: SourceSpec) -> datasets.Dataset:
     images = captions.parent / "image"
     rows = _Rows()
     for text_file in sorted(captions.glob("*.txt")):
+        link_problem = broken_link_reason(text_file)
+        if link_problem is not None:  # skipped and counted, like a missing image
+            rows.problem(text_file.stem, f"caption file {text_file}: {link_problem}")
+            continue
         caption = text_file.read_text(encoding="utf-8", errors="replace").strip()
         rows.add(text_file.stem, images / f"{text_file.stem}.jpg", caption)
     if not rows.n_examples:

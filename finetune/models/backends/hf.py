@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from finetune.models.backends.activations import use_fast_quick_gelu
-from finetune.models.atomic import atomic_dir
+from finetune.files import atomic_dir
 from finetune.models.core.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
 from finetune.models.core.encoder import first_state_rows as _first_rows
 from finetune.models.longclip import sync_frozen_rows_hook

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from finetune.models.backends.activations import use_fast_quick_gelu
-from finetune.models.atomic import atomic_dir
+from finetune.files import atomic_dir
 from finetune.models.core.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText, first_state_rows
 from finetune.models.longclip import freeze_rows, kps_ratio
 from finetune.models.core.tokens import hf_tokenize, pad_batch, truncate_keep_end

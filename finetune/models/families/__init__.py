@@ -54,6 +54,8 @@ class ModelFamily:
         detect: ``detect(folder) -> bool``, or None.
         files: what a folder of this family holds, for error messages (``"config.json
             (transformers)"``).
+        options: the dataclass a recipe's ``model.options`` is validated against for this family, or None
+            for a family that takes no options.
     """
 
     name: str
@@ -61,6 +63,7 @@ class ModelFamily:
     saver: Saver
     detect: Detector | None = None
     files: str = ""
+    options: type | None = None
 
 
 #: the families tried last by ``detect_family``: their formats (a transformers ``config.json``) are
@@ -75,6 +78,7 @@ def register_model_family(
     *,
     detect: Detector | None = None,
     files: str = "",
+    options: type | None = None,
 ) -> ModelFamily:
     """Register a model family so that :func:`finetune.load_model` can load, and
     ``save_finetuned`` save, its models (an entry of :data:`finetune.plugins.MODEL_FAMILIES`; the
@@ -90,6 +94,8 @@ def register_model_family(
         detect: ``detect(folder) -> bool``: whether ``folder`` holds a model of this family, for
             ``family="auto"``.
         files: a short description of the family's folder (``"toy_config.json"``), used in errors.
+        options: the dataclass of the family's ``model.options`` (its loader gets the fields that are set as
+            keywords), or None.
 
     Returns:
         the :class:`ModelFamily`.
@@ -106,7 +112,7 @@ def register_model_family(
     for what, fn in (("loader", loader), ("saver", saver), ("detect", detect)):
         if fn is not None and not callable(fn):
             raise TypeError(f"register_model_family({name!r}): {what} must be callable, got {type(fn).__name__}")
-    family = ModelFamily(name, loader, saver, detect, files or f"a {name} model folder")
+    family = ModelFamily(name, loader, saver, detect, files or f"a {name} model folder", options)
     MODEL_FAMILIES.add(name, family)
     return family
 

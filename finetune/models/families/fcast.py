@@ -1,7 +1,8 @@
 """The F-CAST model family ``fcast`` (F-CAST section 3): CAST image encoder + hierarchical text encoder.
 
 - Image: :class:`finetune.models.cast.CastEncoder` on superpixels that :meth:`FCastModel.preprocess_images`
-  computes (``finetune.preprocess.superpixels``) next to the pixels, in the data workers.
+  computes (``finetune.preprocess.superpixels``) next to the pixels, in the data workers, or takes precomputed
+  (a stream's ``KEY.superpixels.png`` entries, written once by ``xlipkit superpixels``).
 - Text (3.2, eqs. 1-3): stage 1, a causal CLIP-style transformer (8 layers, context 77), encodes each
   chunk of 1-3 sentences on its own (``t_sub``, pooled at the end token and projected to D); a light
   residual MLP adapter (CLIP-Adapter, Gao et al. 2024: ``a·MLP(t) + (1-a)·t``, bottleneck D/4, a = 0.2)
@@ -307,16 +308,9 @@ class FCastModel(DualEncoder):
 
     # -- images -----------------------------------------------------------------------------------
     def _prepare_image(self, image: Any) -> np.ndarray:
-        from PIL import Image
+        from finetune.preprocess.superpixels import encoder_view
 
-        img = image.convert("RGB")
-        side = self.image_size
-        w, h = img.size
-        scale = side / min(w, h)
-        img = img.resize((max(side, round(w * scale)), max(side, round(h * scale))), Image.BICUBIC)
-        w, h = img.size
-        left, top = (w - side) // 2, (h - side) // 2
-        return np.asarray(img.crop((left, top, left + side, top + side)), dtype=np.uint8)
+        return encoder_view(image, self.image_size)
 
     def superpixels_of(self, array: np.ndarray) -> np.ndarray:
         """Superpixel labels ``(H, W)`` of a preprocessed RGB uint8 image (through the cache when set)."""
@@ -326,13 +320,43 @@ class FCastModel(DualEncoder):
             return SuperpixelCache(self.superpixel_cache_dir, self.superpixels).get(array)
         return compute_superpixels(array, self.superpixels)
 
-    def preprocess_images(self, images: list[Any]) -> dict[str, Tensor]:
+    def superpixels_of_batch(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """:meth:`superpixels_of` of a batch, ``(B, H, W)``: SFCN in one forward of the network (the same labels as one
+        image at a time), SLIC and SEEDS per image; through the cache when set."""
+        from finetune.preprocess.superpixels import SuperpixelCache, compute_superpixels_batch
+
+        if self.superpixel_cache_dir:
+            return SuperpixelCache(self.superpixel_cache_dir, self.superpixels).get_batch(arrays)
+        return compute_superpixels_batch(arrays, self.superpixels)
+
+    def preprocess_images(self, images: list[Any], superpixels: list[np.ndarray | None] | None = None
+                          ) -> dict[str, Tensor]:
         """PIL images -> ``pixel_values (B, 3, S, S)`` (shortest side resized to S bicubic, centre crop,
-        CLIP normalisation) and ``superpixels (B, S, S)`` int64 labels of the same crop."""
+        CLIP normalisation) and ``superpixels (B, S, S)`` int64 labels of the same crop.
+
+        Args:
+            images: PIL images.
+            superpixels: per image, labels ``(S, S)`` precomputed on that crop (a stream's ``KEY.superpixels.png``
+                entries, written by ``xlipkit superpixels``) or None where they are to be computed here.
+        Raises:
+            ValueError: precomputed labels of another size than the crop.
+        """
         arrays = [self._prepare_image(im) for im in images]
         pixels = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255.0
         pixels = (pixels - torch.tensor(MEAN)[:, None, None]) / torch.tensor(STD)[:, None, None]
-        labels = torch.from_numpy(np.stack([self.superpixels_of(a) for a in arrays])).long()
+        given = list(superpixels) if superpixels is not None else [None] * len(arrays)
+        if len(given) != len(arrays):
+            raise ValueError(f"preprocess_images: {len(given)} superpixel maps for {len(arrays)} images")
+        side = self.image_size
+        for labels in given:
+            if labels is not None and tuple(np.shape(labels)) != (side, side):
+                raise ValueError(f"precomputed superpixels of shape {tuple(np.shape(labels))} for a {side} x {side} "
+                                 f"image: they were made for another image size; run `xlipkit superpixels` again")
+        missing = [i for i, labels in enumerate(given) if labels is None]
+        if missing:
+            for i, labels in zip(missing, self.superpixels_of_batch([arrays[i] for i in missing])):
+                given[i] = labels
+        labels = torch.from_numpy(np.stack([np.asarray(g, dtype=np.int64) for g in given]))
         return {"pixel_values": pixels, "superpixels": labels}
 
     def encode_image_hierarchy(self, pixel_values: Tensor, superpixels: Tensor | None, *,

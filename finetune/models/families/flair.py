@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from losses.flair import TextConditionedAttentionPool
 
-from finetune.models.atomic import atomic_dir
+from finetune.files import atomic_dir
 from finetune.models.families import register_model_family
 from finetune.models.registry import build_model, named_config, register_named_config
 from finetune.models.backends.openclip import OpenCLIPDualEncoder

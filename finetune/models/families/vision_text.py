@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from finetune.models.atomic import atomic_dir
+from finetune.files import atomic_dir
 from finetune.models.core.encoder import DualEncoder, ImageFeatures, TextFeatures, TokenizedText
 from finetune.models.core.encoder import first_state_rows as _first_rows
 from finetune.models.families import register_model_family
@@ -403,7 +403,7 @@ def _save(model: DualEncoder, folder: str) -> None:
     model.save_pretrained(str(folder))
 
 
-register_model_family("vision_text", load_vision_text, _save, detect=_detect,
+register_model_family("vision_text", load_vision_text, _save, detect=_detect, options=VisionTextOptions,
                       files=f"config.json with model_type {MODEL_TYPE!r} (transformers VisionTextDualEncoderModel)")
 
 

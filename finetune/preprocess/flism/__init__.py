@@ -11,7 +11,7 @@ For every image-caption pair, once per dataset and cached (:func:`compute_flism`
    dataset's own boxes (:class:`DatasetBoxes`, the synthetic scenes' ``objects[].box``) can stand in for the
    detector, with or without the dataset's sentence links;
 3. crops (of the original image, through the model's own processor) and sentences are encoded in batches by
-   the frozen model as loaded before training (:class:`finetune.models.frozen.FrozenEncoders`); every sentence is
+   the frozen model as loaded before training (:class:`finetune.preprocess.frozen.FrozenEncoders`); every sentence is
    matched to its most similar crop by cosine similarity (eqs. 1-2, :func:`match_sentences`);
 4. of these matched pairs the single most similar one per image is kept (the paper's default), or the top 3 with
    ``uniform`` or similarity-proportional (``weighted``) weights (Table VIII, :func:`select_pairs`).
@@ -30,23 +30,21 @@ fewer matched sentences than the pairs asked for, its last pair is repeated (wit
 number of pairs (``flism_num_pairs`` keeps the real count); ``weighted`` weights are the pairs' similarities
 (clamped at 0) divided by their sum, ``uniform`` weights are ``1 / m`` for the image's m real pairs.
 
-``python -m finetune.preprocess.flism IMAGES_AND_CAPTIONS OUT`` writes the global-local pairs of a dataset as a
-jsonl (image, caption, box, sentence, sentence index, similarity), resumable (:func:`main`), the GLIT100k-style
-construction of the paper's two-stage FAST-GOAL (Table V).
+``xlipkit pairs IMAGES_AND_CAPTIONS OUT`` (:mod:`finetune.cli.pairs`; ``python -m finetune.preprocess.flism``) writes
+the global-local pairs of a dataset as a jsonl (image, caption, box, sentence, sentence index, similarity),
+resumable (:func:`write_pairs`), the GLIT100k-style construction of the paper's two-stage FAST-GOAL (Table V).
 
 ultralytics lowers OpenCV's thread count when imported and sets torch's inside ``predict`` on a CPU (DESIGN 8):
 every call into it runs inside :func:`finetune.preprocess.regions.preserve_thread_settings`.
 
 The package, by stage: ``detectors`` (the candidate generators and the default regions), ``matcher``
 (:class:`FLISMMatcher`, :func:`compute_flism`, eqs. 1-2 and the pair selection), ``stats`` (the report's
-numbers), ``preview`` (the picture of the kept pairs), ``pairs`` (the pairs file: :func:`write_pairs`,
-:func:`pairs_by_image`) and ``cli`` (``python -m finetune.preprocess.flism``, :func:`main`). Every public name
-is importable from ``finetune.preprocess.flism`` as before the split.
+numbers), ``preview`` (the picture of the kept pairs) and ``pairs`` (the pairs file: :func:`write_pairs`,
+:func:`pairs_by_image`); the command line is :mod:`finetune.cli.pairs`.
 """
 
 from __future__ import annotations
 
-from .cli import main
 from .detectors import (
     DEFAULT_THRESHOLDS,
     DETECTOR_HINT,
@@ -78,7 +76,6 @@ __all__ = [
     "compute_flism",
     "flism_features",
     "flism_stats",
-    "main",
     "mask_box",
     "pairs_by_image",
     "write_pairs",

@@ -16,7 +16,7 @@ from PIL import Image
 from torch import Tensor
 
 from finetune.data.text import split_sentences
-from finetune.preprocess.cache import cached_map
+from finetune.data.cache import cached_map
 from finetune.preprocess.regions import Box, _encode_in_batches, crop_box
 
 from .detectors import DatasetBoxes, candidate_boxes, clip_to_input
@@ -137,7 +137,7 @@ class FLISMMatcher:
             :class:`SamMasks`), a :class:`DatasetBoxes`, or None (the default regions only).
         encode_images: ``list[PIL.Image] -> (n, D)`` under the frozen model as loaded (crops through its processor).
         encode_texts: ``list[str] -> (m, D)`` under the same model.
-        model_id: names the frozen model (``finetune.models.frozen.model_fingerprint``), part of the cache key.
+        model_id: names the frozen model (``finetune.preprocess.frozen.model_fingerprint``), part of the cache key.
         default: add the four quadrants and the centre box (Table VII).
         pairs, weighting: kept pairs per image (:func:`select_pairs`).
         encode_batch_size: crops / sentences per encoder call.
@@ -170,7 +170,7 @@ class FLISMMatcher:
         self.linked = isinstance(proposer, DatasetBoxes) and proposer.links
 
     def params(self) -> dict[str, Any]:
-        """Everything that determines the output, for :func:`finetune.preprocess.cache.cached_map`."""
+        """Everything that determines the output, for :func:`finetune.data.cache.cached_map`."""
         proposer = self.proposer.params() if self.proposer is not None else {"detector": None}
         geometry = {k: self.geometry.get(k) for k in _GEOMETRY_KEYS} if self.geometry is not None else None
         return {"proposer": proposer, "model_id": self.model_id, "default": self.default and not self.linked,

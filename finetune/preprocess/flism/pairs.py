@@ -52,7 +52,7 @@ def _done_ids(out: Path, done: Path) -> set[str]:
         return set()
     ids = {line.strip() for line in done.read_text(encoding="utf-8").splitlines() if line.strip()}
     if out.is_file():
-        from finetune.report import write_text_atomic
+        from finetune.files import write_text_atomic
 
         kept = []
         for line in out.read_text(encoding="utf-8").splitlines():
@@ -191,7 +191,7 @@ def write_pairs(source: dict[str, Any] | str, out: str | Path, model: Any, *, pr
     from tqdm.auto import tqdm
 
     from finetune.data.sources import load_source
-    from finetune.models.frozen import FrozenEncoders, model_fingerprint
+    from finetune.preprocess.frozen import FrozenEncoders, model_fingerprint
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ def render_flism_preview(rows: Sequence[dict[str, Any]], path: str | Path, *, ti
     import matplotlib.pyplot as plt
 
     from finetune.data.images import read_image
-    from finetune.preview import save_png_atomic
+    from finetune.files import save_png_atomic
 
     rows = list(rows)
     fig, axes = plt.subplots(max(1, len(rows)), 2, figsize=(10, 2.6 * max(1, len(rows))), squeeze=False,

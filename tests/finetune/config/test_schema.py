@@ -472,7 +472,7 @@ def test_schema_flag_prints_the_json_schema_with_terms_and_types():
     assert regions["properties"]["encode"]["enum"] == ["crop", "pool"]
     entry = resolve(sections["data"])["properties"]["train"]["anyOf"]
     mapping = resolve(next(a for a in entry if a.get("type") != "string"))
-    assert set(mapping["properties"]) == set(config.SOURCE_SPEC_KEYS)
+    assert set(mapping["properties"]) == set(config.source_spec_keys())
     assert mapping["required"] == ["name"]
     assert "description" not in sections and "source" not in sections
 
@@ -487,7 +487,7 @@ def test_schema_lists_a_term_registered_in_code(term_registry):
 
 
 def test_run_exits_2_on_a_recipe_error(tmp_path, capsys):
-    from finetune.run import main
+    from finetune.cli.train import main
 
     path = write(tmp_path, "# r\ntrain:\n  lrr: 1.0e-5\n")
     assert main([str(path)]) == 2
@@ -501,7 +501,7 @@ def test_run_exits_2_on_a_recipe_error(tmp_path, capsys):
 def test_source_spec_keys_come_from_the_dataclass():
     from finetune.data.sources import SourceSpec
 
-    assert config.SOURCE_SPEC_KEYS == tuple(f.name for f in dataclasses.fields(SourceSpec))
+    assert config.source_spec_keys() == tuple(f.name for f in dataclasses.fields(SourceSpec))
 
 
 def test_a_path_on_a_source_that_takes_none_is_an_error(tmp_path):
@@ -561,10 +561,17 @@ def test_objective_import_registers_a_term_from_a_module(tmp_path, monkeypatch, 
 
 
 def test_scorer_and_model_family_are_checked_against_their_registries(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "finetune.scorers", types.SimpleNamespace(
-        available_scorers=lambda: {"cosine": "", "token_max": ""}))
-    monkeypatch.setitem(sys.modules, "finetune.models.families", types.SimpleNamespace(
-        model_family_names=lambda: ["hf", "open_clip"]))
+    """The recipe reads the names from the registries of the ground floor (finetune.plugins), not from the
+    modules above it."""
+    from finetune import plugins
+
+    scorers, families = plugins.Registry("scorer"), plugins.Registry("model family")
+    for name in ("cosine", "token_max"):
+        scorers.add(name, types.SimpleNamespace(name=name))
+    for name in ("hf", "open_clip"):
+        families.add(name, types.SimpleNamespace(name=name))
+    monkeypatch.setattr(plugins, "SCORERS", scorers)
+    monkeypatch.setattr(plugins, "MODEL_FAMILIES", families)
     recipe = load_recipe(write(tmp_path, "eval:\n  scorer: token_max\nmodel:\n  family: open_clip\n"))
     assert (recipe.eval.scorer, recipe.model.family) == ("token_max", "open_clip")
     with pytest.raises(RecipeError, match=r"line 2: `eval.scorer` is 'token_mx', not a registered scorer: "
@@ -586,7 +593,7 @@ def test_model_family_is_checked_against_the_registered_families(tmp_path):
 
 
 def test_eval_scorer_is_checked_against_the_registered_scorers(tmp_path):
-    scorers = pytest.importorskip("finetune.scorers")
+    scorers = pytest.importorskip("finetune.evaluation.scorers")
     assert "cosine" in scorers.available_scorers()
     with pytest.raises(RecipeError, match=r"`eval.scorer` is 'cosin', not a registered scorer: did you mean `cosine`\?"):
         load_recipe(write(tmp_path, DEFAULTS), ["eval.scorer=cosin"])
@@ -672,10 +679,10 @@ def test_untrusted_recipes_import_nothing(tmp_path, monkeypatch):
     (tmp_path / "side_effect_xyz.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n", encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "side_effect_xyz", raising=False)
-    path = write(tmp_path, "# r\nobjective:\n  import: [finetune.scorers, side_effect_xyz]\n")
+    path = write(tmp_path, "# r\nobjective:\n  import: [finetune.evaluation.scorers, side_effect_xyz]\n")
     with pytest.raises(RecipeError, match=rf"{path}, line 3: `objective.import.1` would import the module "
                                           r"'side_effect_xyz', which runs its code; this recipe is not trusted"):
         load_recipe(path, trust_imports=False)
     assert not marker.exists()
-    assert load_recipe(path).objective.imports == ["finetune.scorers", "side_effect_xyz"]
+    assert load_recipe(path).objective.imports == ["finetune.evaluation.scorers", "side_effect_xyz"]
     assert marker.exists()

@@ -197,7 +197,7 @@ def test_trainer_counts_the_examples_skipped_in_loader_workers(tmp_path):
     from finetune.config import load_recipe
     from finetune.data.collate import Collator
     from finetune.objectives import ClipTerm, Objective
-    from finetune.train import TrainModule, Trainer
+    from finetune.training import TrainModule, Trainer
 
     dataset = _validated_then_truncated(tmp_path)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -222,7 +222,7 @@ def test_trainer_counts_the_examples_skipped_in_loader_workers(tmp_path):
 @pytest.mark.slow
 def test_evaluation_skips_or_raises_on_an_image_that_fails_to_decode(tmp_path):
     from finetune import load_model
-    from finetune.evaluate import encode_for_retrieval
+    from finetune.evaluation import encode_for_retrieval
 
     model = load_model("tiny-clip")
     dataset = _validated_then_truncated(tmp_path)

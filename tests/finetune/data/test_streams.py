@@ -149,8 +149,8 @@ def test_keys_a_stream_does_not_use_are_refused(tmp_path):
 
 
 def test_stream_recipe_without_max_steps_is_a_recipe_error(tmp_path, monkeypatch):
-    from finetune import run as run_module
     from finetune.config import RecipeError, load_recipe
+    from finetune.training import run_recipe
 
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
         "data.train={name: webdataset, urls: 'x.tar'}", "train.max_steps=null", "train.epochs=1",
@@ -160,9 +160,9 @@ def test_stream_recipe_without_max_steps_is_a_recipe_error(tmp_path, monkeypatch
     def no_model(*args, **kwargs):
         raise AssertionError("the model must not load before the recipe error")
 
-    monkeypatch.setattr("finetune.load_model", no_model)
+    monkeypatch.setattr("finetune.training.model.load_model", no_model)
     with pytest.raises(RecipeError, match="train.max_steps") as info:
-        run_module.run(recipe)
+        run_recipe(recipe)
     assert info.value.key == "train.max_steps"
 
 
@@ -502,7 +502,7 @@ def test_fcast_superpixels_and_subcaption_epochs_are_computed_in_the_workers(tmp
     from finetune import load_model
     from finetune.data.collate import Collator
     from finetune.data.streams import StreamLoader, set_terms_epoch
-    from finetune.models.fcast import FCastModel
+    from finetune.models.families.fcast import FCastModel
     from finetune.objectives.base import Objective
     from finetune.objectives.fcast import FCastOptions
     from finetune.objectives.registry import build_term
@@ -512,14 +512,14 @@ def test_fcast_superpixels_and_subcaption_epochs_are_computed_in_the_workers(tmp
     objective = Objective(None, [(term, 1.0)])
     objective.prepare_model(model)
     pids = tmp_path / "superpixel_pids.txt"
-    original = FCastModel.superpixels_of
+    original = FCastModel.superpixels_of_batch
 
-    def recording(self, array):
+    def recording(self, arrays):
         with open(pids, "a") as f:
             f.write(f"{os.getpid()}\n")
-        return original(self, array)
+        return original(self, arrays)
 
-    monkeypatch.setattr(FCastModel, "superpixels_of", recording)
+    monkeypatch.setattr(FCastModel, "superpixels_of_batch", recording)
     scenes = _scenes(8)
     write_webdataset(tmp_path / "shards", scenes, 2)  # 4 shards, 2 per worker
     spec = {"name": "webdataset", "urls": str(tmp_path / "shards" / "shard-{00000..00003}.tar"), "shuffle_buffer": 0}
@@ -567,8 +567,8 @@ def _run_recording(recipe, monkeypatch, stop_at: int | None = None) -> list[list
     :class:`_Stop` when step ``stop_at`` would start, as if the run were killed)."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune.run import run
-    from finetune.train import Trainer
+    from finetune.training import run_recipe
+    from finetune.training import Trainer
 
     seen: list[list[str]] = []
     original = getattr(Trainer._step, "unrecorded", Trainer._step)
@@ -584,7 +584,7 @@ def _run_recording(recipe, monkeypatch, stop_at: int | None = None) -> list[list
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     try:
-        assert run(recipe) == 0
+        assert run_recipe(recipe) == 0
     except _Stop:
         pass
     return seen
@@ -640,8 +640,8 @@ _TWO_PROCESS_SCRIPT = textwrap.dedent('''
     from pathlib import Path
 
     from finetune.config import load_recipe
-    from finetune.run import run
-    from finetune.train import Trainer
+    from finetune.training import run_recipe
+    from finetune.training import Trainer
 
     out, tiny, urls = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     seen, where = [], {}
@@ -659,7 +659,7 @@ _TWO_PROCESS_SCRIPT = textwrap.dedent('''
         "eval.sets=[]", "eval.compare_base_length=false", "train.batch_size=4", "train.max_steps=3",
         "train.trackers=[]", "train.mixed_precision=no", "train.checkpoint_every=3", f"output.dir={out / 'run'}",
     ])
-    status = run(recipe)
+    status = run_recipe(recipe)
     (out / f"ids_{where['rank']}.json").write_text(json.dumps({**where, "ids": seen}))
     sys.exit(status)
 ''')
@@ -699,7 +699,7 @@ def test_two_processes_read_disjoint_shards(tmp_path):
 
 def test_preview_of_a_stream_recipe(tmp_path):
     from finetune.models.registry import save_tiny
-    from finetune.preview import main
+    from finetune.cli.preview import main
 
     tiny = save_tiny("tiny-clip", tmp_path / "tiny")
     write_webdataset(tmp_path / "shards", _scenes(4), 2)

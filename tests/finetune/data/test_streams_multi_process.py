@@ -29,8 +29,8 @@ _SCRIPT = textwrap.dedent('''
     import json, os, sys, time
     from pathlib import Path
 
-    from finetune import run
-    from finetune.train import Trainer
+    from finetune.cli.train import main
+    from finetune.training import Trainer
 
     out, tag = Path(os.environ["IDS_DIR"]), os.environ["IDS_TAG"]
     hang = int(os.environ.get("HANG_AT_STEP", "0"))
@@ -52,7 +52,7 @@ _SCRIPT = textwrap.dedent('''
         return original(self, batch)
 
     Trainer._step = recording
-    sys.exit(run.main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))
 ''')
 
 

@@ -8,7 +8,6 @@ Other packages' tests can do the same with the public helpers
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,17 +15,6 @@ from PIL import Image
 
 from finetune.models.core.encoder import DualEncoder
 from finetune.models.registry import TINY_NAMES
-
-
-@pytest.fixture
-def load_tiny(tiny_dir: Callable[[str], Path]) -> Callable[..., DualEncoder]:
-    """``load_tiny(name, **load_model_kwargs)``: a fresh model loaded from the saved folder."""
-    from finetune import load_model
-
-    def load(name: str, **kwargs: object) -> DualEncoder:
-        return load_model(str(tiny_dir(name)), **kwargs)
-
-    return load
 
 
 @pytest.fixture(params=TINY_NAMES)

@@ -11,14 +11,9 @@ import torch.nn.functional as F
 
 from finetune import load_finetuned, load_model
 from finetune.models import param_groups
-from finetune.models.adapters import (
-    AdapterConfig,
-    apply_adapter,
-    enable_gradient_checkpointing,
-    merge_adapter,
-    peft_model_of,
-    save_finetuned,
-)
+from finetune.models.adapters import (AdapterConfig, apply_adapter, enable_gradient_checkpointing, merge_adapter,
+                                      peft_model_of)
+from finetune.models.finetuned import save_finetuned
 from finetune.models.longclip import apply_kps
 from finetune.models.registry import TINY_NAMES
 

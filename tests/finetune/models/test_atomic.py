@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.models.atomic import atomic_dir
+from finetune.files import atomic_dir
 
 
 def test_new_folder_replaces_old_one(tmp_path) -> None:

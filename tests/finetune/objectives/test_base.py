@@ -386,7 +386,7 @@ def test_undeclared_collisions_fail_while_running(model, batch):
 
 
 def test_a_run_without_base_names_only_its_terms_on_the_model_card():
-    from finetune.model_card import method_keys
+    from finetune.hub.model_card import method_keys
 
     recipe = {"objective": {"base": "none", "terms": {"structxlip": {}}}}
     assert method_keys({}, recipe) == ["structxlip"]

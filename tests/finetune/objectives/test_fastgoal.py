@@ -26,7 +26,7 @@ from finetune.objectives.contrastive import ClipTerm
 from finetune.objectives.fastgoal import FastGoalOptions, FastGoalTerm, FastGoalWeights, FlismOptions
 from finetune.objectives.tsl_heads import TSL_HEADS_NAME
 from finetune.preprocess.geometry import box_patch_mask
-from finetune.train import _split
+from finetune.objectives.planning import split_batch
 from losses import clip_loss
 from losses.tsl import TSLHeads
 from tests.losses.tsl_host_reads import HostReads
@@ -280,7 +280,7 @@ def test_merged_micro_batches_give_the_loss_of_one_batch(setup, model):
     batch = Collator(model, objective)([data[i] for i in range(4)])
     with torch.no_grad():
         whole = objective.loss(model, objective.encode(model, batch))
-        merged = objective.loss(model, merge_features([objective.encode(model, mb) for mb in _split(batch, 2)]))
+        merged = objective.loss(model, merge_features([objective.encode(model, mb) for mb in split_batch(batch, 2)]))
     for key in whole:
         assert float(merged[key]) == pytest.approx(float(whole[key]), rel=1e-4, abs=1e-6), key
 

@@ -169,12 +169,12 @@ def _stream_recipe(urls, out):
 def test_streaming_recipe_trains_on_local_webdataset_shards(tmp_path):
     from tests.recipes.test_recipes import _reset_accelerate
 
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     urls = write_dreamlip_shards(tmp_path / "shards")
     recipe = _stream_recipe(urls, tmp_path / "run")
     _reset_accelerate()
-    assert run(recipe) == 0
+    assert run_recipe(recipe) == 0
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 2 and math.isfinite(metrics["final_losses"]["flair"])
     assert {"flair/tcs", "flair/mps"} <= set(metrics["final_losses"])
@@ -185,12 +185,12 @@ def test_streaming_recipe_trains_on_local_webdataset_shards(tmp_path):
 def test_a_string_caption_field_in_the_shards_stops_the_run_naming_it(tmp_path):
     from tests.recipes.test_recipes import _reset_accelerate
 
-    from finetune.run import run
+    from finetune.training import run_recipe
 
     urls = write_dreamlip_shards(tmp_path / "shards", string_field=True)
     _reset_accelerate()
     with pytest.raises(TypeError, match="long_IB_captions"):
-        run(_stream_recipe(urls, tmp_path / "run"))
+        run_recipe(_stream_recipe(urls, tmp_path / "run"))
 
 
 def test_class_token_gets_its_gradient_from_l_mps_only(model):
@@ -305,7 +305,7 @@ def _trainer_for(tmp_path, dataset, model, term, **train):
     from accelerate.state import AcceleratorState, GradientState
 
     from finetune.config import load_recipe
-    from finetune.train import TrainModule, Trainer
+    from finetune.training import TrainModule, Trainer
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

@@ -12,7 +12,8 @@ from finetune import load_finetuned, load_model
 from finetune.config import ObjectiveConfig
 from finetune.data.collate import Collator
 from finetune.data.sources import load_source
-from finetune.models.adapters import apply_adapter, save_finetuned
+from finetune.models.adapters import apply_adapter
+from finetune.models.finetuned import save_finetuned
 from finetune.objectives import build_objective
 from finetune.objectives.grm import HEAD_KEY, GRMOptions, GRMTerm, image_key, install_head
 from losses import GRMHead, grm_loss
@@ -217,7 +218,7 @@ def test_grm_trains_on_a_stream_and_saves_its_head(tmp_path: Path, monkeypatch) 
 
     from finetune.config import load_recipe
     from finetune.models.registry import save_tiny
-    from finetune.run import run
+    from finetune.training import run_recipe
     from tests.finetune.data.test_streams import _scenes as stream_scenes
     from tests.finetune.data.test_streams import write_webdataset
     from tests.recipes.test_recipes import _reset_accelerate
@@ -241,7 +242,7 @@ def test_grm_trains_on_a_stream_and_saves_its_head(tmp_path: Path, monkeypatch) 
 
     monkeypatch.setattr(GRMTerm, "prepare_model", recording)
     _reset_accelerate()
-    assert run(recipe) == 0
+    assert run_recipe(recipe) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 3 and {"grm/con", "grm/reg"} <= set(metrics["final_losses"])
     head_size = sum(p.numel() for p in installed["head"].parameters())

@@ -36,7 +36,7 @@ def _mid_towers(folder: Path) -> dict[str, Path]:
     import torch
     from transformers import BertConfig, BertModel, ViTConfig, ViTModel
 
-    from finetune.models.vision_text import tiny_bert_tokenizer
+    from finetune.models.families.vision_text import tiny_bert_tokenizer
 
     torch.manual_seed(0)
     tokenizer = tiny_bert_tokenizer(model_max_length=512)
@@ -92,7 +92,7 @@ class _Messages(logging.Handler):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["grm_flickr30k", "grm_clip_lora_docci"])
 def test_paper_recipe_keeps_its_gates_open_and_ranks(name: str, tmp_path: Path) -> None:
-    from finetune.run import run
+    from finetune.training import run_recipe
     from tests.recipes.test_recipes import _reset_accelerate
 
     shipped = load_recipe(ROOT / "recipes" / f"{name}.yaml")
@@ -105,7 +105,7 @@ def test_paper_recipe_keeps_its_gates_open_and_ranks(name: str, tmp_path: Path) 
     log, handler = logging.getLogger("xlipkit"), _Messages()
     log.addHandler(handler)
     try:
-        assert run(recipe) == 0
+        assert run_recipe(recipe) == 0
     finally:
         log.removeHandler(handler)
     scorer_lines = [m for m in handler.messages if m.startswith("scorer grm")]

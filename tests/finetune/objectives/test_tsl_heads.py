@@ -82,7 +82,7 @@ def _real_geometry_clip(config_name: str) -> tuple:
     config ``config_name`` (width 32, one layer), its processor as the hub checkpoint's."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
-    from finetune.models.hf import HFDualEncoder
+    from finetune.models.backends.hf import HFDualEncoder
     from finetune.models.offline_tokenizers import clip_tokenizer
 
     vision_cfg = open_clip.get_model_config(config_name)["vision_cfg"]
@@ -275,7 +275,7 @@ def test_new_heads_need_a_norm_and_linear_head(tiny_dir):
 
 
 def test_attached_heads_are_saved_and_restored_with_the_model(tiny_dir, tmp_path):
-    from finetune.models.adapters import load_finetuned, save_finetuned
+    from finetune.models.finetuned import load_finetuned, save_finetuned
 
     model = load_model(str(tiny_dir("tiny-clip")))
     heads = attach_tsl_heads(model)
@@ -297,7 +297,7 @@ def test_a_model_with_heads_loads_in_a_fresh_process_without_importing_losses(ti
     import subprocess
     import sys
 
-    from finetune.models.adapters import save_finetuned
+    from finetune.models.finetuned import save_finetuned
 
     model = load_model(str(tiny_dir("tiny-clip")))
     with torch.no_grad():
@@ -306,7 +306,7 @@ def test_a_model_with_heads_loads_in_a_fresh_process_without_importing_losses(ti
     torch.save(model.inference_modules["tsl_heads"].state_dict(), tmp_path / "heads.pt")
     script = (
         "import sys, torch\n"
-        "from finetune.models.adapters import load_finetuned\n"
+        "from finetune.models.finetuned import load_finetuned\n"
         f"model = load_finetuned({str(tmp_path / 'final')!r})\n"
         "assert 'losses.tsl' in sys.modules\n"
         f"saved = torch.load({str(tmp_path / 'heads.pt')!r}, weights_only=True)\n"

@@ -301,7 +301,7 @@ def test_fastsam_through_compute_regions(random_seg_checkpoint, tmp_path, caplog
 
 # -- regions the dataset provides ------------------------------------------------------------------------
 def test_chunks_map_to_their_sentences_when_a_filtered_sentence_vanishes():
-    from finetune.preprocess.regions import chunk_sentence_indices
+    from finetune.preprocess.region_links import chunk_sentence_indices
 
     sentences = ["A red cat sits.", "Red.", "A blue dog runs.", "A dog sleeps."]
     # the lexicon filter took "Red." away entirely: counting chunks would give sentence 1 to "A dog runs"
@@ -311,7 +311,7 @@ def test_chunks_map_to_their_sentences_when_a_filtered_sentence_vanishes():
 
 
 def test_dataset_region_links_keep_the_linked_chunks_and_their_objects():
-    from finetune.preprocess.regions import DatasetRegionLinks
+    from finetune.preprocess.region_links import DatasetRegionLinks
 
     batch = {
         "filtered_caption": ["A picture. A cat sits on the left. A dog and a cat. A dog runs."],

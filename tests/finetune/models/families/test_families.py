@@ -25,7 +25,8 @@ from torch import Tensor, nn
 import finetune
 import finetune.models as models
 from finetune import load_finetuned, load_model
-from finetune.models.adapters import apply_adapter, save_finetuned
+from finetune.models.adapters import apply_adapter
+from finetune.models.finetuned import save_finetuned
 from finetune.models.core.encoder import (
     DualEncoder,
     ImageFeatures,
@@ -320,7 +321,7 @@ def test_toy_family_trains_through_finetune_train(toy_dir: Path, tmp_path: Path)
     from finetune.data.collate import Collator
     from finetune.data.sources import load_source
     from finetune.objectives import ClipTerm, Objective
-    from finetune.train import TrainModule, Trainer
+    from finetune.training import TrainModule, Trainer
 
     scenes = load_source({"name": "synthetic", "size": 16, "seed": 0, "options": {"image_size": 32}}).dataset
     model = apply_adapter(load_model(str(toy_dir)), {"type": "full"})
@@ -459,7 +460,7 @@ def test_inference_module_is_staged_for_the_hub_and_exported(clip_base: Path, tm
 
 
 def test_model_card_offers_no_plain_snippet_for_another_family() -> None:
-    from finetune.model_card import plain_snippet
+    from finetune.hub.model_card import plain_snippet
 
     assert plain_snippet({"kind": "full", "backend": "toy", "family": "clip"}, "me/toy") is None
     assert plain_snippet({"kind": "full", "backend": "hf", "family": "clip"}, "me/clip")[0] == "With plain transformers"

@@ -1,4 +1,4 @@
-"""The fcast model family (finetune/models/fcast.py): tokenisation, encoders, save / load round trip."""
+"""The fcast model family (finetune/models/families/fcast.py): tokenisation, encoders, save / load round trip."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_images_need_superpixels_and_embed_the_class_token(model, scenes):
 
 
 def test_save_load_round_trip_and_detection(model, scenes, tmp_path):
-    from finetune.models.adapters import save_finetuned
+    from finetune.models.finetuned import save_finetuned
 
     inputs = model.preprocess_images([e["image"] for e in scenes])
     tok = model.tokenize([e["caption"] for e in scenes])
@@ -93,7 +93,7 @@ def test_save_load_round_trip_and_detection(model, scenes, tmp_path):
 
 def test_push_stages_the_safetensors_folder_that_loads_back(model, scenes, tmp_path):
     from finetune.hub import stage_upload
-    from finetune.models.adapters import load_finetuned, save_finetuned
+    from finetune.models.finetuned import load_finetuned, save_finetuned
 
     folder = save_finetuned(model, tmp_path / "final")
     out = stage_upload(folder, tmp_path / "upload", repo_id="me/fcast-tiny")

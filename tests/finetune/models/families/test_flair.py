@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from finetune import load_finetuned, load_model
-from finetune.models.adapters import apply_adapter, save_finetuned
+from finetune.models.adapters import apply_adapter
+from finetune.models.finetuned import save_finetuned
 from finetune.models.families import detect_family, model_family_names
 from finetune.models.families.flair import (
     CONFIG_NAME,

@@ -11,7 +11,8 @@ from PIL import Image
 
 from finetune import load_finetuned, load_model
 from finetune.config import RecipeError, load_recipe
-from finetune.models.adapters import apply_adapter, save_finetuned
+from finetune.models.adapters import apply_adapter
+from finetune.models.finetuned import save_finetuned
 from finetune.models.families import detect_family, model_family_names
 from finetune.models.registry import save_tiny
 from finetune.models.families.vision_text import VisionTextDualEncoder, VisionTextOptions, save_tiny_towers

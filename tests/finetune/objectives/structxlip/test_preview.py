@@ -64,11 +64,3 @@ def test_preview_names_where_the_regions_came_from():
 def test_render_preview_needs_an_example(tmp_path):
     with pytest.raises(ValueError, match="at least one example"):
         render_preview([], tmp_path / "none.png")
-
-
-def test_the_old_path_draws_with_the_same_function():
-    """``finetune.preview.render_preview`` (and ``save_png_atomic``, which FLISM's preview imports) stay importable."""
-    import finetune.preview as preview
-    from finetune.models.atomic import save_png_atomic
-
-    assert preview.render_preview is render_preview and preview.save_png_atomic is save_png_atomic

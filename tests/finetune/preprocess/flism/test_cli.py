@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from finetune.preprocess.flism.cli import main
+from finetune.cli.pairs import main
 from tests.finetune.preprocess.flism.stubs import REPO
 
 pytestmark = pytest.mark.usefixtures("quiet_datasets")

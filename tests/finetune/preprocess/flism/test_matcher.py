@@ -138,9 +138,9 @@ def test_flism_scored_by_a_trained_quickstart_model_picks_the_described_object(t
 
     from finetune.config import load_recipe
     from finetune.data.sources import load_source
-    from finetune.models.adapters import load_finetuned
-    from finetune.models.frozen import FrozenEncoders
-    from finetune.run import run
+    from finetune.models.finetuned import load_finetuned
+    from finetune.preprocess.frozen import FrozenEncoders
+    from finetune.training import run_recipe
 
     out = tmp_path / "run"
     recipe = load_recipe(REPO / "recipes" / "quickstart_clip.yaml", [
@@ -148,7 +148,7 @@ def test_flism_scored_by_a_trained_quickstart_model_picks_the_described_object(t
         "data.num_workers=0", f"output.dir={out}", f"data.cache_dir={tmp_path / 'cache'}"])
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    assert run(recipe) == 0
+    assert run_recipe(recipe) == 0
     model = load_finetuned(str(out / "final")).eval()
     scenes = load_source({"name": "synthetic", "split": "test", "size": 96, "seed": 1}).dataset
     encoders = FrozenEncoders(model)

@@ -15,12 +15,14 @@ BEFORE_THE_SPLIT = {
     "FLISMMatcher": "matcher", "compute_flism": "matcher", "flism_features": "matcher", "match_sentences": "matcher",
     "select_pairs": "matcher",
     "flism_stats": "stats", "render_flism_preview": "preview",
-    "pairs_by_image": "pairs", "write_pairs": "pairs", "main": "cli",
+    "pairs_by_image": "pairs", "write_pairs": "pairs",
 }
 
 
 def test_every_name_of_the_module_is_exported_by_the_package_from_its_stage_module():
-    assert set(BEFORE_THE_SPLIT) <= set(flism.__all__)
+    """...but its command line, which moved up to finetune.cli.pairs (issue 32: the preprocessing floor loads no
+    model)."""
+    assert set(BEFORE_THE_SPLIT) <= set(flism.__all__) and "main" not in flism.__all__
     for name, module in BEFORE_THE_SPLIT.items():
         stage = importlib.import_module(f"finetune.preprocess.flism.{module}")
         assert getattr(flism, name) is getattr(stage, name), name

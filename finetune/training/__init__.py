@@ -1,0 +1,65 @@
+"""Training (DESIGN 6): the Accelerate loop and everything a run does around it, one job per module.
+
+- :mod:`~finetune.training.optim`: the optimiser and its schedule;
+- :mod:`~finetune.training.checkpoint`: checkpoints written atomically, a full disk diagnosed, listing and resuming;
+- :mod:`~finetune.training.signals`: SIGINT / SIGTERM, the stop vote of several processes, data-loader workers;
+- :mod:`~finetune.training.meter`: the loss terms and counts kept on the device between reads (:class:`StepMeter`);
+- :mod:`~finetune.training.loaders`: per-epoch seeded shuffles over one pass of persistent workers;
+- :mod:`~finetune.training.throughput`: steady samples/s, data-wait share, FLOPs, MFU;
+- :mod:`~finetune.training.trainer`: the loop (:class:`Trainer`, :class:`TrainModule`);
+- :mod:`~finetune.training.recipe`: a run end to end (:class:`FinetuneRecipe`, :func:`run_recipe`): ``setup``,
+  ``setup_data``, ``setup_model``, ``setup_eval``, ``train``, ``finish`` over one typed
+  :class:`~finetune.training.context.RunContext`, with the helpers of each stage: ``checks`` (before anything
+  slow), ``inputs`` (the sets, the rows, the stream), ``model`` (the start model, made ready), ``outputs`` (after
+  training), ``prerequisites`` (``model.init_from``, ``eval.compare_with``), ``environment`` (the accelerator, the
+  logging, the threads), ``failures`` and ``launch`` (how a stopped or failed run ends, and how to continue it).
+
+Features:
+- one process, DDP, FSDP or DeepSpeed, from ``accelerate config`` / ``accelerate launch``; mixed precision
+  (``train.mixed_precision``);
+- ``train.batch_size`` is the GLOBAL batch of one optimiser step (the papers' number), split over processes
+  and over ``train.accumulation_steps`` micro-batches;
+- contrastive gradient accumulation with cached features (open_clip's accum-freq scheme): every micro-batch
+  is first encoded without gradients, then re-encoded with gradients and scored against the cached features
+  of the others, so negatives span the whole accumulated batch and the gradient equals the one of a single
+  big batch; parameters the loss reads directly (logit scale, temperatures) get their gradient once;
+- AdamW (fused where the device supports it) with no weight decay on biases, norms, positional tables and
+  logit scale/bias; cosine-to-``min_lr`` or constant schedule with linear warmup; gradient clipping;
+  ``train.logit_scale_max`` clamps the LOG logit scale after every step (StructXLIP D.2);
+- ``drop_last`` loaders with a per-epoch seeded shuffle, so a resumed run sees the same batches; streamed data
+  (``finetune.data.streams``) runs ``train.max_steps`` steps and resumes from each process's saved position;
+- checkpoints (``accelerator.save_state``) every ``train.checkpoint_every`` steps into
+  ``checkpoints/step-N`` written atomically (temp folder, then rename), the last ``keep_checkpoints`` kept;
+  ``train.resume: latest | PATH`` continues to the same weights as an uninterrupted run;
+- no host read of a device tensor between logging steps: the loss terms, the non-finite check and the counts
+  accumulate on the device (:class:`StepMeter`) and are read at ``train.log_every``, checkpoints and the end;
+  batches are planned and JPEGs decoded to ``uint8`` in the data-loader workers
+  (:class:`finetune.objectives.planning.PlannedCollate`), pixels normalised on the device; the map-style loader's
+  workers are persistent and prefetch across epochs, its batches pinned;
+- a non-finite loss is never applied (fused AdamW skips the update on the device through ``found_inf``); at
+  the next read the run stops naming the first bad step and term (``on_nonfinite: raise``) or goes on
+  (``skip``, counted);
+- every loss term and the learning rate logged to the recipe's trackers, a progress bar with the recent loss
+  and samples/s on the main process; the steady samples/s, the data-wait share and TFLOP/s
+  (:mod:`finetune.training.throughput`) in the result;
+- ``train.compile``: the towers' transformer blocks compiled with ``torch.compile``
+  (:mod:`finetune.models.compile`).
+"""
+
+from __future__ import annotations
+
+from finetune.training.checkpoint import (SaveFailedError, TrainState, describe_save_failure, is_write_error,
+                                          list_checkpoints, save_checkpoint)
+from finetune.training.meter import MeterReading, StepMeter
+from finetune.training.optim import build_optimizer, build_scheduler, lr_lambda
+from finetune.training.signals import (RunInterrupted, StopSignals, StopVote, TrainingStopped, stop_signals,
+                                       worker_signals)
+from finetune.training.trainer import DivergedError, NonFiniteLossError, TrainModule, TrainResult, Trainer
+from finetune.training.context import RunContext  # the run, on top of the loop
+from finetune.training.recipe import FinetuneRecipe, run_recipe
+
+__all__ = ["DivergedError", "FinetuneRecipe", "MeterReading", "NonFiniteLossError", "RunContext", "RunInterrupted",
+           "SaveFailedError", "StepMeter", "StopSignals", "StopVote", "TrainModule", "TrainResult", "TrainState",
+           "Trainer", "TrainingStopped", "build_optimizer", "build_scheduler", "describe_save_failure",
+           "is_write_error", "list_checkpoints", "lr_lambda", "run_recipe", "save_checkpoint", "stop_signals",
+           "worker_signals"]

@@ -1,0 +1,161 @@
+"""What a run reads: its sets, loaded and checked before the model loads (:func:`load_data`), the checkpoint it
+resumes from (:func:`find_resume`), the rows it trains on after the objective's preprocessing
+(:func:`training_set`) or its stream (:func:`open_train_stream`), and what the stream read (:func:`stream_report`)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+from accelerate.utils import broadcast_object_list, gather_object
+
+from finetune.config import Recipe
+from finetune.data.images import DEFAULT_MAX_IMAGE_PIXELS, DataError, set_max_image_pixels
+from finetune.data.skipping import drop_undecodable
+from finetune.data.sources import load_source
+from finetune.data.streams import (ExampleStream, check_stream_columns, check_stream_shards, open_stream,
+                                   shard_layout)
+from finetune.evaluation import set_label
+from finetune.objectives import Objective, Term
+from finetune.resume import CheckpointError, find_checkpoint
+from finetune.training.context import RunData, TrainingSet
+
+log = logging.getLogger("xlipkit")
+
+__all__ = ["find_resume", "load_data", "open_train_stream", "preprocesses", "stream_report", "training_set"]
+
+
+def load_data(recipe: Recipe, accelerator: Any) -> RunData:
+    """Load and validate the training set and every evaluation set (and find the resume checkpoint) before the
+    model loads or anything is written; errors name the set. A streamed ``data.train`` is opened by the loop: its
+    shards and columns are checked here, on every process (its own shards).
+
+    Raises:
+        DataError: a set that cannot be loaded (unknown name, missing files, bad examples with
+            ``data.on_error: raise``).
+        CheckpointError: a ``train.resume`` that names no usable checkpoint.
+    """
+    resume = find_resume(recipe, accelerator)
+    set_max_image_pixels(getattr(recipe.data, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
+    options = dict(on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir,
+                   validate=getattr(recipe.data, "validate", "header"))
+    train = None
+    if recipe.data.train.is_stream:  # a typed SourceSpec since load_recipe
+        try:
+            check_stream_shards(recipe.data.train, accelerator.num_processes)
+            check_stream_columns(recipe.data.train, rank=accelerator.process_index,
+                                 world_size=accelerator.num_processes)
+        except DataError as exc:
+            raise DataError(f"training set (data.train): {exc}") from exc
+    else:
+        with accelerator.main_process_first():
+            try:
+                train = load_source(recipe.data.train, **options)
+            except (DataError, OSError) as exc:
+                raise DataError(f"training set (data.train) could not be loaded: {exc}") from exc
+    sets = []
+    ev = recipe.eval
+    if ev.sets and (ev.before or ev.after or ev.compare_base_length):
+        for spec in ev.sets:
+            with accelerator.main_process_first():
+                try:
+                    sets.append(load_source(spec, **options))
+                except (DataError, OSError) as exc:
+                    raise DataError(f"evaluation set {set_label(spec)!r} (eval.sets) could not be loaded: "
+                                    f"{exc}") from exc
+    return RunData(train=train, eval=sets, resume=resume)
+
+
+def find_resume(recipe: Recipe, accelerator: Any) -> Path | None:
+    """The checkpoint ``train.resume`` names (:func:`finetune.resume.find_checkpoint`: every file's sha256 checked,
+    ``latest`` falling back past damaged ones), found by the main process and told to the others, so that the
+    files are read once.
+
+    Raises:
+        CheckpointError: on every process, naming the file.
+    """
+    t = recipe.train
+    found, error = None, None
+    if accelerator.is_main_process:
+        try:
+            found = find_checkpoint(t.resume, Path(recipe.output.dir) / "checkpoints",
+                                    world_size=accelerator.num_processes,
+                                    ignore_rng=bool(getattr(t, "resume_ignore_rng", False)))
+        except CheckpointError as exc:
+            error = str(exc)
+    if accelerator.num_processes > 1:
+        found, error = broadcast_object_list([found, error])
+    if error:
+        raise CheckpointError(error)
+    return found
+
+
+def training_set(recipe: Recipe, source: Any, objective: Objective, model: Any, accelerator: Any) -> TrainingSet:
+    """The rows the loop trains on: ``data.train`` (``source``, as loaded) after the objective's preprocessing,
+    computed once by the main process and reused from the cache by the others; images that do not decode are
+    dropped first when a term preprocesses the whole set (it decodes every image). A stream is opened instead
+    (``source`` None)."""
+    if source is None:
+        return TrainingSet(open_train_stream(recipe, objective, model, accelerator))
+    _log_skips("train", source)
+    with accelerator.main_process_first():  # cached preprocessing: computed once, then reused by the others
+        rows = source.dataset
+        if preprocesses(objective):  # it decodes every image: bad ones must not reach it
+            rows, dropped = drop_undecodable(rows, on_error=recipe.data.on_error, cache_dir=recipe.data.cache_dir)
+            if dropped:
+                source.skipped += len(dropped)
+                source.skipped_examples.extend(dropped)
+                source.skipped_ids.extend(e["id"] for e in dropped)
+                log.warning("train set: skipped %d images that do not decode before preprocessing (first: %s)",
+                            len(dropped), ", ".join(e["id"] for e in dropped[:5]))
+        rows = objective.preprocess(rows, model, cache_dir=recipe.data.cache_dir, log=log)
+    return TrainingSet(rows, source)
+
+
+def open_train_stream(recipe: Recipe, objective: Objective, model: Any, accelerator: Any) -> ExampleStream:
+    """``data.train`` as this process's :class:`~finetune.data.streams.ExampleStream`, the objective's
+    per-example work (``stream_map``) run on every example."""
+    spec = recipe.data.train
+    rank, world = accelerator.process_index, accelerator.num_processes
+    raw = open_stream(spec, rank=rank, world_size=world)
+    shards = check_stream_shards(spec, world)  # None for a hub dataset
+    log.info("training on a stream: %s, %s; process %d reads %d, %d steps", spec.name,
+             shard_layout(shards, world, recipe.data.num_workers) if shards else f"{world} process(es)",
+             rank, raw.num_shards, recipe.train.max_steps)
+    return ExampleStream(raw, spec, on_error=recipe.data.on_error, rank=rank, world_size=world,
+                         transform=functools.partial(objective.stream_map, model=model))
+
+
+def stream_report(loader: Any, accelerator: Any) -> dict:
+    """The streams' counts summed over processes and their data-loader workers: examples ``read``, ``used``,
+    ``skipped`` (and the first skipped ones), broken webdataset shards whose rest was skipped
+    (``skipped_shard_count``, each time; ``skipped_shards``, the first few with why), the ``epoch`` of process 0 (its
+    slowest worker's), ``num_processes``, ``num_workers`` (of process 0)."""
+    reports = gather_object([loader.report()]) if accelerator.num_processes > 1 else [loader.report()]
+    skipped_examples = [e for r in reports for e in r["skipped_examples"]][:5]
+    skipped = sum(r["skipped"] for r in reports)
+    if skipped:
+        log.warning("train stream %s: skipped %d unreadable examples (first: %s)", loader.spec.name, skipped,
+                    ", ".join(str(e["id"]) for e in skipped_examples))
+    shards = list({e["shard"]: e for r in reports for e in r.get("skipped_shards", [])}.values())[:5]
+    broken = sum(r.get("skipped_shard_count", 0) for r in reports)
+    if broken:
+        log.warning("train stream %s: skipped the rest of %d broken shard(s) %d time(s) in all: %s", loader.spec.name,
+                    len(shards), broken, ", ".join(f"{e['shard']} ({e['reason']})" for e in shards))
+    return {"format": loader.spec.name, "num_processes": len(reports), "num_workers": reports[0]["num_workers"],
+            "epoch": reports[0]["epoch"], "read": sum(r["read"] for r in reports),
+            "used": sum(r["used"] for r in reports), "skipped": skipped, "skipped_examples": skipped_examples,
+            "skipped_shard_count": broken, "skipped_shards": shards}
+
+
+def preprocesses(objective: Objective) -> bool:
+    """Whether a term of ``objective`` has a whole-dataset ``preprocess`` step (which decodes images)."""
+    return any(type(t).preprocess is not Term.preprocess for t in objective.all_terms)
+
+
+def _log_skips(role: str, src: Any) -> None:
+    if src.skipped:
+        ids = ", ".join(str(e.get("id")) for e in src.skipped_examples[:5])
+        log.warning("%s set %s: skipped %d unreadable examples (first: %s)", role, src.name, src.skipped, ids)
