@@ -40,7 +40,7 @@ from finetune.objectives.structxlip import (
 from finetune.preprocess.edges import edge_array
 from finetune.preprocess.geometry import box_patch_mask
 from finetune.preprocess.regions import split_chunks
-from finetune.data.collate import split_batch
+from finetune.objectives.planning import split_batch
 from losses import clip_loss, local_structure_loss
 
 REPO = Path(__file__).resolve().parents[4]
