@@ -11,7 +11,7 @@ process of its own, one at a time; a run folder that already holds a finished ru
 It prints, per evaluation set and direction, each run's R@1 per seed, the difference between the recipe and
 each comparison on the same seed, the means, and the seed spread: the largest R@1 range over the seeds of any
 of these recipes in either direction, the number ``eval.seed_spread`` takes. The verdict is
-``finetune.report.verdict`` applied to the means over seeds, with that spread. Everything goes to
+``finetune.evaluation.report.verdict`` applied to the means over seeds, with that spread. Everything goes to
 ``bench/results/seed_spread_<recipe>.json`` with the commit, torch version, thread count and machine load, so
 that a number quoted in a docs page names the run that measured it.
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DIRECTIONS = (("t2i", "text→image"), ("i2t", "image→text"))
-#: how finetune.report.verdict says where a single run's spread comes from
+#: how finetune.evaluation.report.verdict says where a single run's spread comes from
 RECIPE_SPREAD = "taken from the recipe (`eval.seed_spread`, measured over seeds beforehand, not by this run)"
 
 
@@ -71,7 +71,7 @@ def run_seeded(path: Path) -> tuple[dict[str, Any], str]:
     """The finished run of the seeded recipe at ``path``: reused when current, else trained now by a
     ``finetune/run.py`` process. Returns its ``metrics.json`` (with ``trained_with``: the commit, thread
     setting and load average it was trained with, when this sweep trained it) and ``reused`` / ``trained``."""
-    from finetune.prerequisites import ensure
+    from finetune.training.prerequisites import ensure
 
     def launch(recipe: Any, chain: tuple[str, ...] = ()) -> int:
         cmd = [sys.executable, str(ROOT / "finetune" / "run.py"), str(path)]
@@ -124,7 +124,7 @@ def seed_spread(table: dict[str, Any]) -> float:
 
 
 def mean_after(table: dict[str, Any], ref: str) -> dict[str, Any]:
-    """``ref``'s mean R@1 over seeds, shaped like ``metrics["after"]`` (for ``finetune.report.verdict``)."""
+    """``ref``'s mean R@1 over seeds, shaped like ``metrics["after"]`` (for ``finetune.evaluation.report.verdict``)."""
     out: dict[str, Any] = {}
     for name, by_direction in table.items():
         for direction, by_ref in by_direction.items():
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from finetune.config import load_recipe
-    from finetune.report import verdict
+    from finetune.evaluation.report import verdict
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recipe", help="a recipe YAML whose eval.compare_with names recipes")

@@ -69,8 +69,8 @@ def test_the_package_and_recipes_without_fastsam_work_without_ultralytics():
     StructXLIP and FAST-GOAL terms build without it when no FastSAM checkpoint or .pt detector is set."""
     result = _run_hidden("""
         import importlib, sys
-        for name in ["finetune", "losses", "finetune.run", "finetune.preprocess.regions", "finetune.preprocess.flism",
-                     "finetune.objectives.structxlip", "finetune.objectives.fastgoal", "finetune.evaluate",
+        for name in ["finetune", "losses", "finetune.cli.train", "finetune.preprocess.regions", "finetune.preprocess.flism",
+                     "finetune.objectives.structxlip", "finetune.objectives.fastgoal", "finetune.evaluation",
                      "finetune.cli.main"]:
             importlib.import_module(name)
         from finetune.config import load_recipe
@@ -128,7 +128,7 @@ def test_a_recipe_that_needs_the_extra_stops_before_anything_slow():
 def test_the_flism_command_names_the_extra_for_an_ultralytics_detector(tmp_path):
     result = _run_hidden("""
         import sys
-        from finetune.preprocess.flism.cli import main
+        from finetune.cli.pairs import main
         sys.exit(main(sys.argv[1:]))
     """, "synthetic", str(tmp_path / "pairs.jsonl"), "--detector", "yolov8x.pt", "--model", "tiny-clip", timeout=120)
     assert result.returncode == 2, result.stderr

@@ -31,7 +31,7 @@ PACKAGES = ("finetune", "losses")
 #: modules) or a module.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("losses", ("losses",)),
-    ("ground", ("finetune.plugins", "finetune.files")),
+    ("ground", ("finetune.plugins", "finetune.files", "finetune.extras")),
     ("data", ("finetune.data",)),
     ("config", ("finetune.config",)),
     ("run folders", ("finetune.run_basics", "finetune.resume", "finetune.run_folder")),

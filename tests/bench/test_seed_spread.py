@@ -86,8 +86,8 @@ def test_a_finished_run_of_the_seeded_recipe_is_reused(tmp_path, monkeypatch):
 
 
 def test_the_sweeps_verdict_says_the_spread_was_measured_by_it():
-    """The sweep reuses finetune.report.verdict, whose wording for a single run's spread it replaces."""
-    from finetune.report import verdict
+    """The sweep reuses finetune.evaluation.report.verdict, whose wording for a single run's spread it replaces."""
+    from finetune.evaluation.report import verdict
 
     said = verdict(("a", {"after": {"s": {"t2i": {"R@1": 70.0}}}, "objective": "x"}),
                    [("b", {"after": {"s": {"t2i": {"R@1": 60.0}}}, "objective": "clip"})], 3.0)
