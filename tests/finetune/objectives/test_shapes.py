@@ -96,9 +96,9 @@ LOSS_CASES = {
     "longclip": (lambda: _shipped_objective("longclip_docci"), "tiny-clip"),
     "structxlip-pool": (lambda: _shipped_objective("quickstart"), "tiny-clip"),
     "structxlip-crop": ({"base": "clip", "terms": {"structxlip": {"regions": {
-        "source": "dataset", "k": 3, "per_image": None, "encode": "crop"}}}}, "tiny-clip"),
+        "source": "dataset", "k": 3, "per_image": "all", "encode": "crop"}}}}, "tiny-clip"),
     "structxlip-official": ({"base": "clip", "terms": {"structxlip": {"compat": "official", "regions": {
-        "source": "segmenter", "k": 3, "per_image": None, "encode": "crop"}}}}, "tiny-clip"),
+        "source": "segmenter", "k": 3, "per_image": "all", "encode": "crop"}}}}, "tiny-clip"),
     "fastgoal": (lambda: _shipped_objective("fastgoal_tiny_synthetic"), "tiny-clip"),
     "grm": (lambda: _shipped_objective("grm_tiny_synthetic"), "tiny-clip"),
     "flair": (lambda: _shipped_objective("flair_tiny_synthetic"), "tiny-flair"),

@@ -200,7 +200,12 @@ def test_shipped_recipes_switch_to_the_public_scripts_values_with_compat_officia
     assert sx.structure_logit_scale is None
     assert sx.chunker() is official_chunks
     assert (sx.lexicon.min_content_words, sx.lexicon.categories) == (2, ("colour",))
-    assert sx.positives({}) is None  # every kept region of the chunk's image
+    feats = {"chunk_owner": torch.tensor([0, 0, 1]), "region_owner": torch.tensor([0, 1, 1]),
+             "chunk_valid": torch.tensor([True, True, True]), "region_valid": torch.tensor([True, True, False]),
+             "chunk_topk": torch.tensor([[5, -1], [6, -1], [7, -1]]), "region_slot": torch.tensor([0, 1, -2])}
+    # every valid kept region of the chunk's image, whatever the chunk's top-K lists
+    assert torch.equal(sx.positives(feats), torch.tensor([[True, False, False], [True, False, False],
+                                                          [False, True, False]]))
     sx.set_epoch(8)
     assert sx.weights == pytest.approx({"structure": 0.175, "consistency": 0.0005, "local": 0.0004})
 
