@@ -400,8 +400,13 @@ class TrainConfig:
     trackers: list[Str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
     on_nonfinite: Literal["raise", "skip"] = "raise"
     fused_optimizer: Literal["auto"] | Bool = "auto"
-    compile: Annotated[Bool, _doc(
-        "compile the towers' transformer blocks with torch.compile (captions padded to a few fixed lengths)")] = False
+    compile: Annotated[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | Bool,
+                       _doc("compile the towers' transformer blocks once with torch.compile (static shapes: the run's "
+                            "fixed batch shapes); true is mode default, reduce-overhead adds CUDA graphs")] = False
+    attention: Annotated[Literal["auto", "torch", "flash", "efficient", "cudnn", "math"], _doc(
+        "the scaled-dot-product-attention backend of the training step: auto (CUDA: flash, then efficient for "
+        "masked calls, then cudnn, then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend "
+        "tried first")] = "auto"
 
 
 @_section(("output",))
