@@ -404,9 +404,8 @@ class TrainConfig:
                        _doc("compile the towers' transformer blocks once with torch.compile (static shapes: the run's "
                             "fixed batch shapes); true is mode default, reduce-overhead adds CUDA graphs")] = False
     attention: Annotated[Literal["auto", "torch", "flash", "efficient", "cudnn", "math"], _doc(
-        "the scaled-dot-product-attention backend of the training step: auto (CUDA: flash, then efficient for "
-        "masked calls, then cudnn, then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend "
-        "tried first")] = "auto"
+        "the attention backend of the training step: auto (CUDA: flash, then efficient for masked calls, then cudnn, "
+        "then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend tried first")] = "auto"
 
 
 @_section(("output",))
