@@ -471,10 +471,11 @@ def cpu_figures(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     own cost per step: ``Trainer.train()`` on a model whose step costs nothing against the same step in a bare
     Python loop."""
     from finetune import load_model
-    from finetune.data.collate import Collator, PlannedCollate
+    from finetune.data.collate import Collator
     from finetune.data.skipping import SkippingDataset
     from finetune.data.sources import load_source
     from finetune.objectives import ClipTerm, Objective
+    from finetune.objectives.planning import PlannedCollate
 
     batch, per_round = args.cpu_batch, args.cpu_batches
     data = write_scenes(root / "scenes", batch * (per_round + 1) * 2, image_size=224)

@@ -4,7 +4,9 @@ Before :func:`finetune.training.run_recipe` writes anything into ``output.dir`` 
 :func:`check_run_folder`: a folder that holds a finished run (``metrics.json`` or ``final/``) or
 the ``recipe.yaml`` of a different run is refused, unless ``output.overwrite: true`` (then
 :func:`clear_previous_run` removes the old run's files first, so nothing of it mixes with the new
-one) or ``train.resume`` continues the same run.
+one) or ``train.resume`` continues the same run. Whatever ``output.overwrite`` says, a run never replaces what it
+did not write: a folder holding ``report.md``, ``plots/`` or ``logs/`` but no run is the user's, and the recipe
+file being run may not be the folder's own ``recipe.yaml`` unless a run wrote it.
 
 "The same run" means the same :func:`continuation_view` of the recipe: what decides the weights a
 continued run reaches (model, adapter, objective, training data, batch, optimiser and schedule).
@@ -16,8 +18,8 @@ One process writes into a run folder at a time: :class:`RunLock` holds an OS fil
 its holder (``.xlipkit.owner.json``: PID, host, command), so that a second run is refused naming that
 PID. Temporary files carry their writer's :func:`process_tag` (``PID@HOST``), and
 :func:`clean_stale_temporaries` removes only those of processes that are gone.
-:func:`check_writable` and :func:`check_free_space` stop a run whose folder cannot take what it will
-write before anything is written.
+:func:`check_writable` and :func:`check_free_space` (:mod:`finetune.run_space`) stop a run whose folder cannot take
+what it will write before anything is written.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import yaml
 
 from finetune.files import _host, owner_alive, process_tag, tag_owner
 from finetune.run_basics import RunFolderError, differing_keys
+from finetune.run_space import check_free_space, estimate_run_bytes, folder_bytes
 
 __all__ = [
     "RunFolderError",
@@ -133,8 +136,31 @@ def read_run_recipe(out_dir: Path) -> dict[str, Any] | None:
     return data
 
 
+def _check_recipe_file(folder: Path, recipe_file: str | os.PathLike | None) -> None:
+    """Refuse a run of the recipe file ``FOLDER/recipe.yaml`` into ``folder`` unless a run wrote that file: the run
+    writes its resolved recipe there, which would replace the user's recipe (and ``output.overwrite`` delete it)."""
+    if recipe_file is None or not folder.is_dir():
+        return
+    path = Path(recipe_file)
+    if path.resolve() != folder.resolve() / RECIPE_NAME:
+        return
+    from finetune.config.io import is_dumped_recipe
+
+    try:
+        if is_dumped_recipe(path.read_text(encoding="utf-8")):
+            return  # the run's own resolved recipe (a resume, a rerun): replacing it loses nothing
+    except (OSError, UnicodeDecodeError):
+        pass
+    raise RunFolderError(
+        f"the recipe being run, {str(path)!r}, is the recipe.yaml of output.dir {str(folder)!r}, where a run writes "
+        "its resolved recipe: the run would replace your recipe, comments and all (and output.overwrite would delete "
+        f"it). Keep the recipe outside the output folder: move it (e.g. `mv {path} {folder.name}.yaml`) and run that "
+        f"with the same output.dir, or choose another output.dir")
+
+
 def check_run_folder(out_dir: str | os.PathLike, recipe: dict[str, Any], *, overwrite: bool = False,
-                     resume: str | None = None, ignore_changes: bool = False) -> str:
+                     resume: str | None = None, ignore_changes: bool = False,
+                     recipe_file: str | os.PathLike | None = None) -> str:
     """Decide whether a run may write into ``out_dir``; nothing is written.
 
     Args:
@@ -143,6 +169,7 @@ def check_run_folder(out_dir: str | os.PathLike, recipe: dict[str, Any], *, over
         overwrite: ``output.overwrite``.
         resume: ``train.resume`` (``latest`` or a checkpoint path), or None.
         ignore_changes: ``train.resume_ignore_changes``.
+        recipe_file: the recipe file being run (``Recipe.source``), or None.
     Returns:
         ``"new"`` (no run there), ``"overwrite"`` (a run is there and will be replaced),
         ``"resume"`` (the same run continues) or ``"rerun"`` (an unfinished run of the same
@@ -151,15 +178,19 @@ def check_run_folder(out_dir: str | os.PathLike, recipe: dict[str, Any], *, over
         RunFolderError: the folder is a file; it holds a finished run or another recipe's run (the
             message lists the differing keys and the ways out; it suggests ``train.resume: latest``
             only where a usable checkpoint exists); ``train.resume: latest`` into a finished run with
-            no usable checkpoint (it would train again from step 0 over the finished run).
+            no usable checkpoint (it would train again from step 0 over the finished run). Whatever
+            ``overwrite`` says: ``recipe_file`` is the folder's ``recipe.yaml`` and was not written by a
+            run; the folder holds what a run writes (``report.md``, ``plots/``, ``logs/``) but no run.
     """
     folder = Path(out_dir)
     if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"output.dir {str(folder)!r} is a file; set output.dir to a folder")
+    _check_recipe_file(folder, recipe_file)
     previous = read_run_recipe(folder) if folder.is_dir() else None
     finished = [n for n in ("metrics.json", "final") if (folder / n).exists()]
     has_checkpoints = (folder / "checkpoints").is_dir() and any((folder / "checkpoints").iterdir())
     if previous is None and not finished and not has_checkpoints:
+        _check_no_foreign_outputs(folder)
         return "new"
     if overwrite:
         return "overwrite"
@@ -191,6 +222,22 @@ def check_run_folder(out_dir: str | os.PathLike, recipe: dict[str, Any], *, over
             f"output.dir {str(folder)!r} holds another run (its recipe.yaml differs: {'; '.join(changes[:10])}"
             f"{' ...' if len(changes) > 10 else ''}); {ways_out}")
     return "rerun"
+
+
+def _check_no_foreign_outputs(folder: Path) -> None:
+    """Refuse a folder that holds no run but names a run writes (``report.md``, ``plots/``, ``logs/``): they are
+    the user's own, and a run (or a failed one cleaning up, or ``output.overwrite``) would replace them."""
+    if not folder.is_dir():
+        return
+    ckpt = folder / "checkpoints"
+    found = [name + ("/" if (folder / name).is_dir() else "") for name in RUN_OUTPUTS
+             if ((folder / name).exists() or (folder / name).is_symlink())
+             and not (folder / name == ckpt and ckpt.is_dir() and not any(ckpt.iterdir()))]
+    if found:
+        raise RunFolderError(
+            f"output.dir {str(folder)!r} holds {', '.join(found)} but no run (no {RECIPE_NAME}, metrics.json, final/ "
+            "or checkpoints/): they look like your own files, which a run would replace (output.overwrite replaces "
+            "only a run's files); choose another output.dir, or move them out of that folder")
 
 
 def _resumable_checkpoints(folder: Path) -> list[str]:
@@ -489,80 +536,6 @@ def lock_on_main_process(lock: RunLock | None, *checks: Any) -> RunLock | None:
             lock.release()
         raise RunFolderError(refused)
     return lock if lock is not None and lock.held else None
-
-
-# -- room for what a run writes ---------------------------------------------------------------------------
-def folder_bytes(path: str | os.PathLike) -> int:
-    """The bytes of the files under ``path`` (0 when it does not exist)."""
-    root = Path(path)
-    if root.is_file():
-        return root.stat().st_size
-    total = 0
-    for p in root.rglob("*") if root.is_dir() else ():
-        try:
-            if p.is_file() and not p.is_symlink():
-                total += p.stat().st_size
-        except OSError:
-            pass
-    return total
-
-
-def estimate_run_bytes(*, model_bytes: int, trainable_bytes: int, trainable_numel: int, full: bool,
-                       checkpoints_written: int, keep: int) -> dict[str, int]:
-    """What a run will hold on disk at its peak, in bytes.
-
-    ``final`` is the whole model for full fine-tuning, else the trained parameters (adapter and extras);
-    ``checkpoint`` is one ``accelerator.save_state``: every model weight plus AdamW's two float32 moments
-    per trained parameter. A new checkpoint is written before the oldest goes, so training holds up to
-    ``keep + 1`` of them, and the final save ``keep`` of them beside ``final/``; ``checkpoints`` is the
-    larger count held, and ``total`` the peak plus 5 % and 16 MiB for logs, plots and metrics.
-
-    Args:
-        model_bytes: the bytes of every parameter and buffer of the model (and objective heads).
-        trainable_bytes, trainable_numel: those of the trained parameters.
-        full: full fine-tuning (``final/`` holds the whole model) or an adapter.
-        checkpoints_written: how many checkpoints the run writes (0 without ``train.checkpoint_every``).
-        keep: ``train.keep_checkpoints``.
-    """
-    final = model_bytes if full else trainable_bytes
-    checkpoint = model_bytes + 8 * trainable_numel
-    during = min(keep + 1, checkpoints_written)
-    at_end = min(keep, checkpoints_written)
-    peak = max(during * checkpoint, at_end * checkpoint + final)
-    return {"final": final, "checkpoint": checkpoint, "checkpoints": during,
-            "total": peak + peak // 20 + 16 * 2**20}
-
-
-def _size(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-_RUN_ADVICE = "free some space, choose another output.dir, or keep fewer checkpoints (train.keep_checkpoints)"
-
-
-def check_free_space(folder: str | os.PathLike, need: int, *, what: str, detail: str = "",
-                     reclaimed: int = 0, advice: str = _RUN_ADVICE) -> None:
-    """Stop before a run or an evaluation starts when ``folder``'s file system lacks ``need`` bytes.
-
-    Args:
-        folder: an existing folder on the file system written to.
-        need: the bytes that will be written.
-        what: how the message names the folder.
-        detail: what ``need`` is made of, for the message.
-        reclaimed: bytes already there that the run replaces (an earlier ``final/``, checkpoints).
-        advice: what the message suggests.
-    Raises:
-        RunFolderError: saying how much is needed and how much is free.
-    """
-    free = shutil.disk_usage(folder).free
-    if free + reclaimed < need:
-        made_of = f" ({detail})" if detail else ""
-        raise RunFolderError(f"{what} has {_size(free)} free, but about {_size(need - reclaimed)} will be written there"
-                             f"{made_of}; {advice}")
 
 
 def check_eval_output(out: str | os.PathLike, model_dirs: list[str | os.PathLike]) -> Path:

@@ -49,3 +49,14 @@ def load_tiny(tiny_dir: Callable[[str], Path]) -> Callable[..., object]:
         return load_model(str(tiny_dir(name)), **kwargs)
 
     return load
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Every test starts and ends with a clean accelerate state: a recipe run in-process with
+    ``mixed_precision: bf16`` must not leave its autocast to the next test's ``Accelerator``."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

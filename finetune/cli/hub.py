@@ -13,6 +13,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from finetune.cli.arguments import ArgumentParser
+
 __all__ = ["main"]
 
 #: ``--format`` choices (:data:`finetune.hub.upload.FORMATS`, repeated here so that ``--help`` imports no model code)
@@ -20,7 +22,7 @@ FORMATS = ("auto", "transformers", "open_clip")
 
 
 def _parser(prog: str = "python -m finetune.hub") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description="Push a fine-tuned run to the Hugging Face hub with a model card, or export it as a plain "
                     "transformers / open_clip folder (adapter merged, 248 text positions in the config).",
@@ -41,12 +43,13 @@ def _parser(prog: str = "python -m finetune.hub") -> argparse.ArgumentParser:
     ps.add_argument("--base-model", help="hub id of the base model when the run loaded a local copy of it")
     ps.add_argument("--merge", action="store_true", help="upload the adapter merged into its base")
     ps.add_argument("--stage-only", metavar="DIR", help="write the folder that would be uploaded into DIR; no network")
-    ps.add_argument("--overwrite", action="store_true", help="with --stage-only: replace a non-empty DIR")
+    ps.add_argument("--overwrite", action="store_true",
+                    help="with --stage-only: replace a DIR that an earlier --stage-only wrote")
     pe = sub.add_parser("export", help="write the merged model as a plain transformers / open_clip folder")
     pe.add_argument("run_dir", help="a run folder or a save_finetuned folder")
-    pe.add_argument("out_dir", help="a new or empty folder")
+    pe.add_argument("out_dir", help="a new or empty folder outside the run folder")
     pe.add_argument("--format", choices=FORMATS, default="auto", help="default: the run's backend")
-    pe.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    pe.add_argument("--overwrite", action="store_true", help="replace an OUT_DIR that an earlier export wrote")
     return p
 
 
@@ -56,7 +59,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     # imported after parsing: `--help` and usage errors need none of the models' libraries
     from finetune.hub import HubPushError, export, push, stage_upload
-    from finetune.hub.upload import INFERENCE_CONFIG, INFERENCE_WEIGHTS
+    from finetune.hub.upload import INFERENCE_CONFIG, INFERENCE_WEIGHTS, MARKER_NAME
 
     if not logging.getLogger("xlipkit").handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -72,7 +75,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         if args.stage_only:
             out = stage_upload(args.run_dir, args.stage_only, repo_id=args.repo_id, base_model=args.base_model,
                                merge=args.merge, overwrite=args.overwrite)
-            print(f"wrote {out}: the folder `push` would upload to {args.repo_id} ({len(list(out.iterdir()))} files)")
+            files = [p for p in out.iterdir() if p.name != MARKER_NAME]
+            print(f"wrote {out}: the folder `push` would upload to {args.repo_id} ({len(files)} files)")
             return 0
         info = push(args.run_dir, args.repo_id, private=not args.public, revision=args.revision,
                     commit_message=args.commit_message, base_model=args.base_model, merge=args.merge)

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from finetune.cli.arguments import ArgumentParser
 from finetune.config import RecipeError, list_recipes, load_recipe, recipe_json_schema
 
 __all__ = ["RECIPES_DIR", "main"]
@@ -25,7 +26,7 @@ RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def _parser(prog: str = "finetune/run.py") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description=(
             "Fine-tune a CLIP / SigLIP / SigLIP2 model on long captions from a YAML recipe: load the model, "

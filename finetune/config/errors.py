@@ -3,7 +3,8 @@ pydantic's validation errors turned into one message that names the key, what wa
 fix it (the closest valid key for an unknown one: ``did you mean `train.lr`?``, also across sections and
 for other tools' names of a key).
 
-This module is the bottom of :mod:`finetune.config`: it imports no other part of it. The schema registers
+This module is the bottom of :mod:`finetune.config` but for :mod:`finetune.config.secrets`, which masks the secrets
+in every message. The schema registers
 its section classes in :data:`SECTION_TYPES` (the root :class:`~finetune.config.schema.Recipe` first); a
 schema mark (dataset entries, objective terms, model options) that carries ``recipe_fields()``,
 ``describe`` and ``plural`` tells the messages the keys below it.
@@ -15,7 +16,6 @@ import dataclasses
 import difflib
 import functools
 import math
-import re
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from finetune.config.secrets import mask_override, mask_secrets, secret_key
 
 #: the recipe's section classes, the root (``Recipe``) first; :mod:`finetune.config.schema` fills it
 SECTION_TYPES: list[type] = []
@@ -48,34 +50,6 @@ class RecipeError(ValueError):
         self.file = file
         self.line = line
         self.key = key
-
-
-# -- secrets in messages -------------------------------------------------------------------------
-#: what a hub token (or any similar access token) looks like
-_TOKEN_VALUE = re.compile(r"\b(hf_)[A-Za-z0-9]{10,}")
-_SECRET_WORDS = ("token", "secret", "password", "passwd", "apikey", "api_key", "credential", "auth")
-
-
-def secret_key(key: Any) -> bool:
-    """Whether a recipe key looks like it holds a secret: it contains ``token``, ``secret``, ``password``,
-    ... or is a near miss of one (``tokn``, ``tocken``), as a mistyped ``hub.token`` is."""
-    word = str(key).lower()
-    if any(w in word for w in _SECRET_WORDS):
-        return True
-    return bool(difflib.get_close_matches(word, ["token", "secret", "password"], n=1, cutoff=0.75))
-
-
-def mask_secrets(text: str) -> str:
-    """``text`` with every value that looks like a hub token (``hf_...``) replaced by ``***``."""
-    return _TOKEN_VALUE.sub(lambda m: m.group(1) + "***", text)
-
-
-def _mask_override(text: str) -> str:
-    """A ``key=value`` override as messages show it: the value hidden when the key looks like a secret."""
-    key, sep, value = text.partition("=")
-    if sep and value.strip() and secret_key(key.strip().rsplit(".", 1)[-1]):
-        return f"{key}=***"
-    return mask_secrets(text)
 
 
 def _raise_errors(errors: list[InitErrorDetails], title: str) -> None:
@@ -173,7 +147,7 @@ class _Origins:
             message = f"`{dotted}` {message}"
         text = self.overridden(path)
         if text is not None:
-            return RecipeError(f"command-line override `{_mask_override(text)}`: {message}", key=dotted)
+            return RecipeError(f"command-line override `{mask_override(text)}`: {message}", key=dotted)
         line = None
         probe = path
         while probe and line is None:

@@ -17,11 +17,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from finetune.config.errors import KeyPath, RecipeError, _alias, _dotted
+from finetune.config.errors import SECTION_TYPES, KeyPath, RecipeError, _alias, _dotted
+from finetune.config.secrets import SECRET_PATHS, mask_secrets, without_secrets
 from finetune.files import process_tag
 
 #: keys never written out (:func:`recipe_to_dict`)
-_SECRET_KEYS = {("hub", "token")}
+_SECRET_KEYS = SECRET_PATHS
 
 
 #: the most values a YAML document may hold once its aliases are expanded (a recipe holds hundreds)
@@ -259,7 +260,8 @@ def dump_recipe(recipe: Any, path: str | os.PathLike[str]) -> Path:
     """Write the resolved recipe as YAML, atomically (temp file + ``os.replace``).
 
     The first line is the recipe's description comment, so the file lists and loads like any
-    recipe; ``hub.token`` is never written, and overrides that set it are left out of the header.
+    recipe; ``hub.token`` is never written: overrides that set it are left out of the header, and section
+    overrides are written without it (``hub={repo_id: me/x}`` for ``'hub={token: X, repo_id: me/x}'``).
     Returns the path written.
     """
     target = Path(path)
@@ -267,9 +269,10 @@ def dump_recipe(recipe: Any, path: str | os.PathLike[str]) -> Path:
     header = [f"# {recipe.description or 'resolved recipe'}"]
     if recipe.source:
         header.append(f"# resolved from {recipe.source}")
-    shown = [o for o in recipe.overrides if not o.strip().startswith("hub.token")]
+    shown = [o for o in map(without_secrets, recipe.overrides) if o is not None]
     if shown:
         header.append("# overrides: " + " ".join(shown))
+    header = [mask_secrets(line) for line in header]
     body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True, default_flow_style=None)
     # the writer's PID@HOST in the name: another run's cleanup leaves it alone while this process lives
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{process_tag()}.", suffix=".tmp", dir=target.parent)
@@ -287,6 +290,27 @@ def dump_recipe(recipe: Any, path: str | os.PathLike[str]) -> Path:
             os.unlink(tmp)
         raise
     return target
+
+
+def is_dumped_recipe(text: str) -> bool:
+    """Whether ``text`` is a ``recipe.yaml`` as :func:`dump_recipe` writes it (the header it writes, then every
+    section dumped as it dumps them), not a recipe a person wrote: a run may replace the one, never the other."""
+    lines = text.splitlines(keepends=True)
+    header = 0
+    while header < len(lines) and lines[header].startswith("#"):
+        if header and not lines[header].startswith(("# resolved from ", "# overrides: ")):
+            return False
+        header += 1
+    body = "".join(lines[header:])
+    try:
+        data = safe_load_yaml(body)
+    except (yaml.YAMLError, ValueError):
+        return False
+    if not header or not isinstance(data, dict) or not SECTION_TYPES:
+        return False
+    sections = [f.name for f in dataclasses.fields(SECTION_TYPES[0]) if not f.metadata.get("meta")]
+    return list(data) == sections and body == yaml.safe_dump(data, sort_keys=False, allow_unicode=True,
+                                                             default_flow_style=None)
 
 
 def list_recipes(folder: str | os.PathLike[str] = "recipes") -> list[tuple[str, str]]:

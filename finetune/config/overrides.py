@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from finetune.config.errors import KeyPath, RecipeError, _dotted, _mask_override
+from finetune.config.errors import KeyPath, RecipeError, _dotted
+from finetune.config.secrets import mask_override
 from finetune.config.io import MAX_OVERRIDES, MAX_RECIPE_BYTES, YAMLLimitError, safe_load_yaml
 from finetune.config.sources import parse_source_shorthand
 
@@ -17,21 +18,21 @@ def _parse_override(text: str) -> tuple[KeyPath, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise RecipeError(f"command-line override `{_mask_override(text)}` is not `key.sub=value` "
+        raise RecipeError(f"command-line override `{mask_override(text)}` is not `key.sub=value` "
                           f"(e.g. `train.lr=1e-5`, `eval.sets=[docci,urban1k]`)")
     parts = key.split(".")
     if any(not p for p in parts):
-        raise RecipeError(f"command-line override `{_mask_override(text)}`: `{key}` has an empty part; write dotted "
+        raise RecipeError(f"command-line override `{mask_override(text)}`: `{key}` has an empty part; write dotted "
                           "keys like `train.lr`",
                           key=key)
     try:
         value = safe_load_yaml(raw) if raw.strip() else None
     except YAMLLimitError as exc:
-        raise RecipeError(f"command-line override `{_mask_override(text)}`: {exc.problem}",
+        raise RecipeError(f"command-line override `{mask_override(text)}`: {exc.problem}",
                           key=key) from None
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc)
-        raise RecipeError(f"command-line override `{_mask_override(text)}`: the value is not valid YAML ({problem}); "
+        raise RecipeError(f"command-line override `{mask_override(text)}`: the value is not valid YAML ({problem}); "
                           f"quote it, e.g. {key}='...'", key=key) from None
     return tuple(int(p) if p.isdigit() else p for p in parts), value
 
@@ -68,14 +69,14 @@ def _set_path(tree: dict[str, Any], path: KeyPath, value: Any, text: str) -> Non
         last = i == len(path) - 1
         if isinstance(node, list) and isinstance(part, int):
             if part >= len(node):
-                raise RecipeError(f"command-line override `{_mask_override(text)}`: `{_dotted(path[:i])}` has "
+                raise RecipeError(f"command-line override `{mask_override(text)}`: `{_dotted(path[:i])}` has "
                                   f"{len(node)} "
                                   f"entries, there is no index {part}", key=_dotted(path))
             key: Any = part
         elif isinstance(node, dict):
             key = str(part)
         else:
-            raise RecipeError(f"command-line override `{_mask_override(text)}`: `{_dotted(path[:i])}` is {node!r}, "
+            raise RecipeError(f"command-line override `{mask_override(text)}`: `{_dotted(path[:i])}` is {node!r}, "
                               "not a mapping; "
                               f"set it whole instead (e.g. `{_dotted(path[:i])}={{...}}`)", key=_dotted(path))
         if last:

@@ -38,6 +38,7 @@ from finetune.config.errors import (SECTION_TYPES, RecipeError, _NOT_FINITE, _Or
                                     _non_finite, _raise_errors, _recipe_error, _suggest, _type_name)
 from finetune.config.io import MAX_RECIPE_BYTES, _compose, _first_comment, _plain
 from finetune.config.overrides import _parse_override, _set_path, check_override_sizes
+from finetune.config.secrets import mask_secrets, override_secrets, secret_values
 from finetune.config.terms import (_TERMS_MARK, _import_objectives, _import_user_modules, _term_options,
                                    registered_term_configs)
 from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_train_source, _no_streams,
@@ -265,8 +266,7 @@ class AdapterConfig:
     targets: Annotated[Literal["preset"] | list[Str],
                        _doc("preset (the backend's attention + MLP linears) or module names")] = "preset"
     include_mlp: Annotated[Bool, _doc("with the preset, also adapt the MLP linears")] = True
-    extra_targets: Annotated[list[Str], _doc("more module names to adapt")] = dataclasses.field(
-        default_factory=list)
+    extra_targets: Annotated[list[Str], _doc("more module names to adapt")] = dataclasses.field(default_factory=list)
     train_extra: Annotated[list[Str], _doc("trained as they are next to the adapter: positions, "
                                            "logit_scale, logit_bias or parameter name patterns")] = (
         dataclasses.field(default_factory=lambda: list(_DEFAULT_TRAIN_EXTRA)))
@@ -315,8 +315,7 @@ class EvalConfig:
         "show what reading past it buys (only when KPS stretched the model)")] = False
     scorer: Annotated[NonEmptyStr, AfterValidator(_check_scorer), _doc(
         "a registered scorer (finetune.evaluation.scorers): cosine or one a method registers")] = "cosine"
-    rerank_top_k: Annotated[_int(ge=1) | None, _doc(
-        "re-score only the global-cosine top-k candidates with the scorer; null: all")] = None
+    rerank_top_k: Annotated[_int(ge=1) | None, _doc("re-score the global-cosine top-k only; null: all")] = None
     block_size: Annotated[_int(ge=1), _doc("texts x images scored per block (bounds memory)")] = 1024
     compare_with: Annotated[list[NonEmptyStr], _doc(
         "recipes (or finished run folders) whose Recall@K the report sets beside this run's; a recipe's "
@@ -399,11 +398,14 @@ class TrainConfig:
     trackers: list[Str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
     on_nonfinite: Literal["raise", "skip"] = "raise"
     fused_optimizer: Literal["auto"] | Bool = "auto"
-    compile: Annotated[Bool, _doc(
-        "compile the towers' transformer blocks with torch.compile (captions padded to a few fixed lengths)")] = False
-    process_group_timeout_s: Annotated[_int(ge=1), _doc(
-        "seconds a process waits for the others at a collective (a first download or preprocessing on the main "
-        "process included) before the launch fails; NCCL's own default is 600")] = 7200
+    compile: Annotated[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | Bool, _doc(
+        "compile the towers' transformer blocks once with torch.compile (static shapes: the run's fixed batch shapes); "
+        "true is mode default, reduce-overhead adds CUDA graphs")] = False
+    attention: Annotated[Literal["auto", "torch", "flash", "efficient", "cudnn", "math"], _doc(
+        "the attention backend of the training step: auto (CUDA: flash, then efficient for masked calls, then cudnn, "
+        "then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend tried first")] = "auto"
+    process_group_timeout_s: Annotated[_int(ge=1), _doc("seconds a process waits for the others at a collective (a "
+        "first download or preprocessing included) before the launch fails; NCCL's default is 600")] = 7200
 
 
 @_section(("output",))
@@ -559,6 +561,17 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"cannot read the recipe {file}: {exc}", file=file) from None
     data, node = _compose(text, file)
+    secrets = secret_values(data) + override_secrets(overrides)  # by key: masked in any error, whatever they are
+    try:
+        return _validated(data, node, text, file, overrides, trust_imports)
+    except RecipeError as exc:
+        if not secrets:
+            raise
+        raise RecipeError(mask_secrets(str(exc), secrets), file=exc.file, line=exc.line, key=exc.key) from None
+
+
+def _validated(data: Any, node: Any, text: str, file: str, overrides: Sequence[str], trust_imports: bool) -> Recipe:
+    """The :class:`Recipe` of a parsed recipe file and its overrides (:func:`load_recipe`)."""
     sections = [f.name for f in dataclasses.fields(Recipe) if not f.metadata.get("meta")]
     if data is None:
         raise RecipeError(f"{file}: the recipe is empty; write at least one section ({', '.join(sections)}), "

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from finetune.data.images import DataError, read_image
 from finetune.data.skipping import undecoded
 from finetune.evaluation.scorers import Scorer, concat_payloads, get_scorer, pad_trailing
+from finetune.objectives.shapes import encode_fixed_rows, fixed_text_columns
 
 __all__ = ["RetrievalEmbeddings", "encode_for_retrieval"]
 
@@ -170,7 +171,8 @@ def encode_for_retrieval(
     Args:
         model: a DualEncoder (or an Accelerate-wrapped one; it is unwrapped).
         dataset: a ``datasets.Dataset`` or any sequence of row mappings.
-        batch_size: rows per forward pass.
+        batch_size: rows per forward pass: every image and text pass has exactly this many (the last ones filled),
+            texts at the model's fixed length, so that evaluation brings no new shape after its first batch.
         accelerator: an ``accelerate.Accelerator`` (device, autocast, sharding), or None.
         num_workers: DataLoader workers that fetch rows.
         progress: show a progress bar (main process only); a string labels it (default ``encode``).
@@ -202,7 +204,7 @@ def encode_for_retrieval(
     stats = dict(getattr(dual, "truncation_stats", None) or {})
     try:
         with autocast:
-            done = _encode_shard(dual, loader, scorer, offset, device, on_error)
+            done = _encode_shard(dual, loader, scorer, offset, device, on_error, batch_size)
     finally:
         dual.train(was_training)
         if stats:
@@ -223,8 +225,9 @@ def encode_for_retrieval(
 
 
 def _encode_shard(dual: Any, loader: Any, scorer: Scorer, offset: int, device: torch.device,
-                  on_error: str) -> _Encoded:
-    """Encode the batches of one process's shard (rows numbered from ``offset``, for messages)."""
+                  on_error: str, batch_size: int) -> _Encoded:
+    """Encode the batches of one process's shard (rows numbered from ``offset``, for messages) in passes of
+    ``batch_size`` rows."""
     done = _Encoded()
     row = offset
     for rows in loader:
@@ -249,11 +252,15 @@ def _encode_shard(dual: Any, loader: Any, scorer: Scorer, offset: int, device: t
             row += 1
         if not images:
             continue
+        # fixed shapes (finetune.objectives.shapes): every pass batch_size rows, texts at the fixed length
         inputs = _to_device(dual.preprocess_images(images), device, dual.dtype)
-        done.image_chunks.append(scorer.encode_images(dual, inputs))
+        names = list(inputs)
+        done.image_chunks.append(encode_fixed_rows(lambda *t: scorer.encode_images(dual, dict(zip(names, t))),
+                                                   [inputs[k] for k in names], batch_size))
         tokens = dual.tokenize(captions)
-        done.text_chunks.append(scorer.encode_texts(dual, tokens.input_ids.to(device),
-                                                    tokens.attention_mask.to(device)))
+        ids, mask = fixed_text_columns(dual, tokens.input_ids.to(device), tokens.attention_mask.to(device))
+        done.text_chunks.append(encode_fixed_rows(lambda i, m: scorer.encode_texts(dual, i, m), [ids, mask],
+                                                  batch_size))
         done.truncated += int(tokens.truncated.sum())
         done.owners.append(torch.tensor(owner, dtype=torch.long, device=device))
     return done

@@ -195,9 +195,10 @@ def _save(fig: Any, path: str | Path) -> Path:
 def verdict(this: tuple[str, dict[str, Any]], compared: list[tuple[str, dict[str, Any]]],
             seed_spread: float | None) -> str | None:
     """One sentence per compared run: which run is ahead on Recall@1, by how much in each direction and on
-    each evaluation set, and whether that gap exceeds the seed spread measured for this recipe
-    (``eval.seed_spread``: how far R@1 moves between seeds of the same recipe, in points). Without a known
-    spread the sentence says that the gap cannot be judged. None without anything to compare.
+    each evaluation set, and whether that gap exceeds the recipe's seed spread (``eval.seed_spread``: how far
+    R@1 moves between seeds of the same recipe, in points). A run has one seed: the spread is the number the
+    recipe gives (measured beforehand, e.g. by ``bench/seed_spread.py``), and the sentence says so. Without
+    one the sentence says that the gap cannot be judged. None without anything to compare.
 
     Args:
         this: ``(label, metrics)`` of this run (``after``, ``objective``).
@@ -237,9 +238,11 @@ def verdict(this: tuple[str, dict[str, Any]], compared: list[tuple[str, dict[str
                           for name, diffs in parts)
         if seed_spread is None:
             judged = ("; no seed spread is known for this recipe (set `eval.seed_spread` to the R@1 range "
-                      "measured over seeds), so whether this gap is more than seed noise cannot be judged.")
+                      "measured over seeds, e.g. by bench/seed_spread.py), so whether this gap is more than seed "
+                      "noise cannot be judged.")
         else:
-            spread = f"the seed spread of {seed_spread:.1f} points measured for this recipe (`eval.seed_spread`)"
+            spread = (f"the seed spread of {seed_spread:.1f} points taken from the recipe (`eval.seed_spread`, "
+                      "measured over seeds beforehand, not by this run)")
             beyond = [abs(g) > seed_spread for g in gaps]
             if all(beyond) and all(g > 0 for g in gaps):
                 judged = f", beyond {spread}: it won."

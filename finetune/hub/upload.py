@@ -29,16 +29,19 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from finetune.files import replace_dir
+from finetune.config.secrets import mask_secrets, secret_values
+from finetune.files import apply_umask, process_tag, replace_dir
 from finetune.hub.model_card import hub_model_id, is_local_path, render_model_card
 from finetune.models.adapters import _builtin_kind
 from finetune.models.finetuned import load_finetuned, read_info, save_finetuned
+from finetune.run_folder import LOCK_NAME
 
 log = logging.getLogger("xlipkit")
 
@@ -126,19 +129,20 @@ def _drop_hub_token(recipe: Any) -> tuple[Any, bool]:
 
 
 def _clean_recipe_text(text: str, recipe: dict[str, Any]) -> str:
-    """``recipe.yaml`` without ``hub.token``: the text as written when it has none, else the
-    leading comment lines followed by the recipe dumped again."""
+    """``recipe.yaml`` without ``hub.token``: the text as written when its recipe has none, else the leading
+    comment lines followed by the recipe dumped again; either way with every secret in it masked by key
+    (:func:`finetune.config.secrets.mask_secrets`): a ``# overrides:`` line written by an older version may hold
+    ``hub.token=...`` or ``'hub={token: ...}'``."""
     clean, had = _drop_hub_token(recipe)
-    if not had:
-        return text
-    header = []
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            break
-        if "hub.token" not in line:
+    if had:
+        header = []
+        for line in text.splitlines():
+            if not line.startswith("#"):
+                break
             header.append(line)
-    body = yaml.safe_dump(clean, sort_keys=False, allow_unicode=True, default_flow_style=None)
-    return "\n".join(header) + ("\n" if header else "") + body
+        body = yaml.safe_dump(clean, sort_keys=False, allow_unicode=True, default_flow_style=None)
+        text = "\n".join(header) + ("\n" if header else "") + body
+    return mask_secrets(text, secret_values(recipe))
 
 
 def _files_containing(folder: Path, secret: str) -> list[str]:
@@ -202,14 +206,91 @@ def _check_portable_base(run: RunFolder, merge: bool, base_model: str | None) ->
                      f"of a hub model, name it with base_model='org/name' / --base-model org/name")
 
 
-def _target(dest: str | os.PathLike, overwrite: bool) -> Path:
+#: written into every folder that ``export`` and ``stage_upload`` write: ``overwrite`` replaces only such a folder
+MARKER_NAME = ".xlipkit-output.json"
+#: what the marker says wrote the folder, per command
+_WRITERS = {"export": "xlipkit export", "stage": "xlipkit push --stage-only"}
+
+
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((folder / MARKER_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _runs_inside(folder: Path) -> list[Path]:
+    """The run and model folders in ``folder`` (itself included, but for the model files an output folder holds at
+    its top): a folder holding ``final/``, ``checkpoints/`` or a run lock, or a ``save_finetuned`` folder below the
+    top. Symbolic links are not followed."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        if {"final", "checkpoints"} & set(dirs) or LOCK_NAME in files or (here != folder and INFO_NAME in files):
+            found.append(here)
+    return found
+
+
+def _check_output(dest: str | os.PathLike, overwrite: bool, *, sources: list[Path], command: str) -> Path:
+    """The output folder of ``export`` / ``stage_upload``, checked before anything is loaded or written.
+
+    Refused: an output that is, holds or lies inside a source folder (paths resolved, symbolic links followed); a
+    file; a non-empty folder without ``overwrite``; with ``overwrite``, a non-empty folder that this command did not
+    write (no :data:`MARKER_NAME` naming it) or that holds a run or a model folder.
+
+    Raises:
+        ValueError: the output and a source overlap.
+        FileExistsError: the output is a file, or a non-empty folder that may not be replaced.
+    """
     target = Path(dest).expanduser()
+    where = target.resolve()
+    writer = _WRITERS[command]
+    for source in sources:
+        src = source.resolve()
+        if where == src:
+            relation = "is"
+        elif where.is_relative_to(src):
+            relation = "lies inside"
+        elif src.is_relative_to(where):
+            relation = "holds"
+        else:
+            continue
+        raise ValueError(f"the output folder {target} {relation} the folder being read ({source}), which writing "
+                         f"there would change or delete; give a folder outside it (e.g. exported/{src.name})")
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} exists and is a file; give a folder path")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(f"{target} exists and is not empty; give a new folder or pass overwrite=True "
-                              f"(--overwrite) to replace it")
+    if not target.is_dir() or not any(target.iterdir()):
+        return target
+    if not overwrite:
+        raise FileExistsError(f"{target} exists and is not empty; give a new folder, or pass overwrite=True "
+                              f"(--overwrite) to replace a folder that {writer} wrote before")
+    marker = _read_marker(target)
+    if marker is None or marker.get("written_by") != writer:
+        wrote = f"{marker.get('written_by')} wrote it" if marker and marker.get("written_by") else \
+            f"it holds no {MARKER_NAME}"
+        raise FileExistsError(f"{target} was not written by {writer} ({wrote}), so --overwrite does not replace it: "
+                              "give a new folder, or remove that one yourself if it holds nothing you need")
+    runs = _runs_inside(target)
+    if runs:
+        raise FileExistsError(f"{target} holds a run or model folder ({', '.join(str(r) for r in runs[:3])}), which "
+                              "--overwrite never deletes; give a new folder")
     return target
+
+
+def _write_into(target: Path, build: Callable[[Path], Any], *, command: str, source: Path) -> None:
+    """Build the output in a temporary folder beside ``target`` (``build(folder)``), mark it as written by
+    ``command`` and put it in place of ``target`` (atomically); on any error ``target`` is left as it was."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{process_tag()}.", dir=target.parent))
+    try:
+        folder = work / "out"
+        build(folder)
+        _write_json(folder / MARKER_NAME, {"written_by": _WRITERS[command], "source": str(source.resolve())})
+        apply_umask(folder)
+        replace_dir(folder, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def stage_upload(
@@ -227,21 +308,23 @@ def stage_upload(
 
     Args:
         run_dir_or_folder: a run folder or a model folder written by ``save_finetuned``.
-        dest: a new (or empty) folder.
+        dest: a new (or empty) folder, outside the run folder (it may neither be, hold nor lie inside it).
         repo_id: the hub repository the card's snippets name (``user/name``).
         base_model: the hub id of the base when the run loaded it from a local copy; recorded in the
             uploaded ``xlipkit.json`` and ``adapter_config.json`` so that others can load it.
         merge: upload the adapter merged into its base (a plain transformers / open_clip model).
-        overwrite: replace a non-empty ``dest``.
+        overwrite: replace a non-empty ``dest`` that an earlier ``stage_upload`` wrote (it holds
+            :data:`MARKER_NAME`, which :func:`push` does not upload) and that holds no run or model folder.
 
     Returns:
         ``dest``.
 
     Raises:
         ValueError: a bad ``repo_id``; an adapter whose base is a local path (use ``merge`` or
-            ``base_model``).
+            ``base_model``); ``dest`` is, holds or lies inside the run or model folder.
         FileNotFoundError: not a run or model folder.
-        FileExistsError: ``dest`` is not empty and ``overwrite`` is false.
+        FileExistsError: ``dest`` is not empty and ``overwrite`` is false, or it is a folder that
+            ``overwrite`` may not replace.
     """
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -256,16 +339,16 @@ def stage_upload(
             raise ValueError(f"base_model {base_model!r} is not a hub model id ('org/name')")
     run = read_run(run_dir_or_folder)
     _check_portable_base(run, merge, base_model)
-    target = _target(dest, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        folder = work / "upload"
-        _build_upload(run, folder, repo_id=repo_id, base_model=base_model, merge=merge)
-        replace_dir(folder, target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    source = Path(run_dir_or_folder).expanduser()
+    target = _check_output(dest, overwrite, sources=_sources(source, run), command="stage")
+    _write_into(target, lambda folder: _build_upload(run, folder, repo_id=repo_id, base_model=base_model, merge=merge),
+                command="stage", source=source)
     return target
+
+
+def _sources(given: Path, run: RunFolder) -> list[Path]:
+    """The folders an output must stay clear of: the one given, its run folder and its model folder."""
+    return [given, *([run.run_dir] if run.run_dir is not None else []), run.model_dir]
 
 
 def _build_upload(run: RunFolder, folder: Path, *, repo_id: str, base_model: str | None, merge: bool) -> None:
@@ -365,6 +448,7 @@ def push(
     retry = f"python -m finetune.hub push {source} --repo-id {repo_id}"
     with tempfile.TemporaryDirectory(prefix="xlipkit-push-") as tmp:
         folder = stage_upload(source, Path(tmp) / "upload", repo_id=repo_id, base_model=base_model, merge=merge)
+        (folder / MARKER_NAME).unlink()  # says who wrote a staged folder on disk; not part of the model
         leaked = _files_containing(folder, secret)
         if leaked:
             raise HubPushError(f"the hub token was found in {', '.join(leaked)} (copied from {source}): remove it "
@@ -411,19 +495,22 @@ def export(
 
     Args:
         run_dir_or_folder: a run folder or a model folder written by ``save_finetuned``.
-        out_dir: a new (or empty) folder.
+        out_dir: a new (or empty) folder, outside the run folder (it may neither be, hold nor lie inside it).
         format: ``"auto"`` (the run's model family's own format), ``"transformers"`` (``hf``) or
             ``"open_clip"``.
-        overwrite: replace a non-empty ``out_dir``.
+        overwrite: replace a non-empty ``out_dir`` that an earlier ``export`` wrote (it holds
+            :data:`MARKER_NAME`) and that holds no run or model folder.
 
     Returns:
         ``out_dir``.
 
     Raises:
         ValueError: an unknown format, or one that is not the run's backend (xlipkit does not
-            convert between transformers and open_clip weights).
+            convert between transformers and open_clip weights); ``out_dir`` is, holds or lies
+            inside the run or model folder.
         FileNotFoundError: not a run or model folder.
-        FileExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
+        FileExistsError: ``out_dir`` is not empty and ``overwrite`` is false, or it is a folder that
+            ``overwrite`` may not replace.
     """
     if format not in FORMATS:
         raise ValueError(f"format {format!r} is not one of {FORMATS}")
@@ -434,10 +521,12 @@ def export(
         raise ValueError(f"{run.model_dir} is a {native} model (model family {backend!r}); it exports to format "
                          f"{native!r} only" + (f": use --format {native}" if native in FORMATS else
                                                ": use --format auto"))
-    target = _target(out_dir, overwrite)
+    source = Path(run_dir_or_folder).expanduser()
+    target = _check_output(out_dir, overwrite, sources=_sources(source, run), command="export")
     model = load_finetuned(run.model_dir, merge=run.info["kind"] == "adapter")
     model.name_or_path = run.info["base_model"]
-    save_finetuned(model, target, recipe=_drop_hub_token(run.info.get("recipe"))[0])
+    _write_into(target, lambda folder: save_finetuned(model, folder, recipe=_drop_hub_token(run.info.get("recipe"))[0]),
+                command="export", source=source)
     log.info("exported %s to %s (%s format, %d text positions)", run.model_dir, target, native, model.max_text_len)
     if len(model.inference_modules):
         log.info("the model's inference modules (%s) are written beside it in %s + %s: finetune.load_finetuned(%r) "

@@ -8,9 +8,11 @@ A :class:`Term` is a small ``nn.Module`` that
    form ``stream_map``), ``prepare`` (per example, in the data workers) and ``collate`` (per batch);
 3. asks the :class:`Objective` for the images and texts it wants encoded (``image_inputs`` /
    ``text_inputs``): the objective runs ONE image-tower pass over every image request of the batch
-   (StructXLIP's colour images and edge maps together) and, for causal (CLIP) text towers, a few passes of
-   similar-length rows over every text request (one pass per padded length for other towers). Requests of
-   several terms under one feature key (``image``, ``text``) are encoded once, with states if any asks;
+   (StructXLIP's colour images and edge maps together) and one text-tower pass per text length over every text
+   request (:mod:`finetune.objectives.encoders`); under the run's fixed shapes
+   (:mod:`finetune.objectives.shapes`) that is at most two text passes (captions, short texts), each of a shape
+   every step repeats. Requests of several terms under one feature key (``image``, ``text``) are encoded once,
+   with states if any asks;
 4. turns the encoded features into unweighted loss values (``loss``), logged as ``term/value`` (``term``
    alone when the value has the term's name, :func:`loss_name`).
 
@@ -28,14 +30,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .encoders import TextPlan, encode_images, encode_texts, right_padded
+from .shapes import BatchShapes, ShapeScan
+
 Features = dict[str, Tensor]
 Batch = dict[str, Any]
 
 #: key of the 0-dim tensor holding the number of samples a feature dict was encoded from
 N_SAMPLES = "n_samples"
-#: most text-tower passes the embedding-only rows of a causal (CLIP) batch are split into by length
-TEXT_BUCKETS = 6
-#: batch key of the :class:`TextPlan` the collator adds (host-side metadata, see :meth:`Objective.plan`)
+#: batch key of the :class:`~finetune.objectives.encoders.TextPlan` the collator adds (host-side metadata, see
+#: :meth:`Objective.plan`)
 TEXT_PLAN = "_text_plan"
 #: batch key of the terms' host plans, ``{term name: plan}`` (:meth:`Term.plan`, :func:`term_plan`)
 TERM_PLANS = "_term_plans"
@@ -84,11 +88,14 @@ class TextRequest:
         input_ids: ``(n, L)``.
         attention_mask: ``(n, L)``.
         states: whether token states are needed too.
+        short: the rows are short texts (sentences, chunks): under fixed shapes they take the run's short length
+            (:attr:`~finetune.objectives.shapes.BatchShapes.short_length`) instead of the captions' length.
     """
 
     input_ids: Tensor
     attention_mask: Tensor
     states: bool = False
+    short: bool = False
 
 
 class Term(nn.Module):
@@ -117,6 +124,8 @@ class Term(nn.Module):
     features: frozenset[str] = frozenset()
     #: model parameters this term's loss reads directly (e.g. "logit_scale"); see ``detach_params``
     uses_logit_bias: bool = False
+    #: the run's fixed shapes (:meth:`Objective.set_shapes`), which ``collate`` pads to; None: each batch its own
+    shapes: BatchShapes | None = None
 
     def prepare_model(self, model: Any) -> None:
         """Add what the term needs to ``model`` (a head in ``model.inference_modules``, a model option), once,
@@ -174,10 +183,17 @@ class Term(nn.Module):
         """Texts to encode, by feature key."""
         return {}
 
+    def shape_scan(self, dataset: Any, model: Any) -> ShapeScan | None:
+        """What the run's fixed shapes (:func:`~finetune.objectives.shapes.plan_shapes`) need from this term, before
+        training: the texts of its short requests over ``dataset`` (the preprocessed map-style training set, or None
+        for a stream) and the most rows per sample of its requests whose count varies. None (the default): its
+        requests have fixed rows and no short texts."""
+        return None
+
     def plan(self, model: Any, batch: Batch) -> Any:
         """Host values the step needs from a collated (micro-)batch: sizes and counts as Python numbers, computed
-        where the batch is collated, on the CPU (:class:`~finetune.data.collate.PlannedCollate`, in the data-loader
-        workers), so that the step does not read them back from the device. The step finds them with
+        where the batch is collated, on the CPU (:class:`~finetune.objectives.planning.PlannedCollate`, in the
+        data-loader workers), so that the step does not read them back from the device. The step finds them with
         :func:`term_plan`; a batch collated without a plan (a direct call) has none, and the term then computes
         them itself. None (the default): nothing to plan."""
         return None
@@ -287,6 +303,8 @@ class Objective(nn.Module):
             raise ValueError("objective: nothing to optimise: no base term (objective.base: none) and no added "
                              "terms; set objective.base (e.g. clip) or add a term under objective.terms")
         check_declarations(self.all_terms)
+        #: the run's fixed shapes (:meth:`set_shapes`); None: every batch keeps its own
+        self.shapes: BatchShapes | None = None
 
     @property
     def all_terms(self) -> list[Term]:
@@ -305,6 +323,20 @@ class Objective(nn.Module):
         for t in self.all_terms:
             out |= set(t.needs)
         return frozenset(out)
+
+    @property
+    def prepares_examples(self) -> bool:
+        """Whether some term works on the examples in the data workers (:meth:`Term.prepare`), so that the collator
+        hands them PIL images."""
+        return any(type(t).prepare is not Term.prepare for t in self.all_terms)
+
+    def set_shapes(self, shapes: BatchShapes | None) -> None:
+        """Fix the shapes every batch is padded to (:func:`~finetune.objectives.shapes.plan_shapes`): the terms'
+        ``collate`` pads per-sample rows to its capacities and :meth:`encode` pads texts to its lengths. Call it
+        before the data-loader workers start (they copy the terms)."""
+        self.shapes = shapes
+        for t in self.all_terms:
+            t.shapes = shapes
 
     # -- data side --------------------------------------------------------------------------------
     def prepare_model(self, model: Any) -> None:
@@ -403,14 +435,14 @@ class Objective(nn.Module):
     def encode(self, model: Any, batch: Batch) -> Features:
         """Run the encoders once for every term's requests and return the merged feature dict.
 
-        All image requests go through ONE ``encode_image`` call (concatenated along the batch); text
-        requests are grouped by padded length, one ``encode_text`` call per group. A key asked for by several
-        terms is encoded once (:meth:`requests`).
+        All image requests go through ONE ``encode_image`` call (concatenated along the batch); text requests
+        through one pass per text length (:func:`~finetune.objectives.encoders.encode_texts`: at most two under
+        :attr:`shapes`). A key asked for by several terms is encoded once (:meth:`requests`).
         """
         image_reqs, text_reqs, owners = self.requests(batch)
         feats: Features = {N_SAMPLES: torch.tensor(len(batch["input_ids"]))}
-        feats.update(_encode_images(model, image_reqs))
-        feats.update(_encode_texts(model, text_reqs, batch.get(TEXT_PLAN)))
+        feats.update(encode_images(model, image_reqs))
+        feats.update(encode_texts(model, text_reqs, batch.get(TEXT_PLAN), self.shapes))
         # states and masks of a request belong to the terms that asked for it
         for key in list(owners):
             for suffix in ("_states", "_mask"):
@@ -430,11 +462,12 @@ class Objective(nn.Module):
                 prev.add(t.name)
         return feats
 
-    def plan(self, model: Any, batch: Batch, *, pad_lengths: tuple[int, ...] | None = None) -> TextPlan | None:
-        """The :class:`TextPlan` of ``batch`` (collated on the CPU): the length buckets :meth:`encode` runs the
-        text tower in, made where the batch is collated so that the step reads no lengths from the device."""
+    def plan(self, model: Any, batch: Batch) -> TextPlan:
+        """The :class:`~finetune.objectives.encoders.TextPlan` of ``batch`` (collated on the CPU): whether its text
+        requests are right-padded, checked where the batch is collated so that the step reads no mask from the
+        device."""
         _, text_reqs, _ = self.requests(batch)
-        return plan_texts(model, text_reqs, pad_lengths=pad_lengths)
+        return TextPlan(right_padded=right_padded([r.attention_mask for r in text_reqs.values()]))
 
     def term_plans(self, model: Any, batch: Batch) -> dict[str, Any] | None:
         """``{term name: plan}`` of the terms that plan ``batch`` (:meth:`Term.plan`, on the CPU), or None when none
@@ -512,213 +545,6 @@ def check_declarations(terms: list[Term]) -> None:
             shared = (earlier.features & (later.requests | later.features)) | (later.features & earlier.requests)
             for key in sorted(shared):
                 raise _collision(earlier.name, later.name, "feature key", key, "extra_features")
-
-
-def _encode_images(model: Any, reqs: dict[str, ImageRequest]) -> Features:
-    if not reqs:
-        return {}
-    # requests that need patch states first: the tower computes states for those rows only
-    keys = sorted(reqs, key=lambda k: not reqs[k].states)
-    want_states = any(r.states for r in reqs.values())
-    states_rows = sum(reqs[k].count for k in keys if reqs[k].states)
-    names = list(reqs[keys[0]].inputs)
-    inputs = {n: torch.cat([reqs[k].inputs[n] for k in keys]) if len(keys) > 1 else reqs[keys[0]].inputs[n]
-              for n in names}
-    out = model.encode_image(**inputs, states=want_states, states_rows=states_rows if want_states else None)
-    feats: Features = {}
-    start = 0
-    for k in keys:
-        n = reqs[k].count
-        feats[k] = out.embeds[start:start + n]
-        if reqs[k].states and out.states is not None:
-            feats[f"{k}_states"] = out.states[start:start + n]
-        start += n
-    if want_states:
-        feats["image_grid"] = torch.tensor(out.grid)
-    return feats
-
-
-def _bucketed_keys(model: Any, reqs: dict[str, TextRequest]) -> list[str]:
-    """The text requests that go through the tower in length buckets: causal towers pooling the end token
-    (``family == "clip"``), requests without states."""
-    causal = getattr(model, "family", "clip") == "clip"
-    return [k for k, r in reqs.items() if causal and not r.states]
-
-
-def _encode_texts(model: Any, reqs: dict[str, TextRequest], plan: TextPlan | None = None) -> Features:
-    """Encode every text request. Causal towers that pool the end token (CLIP): the rows of all requests
-    without states go through the tower together, in at most :data:`TEXT_BUCKETS` passes of rows of similar
-    length, each cut to its longest row (trailing padding does not change a causal embedding), so that short
-    rows (StructXLIP's chunks, short captions) are not padded to the longest caption; the buckets come from
-    ``plan`` (:class:`TextPlan`, made on the CPU by the data loader) when the batch has one, so that the step
-    reads no length from the device. Requests with states, and other towers (SigLIP pools the last position of
-    its fixed context), go one pass per padded length."""
-    feats: Features = {}
-    bucketed = _bucketed_keys(model, reqs)
-    if bucketed:
-        feats.update(_encode_bucketed(model, {k: reqs[k] for k in bucketed}, plan))
-    groups: dict[tuple[int, bool], list[str]] = {}
-    for k, r in reqs.items():
-        if k not in bucketed:
-            groups.setdefault((r.input_ids.shape[1], r.states), []).append(k)
-    for (_, states), keys in groups.items():
-        ids = torch.cat([reqs[k].input_ids for k in keys])
-        mask = torch.cat([reqs[k].attention_mask for k in keys])
-        if ids.shape[0] == 0:
-            for k in keys:
-                feats[k] = ids.new_zeros((0, 0), dtype=torch.float32)
-            continue
-        out = model.encode_text(ids, mask, states=states)
-        start = 0
-        for k in keys:
-            n = reqs[k].input_ids.shape[0]
-            feats[k] = out.embeds[start:start + n]
-            if states and out.states is not None:
-                feats[f"{k}_states"] = out.states[start:start + n]
-                feats[f"{k}_mask"] = mask[start:start + n]
-            start += n
-    return feats
-
-
-@dataclass
-class TextPlan:
-    """The length buckets of a (micro-)batch's bucketed text requests (:func:`_encode_bucketed`), planned on the
-    CPU where the batch is collated (data-loader workers, :func:`plan_texts`), so that the training step reads
-    no lengths from the device.
-
-    Host-side metadata (Python ints) plus one tensor, ``order``, that travels to the device with the batch
-    (``to`` and ``pin_memory`` are what ``accelerate.utils.send_to_device`` and the DataLoader's pinning call).
-
-    Attributes:
-        keys: the bucketed request keys, in request order; ``counts`` their rows.
-        sizes: rows per bucket, shortest bucket first; ``lengths`` the columns each bucket is cut (or padded) to.
-        order: ``(N,)`` the rows of the concatenated requests, bucket after bucket.
-    """
-
-    keys: tuple[str, ...]
-    counts: tuple[int, ...]
-    sizes: tuple[int, ...]
-    lengths: tuple[int, ...]
-    order: Tensor
-
-    def to(self, device: Any, non_blocking: bool = False) -> "TextPlan":
-        return replace(self, order=self.order.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> "TextPlan":
-        return replace(self, order=self.order.pin_memory())
-
-    def matches(self, reqs: dict[str, TextRequest]) -> bool:
-        """Whether this plan was made for these requests (same keys, same row counts)."""
-        return self.keys == tuple(reqs) and self.counts == tuple(int(r.input_ids.shape[0]) for r in reqs.values())
-
-
-def plan_texts(model: Any, reqs: dict[str, TextRequest], *, pad_lengths: tuple[int, ...] | None = None,
-               max_buckets: int | None = None) -> TextPlan | None:
-    """The :class:`TextPlan` of the bucketed requests among ``reqs`` (CPU tensors), or None when there are none or
-    a mask is not right-padded (the tower then needs its padding mask and the step plans itself).
-
-    Args:
-        pad_lengths: sorted lengths a bucket's columns are rounded up to (``train.compile``: a fixed set of
-            shapes, so that compiled towers do not recompile at every batch); None: each bucket's longest row.
-    """
-    reqs = {k: reqs[k] for k in _bucketed_keys(model, reqs)}
-    if not reqs:
-        return None
-    counts = tuple(int(r.input_ids.shape[0]) for r in reqs.values())
-    if not sum(counts):
-        return None
-    lengths = []
-    for r in reqs.values():
-        mask = r.attention_mask
-        n = mask.sum(dim=1)
-        if not torch.equal(mask.bool(), torch.arange(mask.shape[1])[None, :] < n[:, None]):
-            return None  # left padding or holes: the tower needs the mask
-        lengths.append(n)
-    lengths = torch.cat(lengths)
-    groups = length_buckets(lengths, max_buckets)
-    sizes, cut = [], []
-    for rows in groups:
-        longest = max(int(lengths[rows].max()), 1)
-        if pad_lengths:
-            longest = next((p for p in pad_lengths if p >= longest), longest)
-        sizes.append(len(rows))
-        cut.append(longest)
-    return TextPlan(tuple(reqs), counts, tuple(sizes), tuple(cut), torch.cat(groups))
-
-
-def _encode_bucketed(model: Any, reqs: dict[str, TextRequest], plan: TextPlan | None = None) -> Features:
-    counts = [r.input_ids.shape[0] for r in reqs.values()]
-    if not sum(counts):
-        return {k: r.input_ids.new_zeros((0, 0), dtype=torch.float32) for k, r in reqs.items()}
-    if plan is not None and not plan.matches(reqs):
-        plan = None
-    width = max(r.input_ids.shape[1] for r in reqs.values())
-    if plan is not None:
-        width = max(width, *plan.lengths)
-    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None) or 0
-
-    def widen(t: Tensor, value: int) -> Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) if t.shape[1] < width else t
-
-    ids = torch.cat([widen(r.input_ids, pad) for r in reqs.values()])
-    mask = torch.cat([widen(r.attention_mask, 0) for r in reqs.values()])
-    if plan is not None:  # planned on the CPU: no read from the device
-        order = plan.order.to(ids.device, non_blocking=True)
-        ids, mask = ids.index_select(0, order), mask.index_select(0, order)
-        groups, start = [], 0
-        for size, length in zip(plan.sizes, plan.lengths):
-            groups.append((ids[start:start + size, :length], mask[start:start + size, :length]))
-            start += size
-        embeds = torch.cat(model.encode_text_groups(groups, right_padded=True))
-    else:  # reads the lengths from the device (a direct call without a plan)
-        lengths = mask.sum(dim=1)
-        rows_of = length_buckets(lengths)
-        groups = []
-        for rows in rows_of:
-            longest = max(int(lengths[rows].max()), 1)
-            groups.append((ids[rows, :longest], mask[rows, :longest]))
-        embeds = torch.cat(model.encode_text_groups(groups))
-        order = torch.cat(rows_of).to(embeds.device)
-    embeds = torch.empty_like(embeds).index_copy(0, order, embeds)
-    return dict(zip(reqs, embeds.split(counts)))
-
-
-def length_buckets(lengths: Tensor, max_buckets: int | None = None) -> list[Tensor]:
-    """Split rows into at most ``max_buckets`` groups of similar length that minimise the padded token count
-    ``sum_b |b| * max(len in b)`` (dynamic programming over the distinct lengths, groups contiguous in length).
-
-    Args:
-        lengths: ``(N,)`` real token counts.
-        max_buckets: default :data:`TEXT_BUCKETS`.
-
-    Returns:
-        Row indices of each group, shortest group first; together a permutation of ``range(N)``.
-    """
-    max_buckets = max_buckets or TEXT_BUCKETS
-    lengths = lengths.detach().cpu()
-    order = torch.argsort(lengths, stable=True)
-    values, counts = torch.unique(lengths, return_counts=True)
-    u = values.double()
-    prefix = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).double()
-    n = len(u)
-    # best[g, j]: least padded tokens of the first j distinct lengths in g groups; cut[g, j]: where the last
-    # group starts. cost[i, j] puts lengths i..j-1 in one group padded to the longest, u[j - 1].
-    cost = (prefix[None, :] - prefix[:, None]) * torch.cat([u.new_zeros(1), u])[None, :]
-    cost = cost.masked_fill(torch.ones(n + 1, n + 1, dtype=torch.bool).tril(), math.inf)  # groups need i < j
-    best = torch.full((max_buckets + 1, n + 1), math.inf, dtype=torch.float64)
-    cut = torch.zeros((max_buckets + 1, n + 1), dtype=torch.long)
-    best[0, 0] = 0.0
-    for g in range(1, max_buckets + 1):
-        best[g], cut[g] = (best[g - 1][:, None] + cost).min(dim=0)
-    totals = best[1:, n].tolist()
-    groups = min(range(1, max_buckets + 1), key=lambda g: (totals[g - 1], g))
-    starts = prefix.long().tolist()
-    bounds, j = [], n
-    for g in range(groups, 0, -1):
-        i = int(cut[g, j])
-        bounds.append((starts[i], starts[j]))
-        j = i
-    return [order[a:b] for a, b in reversed(bounds)]
 
 
 def merge_features(parts: list[Features]) -> Features:

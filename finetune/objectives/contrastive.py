@@ -142,8 +142,17 @@ class LongClipTerm(Term):
     def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
         return {
             "text": TextRequest(batch["input_ids"], batch["attention_mask"]),
-            "short_text": TextRequest(batch["short_input_ids"], batch["short_attention_mask"]),
+            "short_text": TextRequest(batch["short_input_ids"], batch["short_attention_mask"], short=True),
         }
+
+    def shape_scan(self, dataset: Any, model: Any) -> Any:
+        """The first sentences of the training set's captions (the run's short text length is their longest)."""
+        from finetune.data.text import first_sentence
+
+        from .shapes import ShapeScan, dataset_columns
+
+        cols = dataset_columns(dataset, ["caption"])
+        return None if cols is None else ShapeScan(short_texts=tuple(first_sentence(c or "") for c in cols["caption"]))
 
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
         s = scale_of(model.logit_scale, detach_params)

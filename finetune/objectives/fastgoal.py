@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from finetune.extras import require_extra
 from finetune.preprocess.frozen import FrozenEncoders, model_fingerprint
 from losses import clip_loss
 
@@ -81,8 +82,9 @@ class FlismOptions:
             synthetic scenes; with ``links`` their ``sentence_index`` fixes the sentence) or ``pairs`` (the
             ``box`` / ``sentence_index`` columns of a pairs file from ``python -m finetune.preprocess.flism``).
         default: add the four quadrants and the centre box (III-A); false is Table VII's "YOLO only".
-        detector: a transformers YOLOS hub id or folder (the paper's ``hustvl/yolos-base``) or an ultralytics
-            ``.pt`` checkpoint (``yolov8x.pt``); null: the default regions only.
+        detector: a transformers YOLOS hub id or folder (``hustvl/yolos-base``: the paper names YOLOS and its
+            127.8M parameters, Table X; which checkpoint is ours) or an ultralytics ``.pt`` checkpoint
+            (``yolov8x.pt``, needs the ``regions`` extra); null: the default regions only.
         threshold: detection score threshold (null: 0.9 for YOLOS, as its model card; 0.25 for ultralytics).
         classes: keep only these detector classes (names or ids); null: all.
         max_boxes: most detector / SAM boxes per image, by score (null: all).
@@ -125,9 +127,10 @@ class FastGoalOptions:
         weights: lambda_local, lambda_TSL (:class:`FastGoalWeights`, V-A: 0.5 / 1).
         tsl_form: ``matrix`` (eq. 14 as written: n x n cosine matrices against I, 1 / n of the weight on the
             pairs) or ``diagonal`` (the GOAL code's ``MSE(diag, 1)``, the form the paper's numbers most likely
-            used: README, FAST-GOAL).
+            used: docs/methods/fastgoal.md).
         heads: psi_v / psi_t: ``own`` (the model's final norm + projection, as the GOAL code) or ``new``
-            (separate heads initialised from them, trained and saved with the model).
+            (separate heads initialised from them, trained and saved with the model; the paper calls psi "a
+            learned projection function" and gives no initialisation).
         box_cover: which patches a box pools: ``overlap`` (every patch it touches) or ``centre`` (patches whose
             centre lies inside, as StructXLIP's pooled regions).
         regions: FLISM (:class:`FlismOptions`).
@@ -181,6 +184,8 @@ class FastGoalTerm(Term):
         if r.min_area > r.max_area:
             raise ValueError(f"objective.terms.fastgoal.regions: min_area ({r.min_area}) must not exceed max_area "
                              f"({r.max_area})")
+        if r.method == "detector" and r.detector and str(r.detector).endswith(".pt"):
+            require_extra("regions", "objective.terms.fastgoal.regions.detector (an ultralytics YOLO checkpoint)")
         if r.method == "detector" and r.detector and str(r.detector).endswith(".pt") \
                 and not Path(r.detector).expanduser().is_file():
             raise FileNotFoundError(
@@ -328,6 +333,23 @@ class FastGoalTerm(Term):
                          "finetune.preprocess.flism IMAGES OUT) and train on that file (data.train: {name: jsonl, "
                          "path: OUT}, regions.method: pairs)")
 
+    def shape_scan(self, dataset: Any, model: Any) -> Any:
+        """The pairs' sentences over the training set (the run's short text length is their longest), from the
+        preprocessed columns, as :meth:`prepare` picks them."""
+        from finetune.data.text import split_sentences
+
+        from .shapes import ShapeScan, dataset_columns
+
+        cols = dataset_columns(dataset, ["caption", "flism_num_pairs", "flism_pair_sentence"])
+        if cols is None:
+            return None
+        texts = []
+        for caption, m, index in zip(cols["caption"], cols["flism_num_pairs"], cols["flism_pair_sentence"]):
+            sentences = split_sentences(caption or "")
+            picked = [0] * self.k if int(m) == 0 else [int(i) for i in index[: self.k]]  # as _pairs_of
+            texts += [sentences[i] for i in picked if 0 <= i < len(sentences)]
+        return ShapeScan(short_texts=tuple(texts) or ("",))
+
     # -- data workers ----------------------------------------------------------------------------
     def _pairs_of(self, example: dict[str, Any]) -> tuple[list[list[float]], list[int], list[bool], list[float]]:
         """Boxes, sentence indices, validity and TSL weights of the example's ``k`` pairs."""
@@ -408,13 +430,13 @@ class FastGoalTerm(Term):
         Raises:
             DataError: ``data.on_error: raise`` and a box that the model's input does not show.
         """
-        from .structxlip import _trim
+        from .structxlip.batch import trim
 
         b, k = len(examples), self.k
         crops = [c for e in examples for c in e["fg_crops"]]
         crop_inputs = _stack_inputs(dict(model.preprocess_images(crops)), b, k)
         tok = model.tokenize([s for e in examples for s in e["fg_sentences"]])
-        ids, mask = _trim(tok.input_ids, tok.attention_mask, model)
+        ids, mask = trim(tok.input_ids, tok.attention_mask, model)
         captions = [e["fg_caption"] for e in examples]
         pair_valid = torch.tensor([e["fg_valid"] for e in examples], dtype=torch.bool)
         spans = torch.zeros(b, k, 2, dtype=torch.long)
@@ -426,6 +448,30 @@ class FastGoalTerm(Term):
             spans[:, j] = sel.spans
             span_valid[:, j] = sel.valid
             truncated[:, j] = pair_valid[:, j] & ~sel.valid
+        patch_masks, box_valid = self._patch_masks(examples, model, pair_valid)
+        outside = pair_valid & ~box_valid
+        return {"fastgoal": {
+            "crop_inputs": crop_inputs,
+            "sentence_input_ids": ids.reshape(b, k, -1),
+            "sentence_attention_mask": mask.reshape(b, k, -1),
+            "boxes": torch.tensor([e["fg_boxes"] for e in examples], dtype=torch.float64),
+            "image_size": torch.tensor([list(e["fg_size"]) for e in examples], dtype=torch.long),
+            "patch_masks": patch_masks,
+            "box_valid": box_valid,
+            "spans": spans,
+            "span_valid": span_valid,
+            "pair_valid": pair_valid,
+            "weight": torch.tensor([e["fg_weight"] for e in examples], dtype=torch.float32),
+            "pairs": pair_valid.sum(dim=1).tolist(),
+            "sentences_cut": truncated.sum(dim=1).tolist(),
+            "boxes_outside": outside.sum(dim=1).tolist(),
+        }}
+
+    def _patch_masks(self, examples: list[dict[str, Any]], model: Any, pair_valid: Tensor) -> tuple[Tensor, Tensor]:
+        """``patch_masks`` ``(B, k, N)`` (each pair box's patches of the global image, eq. 9, appendix C) and
+        ``box_valid`` ``(B, k)`` (False for padded pairs and boxes the model's crop cut away: ``data.on_error: skip``
+        leaves them out of TSL's image half, ``raise`` stops naming the example)."""
+        b, k = len(examples), self.k
         params, n_patches = self._geometry(model)
         patch_masks = torch.zeros(b, k, n_patches, dtype=torch.bool)
         box_valid = pair_valid.clone()
@@ -451,23 +497,7 @@ class FastGoalTerm(Term):
                     box_valid[i, j] = False
                 else:
                     patch_masks[i, j] = m
-        outside = pair_valid & ~box_valid
-        return {"fastgoal": {
-            "crop_inputs": crop_inputs,
-            "sentence_input_ids": ids.reshape(b, k, -1),
-            "sentence_attention_mask": mask.reshape(b, k, -1),
-            "boxes": torch.tensor([e["fg_boxes"] for e in examples], dtype=torch.float64),
-            "image_size": torch.tensor([list(e["fg_size"]) for e in examples], dtype=torch.long),
-            "patch_masks": patch_masks,
-            "box_valid": box_valid,
-            "spans": spans,
-            "span_valid": span_valid,
-            "pair_valid": pair_valid,
-            "weight": torch.tensor([e["fg_weight"] for e in examples], dtype=torch.float32),
-            "pairs": pair_valid.sum(dim=1).tolist(),
-            "sentences_cut": truncated.sum(dim=1).tolist(),
-            "boxes_outside": outside.sum(dim=1).tolist(),
-        }}
+        return patch_masks, box_valid
 
     # -- model side ------------------------------------------------------------------------------
     def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
@@ -479,10 +509,11 @@ class FastGoalTerm(Term):
 
     def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
         """``text`` (the captions, with token states; merged with the base term's request) and
-        ``fastgoal_sentence`` (the ``B * k`` sentences alone)."""
+        ``fastgoal_sentence`` (the ``B * k`` sentences alone, short texts: the run's short length)."""
         fg = batch["fastgoal"]
         return {"text": TextRequest(batch["input_ids"], batch["attention_mask"], states=True),
-                "fastgoal_sentence": TextRequest(_flat(fg["sentence_input_ids"]), _flat(fg["sentence_attention_mask"]))}
+                "fastgoal_sentence": TextRequest(_flat(fg["sentence_input_ids"]), _flat(fg["sentence_attention_mask"]),
+                                                 short=True)}
 
     def _heads(self, model: Any) -> Any:
         if self.options.heads == "own":
@@ -553,53 +584,11 @@ class FastGoalTerm(Term):
                 "tsl_boxes_outside_input": self.boxes_outside}
 
     def report_sections(self, run_dir: str | Path, dataset: Any, *, n: int = 6) -> list[str]:
-        """The FLISM statistics (candidates per image, found vs default boxes, similarity histogram) and a
-        preview of ``n`` training examples (``<run_dir>/plots/fastgoal_flism.png``)."""
-        from finetune.preprocess.flism import render_flism_preview
+        """The FLISM statistics and a preview of ``n`` training examples
+        (:func:`~finetune.objectives.fastgoal_report.flism_report`)."""
+        from .fastgoal_report import flism_report
 
-        s = self.stats.get("flism")
-        lines = ["## FAST-GOAL local pairs (FLISM)", ""]
-        if not s or "candidates_per_image" not in s:
-            if not s:
-                return ["\n".join(lines + ["Local pairs read from a pairs file."])]
-            outside = s.get("pairs_outside_input")
-            lines.append(f"Local pairs read from a pairs file: {s.get('lines', '?')} pairs of {s['images']} images "
-                         f"(at most {s.get('most_pairs_per_image', '?')} per image; {self.options.regions.pairs} kept "
-                         "per image, each image one example), "
-                         + ("image sizes not in the file, so boxes outside the model's input are counted in training "
-                            "only." if outside is None else
-                            f"{outside} pair boxes outside what the model's input shows."))
-            return ["\n".join(lines)]
-        r = self.options.regions
-        hist = s["similarity_histogram"]
-        lines += [
-            f"Candidates: {r.method}"
-            + (f" ({r.detector})" if r.method == "detector" and r.detector else "")
-            + (" + 4 quadrants + centre" if r.default else "") + f"; {r.pairs} pair(s) per image ({r.weighting}).", "",
-            "| statistic | value |", "|---|---|",
-            f"| images | {s['images']} |",
-            f"| candidates per image | {s['candidates_per_image']:.2f} |",
-            f"| found (detector / SAM / dataset) vs default boxes | {100 * s['found_share']:.1f}% / "
-            f"{100 * s['default_share']:.1f}% |",
-            f"| kept pairs on found vs default boxes | {100 * s['kept_found_share']:.1f}% / "
-            f"{100 * s['kept_default_share']:.1f}% |",
-            f"| images without a found box | {s['images_without_found_boxes']} |",
-            f"| images without a pair | {s['images_without_pairs']} |",
-            f"| candidates clipped to / dropped outside the model's input (resize + centre crop) | "
-            f"{s.get('candidates_clipped', 0)} / {s.get('candidates_dropped', 0)} |",
-            f"| mean similarity of kept pairs | "
-            f"{s['mean_similarity']:.3f} |" if s["mean_similarity"] is not None else "| mean similarity | - |",
-            "",
-            "Similarity of the kept pairs: " + ", ".join(
-                f"[{lo:.1f}, {hi:.1f}): {c}" for lo, hi, c in zip(hist["edges"], hist["edges"][1:], hist["counts"]) if c),
-            "",
-        ]
-        n = min(n, len(dataset))
-        if n and "flism_candidates" in dataset.column_names:
-            path = Path(run_dir) / "plots" / "fastgoal_flism.png"
-            render_flism_preview([dataset[i] for i in range(n)], path, title="FLISM: candidates and kept pairs")
-            lines += ["![FLISM preview: candidate boxes, the kept box and its sentence](plots/fastgoal_flism.png)", ""]
-        return ["\n".join(lines).rstrip()]
+        return flism_report(self, run_dir, dataset, n=n)
 
     def extra_repr(self) -> str:
         r = self.options.regions

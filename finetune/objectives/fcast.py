@@ -29,6 +29,7 @@ Fig. 6) and the part-level attention of a few sub-captions over the 64 segments 
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import zlib
@@ -46,6 +47,12 @@ from .flair import DrawCounter
 from .registry import Citation, register_term
 
 TERM_NAME = "fcast"
+#: the CAST encoder's segment tokens per image under fixed shapes: the superpixels' target count times this,
+#: rounded up to a multiple of SEGMENT_ALIGN (SLIC gives about its target, sometimes a little more)
+SEGMENT_MARGIN = 1.25
+SEGMENT_ALIGN = 16
+
+log = logging.getLogger("xlipkit")
 
 
 def _positive(value: Any) -> str | None:
@@ -247,18 +254,42 @@ class FCastTerm(Term):
         return {"fcast_sub_ids": tok.input_ids.reshape(b, k, -1), "fcast_sub_mask": tok.attention_mask.reshape(b, k, -1)}
 
     # -- model --------------------------------------------------------------------------------------
+    def shape_scan(self, dataset: Any, model: Any) -> Any:
+        """The segment tokens per image of the CAST encoder's first stage, fixed before training
+        (:data:`SEGMENT_MARGIN` over the superpixels' target count, rounded up to :data:`SEGMENT_ALIGN`): the
+        superpixels are computed in the data workers, so their count is not known before; a batch with more
+        segments takes the next multiple of :data:`SEGMENT_ALIGN` (a new shape, logged by the worker)."""
+        from .shapes import ShapeScan, round_up
+
+        target = int(self._attach(model).superpixels.n_segments)
+        return ShapeScan(capacities={f"{TERM_NAME}/segments": round_up(math.ceil(target * SEGMENT_MARGIN),
+                                                                         SEGMENT_ALIGN)})
+
     def plan(self, model: Any, batch: Batch) -> dict[str, int] | None:
         """The sizes the step would otherwise read from the device, counted on the CPU where the batch is collated:
         ``segments``, the CAST segment count of the superpixels (``CastEncoder.segment_count``), and ``longest``,
-        the longest real sub-caption the chunk encoder cuts the rows to."""
+        the columns the chunk encoder runs the sub-captions at. Under the run's fixed shapes (:attr:`Term.shapes`)
+        both are fixed: the planned segment capacity (invalid segments are masked in every attention and pooling)
+        and all 77 columns (a causal tower: trailing padding never reaches the end token); else this batch's
+        count and longest real sub-caption."""
         inputs = batch.get("image_inputs") or {}
         if inputs.get("superpixels") is None or "fcast_sub_mask" not in batch:
             return None
         from finetune.models.families.fcast import ChunkEncoder
 
+        from .shapes import round_up
+
         mask = batch["fcast_sub_mask"]
-        return {"segments": model.segment_count(inputs["pixel_values"], inputs["superpixels"]),
-                "longest": ChunkEncoder.longest(mask.reshape(-1, mask.shape[-1]))}
+        count = model.segment_count(inputs["pixel_values"], inputs["superpixels"])
+        cap = self.shapes.capacity(f"{TERM_NAME}/segments") if self.shapes is not None else None
+        if cap is None:
+            return {"segments": count, "longest": ChunkEncoder.longest(mask.reshape(-1, mask.shape[-1]))}
+        if count > cap:
+            cap = round_up(count, SEGMENT_ALIGN)
+            log.warning("fcast: %d superpixel segments in a batch, more than the %d planned per image: this batch "
+                        "runs at %d segment tokens (a new shape)", count, self.shapes.capacity(
+                            f"{TERM_NAME}/segments"), cap)
+        return {"segments": cap, "longest": int(mask.shape[-1])}
 
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
         self._attach(model)

@@ -111,7 +111,7 @@ class GRMOptions:
         max_violation: hardest negative per row and column (VSE++'s hard negative mining, which
             the paper's text cites) after the warm-up epochs; false: the sum over negatives of eq. 8
             as printed.
-        warmup_sum_epochs: epochs that sum over all negatives first (LAPS: 1; paper: 0).
+        warmup_sum_epochs: epochs that sum over all negatives first (LAPS: 1; the paper mentions no warm-up: 0).
         anchors: ``own`` (LAPS's ContrastiveLoss: each example's own pair is its anchor, other
             captions of its image only leave the negatives) or ``positives`` (every same-image pair
             an anchor).

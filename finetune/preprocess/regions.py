@@ -3,7 +3,7 @@
 The paper segments the *colour* image with SAM -- FastSAM in practice (D.3) -- into masks K_i,
 takes the structure-centric regions R_i as the edge map cut to each mask, splits the filtered
 caption T' into chunks at sentence delimiters, and pairs each chunk c_m with the K regions most
-similar to it under the *pretrained* encoders (R_m^K, K = 3). All of this is fixed before
+similar to it under the *pretrained* encoders (R_m^K; the paper names no K). All of this is fixed before
 fine-tuning, so it is computed once per dataset and cached (:func:`compute_regions`): per example
 the region boxes, whether the default regions were used, the chunks, and each chunk's top-K region
 indices and cosine scores. Crops are not stored; the collate re-cuts them from the (cached) edge
@@ -47,6 +47,7 @@ from PIL import Image
 from torch import Tensor
 
 from finetune.data.text import split_sentences
+from finetune.extras import require_extra
 
 from finetune.data.cache import cached_map
 from .edges import EdgeConfig, edge_map
@@ -197,6 +198,7 @@ def load_ultralytics(checkpoint: Path, model_class: str, task_class: str, *, exa
     ``ultralytics.nn.tasks.<task_class>`` (``exact``: that very class, as a segmentation model is also a
     detection model). Offline by default (``YOLO_OFFLINE``). Errors start with ``prefix`` (the recipe key)
     and end with ``hint`` (where to get a checkpoint)."""
+    require_extra("regions", f"{prefix}{str(checkpoint)!r} (an ultralytics checkpoint)".strip())
     os.environ.setdefault("YOLO_OFFLINE", "1")  # no update checks or analytics by default
     import ultralytics  # noqa: PLC0415 - heavy import, only when a checkpoint runs
     from ultralytics.nn import tasks  # noqa: PLC0415
@@ -276,6 +278,7 @@ class FastSAMRegions(UltralyticsCheckpoint):
         batch_size: int = 8,
     ) -> None:
         path = Path(checkpoint)
+        require_extra("regions", f"the FastSAM checkpoint {str(path)!r}")
         if not path.is_file():
             raise FileNotFoundError(
                 f"FastSAM checkpoint {str(path)!r} not found: {FASTSAM_DOWNLOAD_HINT}."
@@ -400,7 +403,7 @@ class RegionMatcher:
         encode_texts: ``list[str] -> (m, D)`` embeddings under the same model.
         model_id: names the model behind the encoders (hub id, revision, KPS length, ...); part
             of the cache key, so that another model gives other regions.
-        k: regions per chunk (paper: K = 3).
+        k: regions per chunk, K (the paper gives no number; the structxlip term's ``compat`` sets it).
         chunker: caption -> chunks; default :func:`split_chunks`.
         edge_cfg: edge extractor used when the batch has no ``edges_column``.
         match_on: ``"edges"`` (edge-map crops, the structure-centric regions) or ``"image"``

@@ -33,8 +33,8 @@ Features:
   ``train.resume: latest | PATH`` continues to the same weights as an uninterrupted run;
 - no host read of a device tensor between logging steps: the loss terms, the non-finite check and the counts
   accumulate on the device (:class:`StepMeter`) and are read at ``train.log_every``, checkpoints and the end;
-  text-length buckets are planned and JPEGs decoded to ``uint8`` in the data-loader workers
-  (:class:`finetune.data.collate.PlannedCollate`), pixels normalised on the device; the map-style loader's
+  batches are planned and JPEGs decoded to ``uint8`` in the data-loader workers
+  (:class:`finetune.objectives.planning.PlannedCollate`), pixels normalised on the device; the map-style loader's
   workers are persistent and prefetch across epochs, its batches pinned;
 - a non-finite loss is never applied (fused AdamW skips the update on the device through ``found_inf``); at
   the next read the run stops naming the first bad step and term (``on_nonfinite: raise``) or goes on

@@ -11,7 +11,7 @@ from typing import Any
 
 from finetune.data.images import DataError
 from finetune.training.checkpoint import SaveFailedError
-from finetune.training.launch import resume_command
+from finetune.training.launch import resume_command, secrets_left_out
 from finetune.training.signals import RunInterrupted, TrainingStopped
 from finetune.training.trainer import DivergedError, NonFiniteLossError
 
@@ -38,7 +38,7 @@ def stopped_or_failed(exc: BaseException, recipe: Any) -> int | None:
       ``on_nonfinite: raise``, data that broke during training: the message, what was kept, status 1.
     """
     out = Path(recipe.output.dir)
-    resume = f"\n  {resume_command()}"
+    resume = f"\n  {resume_command()}{secrets_left_out()}"
     if isinstance(exc, TrainingStopped):
         name = signal.Signals(exc.signum).name
         if _main_rank() and exc.checkpoint is not None:

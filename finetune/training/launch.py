@@ -10,7 +10,9 @@ import shlex
 import sys
 from pathlib import Path
 
-__all__ = ["accelerate_traceback_follows", "launch_argv", "parent_argv", "resume_command"]
+from finetune.config.secrets import mask_secrets, without_secrets
+
+__all__ = ["accelerate_traceback_follows", "launch_argv", "parent_argv", "resume_command", "secrets_left_out"]
 
 #: ``python -m ...`` launchers that start one process per device
 _LAUNCHER_MODULES = {"torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
@@ -44,11 +46,32 @@ def launch_argv() -> list[str]:
     return argv
 
 
+def _resume_argv() -> tuple[list[str], bool]:
+    """The arguments of :func:`resume_command`, and whether a secret was left out of them."""
+    argv, left_out = [], False
+    for arg in launch_argv():
+        if arg.startswith(("train.resume=", "output.overwrite=")):
+            continue
+        kept = without_secrets(arg) if "=" in arg else arg
+        left_out = left_out or kept != arg
+        if kept is not None:
+            argv.append(kept)
+    return argv, left_out
+
+
 def resume_command() -> str:
     """This run's command line with ``train.resume=latest`` (and without ``output.overwrite=...``, which would remove
-    the checkpoints it resumes from)."""
-    argv = [a for a in launch_argv() if not a.startswith(("train.resume=", "output.overwrite="))]
-    return shlex.join([*argv, "train.resume=latest"])
+    the checkpoints it resumes from). A stopped run prints it, so it never holds a secret: a ``hub.token=...``
+    override is left out, a section override is repeated without its token (:func:`finetune.config.secrets.
+    without_secrets`), and what else looks like a secret is masked (:func:`finetune.config.secrets.mask_secrets`)."""
+    argv, _ = _resume_argv()
+    return mask_secrets(shlex.join([*argv, "train.resume=latest"]))
+
+
+def secrets_left_out() -> str:
+    """What to say after :func:`resume_command` when it left a token of the command line out ("" when none)."""
+    return ("\n  (the hub token given on the command line is left out: set HF_TOKEN, or run `hf auth login`, before "
+            "continuing)") if _resume_argv()[1] else ""
 
 
 def accelerate_traceback_follows() -> bool:

@@ -91,7 +91,8 @@ class FinetuneRecipe:
         ctx.action = check_run_folder(ctx.out_dir, ctx.recipe_dict,
                                       overwrite=bool(getattr(recipe.output, "overwrite", False)),
                                       resume=recipe.train.resume,
-                                      ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)))
+                                      ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)),
+                                      recipe_file=recipe.source)
         check_stream_recipe(recipe, ctx.objective)  # before anything slow
         ctx.prerequisites = ensure_all(recipe, run_recipe, ctx.chain)
         ctx.accelerator = make_accelerator(recipe)

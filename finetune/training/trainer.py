@@ -23,12 +23,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from finetune.config import Recipe, recipe_to_dict
-from finetune.data.collate import PlannedCollate, compile_lengths, normalize_pixels, split_batch
+from finetune.data.collate import normalize_pixels
 from finetune.data.prefetch import DevicePrefetcher
 from finetune.data.skipping import SKIPPED_KEY
 from finetune.data.streams import StreamLoader, set_terms_epoch
-from finetune.models.compile import compile_blocks
 from finetune.objectives.base import Features, Objective, merge_features
+from finetune.objectives.planning import split_batch
 from finetune.resume import check_continuation, find_checkpoint, rng_problem, rng_state_name
 from finetune.run_folder import continuation_view
 from finetune.training.distributed import (average_gradients, deepspeed_objects, fsdp2_scalars, gathered_model,
@@ -161,7 +161,7 @@ class Trainer:
                 f"train.batch_size={cfg.batch_size} must be divisible by processes x accumulation_steps "
                 f"= {world} x {cfg.accumulation_steps}; change train.batch_size or train.accumulation_steps"
             )
-        loader = self._loader(dataset, self._planned(collate_fn, module, cfg), num_workers)
+        loader = self._loader(dataset, self._planned(collate_fn, module, cfg, dataset), num_workers)
         optimizer = build_optimizer(module, cfg, extra_no_decay)
         self._prepare(optimizer, build_scheduler(optimizer, cfg, self.total_steps), loader)
         self.state = TrainState()
@@ -216,18 +216,13 @@ class Trainer:
             loader, device_placement=False)
         self._model = self.trained_model()
 
-    @staticmethod
-    def _planned(collate_fn: Callable, module: TrainModule, cfg: Any) -> Callable:
-        """``collate_fn`` plus the text plan of each batch (:class:`finetune.data.collate.PlannedCollate`); under
-        ``train.compile`` the towers are compiled here and captions padded to :func:`compile_lengths`."""
-        pad = None
-        if getattr(cfg, "compile", False):
-            n = compile_blocks(module.model)
-            pad = compile_lengths(int(module.model.max_text_len))
-            log.info("train.compile: %d transformer blocks compiled with torch.compile; captions padded to %s "
-                     "tokens", n, ", ".join(map(str, pad)))
-        return PlannedCollate(collate_fn, module.objective, module.model, micro_batches=cfg.accumulation_steps,
-                              pad_lengths=pad)
+    def _planned(self, collate_fn: Callable, module: TrainModule, cfg: Any, dataset: Any) -> Callable:
+        """``collate_fn`` planned for the step: the run's fixed shapes, attention backend (``train.attention``) and
+        compiled blocks (``train.compile``) set up by :func:`finetune.objectives.step_setup.setup_step`."""
+        from finetune.objectives.step_setup import setup_step
+
+        self.step_setup = setup_step(module, cfg, dataset, self.acc.device)
+        return self.step_setup.collate(collate_fn)
 
     def trained_model(self) -> nn.Module:
         """The model as it trains, out of accelerate's wrapper (the one place that unwraps it; sharded weights stay
@@ -326,7 +321,8 @@ class Trainer:
         optimiser step (not applied where the meter says so), the schedule and the clamps. The loop calls it
         between its reads; ``bench/loop.py`` times it alone as the bare step."""
         cfg = self.cfg
-        out = self._step(batch)
+        with self.step_setup.attention_context():
+            out = self._step(batch)
         average_gradients(self._replicated, self.acc.num_processes)
         self.meter.add(out, step, batch.get("truncated"))
         if cfg.grad_clip:
@@ -479,7 +475,8 @@ class Trainer:
                 step = self.state.step + 1
                 if step == 1:  # FLOPs of the first step from the shapes (finetune.training.throughput); only in a
                     # fresh run: ops under a dispatch mode may round differently, and a resumed run must match
-                    _, self.state.flops_per_step = count_flops(lambda: self.train_step(batch, step))
+                    _, self.state.flops_per_step = count_flops(
+                        lambda: self.step_setup.observed(lambda: self.train_step(batch, step)))
                 else:
                     self.train_step(batch, step)
                 self.state.step = step
@@ -538,6 +535,7 @@ class Trainer:
         throughput = throughput_summary(clock, self.state.flops_per_step, batch_size=self.cfg.batch_size,
                                         world_size=self.acc.num_processes, device=self.acc.device,
                                         last_step=self.state.step)
+        throughput.update(self.step_setup.summary())
         # the last step's values, saved in the checkpoint (a run resumed at its end trains no step); checkpoints
         # written before ``last_values`` existed give their last history entry
         last_losses = self.state.last_values or (

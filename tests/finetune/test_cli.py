@@ -103,6 +103,21 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
 
 
+@pytest.mark.parametrize("argv", [
+    ["push", "runs/x", "--repo-id", "me/x", "--token", "mysecret-4f2a9c"],
+    ["push", "runs/x", "--repo-id", "me/x", "--token=mysecret-4f2a9c"],
+    ["export", "runs/x", "out", "--hf-token", "mysecret-4f2a9c"],
+    ["train", "r.yaml", "--bogus", "hub.token=mysecret-4f2a9c"],
+    ["train", "r.yaml", "--bogus", "hub={token: mysecret-4f2a9c, push: true}"],
+])
+def test_a_usage_error_never_echoes_a_token(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "error: unrecognized arguments: " in err
+    assert "mysecret-4f2a9c" not in err and "***" in err, err
+
+
 def test_python_m_finetune_cli_is_the_form_accelerate_launch_m_starts(tmp_path):
     """``accelerate launch -m finetune.cli train RECIPE`` starts ``python -m finetune.cli train RECIPE`` in each
     process: a bad recipe exits 2 with the recipe error, as ``python finetune/run.py`` does."""

@@ -1,6 +1,7 @@
 """Hub push, staging and export: the exact files uploaded, that they load on their own, the card's
 front matter, that no token reaches a file or a message, that failed pushes leave the run alone,
-and that exports load with plain transformers / open_clip and give the run's embeddings."""
+and that exports load with plain transformers / open_clip and give the run's embeddings. A staged or exported folder
+holds the marker that lets ``overwrite`` replace it (tests/finetune/test_hub_outputs.py); a push never uploads it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from finetune import load_finetuned, load_model
 from finetune.cli.hub import main
 from finetune.hub import HubPushError, export, push, read_run, stage_upload
 from finetune.hub.model_card import read_front_matter
+from finetune.hub.upload import MARKER_NAME
 from tests.finetune.hub_runs import AFTER, CAPTIONS, FAKE_TOKEN, embeddings, images, make_run, snapshot
 
 REPO_ID = "me/tiny-clip-long"
@@ -85,7 +87,7 @@ def test_stage_upload_writes_a_complete_adapter_folder_that_loads_on_its_own(cli
     before = snapshot(clip_run)
     out = stage_upload(clip_run, tmp_path / "upload", repo_id=REPO_ID)
 
-    assert {p.name for p in out.iterdir()} == ADAPTER_FILES
+    assert {p.name for p in out.iterdir()} == ADAPTER_FILES | {MARKER_NAME}
     assert snapshot(clip_run) == before
     original = embeddings(load_finetuned(clip_run / "final"))
     _assert_close(embeddings(load_finetuned(out)), original, atol=0)
@@ -216,6 +218,22 @@ def test_push_stops_when_the_token_is_left_in_a_run_file(tmp_path: Path, monkeyp
     assert hub.calls == []
 
 
+def test_a_token_in_a_section_override_never_reaches_the_card_or_the_staged_recipe(tmp_path: Path) -> None:
+    """A run folder written before tokens were masked by key: its ``recipe.yaml`` header holds a whole-section
+    override with a token that does not look like one, and a flat one."""
+    secret = "mysecret-4f2a9c"
+    run = make_run(tmp_path / "run", "tiny-clip", "lora")
+    text = (run / "recipe.yaml").read_text()
+    header = f"# tiny test run\n# overrides: train.lr=1e-5 'hub={{token: {secret}, push: true}}' hub.token={secret}-2\n"
+    (run / "recipe.yaml").write_text(header + text.split("\n", 1)[1])
+    out = stage_upload(run, tmp_path / "upload", repo_id=REPO_ID)
+    leaked = [name for name, data in snapshot(out).items() if secret.encode() in data]
+    assert leaked == []
+    header = (out / "recipe.yaml").read_text().splitlines()[1]
+    assert header == "# overrides: train.lr=1e-5 'hub={token: ***, push: true}' hub.token=***"
+    assert header in (out / "README.md").read_text()  # the card shows the recipe as staged
+
+
 def test_adapter_over_a_local_base_needs_merge_or_a_hub_base_id(tiny_dir, tmp_path: Path) -> None:
     from transformers import CLIPModel
 
@@ -233,7 +251,7 @@ def test_adapter_over_a_local_base_needs_merge_or_a_hub_base_id(tiny_dir, tmp_pa
     assert 'AutoModel.from_pretrained("openai/clip-vit-base-patch16", config=config' in card
 
     merged = stage_upload(run, tmp_path / "merged", repo_id=REPO_ID, merge=True)
-    assert {p.name for p in merged.iterdir()} == FULL_HF_FILES
+    assert {p.name for p in merged.iterdir()} == FULL_HF_FILES | {MARKER_NAME}
     meta = read_front_matter((merged / "README.md").read_text())
     assert meta["library_name"] == "transformers" and "peft" not in meta["tags"] and "lora" in meta["tags"]
     plain, loading = CLIPModel.from_pretrained(merged, output_loading_info=True)
@@ -249,7 +267,7 @@ def test_adapter_over_a_local_base_needs_merge_or_a_hub_base_id(tiny_dir, tmp_pa
 def test_stage_full_run_uploads_the_native_folder(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", "tiny-siglip", "full", train="synthetic")
     out = stage_upload(run, tmp_path / "upload", repo_id="me/tiny-siglip-long")
-    assert {p.name for p in out.iterdir()} == FULL_HF_FILES
+    assert {p.name for p in out.iterdir()} == FULL_HF_FILES | {MARKER_NAME}
     meta = read_front_matter((out / "README.md").read_text())
     assert meta["library_name"] == "transformers" and "datasets" not in meta
     assert meta["tags"][:2] == ["xlipkit", "siglip"]
@@ -275,7 +293,7 @@ def test_stage_and_read_run_reject_bad_input(clip_run: Path, tmp_path: Path) -> 
 
 def test_cli_stage_only_writes_the_upload_folder(clip_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["push", str(clip_run), "--repo-id", REPO_ID, "--stage-only", str(tmp_path / "up")]) == 0
-    assert {p.name for p in (tmp_path / "up").iterdir()} == ADAPTER_FILES
+    assert {p.name for p in (tmp_path / "up").iterdir()} == ADAPTER_FILES | {MARKER_NAME}
     assert "the folder `push` would upload" in capsys.readouterr().out
     assert main(["push", str(clip_run), "--repo-id", "bad", "--stage-only", str(tmp_path / "x")]) == 2
 
@@ -340,7 +358,8 @@ def test_export_of_an_open_clip_run_loads_with_open_clip(tiny_dir, tmp_path: Pat
 
     run = make_run(tmp_path / "run", str(tiny_dir("tiny-openclip")), "lora")
     out = export(run, tmp_path / "export")
-    assert {p.name for p in out.iterdir()} == {"open_clip_config.json", "open_clip_model.safetensors", "xlipkit.json"}
+    assert {p.name for p in out.iterdir()} == {"open_clip_config.json", "open_clip_model.safetensors", "xlipkit.json",
+                                                 MARKER_NAME}
     assert json.loads((out / "open_clip_config.json").read_text())["model_cfg"]["text_cfg"]["context_length"] == 248
     model, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{out}")
     tokenizer = open_clip.get_tokenizer(f"local-dir:{out}")
@@ -384,7 +403,7 @@ def test_hub_roundtrip_example_trains_stages_and_loads_back(tmp_path: Path, caps
                            "--train-size", "32", "--eval-size", "16", "--adapter", "lora", "train.batch_size=16"])
     assert status == 0
     assert "round trip OK" in capsys.readouterr().out
-    assert {p.name for p in (tmp_path / "upload").iterdir()} == ADAPTER_FILES
+    assert {p.name for p in (tmp_path / "upload").iterdir()} == ADAPTER_FILES | {MARKER_NAME}
     metrics = json.loads((tmp_path / "upload" / "metrics.json").read_text())
     meta = read_front_matter((tmp_path / "upload" / "README.md").read_text())
     [entry] = meta["model-index"]

@@ -26,7 +26,8 @@ def test_verdict_a_win_beyond_the_seed_spread() -> None:
     said = verdict(THIS, _other(59.0, 57.4), seed_spread=2.0)
     assert said == ("`quickstart.yaml` (clip, structxlip) is ahead of `quickstart_finetune_clip.yaml` (clip) on "
                     "synthetic by +3.9 R@1 text→image and +3.5 image→text, beyond the seed spread of 2.0 points "
-                    "measured for this recipe (`eval.seed_spread`): it won.")
+                    "taken from the recipe (`eval.seed_spread`, measured over seeds beforehand, not by this run): "
+                    "it won.")
 
 
 def test_verdict_a_loss_beyond_the_seed_spread() -> None:
@@ -39,7 +40,7 @@ def test_verdict_a_loss_beyond_the_seed_spread() -> None:
 def test_verdict_a_gap_within_the_seed_spread() -> None:
     said = verdict(THIS, _other(62.5, 59.0), seed_spread=5.9)
     assert "is ahead of `quickstart_finetune_clip.yaml` (clip) on synthetic by +0.4 R@1 text→image and +1.9 " \
-           "image→text, within the seed spread of 5.9 points measured for this recipe" in said
+           "image→text, within the seed spread of 5.9 points taken from the recipe" in said
     assert said.endswith("the runs cannot be told apart.") and "won" not in said
 
 

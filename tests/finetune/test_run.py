@@ -130,6 +130,34 @@ def test_the_resume_command_is_the_launch_command_with_train_resume_latest(monke
     assert resume_command() == "xlipkit train 'my recipe.yaml' train.resume=latest"
 
 
+def test_a_stopped_run_never_prints_the_hub_token(monkeypatch, tmp_path, capsys):
+    """Ctrl-C, SIGTERM and a full disk print the command that continues the run: a token given on the command line
+    (flat, in a whole-section override, or one that does not look like one) is left out, and the user is told."""
+    import signal
+
+    import finetune.training.failures as failures
+    from finetune.training import SaveFailedError, TrainingStopped
+    from finetune.training.launch import resume_command
+
+    secret = "mysecret-4f2a9c"
+    monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", "/venv/bin/xlipkit", "train", "r.yaml",
+                                           "train.lr=1e-5", f"hub.token={secret}",
+                                           f"hub={{token: {secret}-2, repo_id: me/x, push: true}}",
+                                           "hub.token=hf_abcdefghijklmnopqrstu"])
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    monkeypatch.delenv("RANK", raising=False)
+    assert resume_command() == "xlipkit train r.yaml train.lr=1e-5 'hub={repo_id: me/x, push: true}' " \
+                               "train.resume=latest"
+    ckpt = tmp_path / "run" / "checkpoints" / "step-6"
+    for exc in (TrainingStopped(signal.SIGTERM, 6, ckpt), TrainingStopped(signal.SIGINT, 6, ckpt),
+                SaveFailedError("checkpoint step-8 could not be saved: the disk is full", kept=ckpt, disk_full=True)):
+        failures.stopped_or_failed(exc, _recipe_at(tmp_path / "run"))
+        err = capsys.readouterr().err
+        assert secret not in err and "hf_abcdefghijklmnopqrstu" not in err, err
+        assert "\n  xlipkit train r.yaml train.lr=1e-5 'hub={repo_id: me/x, push: true}' train.resume=latest\n  (the " \
+               "hub token given on the command line is left out: set HF_TOKEN" in err, err
+
+
 def test_the_resume_command_of_a_launched_process_is_the_launchers(monkeypatch, tmp_path):
     """Under torchrun or accelerate launch the command to give again is the launcher's, read from /proc."""
     from finetune.training.launch import resume_command

@@ -223,6 +223,65 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def test_a_folder_of_the_users_own_report_is_never_trained_into(tmp_path, tiny_model, capsys):
+    out = tmp_path / "notes"
+    (out / "plots").mkdir(parents=True)
+    (out / "logs").mkdir()
+    (out / "report.md").write_text("# my own report\n")
+    (out / "plots" / "figure.png").write_bytes(b"png")
+    mine = _snapshot(out)
+    for overwrite in (False, True):  # output.overwrite replaces a run's files, and there is no run here
+        with pytest.raises(RunFolderError, match=r"holds report.md, plots/, logs/ but no run .*your own files"):
+            check_run_folder(out, _recipe_dict(), overwrite=overwrite)
+    for extra in ((), ("output.overwrite=true",)):
+        assert _run(_recipe(tmp_path, tiny_model, out, *extra)) == 2
+        assert "holds report.md, plots/, logs/ but no run" in capsys.readouterr().err
+        assert {k: v for k, v in _snapshot(out).items() if k != ".xlipkit.lock"} == mine
+    (out / "report.md").unlink()
+    with pytest.raises(RunFolderError, match=r"holds plots/, logs/ but no run"):
+        check_run_folder(out, _recipe_dict())
+
+
+def test_a_recipe_kept_in_its_output_folder_is_never_replaced(tmp_path, tiny_model, capsys):
+    out = tmp_path / "experiment"
+    out.mkdir()
+    kept = out / "recipe.yaml"
+    kept.write_text(f"# my experiment: keep these notes\nmodel:\n  name_or_path: {tiny_model}  # the tiny one\n"
+                    f"output: {{dir: {out}}}\n")
+    mine = kept.read_bytes()
+    overrides = ['data.train={"name": "synthetic", "size": 8, "options": {"image_size": 32}}', "eval.sets=[]",
+                 "train.max_steps=2", "train.batch_size=4", "train.trackers=[]", "model.dtype=null"]
+    for extra in ((), ("output.overwrite=true",)):
+        assert _run(load_recipe(kept, [*overrides, *extra])) == 2
+        err = capsys.readouterr().err
+        assert f"the recipe being run, '{kept}', is the recipe.yaml of output.dir" in err, err
+        assert f"mv {kept} experiment.yaml" in err and "another run" not in err
+        assert kept.read_bytes() == mine and sorted(p.name for p in out.iterdir()) == [".xlipkit.lock", "recipe.yaml"]
+    # through a symbolic link to it: the same file
+    link = tmp_path / "link.yaml"
+    link.symlink_to(kept)
+    with pytest.raises(RunFolderError, match="the recipe being run"):
+        check_run_folder(out, _recipe_dict(), recipe_file=link)
+    # the advice: the same recipe moved out of the folder runs into it
+    moved = tmp_path / "experiment.yaml"
+    kept.rename(moved)
+    assert check_run_folder(out, _recipe_dict(), recipe_file=moved) == "new"
+
+    # a run's own recipe.yaml (as the run wrote it) continues that run
+    recipe = load_recipe(moved, overrides)
+    from finetune.config import dump_recipe, recipe_to_dict
+
+    dump_recipe(recipe, out / "recipe.yaml")
+    _checkpoint(out, 2)
+    again = load_recipe(out / "recipe.yaml", ["train.resume=latest"])
+    assert check_run_folder(out, recipe_to_dict(again), resume="latest", recipe_file=out / "recipe.yaml") == "resume"
+    # ... but not once a person has edited it
+    edited = out / "recipe.yaml"
+    edited.write_text(edited.read_text() + "# lr to try next: 1e-4\n")
+    with pytest.raises(RunFolderError, match="the recipe being run"):
+        check_run_folder(out, recipe_to_dict(again), resume="latest", recipe_file=edited)
+
+
 @pytest.mark.slow
 def test_second_run_and_failed_run_leave_a_finished_run_intact(tmp_path, tiny_model, capsys):
     out = tmp_path / "run"

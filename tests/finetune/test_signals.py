@@ -157,6 +157,28 @@ def test_sigint_saves_a_checkpoint_and_exits_130_without_a_traceback(tmp_path, t
     assert command.endswith("train.lr=0.001 train.resume=latest")
 
 
+@pytest.mark.slow
+def test_a_run_given_a_hub_token_never_prints_or_writes_it_when_stopped(tmp_path, tiny_model):
+    """Under SLURM or Kubernetes stderr is a log file: the resume command a stopped run prints leaves out a token given
+    on the command line (flat or in a whole-section override, whatever it looks like), and still continues the run."""
+    secret = "mysecret-4f2a9c"
+    recipe = _recipe(tmp_path, tiny_model, tmp_path / "run")
+    run = _Run(_run_py(recipe, f"hub.token={secret}", f"hub={{token: {secret}-2, push: false}}"))
+    run.step(2)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 143, run.err[-4000:]
+    step, checkpoint, command = _stopped(run, "SIGTERM")
+    assert command == shlex.join([*_run_py(recipe), "hub={push: false}", "train.resume=latest"])
+    assert "(the hub token given on the command line is left out: set HF_TOKEN" in run.err
+    assert secret not in run.err
+    written = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert written == []
+
+    resumed = _Run(shlex.split(command))
+    assert resumed.finish() == 0, resumed.err[-4000:]
+    assert f"resumed from {checkpoint} at step {step}" in resumed.err and secret not in resumed.err
+
+
 SLOW_SAVE = textwrap.dedent('''
     """finetune/run.py with a checkpoint save that takes a minute (the window a second signal arrives in)."""
     import sys

@@ -155,7 +155,7 @@ def test_naive_micro_batch_losses_would_differ(tmp_path, scenes):
     module = one.acc.unwrap_model(one.wrapped)
     batch = Collator(module.model, module.objective)([scenes[i] for i in range(8)])
     g_big, _ = _grads(one, batch)
-    from finetune.data.collate import split_batch
+    from finetune.objectives.planning import split_batch
 
     one.optimizer.zero_grad(set_to_none=True)
     for mb in split_batch(batch, 2):
@@ -427,8 +427,8 @@ def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeyp
 
 @pytest.mark.slow
 def test_compile_gives_the_losses_of_eager(tmp_path, scenes):
-    """train.compile: the towers' blocks compiled (captions padded to compile_lengths) train to the same losses
-    as eager, step for step."""
+    """train.compile: the towers' blocks compiled (static shapes, the run's fixed batch shapes) train to the same
+    losses as eager, step for step."""
     from finetune.models.compile import transformer_blocks
 
     eager = _trainer(tmp_path / "eager", scenes, max_steps=3, log_every=1)

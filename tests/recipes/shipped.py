@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.finetune.data.fixtures import (
@@ -399,6 +400,7 @@ def save_narrow_yolo(path: Path, model_yaml: str = "yolov8n.yaml", *, nc: int = 
     """An ultralytics model of ``model_yaml``'s layout at 1/16 of YOLOv8n's width (about 3 GFLOPs at 640 px
     instead of 9-12), ``nc`` classes, random weights, saved as a ``.pt`` checkpoint as ultralytics saves one."""
     import torch
+    pytest.importorskip("ultralytics")  # the `regions` extra
     from ultralytics import YOLO
     from ultralytics.nn.tasks import yaml_model_load
 

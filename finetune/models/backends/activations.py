@@ -1,23 +1,24 @@
-"""QuickGELU MLPs through PyTorch's fused SiLU kernels.
+"""QuickGELU through PyTorch's fused SiLU kernel, with the stock weights as they are.
 
 OpenAI CLIP's MLP is ``fc2(quick_gelu(fc1(x)))`` with QuickGELU ``h * sigmoid(1.702 h)`` (Radford et al.
 2021, the released code; transformers ``CLIPMLP`` with ``QuickGELUActivation``, open_clip's
 ``mlp = Sequential(c_fc, QuickGELU, c_proj)``). Written that way, autograd records a scalar product, a
-sigmoid and a product: three element-wise passes forwards, four or five backwards, and two activation-sized
-tensors kept per MLP (``h`` and ``sigmoid(1.702 h)``). On a CPU those passes are bound by memory bandwidth
-and cost as much as a sixth of a CLIP step (``bench/structxlip.py``).
+sigmoid and a product (three element-wise kernels forwards, four backwards) and keeps two activation-sized
+tensors per MLP (``h`` and ``sigmoid(1.702 h)``).
 
-The same MLP is ``fc2'(silu(fc1'(x)))`` with ``fc1' = 1.702 * fc1`` (weight and bias) and
-``fc2' = fc2 / 1.702`` (weight only): the scalings move onto the small weight matrices, and the activation
-is one fused SiLU kernel each way with one saved tensor. :func:`use_fast_quick_gelu` switches the MLPs of a
-model to that form when their linears are plain ``nn.Linear`` modules without hooks; with adapters (LoRA,
-DoRA), quantised linears or hooks (DeepSpeed ZeRO-3 gathers weights in module hooks) the MLP runs its
-linears as modules and only the activation changes, to ``silu(1.702 h) / 1.702``. Values agree with the
-stock modules to float rounding (tests compare them at ``atol=1e-5``).
+:class:`FastQuickGELU` computes the same function as ``silu(1.702 h) / 1.702`` (``silu(z) = z sigmoid(z)``):
+three element-wise kernels forwards (the scale, the fused SiLU, an in-place division) and three backwards, one
+saved tensor. Values agree with the stock activation to float rounding (tests compare them at ``atol=1e-6``).
 
-Nothing a user saves changes: the MLPs keep their class hierarchy (``isinstance(m, CLIPMLP)`` holds; the
-swap is a subclass, as ``torch.nn.utils.parametrize`` does it), their parameter names and their configs, so
-``state_dict``, ``save_pretrained`` output and adapters stay interchangeable with the stock models.
+The weights are not touched at any call. An earlier form folded the 1.702 into the linears' weights at every
+call (``fc1.weight * 1.702``, ``fc2.weight / 1.702``): three extra element-wise ops per MLP forwards and three
+backwards, and under autocast three casts of non-leaf weights that autocast's weight-cast cache (leaf tensors
+only) cannot keep, 528 ops per step of a 12 + 12-layer CLIP (issue 29). Folding once per optimiser step instead
+would save the activation's scale and division but re-run at every step and needs a cache keyed on the
+parameters' versions; the activation form has fewer ops per step than either (``bench/shapes.py``). The
+optimiser sees the stock parameters, and the MLPs keep their class, parameter names and configs, so
+``state_dict``, ``save_pretrained`` output and adapters stay interchangeable with the stock models; adapters
+(LoRA, DoRA) and hooks on the linears work unchanged, since the linears run as modules.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import QuickGELUActivation
 from transformers.models.clip.modeling_clip import CLIPMLP
-
-from finetune.models.backends.pooled_tower import hooked
 
 QUICK_GELU_ALPHA = 1.702
 
@@ -40,43 +39,6 @@ class FastQuickGELU(nn.Module):
         return F.silu(x * QUICK_GELU_ALPHA).div_(QUICK_GELU_ALPHA)
 
 
-def quick_gelu_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear) -> Tensor:
-    """``fc2(quick_gelu(fc1(x)))`` with the 1.702 folded into the weights.
-
-    Args:
-        x: ``(..., D)``.
-        fc1: ``D -> H`` linear. fc2: ``H -> D`` linear.
-
-    Returns:
-        ``(..., D)``.
-    """
-    bias = None if fc1.bias is None else fc1.bias * QUICK_GELU_ALPHA
-    hidden = F.silu(F.linear(x, fc1.weight * QUICK_GELU_ALPHA, bias))
-    return F.linear(hidden, fc2.weight / QUICK_GELU_ALPHA, fc2.bias)
-
-
-def _foldable(fc1: nn.Module, fc2: nn.Module) -> bool:
-    return all(type(m) is nn.Linear and not hooked(m) for m in (fc1, fc2))
-
-
-class FastQuickGELUCLIPMLP(CLIPMLP):
-    """transformers ``CLIPMLP`` (QuickGELU) through :func:`quick_gelu_mlp`. ``(B, L, D) -> (B, L, D)``."""
-
-    def forward(self, hidden_states: Tensor) -> Tensor:
-        if _foldable(self.fc1, self.fc2):
-            return quick_gelu_mlp(hidden_states, self.fc1, self.fc2)
-        return super().forward(hidden_states)
-
-
-class FastQuickGELUSequential(nn.Sequential):
-    """open_clip's ``Sequential(c_fc, gelu, c_proj)`` MLP (QuickGELU) through :func:`quick_gelu_mlp`."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if _foldable(self.c_fc, self.c_proj):
-            return quick_gelu_mlp(x, self.c_fc, self.c_proj)
-        return super().forward(x)
-
-
 def _open_clip_quick_gelu() -> tuple[type, ...]:
     try:
         from open_clip.transformer import QuickGELU
@@ -85,31 +47,34 @@ def _open_clip_quick_gelu() -> tuple[type, ...]:
     return (QuickGELU,)
 
 
-def _is_open_clip_mlp(module: nn.Module, activations: tuple[type, ...]) -> bool:
-    names = [name for name, _ in module.named_children()]
-    return names == ["c_fc", "gelu", "c_proj"] and type(module.gelu) in activations
+def _is_open_clip_mlp(module: nn.Module) -> bool:
+    return type(module) is nn.Sequential and [name for name, _ in module.named_children()] == ["c_fc", "gelu", "c_proj"]
 
 
 def use_fast_quick_gelu(module: nn.Module, fast: bool = True) -> int:
-    """Switch the QuickGELU MLPs inside ``module`` (transformers ``CLIPMLP``, open_clip's ``c_fc/gelu/c_proj``
-    blocks) to their fused form (``fast=False``: back to the stock classes and activations, e.g. to time the
-    stock model). Other MLPs and activations are left alone. Call it before adapters are applied or after:
-    an MLP whose linears are wrapped runs them as modules.
+    """Switch the QuickGELU activations of the MLPs inside ``module`` (transformers ``CLIPMLP``, open_clip's
+    ``c_fc/gelu/c_proj`` blocks) to :class:`FastQuickGELU` (``fast=False``: back to the stock activations, e.g.
+    to time the stock model). Other MLPs and activations are left alone; the linears and their weights are not
+    touched, so it may be called before adapters are applied or after.
 
     Returns:
-        How many MLPs were switched.
+        How many activations were switched.
     """
     open_clip_gelu = _open_clip_quick_gelu()
+    stock = (QuickGELUActivation, *open_clip_gelu)
     switched = 0
     for m in list(module.modules()):
-        if fast and type(m) is CLIPMLP and type(m.activation_fn) is QuickGELUActivation:
-            m.activation_fn, m.__class__ = FastQuickGELU(), FastQuickGELUCLIPMLP
-        elif fast and type(m) is nn.Sequential and _is_open_clip_mlp(m, open_clip_gelu):
-            m.gelu, m.__class__ = FastQuickGELU(), FastQuickGELUSequential
-        elif not fast and type(m) is FastQuickGELUCLIPMLP:
-            m.activation_fn, m.__class__ = QuickGELUActivation(), CLIPMLP
-        elif not fast and type(m) is FastQuickGELUSequential and open_clip_gelu:
-            m.gelu, m.__class__ = open_clip_gelu[0](), nn.Sequential
+        if isinstance(m, CLIPMLP):
+            name = "activation_fn"
+        elif _is_open_clip_mlp(m):
+            name = "gelu"
+        else:
+            continue
+        current = type(getattr(m, name))
+        if fast and current in stock:
+            setattr(m, name, FastQuickGELU())
+        elif not fast and current is FastQuickGELU and (isinstance(m, CLIPMLP) or open_clip_gelu):
+            setattr(m, name, QuickGELUActivation() if isinstance(m, CLIPMLP) else open_clip_gelu[0]())
         else:
             continue
         switched += 1

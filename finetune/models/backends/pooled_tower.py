@@ -41,9 +41,18 @@ _LAYERS = {"encoder": "CLIPEncoder", "layer": "CLIPEncoderLayer", "attn": "CLIPA
 _EMBEDDINGS = {"CLIPVisionEmbeddings", "CLIPTextEmbeddings"}
 
 
+#: the module of the forward hooks transformers >= 5 installs on a model's layers the first time a call asks for
+#: their outputs (``output_hidden_states=True``): they record nothing unless such a call is running
+_OUTPUT_CAPTURING = "transformers.utils.output_capturing"
+
+
 def hooked(module: nn.Module) -> bool:
-    """Whether ``module`` has forward hooks or pre-hooks (wrappers such as DeepSpeed ZeRO-3 work through them)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    """Whether ``module`` has forward hooks or pre-hooks (wrappers such as DeepSpeed ZeRO-3 work through them), other
+    than transformers' output-capturing hooks, which stay on the layers after the first call with
+    ``output_hidden_states=True`` (FAST-GOAL's and GRM's token states) and do nothing outside such a call: counting
+    them turned the pooled path off for every later step of those runs (and changed its shapes)."""
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    return any(getattr(h, "__module__", None) != _OUTPUT_CAPTURING for h in hooks)
 
 
 def fast_path_ok(tower: nn.Module) -> bool:

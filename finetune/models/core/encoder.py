@@ -190,7 +190,7 @@ class DualEncoder(nn.Module, abc.ABC):
         share work between the groups (transformers CLIP: one token-embedding lookup, so one dense
         embedding gradient instead of one per group).
 
-        ``right_padded``: the caller knows (from the CPU, :class:`finetune.objectives.base.TextPlan`) that every
+        ``right_padded``: the caller knows (from the CPU, :class:`finetune.objectives.encoders.TextPlan`) that every
         mask is ones then zeros, so that a causal tower may skip the padding mask and its checks on the device."""
         return [self.encode_text(ids, mask).embeds for ids, mask in groups]
 

@@ -25,9 +25,7 @@ from finetune.objectives.structxlip.term import (
     StructXLIPOptions,
     StructXLIPTerm,
     StructXLIPWeights,
-    _trim,
     build_structxlip,
-    length_buckets,
 )
 
 __all__ = [
@@ -43,7 +41,6 @@ __all__ = [
     "StructXLIPWeights",
     "TERM_NAME",
     "build_structxlip",
-    "length_buckets",
     "official_chunks",
     "select_regions",
 ]

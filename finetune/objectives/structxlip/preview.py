@@ -14,7 +14,7 @@ from typing import Any
 
 from finetune.files import save_png_atomic
 
-__all__ = ["render_preview"]
+__all__ = ["fields", "render_preview", "report_sections"]
 
 _PALETTE = ("#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#9a6324",
             "#469990", "#800000")
@@ -132,3 +132,79 @@ def render_preview(
     if title:
         fig.suptitle(title, fontsize=11, x=0.01, ha="left", y=1 - 0.15 / (sum(heights) + head))
     return save_png_atomic(fig, path, dpi=dpi)
+
+
+def fields(term: Any, example: dict[str, Any]) -> dict[str, Any]:
+    """What the preview shows of one preprocessed example of ``term``'s training set (:func:`render_preview`)."""
+    edges = term.edge_image(example)
+    shown = {
+        "id": str(example.get("id", "")),
+        "image": example["image"],
+        "edges": edges,
+        "caption": example["caption"],
+        "filtered_caption": example["filtered_caption"],
+        "removed": list(example.get("lexicon_removed") or []),
+        "reverted": bool(example.get("lexicon_reverted", False)),
+        "boxes": [], "kept": [], "chunks": [], "chunk_topk": [], "fallback": False,
+    }
+    if term.use_local and "chunk_topk" in example:
+        shown.update({
+            "boxes": [list(b) for b in example["region_boxes"]],
+            "kept": term.kept_regions(example) if example["chunks"] else [],
+            "chunks": list(example["chunks"]),
+            "chunk_topk": [list(t) for t in example["chunk_topk"]],
+            "fallback": bool(example["region_fallback"]),
+            "region_source": term.options.regions.source,
+        })
+    return shown
+
+def report_sections(term: Any, run_dir: str | Path, dataset: Any, *, n: int = 8) -> list[str]:
+    """Markdown sections for the run report: the lexicon statistics (paper B.3), the regions, and a
+    preview of ``n`` training examples written to ``<run_dir>/plots/structxlip_preview.png``.
+
+    Args:
+        run_dir: the run folder.
+        dataset: the preprocessed training set (what :meth:`preprocess` returned).
+    """
+    lines = ["## StructXLIP inputs", ""]
+    lex = term.stats.get("lexicon")
+    if lex:
+        share = ", ".join(f"{k} {100 * v:.1f}%" for k, v in lex["category_share"].items()) or "none"
+        lines += [
+            "Lexicon filter (paper Supp. Mat. B.3):", "",
+            "| statistic | value |", "|---|---|",
+            f"| captions | {lex['captions']} |",
+            f"| modified | {lex['modified']} ({100 * lex['modified_share']:.1f}%) |",
+            f"| reverted to the original | {lex['reverted']} ({100 * lex['reverted_share']:.1f}%) |",
+            f"| removed words per caption | {lex['removed_words_per_caption']:.2f} |",
+            f"| removed words per modified caption | {lex['removed_words_per_modified_caption']:.2f} "
+            f"({100 * lex['removed_share_of_length']:.1f}% of its words) |",
+            f"| removed words by category | {share} |",
+            "",
+        ]
+    reg = term.stats.get("regions")
+    if reg and reg.get("source") == "dataset":
+        lines += [
+            f"Regions from the dataset (`regions.source: dataset`: its objects' boxes, each chunk's positives "
+            f"the objects its sentence describes; no FastSAM, no frozen matching): {reg['regions_per_image']:.2f} "
+            f"per image; {reg['chunks_per_caption']:.2f} linked chunks per caption, "
+            f"{reg['captions_without_chunks']} captions without one; encoded as "
+            f"`{term.options.regions.encode}`.",
+            "",
+        ]
+    elif reg:
+        lines += [
+            f"Regions ({reg['segmenter']}): {reg['regions_per_image']:.2f} per image, "
+            f"{reg['fallback_images']} of {reg['images']} images on the default regions; "
+            f"{reg['chunks_per_caption']:.2f} chunks per caption, {reg['captions_without_chunks']} captions "
+            f"without chunks; encoded as `{term.options.regions.encode}`, K = {term.options.regions.k}.",
+            "",
+        ]
+    n = min(n, len(dataset))
+    if n:
+        path = Path(run_dir) / "plots" / "structxlip_preview.png"
+        render_preview([fields(term, dataset[i]) for i in range(n)], path,
+                       title=f"StructXLIP training inputs ({term.compat})")
+        lines += ["![StructXLIP preview: images, edge maps with regions, captions](plots/structxlip_preview.png)",
+                  ""]
+    return ["\n".join(lines).rstrip()]

@@ -5,17 +5,24 @@ adds to the base image-text loss L_{I,T} (``objective.base``: clip, siglip or lo
 objective of eq. 4, ``L* = l1 L_{I',T'} + l2 L_{I,I'} + l3 L^local_{I',T'}``:
 
 - ``structure`` L_{I',T'} (3.2): symmetric InfoNCE between edge maps I' and appearance-filtered captions T'
-  with its own learnable temperature tau';
+  with its own temperature tau' (3.2: "a dedicated temperature"; learnable and clamped as D.2's main one: ours);
 - ``consistency`` L_{I,I'} (3.2, eq. 3): mean of ``1 - cos`` between each colour image and its edge map;
 - ``local`` L^local_{I',T'} (3.2, eqs. 1-2): each chunk of T' against the edge-map regions of the batch,
   its K most similar regions (under the frozen pretrained model) as positives, temperature 0.07.
 
-Defaults are the paper's (section 4 and Supp. Mat. D.2): weights 0.25 / 0.1 / 0.1, local temperature 0.07,
-Canny edge maps, the Fig. 5 lexicon, FastSAM regions, K = 3, chunks split at ``.`` and ``;``.
-``compat: official`` reproduces the public code's choices (DESIGN 5): weights 0.25 / 0.001 / 0.001 decayed
-per epoch (floors 0.7 / 0.5 / 0.4, :meth:`StructXLIPTerm.set_epoch`), L_{I',T'} with the main logit scale
-detached instead of its own temperature, a local scale ``min(s / 0.07, 100)``, chunks that are sliding word
-windows over clauses split at ``[.,;!?]``, and every kept region of the image a positive of every chunk.
+``compat: paper`` (the default) takes what the paper states: weights 0.25 / 0.1 / 0.1 (section 4), local
+temperature 0.07 (D.2), Canny edge maps (section 4), FastSAM regions (D.3), chunks split at sentence
+delimiters (3.2); the paper gives no number for K ("a total of K regions", 3.2): K = 3 is our choice (the
+public ``train.py``'s ``--chunk_top_k`` default), with 3 regions encoded per image. The lexicon is the Supp.
+Mat. Fig. 5 vocabulary; its revert threshold of one content word is ours (see :class:`LexiconOptions`).
+``compat: official`` reproduces the public code's choices (DESIGN 5; intelligolabs/StructXLIP ``train.py``,
+``losses.py``, ``scripts/finetune.sh``): weights 0.25 / 0.001 / 0.001 decayed per epoch (floors 0.7 / 0.5 /
+0.4, :meth:`StructXLIPTerm.set_epoch`), L_{I',T'} with the main logit scale detached instead of its own
+temperature, a local scale ``min(s / 0.07, 100)``, chunks that are sliding word windows over clauses split at
+``[.,;!?]``, K = 2 regions per image (``finetune.sh``'s ``--chunk_top_k 2``), every one a positive of every
+chunk, and the lexicon's colours only with a revert threshold of 2 (``--remove_colors``,
+``min_content_tokens``). ``null`` in ``weights``, ``lexicon``, ``regions.k`` and ``regions.per_image`` takes
+the ``compat`` value; a number given in the recipe wins over both.
 
 Where the work happens:
 
@@ -25,36 +32,36 @@ Where the work happens:
   and each chunk's top-K regions under the frozen model as loaded, before any training step.
 - :meth:`prepare` / :meth:`collate` (data workers): the regions kept per image (``regions.per_image``, the
   ones most often among the chunks' top-K), their edge-map crops (crop mode) or patch masks (pool mode),
-  and tokenised filtered captions and chunks. Chunks are padded to the longest chunk of the batch, not to
-  248 tokens. Samples without chunks or regions add no rows: nothing is encoded for them.
+  and tokenised filtered captions and chunks. Chunks and regions take a fixed number of rows per sample, the
+  most of any example of the training set (:meth:`shape_scan`, before training), padded rows marked invalid in
+  ``chunk_valid`` / ``region_valid`` and left out of every loss, so that every step's passes have one shape.
 - :meth:`image_inputs` / :meth:`text_inputs`: the edge maps and (crop mode) the region crops join the base
-  term's colour images in ONE pass of the image tower; filtered captions and chunks go through the text
-  tower with the captions, for causal towers (CLIP) in a few passes of rows of similar length
-  (:func:`finetune.objectives.base.length_buckets`), so that chunks are not padded to caption length.
+  term's colour images in ONE pass of the image tower; filtered captions go through the text tower with the
+  captions, and chunks, marked short, in the second pass at the run's short length
+  (:mod:`finetune.objectives.shapes`: the longest chunk of the training set), so that chunks are not padded to
+  caption length.
 - ``regions.encode: pool`` (our extension, not in the paper): a region is the mean of the edge map's last
   patch states inside its box (the box mapped through the processor's exact resize and centre crop), then
   the model's own final norm and projection (``DualEncoder.project_image_states``): no extra image forward.
 
-Per-sample batch fields are kept per sample (lists of length B, or ``(B, ...)`` tensors) under
-``batch["structxlip"]``, so that the trainer's micro-batch split slices them correctly; feature rows carry
-their sample index in ``*_owner`` keys, which ``merge_features`` offsets, and positives are stored as region
-indices *within the sample* (``chunk_topk`` against ``region_slot``), so merged micro-batches give the loss
-of one batch.
+Per-sample batch fields are ``(B, ...)`` tensors under ``batch["structxlip"]``, so that the trainer's
+micro-batch split slices them correctly; feature rows carry their sample index in ``*_owner`` keys, which
+``merge_features`` offsets, and positives are stored as region indices *within the sample* (``chunk_topk``
+against ``region_slot``), so merged micro-batches give the loss of one batch.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from finetune.preprocess.frozen import FrozenEncoders, model_fingerprint
-from finetune.preprocess.geometry import box_patch_mask, patch_count
+from finetune.extras import require_extra
 from losses import clip_loss, consistency_loss, local_structure_loss
 from losses.structxlip import (
     OFFICIAL_LOCAL_SCALE_MAX,
@@ -71,15 +78,19 @@ from finetune.objectives.base import (
     Term,
     TextRequest,
     host_tensor,
-    length_buckets,
     scale_of,
 )
-from finetune.objectives.checks import at_least_one as _at_least_one
-from finetune.objectives.checks import non_negative as _non_negative
-from finetune.objectives.checks import positive as _positive
-from finetune.objectives.checks import unit as _unit
 from finetune.objectives.contrastive import image_request
 from finetune.objectives.registry import register_term
+from finetune.objectives.structxlip.options import (
+    COMPAT_K,
+    EdgeOptions,
+    LexiconOptions,
+    RegionOptions,
+    StructXLIPOptions,
+    StructXLIPWeights,
+)
+from finetune.objectives.structxlip.preprocessing import add_regions, lexicon_statistics
 from finetune.objectives.structxlip.data import (
     CODE_VERSION,
     LEXICON_COLUMNS,
@@ -97,9 +108,9 @@ __all__ = [
     "StructXLIPOptions",
     "StructXLIPTerm",
     "StructXLIPWeights",
+    "COMPAT_K",
     "DefaultRegionSegmenter",
     "build_structxlip",
-    "length_buckets",
     "official_chunks",
     "select_regions",
 ]
@@ -109,123 +120,6 @@ logger = logging.getLogger("xlipkit")
 TERM_NAME = "structxlip"
 LOSS_KEYS = ("structure", "consistency", "local")
 
-
-# -- options (validated by the recipe schema) ---------------------------------------------------------
-@dataclass
-class StructXLIPWeights:
-    """lambda_1-3 of eq. 4; ``null`` takes the ``compat`` default (paper 0.25 / 0.1 / 0.1, section 4;
-    official 0.25 / 0.001 / 0.001). A weight of 0 switches its loss off (and, for ``local``, the
-    region/chunk work with it)."""
-
-    structure: float | None = field(default=None, metadata={"check": _non_negative})
-    consistency: float | None = field(default=None, metadata={"check": _non_negative})
-    local: float | None = field(default=None, metadata={"check": _non_negative})
-
-
-@dataclass
-class EdgeOptions:
-    """The edge extractor E of paper 3.1 (``finetune.preprocess.edges.EdgeConfig``) and where it runs.
-
-    ``on_the_fly: false`` computes the maps once and caches them (paper D.3); ``true`` computes them in the
-    data workers each time an example is loaded (no disk, more CPU per step).
-    """
-
-    method: Literal["canny", "log"] = "canny"
-    low: float = field(default=100.0, metadata={"check": _non_negative})
-    high: float = field(default=200.0, metadata={"check": _non_negative})
-    aperture: int = 3
-    l2_gradient: bool = False
-    blur: int = field(default=0, metadata={"check": _non_negative})
-    invert: bool = False
-    log_sigma: float = field(default=2.0, metadata={"check": _positive})
-    log_threshold: float | None = field(default=None, metadata={"check": _non_negative})
-    on_the_fly: bool = False
-
-
-@dataclass
-class LexiconOptions:
-    """The lexicon filter F of paper 3.1 / B.2 (``finetune.preprocess.lexicon.LexiconFilter``).
-
-    ``file`` replaces the Fig. 5 vocabulary, ``extra_terms`` extends it (``"term"`` or ``"term:category"``),
-    ``min_content_words`` is the revert threshold, ``categories`` the categories removed. ``null`` takes the
-    ``compat`` default: paper 1 (B.2 gives no number; 1 keeps B.2's own example "a blue and white pattern"
-    -> "a pattern") and every category; official 2 and ``[colour]`` (the public code's ``min_content_tokens``
-    and ``--remove_colors``).
-    """
-
-    file: str | None = None
-    extra_terms: list[str] = field(default_factory=list)
-    min_content_words: int | None = field(default=None, metadata={"check": _non_negative})
-    categories: list[str] | None = None
-
-
-@dataclass
-class RegionOptions:
-    """Regions of the local loss (paper 3.2, D.3).
-
-    Attributes:
-        source: ``segmenter`` (the paper: FastSAM masks, or the default regions, each chunk's top-K under the
-            frozen model) or ``dataset`` (boxes and sentence-to-region links the dataset provides: columns
-            ``sentences`` and ``objects[{box, sentence_index}]``, as the synthetic scenes have; a chunk's
-            positives are the regions of its sentence, ``finetune.preprocess.region_links.DatasetRegionLinks``).
-        checkpoint: FastSAM checkpoint (``FastSAM-s.pt`` / ``FastSAM-x.pt`` from the ultralytics assets);
-            ``null`` gives every image the default regions (4 quadrants + centre), counted and logged.
-        k: K, the positives of each chunk (paper: 3).
-        per_image: regions encoded per image and step (the ones most often among its chunks' top-K, then
-            by score); ``null`` keeps every region that is a top-K of some chunk.
-        encode: ``crop`` (the paper: each region's edge-map crop through the image tower) or ``pool`` (our
-            extension: the edge map's patch states inside the box, mean-pooled and projected).
-        min_area, max_area: FastSAM masks kept by area share of the image (GOAL's LISM: 0.01-0.8).
-        imgsz, conf, iou, max_masks, device: FastSAM inference settings.
-        match_on: top-K measured on ``edges`` crops (the structure-centric regions) or ``image`` crops.
-    """
-
-    source: Literal["segmenter", "dataset"] = "segmenter"
-    checkpoint: str | None = None
-    k: int = field(default=3, metadata={"check": _at_least_one})
-    per_image: int | None = field(default=3, metadata={"check": _at_least_one})
-    encode: Literal["crop", "pool"] = "crop"
-    min_area: float = field(default=0.01, metadata={"check": _unit})
-    max_area: float = field(default=0.8, metadata={"check": _unit})
-    imgsz: int = field(default=1024, metadata={"check": _at_least_one})
-    conf: float = field(default=0.4, metadata={"check": _unit})
-    iou: float = field(default=0.9, metadata={"check": _unit})
-    max_masks: int | None = field(default=None, metadata={"check": _at_least_one})
-    match_on: Literal["edges", "image"] = "edges"
-    device: str | None = None
-
-
-@dataclass
-class StructXLIPOptions:
-    """``objective.terms.structxlip`` of a recipe.
-
-    Attributes:
-        compat: ``paper`` (defaults of the paper) or ``official`` (the public code's choices, DESIGN 5).
-        weights: lambda_1-3 (:class:`StructXLIPWeights`).
-        local_temperature: gamma of eq. 1, fixed (D.2: 0.07). Official: the main scale is divided by it.
-        structure_temperature: initial tau' of L_{I',T'} (learnable, paper mode).
-        structure_logit_scale_max: upper clamp of log(1 / tau') after each step (as D.2's clamp of the
-            main scale, 3.5).
-        edges, lexicon, regions: the preprocessing (:class:`EdgeOptions`, :class:`LexiconOptions`,
-            :class:`RegionOptions`).
-    """
-
-    compat: Literal["paper", "official"] = "paper"
-    weights: StructXLIPWeights = field(default_factory=StructXLIPWeights)
-    local_temperature: float = field(default=0.07, metadata={"check": _positive})
-    structure_temperature: float = field(default=0.07, metadata={"check": _positive})
-    structure_logit_scale_max: float = 3.5
-    edges: EdgeOptions = field(default_factory=EdgeOptions)
-    lexicon: LexiconOptions = field(default_factory=LexiconOptions)
-    regions: RegionOptions = field(default_factory=RegionOptions)
-
-
-def _cat(parts: list[Tensor], empty: Tensor) -> Tensor:
-    parts = [p for p in parts if p is not None and p.shape[0]]
-    return torch.cat(parts) if parts else empty
-
-
-# -- the term ----------------------------------------------------------------------------------------
 class StructXLIPTerm(Term):
     """StructXLIP's L* (paper 3.2, eq. 4) as an objective term added to any base term and any adapter.
 
@@ -245,14 +139,19 @@ class StructXLIPTerm(Term):
     produces = frozenset({"sx_edges", "sx_filtered", "sx_chunks", "sx_topk", "sx_slots", "sx_boxes", "sx_size",
                           "sx_crops", "structxlip"})
     requests = frozenset({"image", "edge", "region", "filtered_text", "chunk"})
-    features = frozenset({"chunk_owner", "chunk_topk", "region_owner", "region_slot", "chunk", "region"})
+    features = frozenset({"chunk_owner", "chunk_topk", "chunk_valid", "region_owner", "region_slot", "region_valid",
+                          "chunk", "region"})
 
     def __init__(self, options: StructXLIPOptions | None = None) -> None:
         super().__init__()
         from finetune.preprocess.edges import EdgeConfig
         from finetune.preprocess.lexicon import LexiconFilter
 
-        self.options = opts = options or StructXLIPOptions()
+        opts = options or StructXLIPOptions()
+        k = COMPAT_K[opts.compat] if opts.regions.k is None else opts.regions.k
+        per_image = k if opts.regions.per_image is None else opts.regions.per_image
+        #: the options with the compat values filled in (``regions.k``, ``regions.per_image``), as recorded
+        self.options = opts = replace(opts, regions=replace(opts.regions, k=k, per_image=per_image))
         self.compat = opts.compat
         edge_values = {k: v for k, v in asdict(opts.edges).items() if k != "on_the_fly"}
         self.edge_cfg = EdgeConfig(**edge_values)
@@ -264,6 +163,8 @@ class StructXLIPTerm(Term):
             categories=(["colour"] if official else None) if lex.categories is None else lex.categories,
         )
         r = opts.regions
+        if r.checkpoint is not None and r.source == "segmenter":
+            require_extra("regions", "objective.terms.structxlip.regions.checkpoint (FastSAM regions)")
         if r.checkpoint is not None and not Path(r.checkpoint).expanduser().is_file():
             from finetune.preprocess.regions import FASTSAM_DOWNLOAD_HINT
 
@@ -370,7 +271,7 @@ class StructXLIPTerm(Term):
             features=text_features, desc="StructXLIP lexicon filter",
         )
         added = [lexicon.select_columns(list(LEXICON_COLUMNS))]
-        self.stats = {"lexicon": self._lexicon_stats(lexicon)}
+        self.stats = {"lexicon": lexicon_statistics(lexicon)}
         s = self.stats["lexicon"]
         log.info("structxlip lexicon: %d of %d captions modified (%.1f%%), %.2f words removed per caption, "
                  "%d reverted; removed words by category: %s", s["modified"], s["captions"],
@@ -385,85 +286,8 @@ class StructXLIPTerm(Term):
         out = datasets.concatenate_datasets([dataset.remove_columns([c for c in dataset.column_names if c in
                                                                      (*LEXICON_COLUMNS, "edges")]), *added], axis=1)
         if self.use_local:
-            out = self._preprocess_regions(out, model, root, log)
+            out = add_regions(self, out, model, root, log)
         return out
-
-    def _preprocess_regions(self, dataset: Any, model: Any, root: Path | None, log: Any) -> Any:
-        from finetune.preprocess.regions import RegionMatcher, compute_regions
-
-        r = self.options.regions
-        if r.source == "dataset":
-            regions = self._dataset_regions(dataset, root, log)
-            return self._add_region_columns(dataset, regions, log)
-        segmenter = self.segmenter()
-        if r.checkpoint is None:
-            log.warning("structxlip: regions.checkpoint is not set, so every image uses the default regions (4 "
-                        "quadrants + centre) instead of FastSAM masks; download FastSAM-x.pt (or FastSAM-s.pt) and "
-                        "set objective.terms.structxlip.regions.checkpoint for the paper's regions")
-        encoders = FrozenEncoders(model)
-        was_training = model.training
-        model.eval()
-        try:
-            matcher = RegionMatcher(
-                segmenter, encoders.images, encoders.texts, model_id=model_fingerprint(model), k=r.k,
-                chunker=self.chunker(), edge_cfg=self.edge_cfg, match_on=r.match_on,
-                edges_column="edges" if "edges" in dataset.column_names else None,
-            )
-            columns = ["image", "filtered_caption"] + (["edges"] if "edges" in dataset.column_names else [])
-            regions = compute_regions(dataset.select_columns(columns), matcher, cache_dir=root,
-                                      code_version=CODE_VERSION)
-        finally:
-            model.train(was_training)
-        return self._add_region_columns(dataset, regions, log)
-
-    def _dataset_regions(self, dataset: Any, root: Path | None, log: Any) -> Any:
-        """``regions.source: dataset``: the dataset's boxes and sentence links (:class:`DatasetRegionLinks`)."""
-        from finetune.data.cache import cached_map
-        from finetune.preprocess.region_links import DatasetRegionLinks
-        from finetune.preprocess.regions import region_features
-
-        missing = [c for c in ("sentences", "objects") if c not in dataset.column_names]
-        if missing:
-            raise ValueError(
-                f"objective.terms.structxlip.regions.source: dataset needs the columns 'sentences' (the caption's "
-                f"sentences) and 'objects' (a list of {{box: [x1, y1, x2, y2], sentence_index}}), which the "
-                f"training set lacks ({', '.join(missing)}; it has {dataset.column_names}); use a dataset that "
-                "provides them (synthetic, or dci with options: {caption: complete}) or regions.source: segmenter")
-        links = DatasetRegionLinks(k=self.options.regions.k, chunker=self.chunker())
-        log.info("structxlip regions: from the dataset (its objects' boxes, each chunk linked to the objects of "
-                 "its sentence), not FastSAM + frozen matching")
-        return cached_map(dataset.select_columns(["filtered_caption", "sentences", "objects"]), links,
-                          params=links.params(), name="regions", cache_dir=root, code_version=CODE_VERSION,
-                          batched=True, batch_size=256, features=region_features(),
-                          desc="StructXLIP regions from the dataset")
-
-    def _add_region_columns(self, dataset: Any, regions: Any, log: Any) -> Any:
-        import datasets
-
-        from finetune.preprocess.regions import region_features
-
-        r = self.options.regions
-        names = list(region_features())
-        fallback = regions["region_fallback"]
-        n_regions = [len(b) for b in regions["region_boxes"]]
-        n_chunks = [len(c) for c in regions["chunks"]]
-        n = max(1, len(fallback))
-        self.stats["regions"] = {
-            "images": len(fallback),
-            "fallback_images": int(sum(fallback)),
-            "fallback_share": sum(fallback) / n,
-            "regions_per_image": sum(n_regions) / n,
-            "chunks_per_caption": sum(n_chunks) / n,
-            "captions_without_chunks": sum(1 for c in n_chunks if c == 0),
-            "segmenter": "dataset" if r.source == "dataset" else "fastsam" if r.checkpoint else "default_regions",
-            "source": r.source,
-        }
-        st = self.stats["regions"]
-        log.info("structxlip regions: %d images, %d use the default regions, %.2f regions and %.2f chunks per "
-                 "image, %d captions without chunks", st["images"], st["fallback_images"], st["regions_per_image"],
-                 st["chunks_per_caption"], st["captions_without_chunks"])
-        base = dataset.remove_columns([c for c in dataset.column_names if c in names])
-        return datasets.concatenate_datasets([base, regions.select_columns(names)], axis=1)
 
     def stream_map(self, example: dict[str, Any], model: Any) -> dict[str, Any]:
         """Streamed data: the lexicon columns and the edge map of one example, computed now (as
@@ -487,18 +311,12 @@ class StructXLIPTerm(Term):
                 "objective.terms.structxlip.weights.local: 0 to train on a stream (edge maps and the lexicon "
                 "filter run per example), or use a map-style data.train")
 
-    @staticmethod
-    def _lexicon_stats(dataset: Any) -> dict[str, Any]:
-        from finetune.preprocess.lexicon import FilterResult, lexicon_stats
+    def shape_scan(self, dataset: Any, model: Any) -> Any:
+        """The training set's chunks and most chunks and kept regions per example
+        (:func:`~finetune.objectives.structxlip.batch.shape_scan`)."""
+        from finetune.objectives.structxlip.batch import shape_scan
 
-        results = (
-            FilterResult(text, removed, reverted, categories, words)
-            for text, removed, reverted, categories, words in zip(
-                dataset["filtered_caption"], dataset["lexicon_removed"], dataset["lexicon_reverted"],
-                dataset["lexicon_categories"], dataset["caption_words"],
-            )
-        )
-        return lexicon_stats(results)
+        return shape_scan(self, dataset) if self.use_local else None
 
     # -- data workers ----------------------------------------------------------------------------
     def edge_image(self, example: dict[str, Any]) -> Any:
@@ -517,7 +335,9 @@ class StructXLIPTerm(Term):
 
     def kept_regions(self, example: dict[str, Any]) -> list[int]:
         """Indices of the regions of ``example`` that are encoded (:func:`select_regions`)."""
-        return select_regions(example["chunk_topk"], example["chunk_topk_scores"], self.options.regions.per_image)
+        per_image = self.options.regions.per_image
+        return select_regions(example["chunk_topk"], example["chunk_topk_scores"],
+                              None if per_image == "all" else per_image)
 
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
         """Per example: the edge map, the filtered caption and, for the local loss, the chunks, their top-K
@@ -547,125 +367,71 @@ class StructXLIPTerm(Term):
 
         - ``edge_inputs``: the edge maps through ``model.preprocess_images`` (``pixel_values (B, 3, H, W)``);
         - ``filtered_input_ids`` / ``filtered_attention_mask``: ``(B, L')`` filtered captions;
-        - per sample (lists of length B): ``chunk_input_ids`` / ``chunk_attention_mask`` ``(m_i, Lc)`` with
-          Lc the longest chunk of the batch, ``chunk_topk`` ``(m_i, K)`` region indices (-1 padded),
-          ``region_slot`` ``(r_i,)`` the kept regions' indices, and ``region_inputs`` (crop mode: a dict of
-          ``(r_i, ...)`` processor outputs) or ``region_patch_mask`` (pool mode: ``(r_i, N)`` bool).
+        - per sample, padded to a fixed number of rows (the run's capacity, :attr:`Term.shapes`, else the batch's
+          most) with validity masks: ``chunk_input_ids`` / ``chunk_attention_mask`` ``(B, C, Lc)`` with Lc the
+          longest chunk of the batch (the step pads it to the run's short length), ``chunk_valid`` ``(B, C)``,
+          ``chunk_topk`` ``(B, C, K)`` region indices (-1 padded), ``region_slot`` ``(B, P)`` the kept regions'
+          indices (-2 padded), ``region_valid`` ``(B, P)``, and ``region_inputs`` (crop mode: a dict of
+          ``(B, P, ...)`` processor outputs) or ``region_patch_mask`` (pool mode: ``(B, P, N)`` bool).
         """
-        filtered = model.tokenize([e["sx_filtered"] for e in examples])
-        sx: dict[str, Any] = {
-            "edge_inputs": dict(model.preprocess_images([e["sx_edges"] for e in examples])),
-            "filtered_input_ids": filtered.input_ids,
-            "filtered_attention_mask": filtered.attention_mask,
-        }
-        if self.use_local:
-            sx.update(self._collate_local(examples, model, sx["edge_inputs"]))
-        return {"structxlip": sx}
+        from finetune.objectives.structxlip.batch import collate_batch
 
-    def _collate_local(self, examples: list[dict[str, Any]], model: Any, edge_inputs: dict[str, Tensor]) -> dict:
-        k = self.options.regions.k
-        counts = [len(e["sx_chunks"]) for e in examples]
-        all_chunks = [c for e in examples for c in e["sx_chunks"]]
-        if all_chunks:
-            tok = model.tokenize(all_chunks)
-            ids, mask = _trim(tok.input_ids, tok.attention_mask, model)
-            chunk_ids, chunk_mask = list(ids.split(counts)), list(mask.split(counts))
-        else:
-            chunk_ids = [torch.zeros((0, 1), dtype=torch.long) for _ in examples]
-            chunk_mask = [torch.zeros((0, 1), dtype=torch.long) for _ in examples]
-        topk = []
-        for e in examples:
-            t = torch.full((len(e["sx_topk"]), k), -1, dtype=torch.long)
-            for i, row in enumerate(e["sx_topk"]):
-                t[i, : len(row)] = torch.tensor(row[:k], dtype=torch.long)
-            topk.append(t)
-        out: dict[str, Any] = {"chunk_input_ids": chunk_ids, "chunk_attention_mask": chunk_mask, "chunk_topk": topk}
-        if self.options.regions.encode == "crop":
-            slots = [torch.tensor(e["sx_slots"], dtype=torch.long) for e in examples]
-            n_crops = [len(e["sx_crops"]) for e in examples]
-            crops = [c for e in examples for c in e["sx_crops"]]
-            region_inputs: dict[str, list[Tensor | None]] = {}
-            if crops:
-                processed = model.preprocess_images(crops)
-                region_inputs = {name: list(t.split(n_crops)) for name, t in processed.items()}
-            out.update({"region_slot": slots, "region_inputs": region_inputs})
-            return out
-        if self._transform is None:
-            model.require("patch_geometry", "StructXLIP's region pooling (regions.encode: pool)")
-            self._transform = model.image_transform_params()
-        params = self._transform
-        shapes = edge_inputs.get("spatial_shapes")
-        n_patches = int(edge_inputs["pixel_values"].shape[1]) if params["mode"] == "naflex" else None
-        slots, masks = [], []
-        for i, e in enumerate(examples):
-            shape = tuple(int(v) for v in shapes[i]) if shapes is not None else None
-            kept, rows = [], []
-            for slot, box in zip(e["sx_slots"], e["sx_boxes"]):
-                m = box_patch_mask(box, e["sx_size"], params, n_patches=n_patches, spatial_shape=shape)
-                if m is not None:  # a region cut away by the centre crop has no patch: it is dropped
-                    kept.append(slot)
-                    rows.append(m)
-            slots.append(torch.tensor(kept, dtype=torch.long))
-            empty = torch.zeros((0, n_patches or patch_count(params)), dtype=torch.bool)
-            masks.append(torch.stack(rows) if rows else empty)
-        out.update({"region_slot": slots, "region_patch_mask": masks})
-        return out
+        return collate_batch(self, examples, model)
 
     # -- model side ------------------------------------------------------------------------------
     def image_inputs(self, batch: Batch) -> dict[str, ImageRequest]:
         """``image`` (the B colour images, shared with the base term: encoded once), ``edge`` (the B edge maps,
-        with patch states in pool mode) and, in crop mode, ``region`` (only the kept crops of the batch; absent
-        when there are none)."""
+        with patch states in pool mode) and, in crop mode, ``region`` (``B * P`` crops, padded rows included;
+        absent when P is 0)."""
         sx = batch["structxlip"]
         pool = self.use_local and self.options.regions.encode == "pool"
         reqs = {"image": image_request(batch), "edge": ImageRequest(sx["edge_inputs"], states=pool)}
         if self.use_local and not pool and sx["region_inputs"]:
-            inputs = {name: torch.cat([t for t in parts if t is not None])
-                      for name, parts in sx["region_inputs"].items()}
+            inputs = {name: t.reshape(-1, *t.shape[2:]) for name, t in sx["region_inputs"].items()}
             if inputs["pixel_values"].shape[0]:
                 reqs["region"] = ImageRequest(inputs)
         return reqs
 
     def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
-        """``filtered_text`` (B filtered captions) and ``chunk``, the batch's chunks (absent when there are
-        none). The objective encodes causal (CLIP) requests in length buckets, so that short chunks are not
-        padded to the longest caption (:func:`finetune.objectives.base.length_buckets`)."""
+        """``filtered_text`` (B filtered captions, as long as captions) and ``chunk`` (``B * C`` chunk rows, short
+        texts: the objective pads them to the run's short length, not to the captions'; absent when C is 0)."""
         sx = batch["structxlip"]
         reqs = {"filtered_text": TextRequest(sx["filtered_input_ids"], sx["filtered_attention_mask"])}
         if self.use_local:
-            ids = torch.cat(sx["chunk_input_ids"])
-            if ids.shape[0]:
-                reqs["chunk"] = TextRequest(ids, torch.cat(sx["chunk_attention_mask"]))
+            ids = sx["chunk_input_ids"]
+            if ids.shape[0] * ids.shape[1]:
+                reqs["chunk"] = TextRequest(ids.reshape(-1, ids.shape[-1]),
+                                            sx["chunk_attention_mask"].reshape(-1, ids.shape[-1]), short=True)
         return reqs
 
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
-        """Owners, positives and (pool mode) the pooled region embeddings; empty ``(0, D)`` rows where a
-        micro-batch has no chunks or regions, so that every micro-batch has the same keys."""
+        """Owners, validity, positives' indices and (pool mode) the pooled region embeddings, ``B * C`` chunk and
+        ``B * P`` region rows (fixed per sample, padded rows marked invalid), so that every micro-batch has the
+        same keys."""
         if not self.use_local:
             return
         sx = batch["structxlip"]
         ref = feats["image"]
         dim, device = ref.shape[1], ref.device
-        chunk_counts = [t.shape[0] for t in sx["chunk_topk"]]
-        region_counts = [t.shape[0] for t in sx["region_slot"]]
-        feats["chunk_owner"] = _owners(chunk_counts, device)
-        feats["chunk_topk"] = _cat([t.to(device) for t in sx["chunk_topk"]],
-                                   torch.zeros((0, self.options.regions.k), dtype=torch.long, device=device))
-        feats["region_owner"] = _owners(region_counts, device)
-        feats["region_slot"] = _cat([t.to(device) for t in sx["region_slot"]],
-                                    torch.zeros(0, dtype=torch.long, device=device))
+        b, c = sx["chunk_valid"].shape
+        p = sx["region_valid"].shape[1]
+        feats["chunk_owner"] = _owners([c] * b, device)
+        feats["chunk_valid"] = sx["chunk_valid"].reshape(-1).to(device)
+        feats["chunk_topk"] = sx["chunk_topk"].reshape(b * c, self.options.regions.k).to(device)
+        feats["region_owner"] = _owners([p] * b, device)
+        feats["region_slot"] = sx["region_slot"].reshape(-1).to(device)
+        feats["region_valid"] = sx["region_valid"].reshape(-1).to(device)
         if "chunk" not in feats:
             feats["chunk"] = ref.new_zeros((0, dim))
         if self.options.regions.encode == "pool":
             states = feats.pop("edge_states")
-            masks = [m.to(device) for m in sx["region_patch_mask"]]
-            if sum(region_counts):
-                mask = torch.cat(masks).to(states.dtype)
+            if b * p:
+                mask = sx["region_patch_mask"].to(device).reshape(b * p, -1).to(states.dtype)
                 if mask.shape[1] != states.shape[1]:
                     raise ValueError(f"region patch masks have {mask.shape[1]} patches, the edge maps' states "
                                      f"{states.shape[1]}: the model's image_transform_params() does not match "
                                      "its processor")
-                weights = mask / mask.sum(dim=1, keepdim=True)
+                weights = mask / mask.sum(dim=1, keepdim=True).clamp(min=1)  # padded rows: all zero
                 pooled = torch.einsum("rn,rnw->rw", weights, states[feats["region_owner"]])
                 feats["region"] = model.project_image_states(pooled)
             else:
@@ -673,12 +439,13 @@ class StructXLIPTerm(Term):
         elif "region" not in feats:
             feats["region"] = ref.new_zeros((0, dim))
 
-    def positives(self, feats: Features) -> Tensor | None:
-        """``(Nc, Nr)`` bool P_c of eq. 1: the chunk's top-K regions among the kept regions of its sample.
-        ``compat: official``: None (every kept region of the chunk's image, the loss's default)."""
-        if self.compat == "official":
-            return None
+    def positives(self, feats: Features) -> Tensor:
+        """``(Nc, Nr)`` bool P_c of eq. 1: the chunk's top-K regions among the kept regions of its sample
+        (``compat: official``: every kept region of the chunk's image); none for padded chunk or region rows."""
         same = feats["chunk_owner"][:, None] == feats["region_owner"][None, :]
+        same = same & feats["chunk_valid"][:, None] & feats["region_valid"][None, :]
+        if self.compat == "official":
+            return same
         listed = (feats["chunk_topk"][:, :, None] == feats["region_slot"][None, None, :]).any(dim=1)
         return same & listed
 
@@ -704,7 +471,7 @@ class StructXLIPTerm(Term):
                 temperature = self.local_temperature
             out["local"] = local_structure_loss(
                 feats["chunk"], feats["chunk_owner"], feats["region"], feats["region_owner"],
-                temperature=temperature, positives=self.positives(feats),
+                temperature=temperature, positives=self.positives(feats), region_valid=feats["region_valid"],
             )
         return out
 
@@ -715,81 +482,19 @@ class StructXLIPTerm(Term):
         return {"options": asdict(self.options), "weights": dict(self.weights), **self.stats}
 
     def preview_fields(self, example: dict[str, Any]) -> dict[str, Any]:
-        """What the preview shows of one preprocessed example (:mod:`finetune.objectives.structxlip.preview`)."""
-        edges = self.edge_image(example)
-        fields = {
-            "id": str(example.get("id", "")),
-            "image": example["image"],
-            "edges": edges,
-            "caption": example["caption"],
-            "filtered_caption": example["filtered_caption"],
-            "removed": list(example.get("lexicon_removed") or []),
-            "reverted": bool(example.get("lexicon_reverted", False)),
-            "boxes": [], "kept": [], "chunks": [], "chunk_topk": [], "fallback": False,
-        }
-        if self.use_local and "chunk_topk" in example:
-            fields.update({
-                "boxes": [list(b) for b in example["region_boxes"]],
-                "kept": self.kept_regions(example) if example["chunks"] else [],
-                "chunks": list(example["chunks"]),
-                "chunk_topk": [list(t) for t in example["chunk_topk"]],
-                "fallback": bool(example["region_fallback"]),
-                "region_source": self.options.regions.source,
-            })
-        return fields
+        """What the preview shows of one preprocessed example
+        (:func:`~finetune.objectives.structxlip.preview.fields`)."""
+        from finetune.objectives.structxlip.preview import fields
+
+        return fields(self, example)
 
     def report_sections(self, run_dir: str | Path, dataset: Any, *, n: int = 8) -> list[str]:
-        """Markdown sections for the run report: the lexicon statistics (paper B.3), the regions, and a
-        preview of ``n`` training examples written to ``<run_dir>/plots/structxlip_preview.png``.
+        """Markdown sections for the run report (:func:`~finetune.objectives.structxlip.preview.report_sections`):
+        the lexicon statistics (paper B.3), the regions, and a preview of ``n`` training examples written to
+        ``<run_dir>/plots/structxlip_preview.png``."""
+        from finetune.objectives.structxlip.preview import report_sections
 
-        Args:
-            run_dir: the run folder.
-            dataset: the preprocessed training set (what :meth:`preprocess` returned).
-        """
-        from finetune.objectives.structxlip.preview import render_preview
-
-        lines = ["## StructXLIP inputs", ""]
-        lex = self.stats.get("lexicon")
-        if lex:
-            share = ", ".join(f"{k} {100 * v:.1f}%" for k, v in lex["category_share"].items()) or "none"
-            lines += [
-                "Lexicon filter (paper Supp. Mat. B.3):", "",
-                "| statistic | value |", "|---|---|",
-                f"| captions | {lex['captions']} |",
-                f"| modified | {lex['modified']} ({100 * lex['modified_share']:.1f}%) |",
-                f"| reverted to the original | {lex['reverted']} ({100 * lex['reverted_share']:.1f}%) |",
-                f"| removed words per caption | {lex['removed_words_per_caption']:.2f} |",
-                f"| removed words per modified caption | {lex['removed_words_per_modified_caption']:.2f} "
-                f"({100 * lex['removed_share_of_length']:.1f}% of its words) |",
-                f"| removed words by category | {share} |",
-                "",
-            ]
-        reg = self.stats.get("regions")
-        if reg and reg.get("source") == "dataset":
-            lines += [
-                f"Regions from the dataset (`regions.source: dataset`: its objects' boxes, each chunk's positives "
-                f"the objects its sentence describes; no FastSAM, no frozen matching): {reg['regions_per_image']:.2f} "
-                f"per image; {reg['chunks_per_caption']:.2f} linked chunks per caption, "
-                f"{reg['captions_without_chunks']} captions without one; encoded as "
-                f"`{self.options.regions.encode}`.",
-                "",
-            ]
-        elif reg:
-            lines += [
-                f"Regions ({reg['segmenter']}): {reg['regions_per_image']:.2f} per image, "
-                f"{reg['fallback_images']} of {reg['images']} images on the default regions; "
-                f"{reg['chunks_per_caption']:.2f} chunks per caption, {reg['captions_without_chunks']} captions "
-                f"without chunks; encoded as `{self.options.regions.encode}`, K = {self.options.regions.k}.",
-                "",
-            ]
-        n = min(n, len(dataset))
-        if n:
-            path = Path(run_dir) / "plots" / "structxlip_preview.png"
-            render_preview([self.preview_fields(dataset[i]) for i in range(n)], path,
-                           title=f"StructXLIP training inputs ({self.compat})")
-            lines += ["![StructXLIP preview: images, edge maps with regions, captions](plots/structxlip_preview.png)",
-                      ""]
-        return ["\n".join(lines).rstrip()]
+        return report_sections(self, run_dir, dataset, n=n)
 
     def extra_repr(self) -> str:
         return (f"compat={self.compat!r}, weights={self.base_weights}, encode={self.options.regions.encode!r}, "
@@ -799,18 +504,6 @@ class StructXLIPTerm(Term):
 def _owners(counts: list[int], device: torch.device) -> Tensor:
     """``(sum(counts),)`` the sample index of each row, from host counts (no device read)."""
     return host_tensor([i for i, c in enumerate(counts) for _ in range(c)], device)
-
-
-def _trim(ids: Tensor, mask: Tensor, model: Any, *, causal: bool | None = None) -> tuple[Tensor, Tensor]:
-    """Cut right padding down to the longest real row, for causal towers that pool the end token (CLIP):
-    there, trailing padding does not change the embedding. Towers that pool the last position of a
-    fixed-length context (SigLIP) keep the model's own padding."""
-    if causal is None:
-        causal = getattr(model, "family", "clip") == "clip"
-    if not causal or not ids.shape[0]:
-        return ids, mask
-    longest = max(int(mask.sum(dim=1).max()), 1)
-    return ids[:, :longest], mask[:, :longest]
 
 
 @register_term(TERM_NAME, StructXLIPOptions, citation={  # a finetune.plugins.Citation's fields

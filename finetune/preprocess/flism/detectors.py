@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from finetune.extras import require_extra
 from finetune.preprocess.regions import (
     Box,
     UltralyticsCheckpoint,
@@ -201,6 +202,7 @@ class UltralyticsDetector(UltralyticsCheckpoint):
                  classes: Sequence[str | int] | None = None, max_boxes: int | None = None, imgsz: int = 640,
                  device: str | None = None, batch_size: int = 16) -> None:
         self.checkpoint = Path(checkpoint).expanduser()
+        require_extra("regions", f"regions.detector: {str(checkpoint)!r} (an ultralytics YOLO checkpoint)")
         if not self.checkpoint.is_file():
             raise FileNotFoundError(f"regions.detector: {str(checkpoint)!r} not found; download it from the "
                                     "ultralytics assets (https://github.com/ultralytics/assets/releases) or "

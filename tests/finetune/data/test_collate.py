@@ -1,5 +1,6 @@
-"""The training collator's fast paths: the uint8 tensor image path against each model's own processor, text
-plans made on the CPU against the tower's own buckets, and the epoch handed to the workers' terms."""
+"""The training collator's fast paths: the uint8 tensor image path against each model's own processor, and the
+datasets that decode images in the workers (the planning around the collator: tests/finetune/objectives/
+test_planning.py)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,10 @@ import PIL.Image
 import pytest
 import torch
 
-from finetune.data.collate import (
-    EPOCH_KEY,
-    PIXEL_NORM,
-    Collator,
-    MicroPlans,
-    PlannedCollate,
-    compile_lengths,
-    normalize_pixels,
-    split_batch,
-)
+from finetune.data.collate import PIXEL_NORM, Collator, normalize_pixels
 from finetune.data.images import TENSOR_PATH_MEAN_TOLERANCE, TENSOR_PATH_TOLERANCE, TensorImages
 from finetune.data.sources import load_source
 from finetune.models.registry import build_model
-from finetune.objectives import ClipTerm, Objective
-from finetune.objectives.base import TEXT_PLAN, Term, TextPlan, _encode_texts
 
 
 @pytest.fixture(scope="module")
@@ -90,93 +80,6 @@ def test_collator_gives_uint8_pixels_normalised_on_the_device(scenes):
     torch.testing.assert_close(ready["image_inputs"]["pixel_values"], slow["image_inputs"]["pixel_values"],
                                atol=1e-4, rtol=0)
     assert normalize_pixels(slow) is slow
-
-
-def test_text_plan_gives_the_embeddings_of_the_device_buckets(scenes):
-    """The plan made on the CPU (buckets, order) encodes like the tower's own on-device bucketing, and its padded
-    variant (train.compile) too."""
-    model = build_model("tiny-clip").eval()
-    objective = Objective(ClipTerm())
-    collate = PlannedCollate(Collator(model, objective), objective, model)
-    words = scenes[0]["caption"].split()
-    captions = [" ".join(words[:n]) for n in (3, 40, 5, 12, 2, 60, 25, 8)]  # from 4 to 77 tokens
-    batch = collate([{**scenes[i], "caption": c} for i, c in enumerate(captions)])
-    plan = batch[TEXT_PLAN]
-    assert isinstance(plan, TextPlan) and plan.keys == ("text",) and plan.counts == (8,) and len(plan.sizes) > 2
-    assert sorted(plan.order.tolist()) == list(range(8)) and sum(plan.sizes) == 8
-    lengths = batch["attention_mask"].sum(1)
-    start = 0
-    for size, length in zip(plan.sizes, plan.lengths):  # each bucket is cut to its longest row
-        assert int(lengths[plan.order[start:start + size]].max()) == length
-        start += size
-    _, reqs, _ = objective.requests(batch)
-    with torch.no_grad():
-        planned = _encode_texts(model, reqs, plan)["text"]
-        unplanned = _encode_texts(model, reqs, None)["text"]
-        padded = _encode_texts(model, reqs, objective.plan(model, batch, pad_lengths=compile_lengths(77)))["text"]
-    torch.testing.assert_close(planned, unplanned, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(padded, unplanned, atol=1e-5, rtol=1e-5)
-
-
-def test_compile_lengths_pad_captions_to_a_fixed_set(scenes):
-    model = build_model("tiny-clip")
-    objective = Objective(ClipTerm())
-    assert compile_lengths(77) == (32, 64, 77) and compile_lengths(248)[-2:] == (224, 248)
-    batch = PlannedCollate(Collator(model, objective), objective, model, pad_lengths=(32, 64, 77))(
-        [scenes[i] for i in range(4)])
-    assert batch["input_ids"].shape[1] in (32, 64, 77)
-    assert all(length in (32, 64, 77) for length in batch[TEXT_PLAN].lengths)
-
-
-def test_left_padded_requests_get_no_plan(scenes):
-    model = build_model("tiny-clip")
-    objective = Objective(ClipTerm())
-    captions = ["a red circle", "a blue square on the left of a green star", "a dog", "two cats"]
-    batch = Collator(model, objective)([{**scenes[i], "caption": c} for i, c in enumerate(captions)])
-    assert objective.plan(model, batch) is not None
-    batch["attention_mask"] = batch["attention_mask"].flip(1)
-    assert objective.plan(model, batch) is None
-
-
-def test_micro_batches_get_their_own_plans(scenes):
-    model = build_model("tiny-clip")
-    objective = Objective(ClipTerm())
-    batch = PlannedCollate(Collator(model, objective), objective, model, micro_batches=2)(
-        [scenes[i] for i in range(8)])
-    plans = batch[TEXT_PLAN]
-    assert isinstance(plans, MicroPlans) and len(plans.plans) == 2
-    parts = split_batch(batch, 2)
-    for part, plan in zip(parts, plans.plans):
-        assert part[TEXT_PLAN] is plan and plan.counts == (4,)
-        assert plan.matches(objective.requests(part)[1])
-
-
-class _EpochProbe(Term):
-    name = "probe"
-    produces = frozenset({"probe_epoch"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.epoch = -1
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def prepare(self, example):
-        return {"probe_epoch": self.epoch}
-
-    def collate(self, examples, model):
-        return {"probe_epoch": torch.tensor([e["probe_epoch"] for e in examples])}
-
-
-def test_the_epoch_reaches_the_terms_where_the_batch_is_collated(scenes):
-    model = build_model("tiny-clip")
-    probe = _EpochProbe()
-    objective = Objective(ClipTerm(), [(probe, 0.0)])
-    collate = PlannedCollate(Collator(model, objective), objective, model)
-    batch = collate([{**scenes[i], EPOCH_KEY: 3} for i in range(2)])
-    assert batch["probe_epoch"].tolist() == [3, 3] and probe.epoch == 3
-    assert EPOCH_KEY not in batch
 
 
 def test_tensor_decoding_dataset_skips_a_bad_jpeg_and_reports_it(tmp_path):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from finetune.data.prefetch import DevicePrefetcher, record_stream
-from finetune.objectives.base import TextPlan
+from finetune.objectives.planning import MicroPlans
 
 
 def _batch(i: int) -> dict:
-    plan = TextPlan(("text",), (2,), (2,), (3,), torch.tensor([1, 0]))
+    plan = MicroPlans([torch.tensor([1, 0]), 2])  # host metadata holding a tensor, moved with the batch
     return {"ids": [f"a{i}", f"b{i}"], "input_ids": torch.full((2, 3), i), "image_inputs": {"pixel_values":
             torch.zeros(2, 3, 4, 4, dtype=torch.uint8)}, "plan": plan}
 
@@ -22,7 +22,7 @@ def test_every_batch_reaches_the_device_whole_and_in_order():
         assert b["input_ids"].device.type == "meta"
         assert b["image_inputs"]["pixel_values"].device.type == "meta"
         assert b["image_inputs"]["pixel_values"].dtype == torch.uint8  # normalised on the device, in the step
-        assert b["plan"].order.device.type == "meta" and b["plan"].sizes == (2,)
+        assert b["plan"].plans[0].device.type == "meta" and b["plan"].plans[1] == 2
 
 
 def test_record_stream_leaves_host_tensors_and_walks_dataclasses():

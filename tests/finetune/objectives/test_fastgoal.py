@@ -5,6 +5,7 @@ dropped and counted, heads own/new, top-3 weights, composition with structxlip, 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -25,7 +26,7 @@ from finetune.objectives.contrastive import ClipTerm
 from finetune.objectives.fastgoal import FastGoalOptions, FastGoalTerm, FastGoalWeights, FlismOptions
 from finetune.objectives.tsl_heads import TSL_HEADS_NAME
 from finetune.preprocess.geometry import box_patch_mask
-from finetune.data.collate import split_batch
+from finetune.objectives.planning import split_batch
 from losses import clip_loss
 from losses.tsl import TSLHeads
 from tests.losses.tsl_host_reads import HostReads
@@ -96,8 +97,9 @@ def test_recipe_section_is_validated_and_builds_the_term(tmp_path):
     path.write_text("# t\nobjective:\n  terms:\n    fastgoal: {regions: {pairs: 0}}\n")
     with pytest.raises(RecipeError, match="pairs"):
         load_recipe(path)
-    with pytest.raises(FileNotFoundError, match="ultralytics assets"):
-        FastGoalTerm(FastGoalOptions(regions=FlismOptions(detector=str(tmp_path / "yolov8x.pt"))))
+    if importlib.util.find_spec("ultralytics") is not None:  # without the `regions` extra: tests/test_extras.py
+        with pytest.raises(FileNotFoundError, match="ultralytics assets"):
+            FastGoalTerm(FastGoalOptions(regions=FlismOptions(detector=str(tmp_path / "yolov8x.pt"))))
     with pytest.raises(ValueError, match="no candidate"):
         FastGoalTerm(FastGoalOptions(regions=FlismOptions(detector=None, default=False)))
     with pytest.raises(ValueError, match="stream"):

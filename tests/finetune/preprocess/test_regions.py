@@ -35,6 +35,7 @@ def random_seg_checkpoint(tmp_path_factory) -> str:
     saved as a checkpoint file so that FastSAMRegions runs the real loading path."""
     path = tmp_path_factory.mktemp("fastsam") / "random-seg.pt"
     with preserve_thread_settings():  # importing ultralytics drops OpenCV's threads
+        pytest.importorskip("ultralytics")  # the `regions` extra
         from ultralytics import YOLO
 
         torch.manual_seed(0)
@@ -205,6 +206,7 @@ def test_compute_regions_is_cached_and_reused(tmp_path, caplog):
 
 
 def test_fastsam_missing_checkpoint_says_how_to_get_one(tmp_path):
+    pytest.importorskip("ultralytics")  # without the `regions` extra, that is what FastSAMRegions says first
     with pytest.raises(FileNotFoundError, match="FastSAM-s.pt or FastSAM-x.pt.*regions.checkpoint"):
         FastSAMRegions(tmp_path / "FastSAM-s.pt")
     (tmp_path / "ok.pt").write_bytes(b"x")
@@ -215,6 +217,7 @@ def test_fastsam_missing_checkpoint_says_how_to_get_one(tmp_path):
 def test_fastsam_rejects_files_that_are_not_segmentation_checkpoints(tmp_path):
     detector = tmp_path / "detector.pt"
     with preserve_thread_settings():
+        pytest.importorskip("ultralytics")  # the `regions` extra
         from ultralytics import YOLO
 
         YOLO("yolov8n.yaml").save(str(detector))
@@ -328,6 +331,7 @@ def test_dataset_region_links_keep_the_linked_chunks_and_their_objects():
 def test_ultralytics_proposers_pickle_without_their_model(tmp_path):
     """datasets.map workers get the settings, not the loaded model; the cache key is the checkpoint's content.
     ``copy.deepcopy`` goes through the same ``__getstate__`` as the pickling of worker processes."""
+    pytest.importorskip("ultralytics")  # the `regions` extra
     import copy
     import hashlib
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 #: the labels of the tiny YOLOS (COCO-style: id 0 is "N/A")
@@ -29,6 +30,7 @@ def save_tiny_yolos(folder: str | Path, seed: int = 0) -> Path:
 
 def save_tiny_yolo(path: str | Path, seed: int = 0) -> Path:
     """An ultralytics YOLOv8n detector from its model yaml (random weights), saved as a ``.pt`` checkpoint."""
+    pytest.importorskip("ultralytics")  # the `regions` extra
     from ultralytics import YOLO
 
     from finetune.preprocess.regions import preserve_thread_settings

@@ -355,7 +355,7 @@ def test_two_processes_gather_payloads_of_different_lengths(tmp_path):
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[3]
+    repo = Path(__file__).resolve().parents[4]
     script, out = tmp_path / "states.py", tmp_path / "states.pt"
     script.write_text(STATES_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "ACCELERATE_USE_CPU": "true"}

@@ -1,5 +1,5 @@
-"""QuickGELU MLPs through the fused SiLU kernels: same values and gradients as the stock modules, switched
-at load time without touching weights or saved files, and falling back to module calls under adapters."""
+"""QuickGELU through the fused SiLU kernel: same values and gradients as the stock activation, switched at load time
+without touching weights (at load or at any call) or saved files, linears run as modules (adapters included)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from transformers import CLIPModel
 from transformers.activations import QuickGELUActivation
 from transformers.models.clip.modeling_clip import CLIPMLP
 
-from finetune.models.backends.activations import FastQuickGELU, FastQuickGELUCLIPMLP, quick_gelu_mlp, use_fast_quick_gelu
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from finetune.models.backends.activations import FastQuickGELU, use_fast_quick_gelu
 from finetune.models.adapters import apply_adapter
 
 
@@ -34,17 +36,56 @@ def test_fast_quick_gelu_equals_the_stock_activation(dtype: torch.dtype, atol: f
     assert torch.allclose(got.float(), ref, atol=atol, rtol=atol)
 
 
-def test_folded_mlp_equals_the_stock_mlp_with_gradients() -> None:
+class _OpsOn(TorchDispatchMode):
+    """The aten ops that take one of ``tensors`` (by storage) as an input."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = [a for a in args if isinstance(a, torch.Tensor)]
+        if any(a.untyped_storage().data_ptr() in self.ptrs for a in flat):
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_no_weight_is_transformed_at_a_call(load_tiny, autocast: bool) -> None:
+    """An MLP call reads its weights only in its matrix products (and, under autocast, autocast's cached cast):
+    no per-call rescale of fc1 / fc2 (the folded form scaled both at every call, issue 29)."""
+    model = load_tiny("tiny-clip")
+    mlp = next(m for m in model.model.modules() if isinstance(m, CLIPMLP))
+    params = [mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias]
+    x = torch.randn(2, 5, mlp.fc1.in_features)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), _OpsOn(params) as seen:
+        mlp(x).float().sum().backward()
+    allowed = {"t", "addmm", "mm", "linear", "view", "_to_copy"}
+    assert seen.ops and set(seen.ops) <= allowed, seen.ops
+    assert seen.ops.count("_to_copy") <= (4 if autocast else 0)  # each parameter cast once per autocast region
+
+
+def test_the_optimiser_trains_the_stock_parameters(load_tiny, tiny_dir) -> None:
+    """A step of AdamW on the fast model moves the stock parameters: loaded into the stock transformers model they
+    give the fast model's embeddings."""
+    model = load_tiny("tiny-clip")
+    stock = CLIPModel.from_pretrained(tiny_dir("tiny-clip"))
+    assert [n for n, _ in model.model.named_parameters()] == [n for n, _ in stock.named_parameters()]
+    optimizer = torch.optim.AdamW(model.model.parameters(), lr=1e-2)
     torch.manual_seed(0)
-    fc1, fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
-    x, weights = torch.randn(3, 5, 16) * 3, torch.randn(3, 5, 16)
-    params = [fc1.weight, fc1.bias, fc2.weight, fc2.bias]
-    stock = lambda t: fc2(QuickGELUActivation()(fc1(t)))  # noqa: E731
-    expected, expected_grads = _value_and_grads(stock, x, weights, params)
-    got, grads = _value_and_grads(lambda t: quick_gelu_mlp(t, fc1, fc2), x, weights, params)
-    assert torch.allclose(got, expected, atol=1e-5)
-    for g, e in zip(grads, expected_grads):  # the input's and every weight's gradient
-        assert torch.allclose(g, e, atol=1e-5, rtol=1e-5)
+    pixels = torch.randn(2, 3, model.image_size, model.image_size)
+    ids = model.tokenize(["a small house beside a road", "two chairs"])
+    model.train()
+    loss = model.encode_image(pixels).embeds.square().sum() + model.encode_text(ids.input_ids, ids.attention_mask)\
+        .embeds.square().sum()
+    loss.backward()
+    optimizer.step()
+    stock.load_state_dict(model.model.state_dict())
+    model.eval(), stock.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_image(pixels).embeds,
+                                   stock.get_image_features(pixel_values=pixels).pooler_output, atol=1e-5, rtol=1e-5)
 
 
 def test_loaded_clip_uses_it_and_matches_the_stock_transformers_model(load_tiny, tiny_dir) -> None:
@@ -52,10 +93,10 @@ def test_loaded_clip_uses_it_and_matches_the_stock_transformers_model(load_tiny,
     mlps = [m for m in model.model.modules() if isinstance(m, CLIPMLP)]
     layers = model.model.config.vision_config.num_hidden_layers + model.model.config.text_config.num_hidden_layers
     assert len(mlps) == layers
-    assert all(type(m) is FastQuickGELUCLIPMLP and type(m.activation_fn) is FastQuickGELU for m in mlps)
+    assert all(type(m) is CLIPMLP and type(m.activation_fn) is FastQuickGELU for m in mlps)
 
     stock = CLIPModel.from_pretrained(tiny_dir("tiny-clip")).eval()
-    assert not any(type(m) is FastQuickGELUCLIPMLP for m in stock.modules())
+    assert not any(type(m) is FastQuickGELU for m in stock.modules())
     assert stock.state_dict().keys() == model.model.state_dict().keys()
     model.eval()
     torch.manual_seed(0)
@@ -87,9 +128,9 @@ def test_lora_linears_run_as_modules_with_the_fast_activation(load_tiny) -> None
 
 def test_swapping_back_restores_the_transformers_modules(load_tiny) -> None:
     model = load_tiny("tiny-clip")
-    n = sum(type(m) is FastQuickGELUCLIPMLP for m in model.model.modules())
-    assert use_fast_quick_gelu(model.model, fast=False) == n
-    assert not any(isinstance(m, (FastQuickGELU, FastQuickGELUCLIPMLP)) for m in model.model.modules())
+    n = sum(type(m) is FastQuickGELU for m in model.model.modules())
+    assert n == 4 and use_fast_quick_gelu(model.model, fast=False) == n
+    assert not any(isinstance(m, FastQuickGELU) for m in model.model.modules())
     assert sum(type(m) is QuickGELUActivation for m in model.model.modules()) == n
     assert use_fast_quick_gelu(model.model) == n
     assert use_fast_quick_gelu(model.model) == 0  # already switched

@@ -194,3 +194,21 @@ def test_clip_text_states_with_padding_read_nothing_from_the_device():
     real = tok.attention_mask.bool()
     torch.testing.assert_close(out.states[real], ref.hidden_states[-1][real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.embeds, model.model.text_projection(ref.pooler_output), atol=1e-5, rtol=1e-5)
+
+
+def test_a_states_call_leaves_the_pooled_path_on(load_tiny):
+    """transformers installs output-capturing hooks on the layers at the first call with output_hidden_states
+    (encode_text(states=True): FAST-GOAL's and GRM's token states); they record nothing afterwards, so the towers
+    stay on the pooled path (which a real hook, e.g. a wrapper's, turns off)."""
+    from finetune.models.backends.pooled_tower import fast_path_ok
+
+    model = load_tiny("tiny-clip")
+    tower = model.model.text_model
+    tok = model.tokenize(["a red circle", "a dog"])
+    assert fast_path_ok(tower)
+    model.encode_text(tok.input_ids, tok.attention_mask, states=True)
+    assert any(m._forward_hooks for m in tower.modules())  # transformers' capturing hooks are now installed
+    assert fast_path_ok(tower)
+    handle = tower.encoder.layers[-1].register_forward_hook(lambda *a: None)
+    assert not fast_path_ok(tower)
+    handle.remove()

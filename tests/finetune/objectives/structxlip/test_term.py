@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import logging
 import math
@@ -25,7 +26,6 @@ from finetune.data.collate import Collator
 from finetune.data.sources import load_source
 from finetune.models.registry import save_tiny
 from finetune.objectives import Objective, build_objective, merge_features
-from finetune.objectives.base import TEXT_BUCKETS
 from finetune.objectives.contrastive import ClipTerm
 from finetune.objectives.structxlip import (
     EdgeOptions,
@@ -34,19 +34,20 @@ from finetune.objectives.structxlip import (
     StructXLIPOptions,
     StructXLIPTerm,
     StructXLIPWeights,
-    length_buckets,
     official_chunks,
     select_regions,
 )
 from finetune.preprocess.edges import edge_array
 from finetune.preprocess.geometry import box_patch_mask
 from finetune.preprocess.regions import split_chunks
-from finetune.data.collate import split_batch
+from finetune.objectives.planning import split_batch
 from losses import clip_loss, local_structure_loss
 
 REPO = Path(__file__).resolve().parents[4]
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black", "grey", "pink", "cyan")
 
+
+ROOT = Path(__file__).resolve().parents[4]
 
 pytestmark = pytest.mark.usefixtures("quiet_datasets")
 
@@ -83,6 +84,15 @@ def _batch(term: StructXLIPTerm, model, data, rows=(0, 1, 2, 3)) -> dict:
     return Collator(model, _objective(term))([data[i] for i in rows])
 
 
+def _unpadded(feats: dict) -> dict:
+    """``feats`` with only the chunk and region rows that are not padding (the batch's own rows, in order)."""
+    out = dict(feats)
+    for prefix, keep in (("chunk", feats["chunk_valid"]), ("region", feats["region_valid"])):
+        for key in (prefix, f"{prefix}_owner", f"{prefix}_valid", "chunk_topk" if prefix == "chunk" else "region_slot"):
+            out[key] = feats[key][keep]
+    return out
+
+
 # -- options ------------------------------------------------------------------------------------------
 def _write_recipe(tmp_path: Path, terms: str) -> Path:
     path = tmp_path / "r.yaml"
@@ -112,8 +122,9 @@ def test_recipe_section_is_validated_and_builds_the_term(tmp_path):
 
 
 def test_missing_fastsam_checkpoint_and_bad_edges_fail_at_build(tmp_path):
-    with pytest.raises(FileNotFoundError, match="regions.checkpoint.*FastSAM-s.pt or FastSAM-x.pt"):
-        StructXLIPTerm(_options(checkpoint=str(tmp_path / "FastSAM-x.pt")))
+    if importlib.util.find_spec("ultralytics") is not None:  # without the `regions` extra: tests/test_extras.py
+        with pytest.raises(FileNotFoundError, match="regions.checkpoint.*FastSAM-s.pt or FastSAM-x.pt"):
+            StructXLIPTerm(_options(checkpoint=str(tmp_path / "FastSAM-x.pt")))
     with pytest.raises(ValueError, match="low <= high"):
         StructXLIPTerm(StructXLIPOptions(edges=EdgeOptions(low=200, high=100)))
     with pytest.raises(FileNotFoundError, match="lexicon"):
@@ -152,6 +163,51 @@ def test_compat_sets_the_lexicon_defaults():
     mine = StructXLIPTerm(StructXLIPOptions(compat="official", lexicon=LexiconOptions(min_content_words=1,
                                                                                     categories=["material"])))
     assert mine.lexicon(caption) == "A red bag. A blue and white pattern."
+
+
+def test_compat_sets_k_and_the_regions_per_image():
+    """The paper names no K (3.2): paper mode takes 3 (the public train.py's default); official takes the 2
+    that the public scripts/finetune.sh passes (--chunk_top_k 2), with as many regions encoded per image."""
+    paper = StructXLIPTerm(StructXLIPOptions()).options.regions
+    assert (paper.k, paper.per_image) == (3, 3)
+    official = StructXLIPTerm(StructXLIPOptions(compat="official")).options.regions
+    assert (official.k, official.per_image) == (2, 2)
+    given = StructXLIPTerm(_options(compat="official", k=5, per_image="all")).options.regions
+    assert (given.k, given.per_image) == (5, "all")
+    assert StructXLIPTerm(_options(compat="official", per_image=4)).options.regions.per_image == 4
+
+
+@pytest.mark.parametrize("name", ["structxlip_docci", "structxlip_dci", "structxlip_lora_docci",
+                                  "structxlip_dora_docci", "structxlip_siglip2_docci",
+                                  "fastgoal_structxlip_docci"])
+def test_shipped_recipes_switch_to_the_public_scripts_values_with_compat_official(name):
+    """`compat=official` on a shipped recipe gives every value the public code runs with (the notes on
+    intelligolabs/StructXLIP): K = 2 regions per image, each a positive of every chunk, weights 0.25 / 0.001 /
+    0.001 decayed per epoch, the main scale detached for L_I'T', the local scale min(s / 0.07, 100), word-window
+    chunks, colours only with a revert threshold of 2; and the paper's values without it."""
+    recipe_path = ROOT / "recipes" / f"{name}.yaml"
+    overrides = ["objective.terms.structxlip.regions.checkpoint=null"]  # FastSAM-x.pt is not here
+    paper = build_objective(load_recipe(recipe_path, overrides).objective)
+    (sx,) = [t for t in paper.terms if isinstance(t, StructXLIPTerm)]
+    assert (sx.options.regions.k, sx.options.regions.per_image) == (3, 3)
+    assert sx.weights == {"structure": 0.25, "consistency": 0.1, "local": 0.1}
+
+    official = build_objective(load_recipe(recipe_path, [*overrides, "objective.terms.structxlip.compat=official"])
+                               .objective)
+    (sx,) = [t for t in official.terms if isinstance(t, StructXLIPTerm)]
+    assert (sx.options.regions.k, sx.options.regions.per_image) == (2, 2)
+    assert sx.weights == {"structure": 0.25, "consistency": 0.001, "local": 0.001}
+    assert sx.structure_logit_scale is None
+    assert sx.chunker() is official_chunks
+    assert (sx.lexicon.min_content_words, sx.lexicon.categories) == (2, ("colour",))
+    feats = {"chunk_owner": torch.tensor([0, 0, 1]), "region_owner": torch.tensor([0, 1, 1]),
+             "chunk_valid": torch.tensor([True, True, True]), "region_valid": torch.tensor([True, True, False]),
+             "chunk_topk": torch.tensor([[5, -1], [6, -1], [7, -1]]), "region_slot": torch.tensor([0, 1, -2])}
+    # every valid kept region of the chunk's image, whatever the chunk's top-K lists
+    assert torch.equal(sx.positives(feats), torch.tensor([[True, False, False], [True, False, False],
+                                                          [False, True, False]]))
+    sx.set_epoch(8)
+    assert sx.weights == pytest.approx({"structure": 0.175, "consistency": 0.0005, "local": 0.0004})
 
 
 def test_structure_scale_is_clamped_after_a_step():
@@ -254,66 +310,67 @@ def test_on_the_fly_edges_are_not_cached_and_match(model, scenes, tmp_path):
 
 
 # -- collate and encoding -----------------------------------------------------------------------------
-def test_collate_shapes_and_chunks_padded_to_the_longest_chunk(crop_setup, model):
+def test_collate_gives_every_sample_the_same_rows_padded_to_the_longest_chunk(crop_setup, model):
+    """Without fixed shapes: C = the batch's most chunks and P its most kept regions per sample, padded rows invalid
+    (a sample without chunks has only padded rows); chunk columns the longest chunk of the batch, not 248."""
     term, data = crop_setup
-    batch = _batch(term, model, data)
+    rows = [dict(data[i]) for i in range(4)]
+    rows[2].update(filtered_caption="", chunks=[], chunk_topk=[], chunk_topk_scores=[])
+    batch = Collator(model, _objective(term))(rows)
     sx = batch["structxlip"]
     assert sx["edge_inputs"]["pixel_values"].shape == (4, 3, 32, 32)
     assert sx["filtered_input_ids"].shape[0] == 4
-    chunks = [c for i in range(4) for c in data[i]["chunks"]]
+    chunks = [c for r in rows for c in r["chunks"]]
     longest = max(int(model.tokenize([c]).attention_mask.sum()) for c in chunks)
     assert longest < 248
+    counts = [len(r["chunks"]) for r in rows]
+    kept = [term.kept_regions(r) if r["chunks"] else [] for r in rows]
+    c, p = max(counts), max(len(k) for k in kept)
+    assert counts[2] == 0 and kept[2] == [] and p > 0
+    assert sx["chunk_input_ids"].shape == (4, c, longest) and sx["chunk_topk"].shape == (4, c, 3)
+    assert sx["chunk_valid"].sum(dim=1).tolist() == counts
+    assert sx["region_inputs"]["pixel_values"].shape == (4, p, 3, 32, 32)
     for i in range(4):
-        m = len(data[i]["chunks"])
-        assert sx["chunk_input_ids"][i].shape == (m, longest)
-        assert sx["chunk_topk"][i].shape == (m, 3)
-        kept = term.kept_regions(data[i])
-        assert sx["region_slot"][i].tolist() == kept
-        assert sx["region_inputs"]["pixel_values"][i].shape == (len(kept), 3, 32, 32)
+        assert sx["region_slot"][i].tolist() == kept[i] + [-2] * (p - len(kept[i]))
+        assert sx["region_valid"][i].tolist() == [True] * len(kept[i]) + [False] * (p - len(kept[i]))
     text = term.text_inputs(batch)
-    assert text["chunk"].input_ids.shape == (len(chunks), longest)
-    assert text["filtered_text"].input_ids.shape[0] == 4
+    assert text["chunk"].input_ids.shape == (4 * c, longest) and text["chunk"].short
+    assert text["filtered_text"].input_ids.shape[0] == 4 and not text["filtered_text"].short
 
 
-def test_length_buckets_minimise_padding_and_keep_every_row():
-    lengths = torch.tensor([5, 30, 5, 6, 5, 29])
-    groups = length_buckets(lengths, max_buckets=2)
-    assert [sorted(g.tolist()) for g in groups] == [[0, 2, 3, 4], [1, 5]]  # 4 x 6 + 2 x 30 = 84 tokens
-    assert sorted(torch.cat(length_buckets(lengths)).tolist()) == list(range(6))
-    assert [g.tolist() for g in length_buckets(torch.tensor([7, 7, 7]))] == [[0, 1, 2]]
+@pytest.fixture
+def fixed(crop_setup, model):
+    """The crop setup's objective with the run's fixed shapes planned from its training set (and taken back after:
+    the term is shared by the module's tests)."""
+    from finetune.objectives.shapes import plan_shapes
 
-
-def test_length_buckets_find_the_least_padding_of_any_split():
-    import itertools
-
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        lengths = torch.randint(1, 40, (9,), generator=gen)
-        for max_buckets in (1, 2, 3):
-            groups = length_buckets(lengths, max_buckets=max_buckets)
-            padded = sum(len(g) * int(lengths[g].max()) for g in groups)
-            ordered = sorted(lengths.tolist())
-            best = min(  # every split of the sorted lengths into at most max_buckets contiguous groups
-                sum((b - a) * ordered[b - 1] for a, b in zip((0, *cuts), (*cuts, len(ordered))))
-                for k in range(max_buckets) for cuts in itertools.combinations(range(1, len(ordered)), k))
-            assert len(groups) <= max_buckets and padded == best
-            assert sorted(torch.cat(groups).tolist()) == list(range(9))
-
-
-def test_bucketed_text_passes_embed_like_one_padded_request(crop_setup, model):
     term, data = crop_setup
-    batch = _batch(term, model, data)
+    objective = _objective(term)
+    objective.set_shapes(plan_shapes(objective, model, data))
+    yield objective, term, data
+    objective.set_shapes(None)
+
+
+def test_text_passes_embed_like_each_request_alone(fixed, model):
+    """Under fixed shapes, captions and filtered captions go through the text tower in one pass at 248 tokens and
+    the chunks in a second at the training set's longest chunk, and each embeds as it does encoded on its own."""
+    objective, term, data = fixed
+    shapes = objective.shapes
+    longest = max(int(model.tokenize([c]).attention_mask.sum()) for i in range(len(data)) for c in data[i]["chunks"])
+    assert shapes.text_length == 248 and shapes.short_length == -(-longest // 8) * 8
+    most = max(len(data[i]["chunks"]) for i in range(len(data)))
+    assert shapes.capacities == {"structxlip/chunks": most, "structxlip/regions": 3}
+    batch = Collator(model, objective)([data[i] for i in (0, 1, 2, 3)])
     calls = _counting(counting := copy.deepcopy(model))
     with torch.no_grad():
-        feats = _objective(term).encode(counting, batch)
+        feats = objective.encode(counting, batch)
     sx = batch["structxlip"]
-    rows_total = 8 + sum(t.shape[0] for t in sx["chunk_input_ids"])
-    # captions, filtered captions and chunks together, in a few passes of rows of similar length
-    assert 1 <= len(calls["text"]) <= TEXT_BUCKETS
-    assert sum(rows for rows, _ in calls["text"]) == rows_total
-    assert sum(rows * width for rows, width in calls["text"]) < rows_total * batch["input_ids"].shape[1]
+    assert sx["chunk_input_ids"].shape[:2] == (4, most) and sx["region_inputs"]["pixel_values"].shape[:2] == (4, 3)
+    assert sorted(calls["text"]) == sorted([(8, 248), (4 * most, shapes.short_length)])
     with torch.no_grad():
-        for key, ids, mask in (("chunk", torch.cat(sx["chunk_input_ids"]), torch.cat(sx["chunk_attention_mask"])),
+        width = sx["chunk_input_ids"].shape[-1]
+        for key, ids, mask in (("chunk", sx["chunk_input_ids"].reshape(-1, width),
+                                sx["chunk_attention_mask"].reshape(-1, width)),
                                ("filtered_text", sx["filtered_input_ids"], sx["filtered_attention_mask"]),
                                ("text", batch["input_ids"], batch["attention_mask"])):
             assert torch.allclose(feats[key], model.encode_text(ids, mask).embeds, atol=1e-5), key
@@ -332,11 +389,11 @@ def _counting(model):
         calls["text"].append(tuple(input_ids.shape))
         return encode_text(input_ids, *args, **kwargs)
 
-    def groups(pairs):  # one tower pass per group, without going through encode_text on the fast path
+    def groups(pairs, **kwargs):  # one tower pass per group, without going through encode_text on the fast path
         calls["text"].extend(tuple(ids.shape) for ids, _ in pairs)
         model.encode_text = encode_text
         try:
-            return encode_groups(pairs)
+            return encode_groups(pairs, **kwargs)
         finally:
             model.encode_text = text
 
@@ -344,29 +401,39 @@ def _counting(model):
     return calls
 
 
-def test_no_placeholder_encodes_for_samples_without_chunks(crop_setup, model):
+def test_samples_without_chunks_get_padded_rows_that_change_no_loss(crop_setup, model):
+    """Samples without chunks (and so without regions) still get the batch's C chunk and P region rows, all
+    invalid: the image pass keeps its shape, and the losses equal those of the unpadded rows."""
     term, data = crop_setup
     rows = [dict(data[i]) for i in range(3)]
     for row in rows[1:]:  # only the first sample keeps chunks (and so regions)
         row.update(filtered_caption="", chunks=[], chunk_topk=[], chunk_topk_scores=[])
-    batch = Collator(model, _objective(term))(rows)
+    objective = _objective(term)
+    batch = Collator(model, objective)(rows)
     counting = copy.deepcopy(model)
     calls = _counting(counting)
-    feats = _objective(term).encode(counting, batch)
-    kept = len(term.kept_regions(rows[0]))
-    assert calls["image"] == [3 + 3 + kept]  # colour + edge + the first sample's crops, one pass
-    assert feats["region"].shape[0] == kept and feats["chunk"].shape[0] == len(rows[0]["chunks"])
-    assert feats["region_owner"].tolist() == [0] * kept
-    values = _objective(term).loss(counting, feats)
-    assert all(math.isfinite(float(v.detach())) for v in values.values())
+    with torch.no_grad():
+        feats = objective.encode(counting, batch)
+        values = objective.loss(counting, feats)
+    kept, c = len(term.kept_regions(rows[0])), len(rows[0]["chunks"])
+    assert calls["image"] == [3 + 3 + 3 * kept]  # colour + edge + P = kept crops per sample, one pass
+    assert feats["region"].shape[0] == 3 * kept and feats["chunk"].shape[0] == 3 * c
+    assert feats["region_valid"].tolist() == [True] * kept + [False] * 2 * kept
+    own = _unpadded(feats)
+    assert own["region_owner"].tolist() == [0] * kept and own["chunk_owner"].tolist() == [0] * c
+    with torch.no_grad():
+        expected = local_structure_loss(own["chunk"], own["chunk_owner"], own["region"], own["region_owner"],
+                                        positives=term.positives(own))
+    assert float(values["structxlip/local"]) == pytest.approx(float(expected), rel=1e-5)
 
-    # a batch without any chunk encodes no region and no chunk, and still returns a (zero) local loss
-    empty = Collator(model, _objective(term))(rows[1:])
+    # a batch without any chunk has no chunk and no region row, and still returns a (zero) local loss
+    empty = Collator(model, objective)(rows[1:])
     calls = _counting(counting)
-    feats = _objective(term).encode(counting, empty)
+    with torch.no_grad():
+        feats = objective.encode(counting, empty)
     assert calls["image"] == [4]
     assert feats["chunk"].shape == (0, 32) and feats["region"].shape == (0, 32)
-    assert float(_objective(term).loss(counting, feats)["structxlip/local"]) == 0.0
+    assert float(objective.loss(counting, feats)["structxlip/local"]) == 0.0
 
 
 def _direct_local(chunks, chunk_owner, chunk_topk, regions, region_owner, region_slot, temperature):
@@ -396,8 +463,9 @@ def test_losses_match_the_papers_equations(crop_setup, model):
     assert values["structxlip/structure"] == pytest.approx(expected, rel=1e-5)
     cos = F.cosine_similarity(feats["image"], feats["edge"], dim=-1)
     assert values["structxlip/consistency"] == pytest.approx(float((1 - cos).mean()), rel=1e-5)
-    local = _direct_local(feats["chunk"], feats["chunk_owner"], feats["chunk_topk"], feats["region"],
-                          feats["region_owner"], feats["region_slot"], 0.07)
+    own = _unpadded(feats)
+    local = _direct_local(own["chunk"], own["chunk_owner"], own["chunk_topk"], own["region"], own["region_owner"],
+                          own["region_slot"], 0.07)
     assert values["structxlip/local"] == pytest.approx(float(local), rel=1e-4)
     expected_total = (values["clip"] + 0.25 * values["structxlip/structure"]
                       + 0.1 * values["structxlip/consistency"] + 0.1 * values["structxlip/local"])
@@ -452,10 +520,11 @@ def test_compat_official_reproduces_the_public_code(model, scenes, tmp_path):
     feats = objective.encode(trained, batch)
     values = objective.loss(trained, feats)
     s = trained.logit_scale.detach().exp()
+    own = _unpadded(feats)
     with torch.no_grad():
         structure = clip_loss(feats["edge"], feats["filtered_text"], s)
-        every_region = local_structure_loss(feats["chunk"], feats["chunk_owner"], feats["region"],
-                                            feats["region_owner"], temperature=1 / min(float(s) / 0.07, 100.0))
+        every_region = local_structure_loss(own["chunk"], own["chunk_owner"], own["region"],
+                                            own["region_owner"], temperature=1 / min(float(s) / 0.07, 100.0))
     assert values["structxlip/structure"].item() == pytest.approx(structure.item(), rel=1e-5)
     assert values["structxlip/local"].item() == pytest.approx(every_region.item(), rel=1e-5)
     # the structure loss reads the main scale detached: no gradient reaches it from there
@@ -498,6 +567,7 @@ def test_report_sections_have_the_lexicon_statistics_and_the_preview(crop_setup,
 # -- end to end -------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_structxlip_docci_recipe_runs_offline_and_reuses_its_preprocessing(tmp_path):
+    pytest.importorskip("ultralytics")  # the `regions` extra
     from ultralytics import YOLO
 
     from tests.finetune.data.fixtures import write_dci_fixture, write_docci_fixture, write_urban1k_fixture
@@ -552,7 +622,7 @@ def test_naflex_siglip2_model_in_crop_and_pool_modes(scenes, tmp_path):
         data = term.preprocess(scenes, model, cache_dir=str(tmp_path / "cache"))
         batch = _batch(term, model, data)
         chunks = batch["structxlip"]["chunk_input_ids"]
-        assert all(t.shape[1] == 248 for t in chunks)  # SigLIP keeps its fixed-length context for chunks
+        assert chunks.shape[-1] == 248  # SigLIP keeps its fixed-length context for chunks
         trained = copy.deepcopy(model)
         values = _objective(term).loss(trained, _objective(term).encode(trained, batch))
         assert all(math.isfinite(v.item()) for v in values.values()), (encode, values)
@@ -562,6 +632,7 @@ def test_naflex_siglip2_model_in_crop_and_pool_modes(scenes, tmp_path):
 
 @pytest.fixture(scope="module")
 def run_fixtures(tmp_path_factory):
+    pytest.importorskip("ultralytics")  # the `regions` extra
     from ultralytics import YOLO
 
     from tests.finetune.data.fixtures import write_dci_fixture, write_docci_fixture, write_urban1k_fixture
@@ -657,7 +728,7 @@ def test_structxlip_alone_with_base_none_encodes_the_colour_images_itself(model,
 def test_dataset_regions_make_the_ground_truth_links_the_positives(model, scenes, tmp_path, encode):
     """regions.source: dataset on the synthetic scenes: the regions are the objects' boxes and each chunk's
     positives are exactly the object its sentence describes (no segmenter, no frozen matching)."""
-    term = StructXLIPTerm(_options(encode=encode, source="dataset", per_image=None))
+    term = StructXLIPTerm(_options(encode=encode, source="dataset", per_image="all"))
     data = term.preprocess(scenes, model, cache_dir=str(tmp_path))
     assert term.stats["regions"]["source"] == "dataset"
     rows = (0, 1, 2, 3)
@@ -665,7 +736,7 @@ def test_dataset_regions_make_the_ground_truth_links_the_positives(model, scenes
     objective = _objective(term)
     with torch.no_grad():
         feats = objective.encode(model, batch)
-    positives = term.positives(feats)
+    positives = term.positives(_unpadded(feats))
 
     expected_rows, chunk_texts = [], []
     region_index = {}  # (sample, object) -> column of the batch's regions
@@ -684,7 +755,7 @@ def test_dataset_regions_make_the_ground_truth_links_the_positives(model, scenes
     assert [c for i in rows for c in data[i]["chunks"]] == chunk_texts
     boxes = [list(map(float, o["box"])) for i in rows for o in scenes[i]["objects"]]
     assert [list(b) for i in rows for b in data[i]["region_boxes"]] == boxes
-    assert feats["region"].shape == (len(boxes), feats["image"].shape[1])
+    assert _unpadded(feats)["region"].shape == (len(boxes), feats["image"].shape[1])
     with torch.no_grad():
         values = objective.loss(model, feats)
     assert math.isfinite(float(values["structxlip/local"]))
@@ -698,7 +769,7 @@ def test_dci_masks_are_the_ground_truth_regions_of_their_chunks(model, tmp_path)
     folder = write_dci_fixture(tmp_path / "dci", 2, 0, 0, masks=True)
     dci = load_source({"name": "dci", "path": str(folder), "split": "train",
                        "options": {"caption": "complete", "mask_min_size": 0}}).dataset
-    term = StructXLIPTerm(_options(encode="pool", source="dataset", per_image=None))
+    term = StructXLIPTerm(_options(encode="pool", source="dataset", per_image="all"))
     data = term.preprocess(dci, model, cache_dir=str(tmp_path / "cache"))
     bounds = {m["label"]: m["bounds"] for m in DCI_MASKS.values()}
     for row in data:

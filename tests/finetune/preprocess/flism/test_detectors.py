@@ -105,6 +105,7 @@ def test_ultralytics_detector_rejects_segmenters_and_unreadable_files(tmp_path):
     recipe key."""
     segmenter = tmp_path / "segmenter.pt"
     with preserve_thread_settings():
+        pytest.importorskip("ultralytics")  # the `regions` extra
         from ultralytics import YOLO
 
         YOLO("yolov8n-seg.yaml").save(str(segmenter))
