@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.evaluation import DEFAULT_KS, RetrievalOptions, evaluate_sets, format_table
-
 if TYPE_CHECKING:
+    from finetune.evaluation import RetrievalOptions
     from finetune.evaluation.scorers import Scorer
 
 __all__ = ["main"]
@@ -166,7 +165,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """The command line; returns the exit status (2 on bad arguments, a bad recipe or an
     unloadable model)."""
     parser = _parser(prog) if prog else _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # before any import of the evaluation's libraries: `--help` needs none
     try:
         return _main(args)
     except _UsageError as exc:
@@ -231,6 +230,8 @@ def _main(args: argparse.Namespace) -> int:
 
 def _options(args: argparse.Namespace, recipe: Any) -> RetrievalOptions:
     """How to evaluate: each option given on the command line, else the run's recipe's, else the default."""
+    from finetune.evaluation import DEFAULT_KS, RetrievalOptions
+
     if args.block_size is not None and args.block_size < 1:
         raise _UsageError(f"--block-size must be >= 1, got {args.block_size}")
     ev, data = (recipe.eval, recipe.data) if recipe is not None else (None, None)
@@ -283,6 +284,8 @@ def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out
                         options: RetrievalOptions) -> int:
     """Load the model, evaluate it (and classify zero-shot), print the table and write ``out``."""
     from accelerate import Accelerator
+
+    from finetune.evaluation import evaluate_sets, format_table
 
     from finetune.models import load_finetuned, load_model
 

@@ -7,15 +7,18 @@ import argparse
 import logging
 import sys
 
-from finetune.data.images import DataError
-from finetune.preprocess.flism.detectors import LISM_SAM, PAPER_DETECTOR, build_proposer
-from finetune.preprocess.flism.pairs import _source_spec, write_pairs
+from finetune.cli.arguments import ArgumentParser
 
 __all__ = ["main"]
 
+#: ``--detector`` and ``--sam-checkpoint`` defaults (:data:`finetune.preprocess.flism.detectors.PAPER_DETECTOR`,
+#: ``LISM_SAM``), repeated here so that ``--help`` imports no model code; a test keeps them equal
+PAPER_DETECTOR = "hustvl/yolos-base"
+LISM_SAM = "facebook/sam-vit-huge"
+
 
 def _parser(prog: str = "python -m finetune.preprocess.flism") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description="Write FLISM's global-local pairs (FAST-GOAL III-A) of a dataset as a jsonl that data.train "
                     "reads ({name: jsonl, path: OUT} with objective.terms.fastgoal.regions.method: pairs). "
@@ -50,7 +53,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     parser = _parser(prog) if prog else _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from finetune.models.finetuned import load_model  # the model libraries load after parsing (`--help`)
+    # the model libraries load after parsing (`--help`)
+    from finetune.data.images import DataError
+    from finetune.models.finetuned import load_model
+    from finetune.preprocess.flism.detectors import build_proposer
+    from finetune.preprocess.flism.pairs import _source_spec, write_pairs
 
     try:
         source = _source_spec(args.images_and_captions)

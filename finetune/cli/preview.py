@@ -24,12 +24,44 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from finetune.cli.arguments import ArgumentParser
 from finetune.config import RecipeError, load_recipe
-from finetune.objectives.structxlip.preview import render_preview
 
 __all__ = ["main", "preview_recipe"]
 
 log = logging.getLogger("xlipkit")
+
+
+def render_preview(items: list[dict], out: str | Path, **kwargs: Any) -> Path:
+    """:func:`finetune.objectives.structxlip.preview.render_preview`, imported when a preview is drawn (the
+    drawing libraries load after the arguments are parsed)."""
+    from finetune.objectives.structxlip.preview import render_preview as draw
+
+    return draw(items, out, **kwargs)
+
+
+def _preview_model(m: Any) -> Any:
+    """The model the preprocessing runs under: the one training would start from. With ``model.init_from``, its
+    run's ``final/`` when that run is trained and current; before then the architecture of ``model.name_or_path``
+    with random weights, said as INFO (only the similarity-based choice of each chunk's top-K regions depends on
+    the weights)."""
+    from finetune.models.families import recipe_family
+    from finetune.models.finetuned import load_model
+    from finetune.models.registry import RANDOM_PREFIX, random_config
+    from finetune.training.model import load_start_model
+    from finetune.training.prerequisites import find_current
+
+    name, kps = m.name_or_path, dict(vars(m.kps)) if m.kps is not None else None
+    if m.init_from:
+        init = find_current(m.init_from, "model.init_from")
+        if init is not None:
+            return load_start_model(m, init).eval()
+        log.info("model.init_from: %s is not trained yet (training this recipe trains it first); the preview "
+                 "uses %s with random weights", m.init_from, name)
+        if not name.startswith(RANDOM_PREFIX) and random_config(name, recipe_family(m)) is not None:
+            name = RANDOM_PREFIX + name  # said above: no warning that a pretrained model was meant
+    return load_model(name, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
+                      trust_remote_code=m.trust_remote_code, kps=kps)
 
 
 def _structxlip_term(recipe: Any) -> Any:
@@ -59,15 +91,11 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
     # the model, data and drawing libraries load once a recipe is read (`--help` needs none of them)
     from finetune.data.sources import load_source
     from finetune.data.streams import ExampleStream, open_stream
-    from finetune.models.families import recipe_family
-    from finetune.models.finetuned import load_model
 
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     term = _structxlip_term(recipe)
-    m = recipe.model
-    model = load_model(m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,
-                       trust_remote_code=m.trust_remote_code, kps=dict(vars(m.kps)) if m.kps is not None else None)
+    model = _preview_model(recipe.model)
     spec = recipe.data.train  # a typed SourceSpec since load_recipe
     if spec.is_stream:  # the first n examples of the stream, with the per-example work
         term.check_stream()
@@ -87,13 +115,13 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
 
 
 def _parser(prog: str = "python -m finetune.preview") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description="Draw what StructXLIP trains on for the first N examples of a recipe's training set: "
                     "images, edge maps with regions, original and filtered captions, chunks and their regions.",
     )
     p.add_argument("recipe", help="path to a recipe YAML")
-    p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value")
+    p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value (before or after the options)")
     p.add_argument("--n", type=int, default=8, help="number of examples (default 8)")
     p.add_argument("--out", default="structxlip_preview.png", help="PNG to write (default structxlip_preview.png)")
     return p
@@ -102,7 +130,7 @@ def _parser(prog: str = "python -m finetune.preview") -> argparse.ArgumentParser
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     """Command line entry point; returns the exit status."""
     parser = _parser(prog) if prog else _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # `RECIPE --n 8 key=value`: overrides after options too
     if not logging.getLogger("xlipkit").handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
@@ -110,6 +138,12 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
-    path = preview_recipe(recipe, n=args.n, out=args.out)
+    from finetune.training.prerequisites import PrerequisiteError
+
+    try:
+        path = preview_recipe(recipe, n=args.n, out=args.out)
+    except PrerequisiteError as exc:  # a model.init_from that names nothing usable
+        print(f"recipe error: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {path}")
     return 0

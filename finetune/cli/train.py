@@ -47,7 +47,7 @@ def _parser(prog: str = "finetune/run.py") -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("recipe", nargs="?", help="path to a recipe YAML (see --list)")
-    p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value (typed, validated)")
+    p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value (typed, validated; before or after the options)")
     p.add_argument("--list", action="store_true", help="list the recipes shipped in recipes/ and exit")
     p.add_argument("--schema", action="store_true",
                    help="print the recipe JSON schema (for editors: `# yaml-language-server: $schema=FILE`) and exit")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     """The command line (``finetune/run.py``, ``xlipkit train``); returns the exit status: 0, 2 on a recipe
     error (printed as ``recipe error: ...``), else the run's. ``prog`` names the command in usage and help."""
     parser = _parser(prog) if prog else _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # `RECIPE --opt key=value`: overrides after options too
     if args.schema:
         print(json.dumps(recipe_json_schema(), indent=2))
         return 0

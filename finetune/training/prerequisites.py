@@ -32,7 +32,7 @@ from finetune.run_folder import (RECIPE_NAME, RunFolderError, comparable_recipe,
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["PrerequisiteError", "Prerequisite", "Prerequisites", "chain_hash", "ensure", "ensure_all",
+__all__ = ["PrerequisiteError", "Prerequisite", "Prerequisites", "chain_hash", "ensure", "ensure_all", "find_current",
            "reference_hash"]
 
 
@@ -174,6 +174,24 @@ def _current(run_dir: Path, recipe: Any, expected_init: str | None) -> tuple[boo
     return True, ""
 
 
+def find_current(ref: str, key: str) -> Prerequisite | None:
+    """The run ``ref`` names when it exists and is current (what :func:`ensure` would reuse), else None; never
+    trains. For commands that only look (``xlipkit preview``).
+
+    Raises:
+        PrerequisiteError: a missing reference, a folder without ``final/``, a cycle.
+    """
+    path = _check_exists(ref, key)
+    if path.is_dir():
+        return Prerequisite(key, ref, path, _folder_hash(path / "final"), "folder")
+    this_hash = reference_hash(ref, key)
+    recipe = _load(ref, key)
+    init = getattr(recipe.model, "init_from", None)
+    expected_init = reference_hash(init, "model.init_from", (str(path.resolve()),)) if init else None
+    current, _ = _current(Path(recipe.output.dir), recipe, expected_init)
+    return Prerequisite(key, ref, Path(recipe.output.dir), this_hash, "reused") if current else None
+
+
 def ensure(ref: str, key: str, run_fn: Callable[..., int], chain: tuple[str, ...] = ()) -> Prerequisite:
     """Make sure the run ``ref`` names exists and is current; train it (``run_fn(recipe, chain=...)``, the
     same :func:`finetune.training.recipe.run_recipe` as the caller's) when it is not.
@@ -202,7 +220,10 @@ def ensure(ref: str, key: str, run_fn: Callable[..., int], chain: tuple[str, ...
     if current:
         log.info("%s: reusing %s (%s finished with the same recipe)", key, run_dir / "final", ref)
         return Prerequisite(key, ref, run_dir, this_hash, "reused")
-    log.warning("%s: training %s into %s first: %s", key, ref, run_dir, why)
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        log.warning("%s: training %s into %s first: %s", key, ref, run_dir, why)  # a run there is replaced
+    else:  # the expected step of a first run
+        log.info("%s: training %s into %s first: %s", key, ref, run_dir, why)
     if run_dir.is_dir() and any(run_dir.iterdir()):
         recipe.output.overwrite = True  # the folder is that recipe's own output.dir; its stale run goes
     status = run_fn(recipe, chain=(*chain, resolved))

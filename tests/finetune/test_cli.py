@@ -154,3 +154,52 @@ def test_the_installed_xlipkit_script(tmp_path):
     proc = subprocess.run([script, "train", str(bad)], capture_output=True, text=True, env=_env(), cwd=REPO,
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith(f"recipe error: recipe file not found: {bad}"), proc.stderr
+
+
+#: what no command's ``--help`` may import: the model, data and drawing libraries (`xlipkit push --help` took 18 s
+#: when it imported them before parsing)
+HEAVY = ("torch", "transformers", "open_clip", "accelerate", "datasets", "numpy", "PIL", "cv2", "matplotlib")
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_command_help_parses_before_importing_the_model_libraries(name):
+    """`xlipkit COMMAND --help` in a fresh interpreter: the modules it imported are counted, and none of them is a
+    heavy library. A count, not seconds: the time of an import depends on the machine and its load."""
+    code = ("import sys\nfrom finetune.cli.main import main\n"
+            f"try:\n    main([{name!r}, '--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            f"heavy = sorted(m for m in {HEAVY!r} if m in sys.modules)\n"
+            "print(len(sys.modules), heavy, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    modules, heavy = proc.stderr.strip().splitlines()[-1].split(" ", 1)
+    assert heavy == "[]", f"xlipkit {name} --help imported {heavy}"
+    assert int(modules) < 400, f"xlipkit {name} --help imported {modules} modules"
+
+
+@pytest.mark.parametrize("command", ["train", "preview"])
+def test_overrides_are_accepted_after_options(command, tmp_path, monkeypatch):
+    """`xlipkit preview RECIPE --n 8 key=value` (an override after an option) reads the override, as
+    `RECIPE key=value --n 8` does."""
+    import finetune.cli.preview as preview
+
+    seen = []
+    monkeypatch.setattr(preview, "preview_recipe", lambda recipe, n, out: seen.append((recipe, n)) or Path(out))
+    monkeypatch.setattr("finetune.training.recipe.run_recipe", lambda recipe: seen.append((recipe, None)) or 0)
+    recipe = str(REPO / "recipes" / "quickstart.yaml")
+    options = ["--n", "3", "--out", str(tmp_path / "p.png")] if command == "preview" else []
+    for argv in ([recipe, *options, "train.lr=1.0e-5", "train.seed=7"],
+                 [recipe, "train.lr=1.0e-5", *options, "train.seed=7"]):
+        assert main([command, *argv]) == 0
+        got, n = seen.pop()
+        assert (got.train.lr, got.train.seed) == (1.0e-5, 7)
+        assert n == (3 if command == "preview" else None)
+
+
+def test_the_pairs_command_defaults_are_flism_own():
+    """`xlipkit pairs` repeats FLISM's default detector and SAM checkpoint so that its `--help` imports no model
+    code: they stay the library's."""
+    from finetune.cli import pairs
+    from finetune.preprocess.flism import detectors
+
+    assert (pairs.PAPER_DETECTOR, pairs.LISM_SAM) == (detectors.PAPER_DETECTOR, detectors.LISM_SAM)

@@ -221,3 +221,37 @@ def test_keys_added_to_the_toolkit_since_a_run_do_not_make_it_stale(tiny, tmp_pa
     changed = load_recipe(path, ["train.lr=0.5"])
     current, why = _current(run_dir, changed, None)
     assert not current and "train.lr" in why
+
+
+def test_training_a_prerequisite_on_a_first_run_is_info_and_replacing_a_run_is_a_warning(tiny, tmp_path, caplog):
+    """A first quickstart trains its start and comparison as expected steps (INFO); a run that replaces what is in
+    the prerequisite's folder says so as a WARNING."""
+    pre = _recipe(tmp_path / "pre.yaml", tiny, tmp_path / "runs" / "pre")
+
+    def fake_run(recipe, chain=()):
+        (Path(recipe.output.dir) / "final").mkdir(parents=True, exist_ok=True)
+        return 0
+
+    with caplog.at_level("INFO", logger="xlipkit"):
+        ensure(str(pre), "eval.compare_with[0]", fake_run)
+    [record] = [r for r in caplog.records if "training" in r.getMessage()]
+    assert record.levelname == "INFO" and "eval.compare_with[0]: training" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="xlipkit"):
+        ensure(str(pre), "eval.compare_with[0]", fake_run)  # a final/ without metrics.json: not a finished run
+    [record] = [r for r in caplog.records if "training" in r.getMessage()]
+    assert record.levelname == "WARNING"
+
+
+def test_find_current_looks_without_training(tiny, tmp_path):
+    from finetune.training.prerequisites import find_current
+
+    pre = _recipe(tmp_path / "pre.yaml", tiny, tmp_path / "runs" / "pre")
+    assert find_current(str(pre), "model.init_from") is None
+    assert not (tmp_path / "runs" / "pre").exists()
+    folder = tmp_path / "given"
+    (folder / "final").mkdir(parents=True)
+    found = find_current(str(folder), "model.init_from")
+    assert found.status == "folder" and found.final == folder / "final"
+    with pytest.raises(PrerequisiteError, match="not found"):
+        find_current(str(tmp_path / "nope.yaml"), "model.init_from")

@@ -3,6 +3,8 @@ tests/finetune/objectives/structxlip/test_preview.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from PIL import Image
 
@@ -11,6 +13,7 @@ from finetune.cli.preview import main
 
 
 pytestmark = pytest.mark.usefixtures("quiet_datasets")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_preview_command_on_a_recipe(tmp_path, capsys):
@@ -67,3 +70,21 @@ def test_preview_reports_recipe_errors(tmp_path, capsys):
                  "--out", str(tmp_path / "x.png")]) == 2
     assert "regions.k" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_preview_before_the_start_is_trained_says_so_without_a_random_weights_warning(tmp_path, caplog):
+    """`xlipkit preview recipes/quickstart.yaml` on a fresh clone: the start (model.init_from) is not trained yet;
+    the preview says so as INFO and warns about nothing, and trains nothing."""
+    import logging
+
+    pretrain = (REPO / "recipes" / "quickstart_pretrain.yaml").read_text()
+    start = tmp_path / "start.yaml"
+    start.write_text(pretrain.replace("dir: runs/quickstart_pretrain", f"dir: {tmp_path / 'runs' / 'start'}"))
+    out = tmp_path / "p.png"
+    with caplog.at_level(logging.INFO, logger="xlipkit"):
+        assert main(["recipes/quickstart.yaml", "--n", "1", "--out", str(out), f"model.init_from={start}",
+                     "data.train.size=2", f"data.cache_dir={tmp_path / 'cache'}"]) == 0
+    assert out.is_file()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert f"model.init_from: {start} is not trained yet" in caplog.text
+    assert not (tmp_path / "runs").exists()
