@@ -22,7 +22,7 @@ import torch
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["LoopClock", "Mark", "count_flops", "peak_tflops", "throughput_summary", "PEAK_BF16_TFLOPS"]
+__all__ = ["LoopClock", "Mark", "count_flops", "flop_rate", "peak_tflops", "throughput_summary", "PEAK_BF16_TFLOPS"]
 
 #: dense bf16 tensor-core peak (TFLOP/s, no sparsity) of accelerators by a substring of
 #: ``torch.cuda.get_device_name()``; vendor data sheets (H100/H200 SXM 989.4; H100 PCIe 756; A100 312)
@@ -115,6 +115,15 @@ class LoopClock:
                 "first_step": first.step}
 
 
+def flop_rate(tflops: float) -> str:
+    """A FLOP rate with the unit that keeps its digits: ``"12.3 TFLOP/s"``, ``"45.6 GFLOP/s"`` (a CPU's small model,
+    which ``"0.0 TFLOP/s"`` would hide), ``"7.8 MFLOP/s"``."""
+    for unit, scale in (("TFLOP/s", 1.0), ("GFLOP/s", 1e-3), ("MFLOP/s", 1e-6)):
+        if tflops >= scale:
+            return f"{tflops / scale:.1f} {unit}"
+    return f"{tflops * 1e12:.0f} FLOP/s"
+
+
 def throughput_summary(clock: LoopClock, flops_per_step: int | None, *, batch_size: int, world_size: int,
                        device: torch.device, last_step: int) -> dict[str, Any]:
     """``TrainResult.throughput``: the steady rates of a run part (:meth:`LoopClock.steady`), FLOPs per sample,
@@ -145,5 +154,5 @@ def throughput_summary(clock: LoopClock, flops_per_step: int | None, *, batch_si
             out["mfu"] = tflops / peak if peak else None
         log.info("steady throughput (steps %d-%d): %.1f samples/s, %.0f%% of the time waiting for data%s",
                  steady["first_step"], last_step, steady["samples_per_s"], 100 * steady["data_wait_share"],
-                 f", {out['tflops_per_device']:.1f} TFLOP/s per device" if out["tflops_per_device"] else "")
+                 f", {flop_rate(out['tflops_per_device'])} per device" if out["tflops_per_device"] else "")
     return out

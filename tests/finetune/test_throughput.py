@@ -35,3 +35,17 @@ def test_steady_window_starts_at_the_first_mark_after_the_skipped_steps():
 
 def test_no_peak_is_claimed_for_a_cpu():
     assert peak_tflops("cpu") is None
+
+
+def test_a_cpu_run_logs_its_flop_rate_in_a_unit_that_shows_it(caplog):
+    """A small model on a CPU does about 0.02 TFLOP/s: the log says "20.0 GFLOP/s", never "0.0 TFLOP/s"."""
+    from finetune.training.throughput import flop_rate, throughput_summary
+
+    assert [flop_rate(t) for t in (312.04, 0.02, 4e-5, 3e-10)] == ["312.0 TFLOP/s", "20.0 GFLOP/s", "40.0 MFLOP/s",
+                                                                   "300 FLOP/s"]
+    clock = LoopClock(skip_steps=1, marks=[Mark(1, 16, 1.0, 0.0, 0.0), Mark(11, 176, 11.0, 0.0, 0.0)])
+    with caplog.at_level("INFO", logger="xlipkit"):
+        out = throughput_summary(clock, 20_000_000_000, batch_size=16, world_size=1, device=torch.device("cpu"),
+                                 last_step=11)
+    assert out["tflops_per_device"] == pytest.approx(0.02) and out["mfu"] is None
+    assert "20.0 GFLOP/s per device" in caplog.text and "TFLOP/s" not in caplog.text
