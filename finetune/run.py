@@ -34,6 +34,9 @@ if __name__ == "__main__":
     # run as a script, this file's folder is sys.path[0]: it would shadow real packages (`evaluate`, ...)
     here = os.path.dirname(os.path.realpath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != here]
+    from finetune.threads import passive_wait_by_default
+
+    passive_wait_by_default()  # before torch loads its OpenMP runtime
     from finetune.cli.train import main
     from finetune.training.launch import accelerate_traceback_follows
 

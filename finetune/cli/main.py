@@ -122,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: the arguments after ``xlipkit`` (default ``sys.argv[1:]``).
     """
+    from finetune.threads import passive_wait_by_default
+
+    passive_wait_by_default()  # before a command imports torch, which loads the OpenMP runtime
     args = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     if not args or args[0] in ("-h", "--help"):

@@ -1,10 +1,9 @@
 """The process a run trains in: its ``Accelerator`` (mixed precision, trackers, the run folder as project folder),
-its logging, and its CPU threads under ``accelerate launch``."""
+its logging, and what it says of its CPU threads."""
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
+from finetune.threads import thread_settings
 from finetune.training.distributed import process_group_kwargs, slurm_environment
 
 __all__ = ["cpu_threads", "flat_scalars", "make_accelerator", "setup_logging"]
@@ -52,17 +52,12 @@ def setup_logging(main: bool) -> None:
 
 
 def cpu_threads(accelerator: Any) -> None:
-    """``accelerate launch`` without ``--cpu`` on a machine without a GPU exports ``OMP_NUM_THREADS=1``, which
-    leaves a single CPU process one core: give it every core it may run on, and say so. With ``--cpu`` the
-    user's (or accelerate's) ``--num_cpu_threads_per_process`` stands."""
-    launched = "ACCELERATE_USE_CPU" in os.environ and os.environ["ACCELERATE_USE_CPU"].lower() not in ("1", "true")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if (launched and accelerator.device.type == "cpu" and accelerator.num_processes == 1
-            and os.environ.get("OMP_NUM_THREADS") == "1" and torch.get_num_threads() == 1 and cores > 1):
-        torch.set_num_threads(cores)
-        logging.getLogger("xlipkit").info(
-            "accelerate launch set OMP_NUM_THREADS=1 for this one CPU process: using all %d cores "
-            "(accelerate launch --cpu --num_cpu_threads_per_process N chooses N)", cores)
+    """Log where a CPU run's threads come from, and change nothing: the thread count a user or launcher gives
+    (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, ``accelerate launch``'s ``OMP_NUM_THREADS=1``, or
+    ``torch.set_num_threads`` before the run) is kept, as it must be on a machine shared with other processes
+    (:mod:`finetune.threads`)."""
+    if accelerator.device.type == "cpu":
+        logging.getLogger("xlipkit").info("%s", thread_settings(torch.get_num_threads()))
 
 
 def flat_scalars(d: dict, prefix: str = "") -> dict[str, Any]:

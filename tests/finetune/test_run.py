@@ -31,24 +31,65 @@ def _accelerator(processes: int = 1, device: str = "cpu") -> SimpleNamespace:
     return SimpleNamespace(device=torch.device(device), num_processes=processes)
 
 
-@pytest.mark.skipif(CORES < 2, reason="needs 2 cores")
-def test_accelerate_launch_without_cpu_flag_gets_every_core(one_thread, monkeypatch, caplog):
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # what `accelerate launch` exports without --cpu
-    with caplog.at_level("INFO", logger="xlipkit"):
-        cpu_threads(_accelerator())
-    assert torch.get_num_threads() == CORES
-    assert "OMP_NUM_THREADS=1" in caplog.text
-
-
-@pytest.mark.parametrize("env, processes", [({"ACCELERATE_USE_CPU": "True"}, 1),  # --cpu: the user's threads
+@pytest.mark.parametrize("env, processes", [({"ACCELERATE_USE_CPU": "False"}, 1),  # accelerate launch, no --cpu
+                                            ({"ACCELERATE_USE_CPU": "True"}, 1),  # --cpu: the user's threads
                                             ({"ACCELERATE_USE_CPU": "False"}, 2),  # several processes share cores
                                             ({}, 1)])  # not under accelerate launch
-def test_chosen_threads_are_left_alone(one_thread, monkeypatch, env, processes):
+def test_the_thread_count_a_launcher_or_user_gives_is_kept(one_thread, monkeypatch, caplog, env, processes):
+    """`accelerate launch` sets OMP_NUM_THREADS=1 for a CPU process: the run keeps it (it raised it to every core,
+    and two spinning threads beside one busy process made a 0.75 s step take 10-17 s, issue 33), and says so."""
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    cpu_threads(_accelerator(processes))
+    with caplog.at_level("INFO", logger="xlipkit"):
+        cpu_threads(_accelerator(processes))
     assert torch.get_num_threads() == 1
+    assert "1 CPU thread (OMP_NUM_THREADS=1)" in caplog.text
+
+
+def test_torch_set_num_threads_before_the_run_is_kept(monkeypatch, caplog):
+    """A library user's `torch.set_num_threads(n)` before `run_recipe`, without any variable, stands."""
+    before = torch.get_num_threads()
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")
+    torch.set_num_threads(1)
+    try:
+        with caplog.at_level("INFO", logger="xlipkit"):
+            cpu_threads(_accelerator())
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert "1 CPU thread (no OMP_NUM_THREADS given: torch's default or torch.set_num_threads" in caplog.text
+
+
+def _entry_point_environment(entry: str, env: dict[str, str], first: str = "") -> dict[str, str | None]:
+    """The OpenMP and thread variables seen by the run's process after the entry point started (``--list``: it
+    exits before any training)."""
+    code = (f"import os, runpy, sys\n{first}\nsys.argv = [{entry!r}, '--list']\n"
+            f"try:\n    runpy.run_path({entry!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "import json\nprint(json.dumps({k: os.environ.get(k) for k in "
+            "('OMP_WAIT_POLICY', 'OMP_NUM_THREADS', 'KMP_BLOCKTIME')}))")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME",
+                                                           "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**base, "PYTHONPATH": str(REPO), **env})
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("entry", ["finetune/run.py", "finetune/cli/__main__.py"])
+def test_the_entry_points_make_openmp_wait_passively_unless_told_otherwise(entry):
+    """`python finetune/run.py` and `xlipkit` set OMP_WAIT_POLICY=PASSIVE before torch loads its OpenMP runtime;
+    a wait policy the user gives, and a thread count, are kept; after `import torch` nothing is set (too late)."""
+    seen = _entry_point_environment(entry, {})
+    assert seen["OMP_WAIT_POLICY"] == "PASSIVE"
+    seen = _entry_point_environment(entry, {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "2"})
+    assert (seen["OMP_WAIT_POLICY"], seen["OMP_NUM_THREADS"]) == ("ACTIVE", "2")
+    assert _entry_point_environment(entry, {"KMP_BLOCKTIME": "200"})["OMP_WAIT_POLICY"] is None
+    assert _entry_point_environment(entry, {}, first="import torch")["OMP_WAIT_POLICY"] is None
 
 
 def test_the_parameter_count_includes_the_objectives_own_parameters():
