@@ -26,11 +26,19 @@ def _code_blocks(text: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", text, re.S)
 
 
-def test_the_losses_snippet_runs_and_its_structxlip_temperature_reaches_the_optimiser():
+def test_the_losses_snippet_runs_and_its_structxlip_temperature_reaches_the_optimiser(capsys):
     [snippet] = [b for b in _code_blocks(_section("Losses library"), "python") if "StructXLIPLoss" in b]
-    torch.manual_seed(0)
     namespace: dict = {}
     exec(compile(snippet, "README.md (Losses library)", "exec"), namespace)  # noqa: S102 - the README's own code
+    printed = capsys.readouterr().out.splitlines()
+    [shown] = _code_blocks(_section("Losses library"), "text")  # what the README says it prints
+    assert len(printed) == 3 and all(line.startswith(f"step {i}: loss ") for i, line in enumerate(printed))
+    for line, expected in zip(printed, shown.splitlines()):
+        got, want = (list(map(float, re.findall(r"-?\d+\.\d+", t))) for t in (line, expected))
+        assert got == pytest.approx(want, abs=0.011), (line, expected)  # the same, up to a CPU's last digit
+        total, clip, structxlip_sum, structure, consistency, local = got
+        assert total == pytest.approx(clip + structxlip_sum, abs=0.011)
+        assert structxlip_sum == pytest.approx(0.25 * structure + 0.1 * consistency + 0.1 * local, abs=0.011)
     structxlip, optimizer = namespace["structxlip"], namespace["optimizer"]
     optimised = {id(p) for group in optimizer.param_groups for p in group["params"]}
     params = list(structxlip.parameters())
