@@ -4,6 +4,7 @@ its logging, and what it says of its CPU threads."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 from finetune.threads import thread_settings
 from finetune.training.distributed import process_group_kwargs, slurm_environment
 
-__all__ = ["cpu_threads", "flat_scalars", "make_accelerator", "setup_logging"]
+__all__ = ["cpu_threads", "flat_scalars", "launched_as_main", "make_accelerator", "setup_logging"]
 
 
 def make_accelerator(recipe: Any) -> Accelerator:
@@ -37,6 +38,12 @@ def make_accelerator(recipe: Any) -> Accelerator:
                                                                 sync_with_dataloader=False),
         kwargs_handlers=process_group_kwargs(recipe),
     )
+
+
+def launched_as_main() -> bool:
+    """Whether this is the main process by what its launcher exported (``RANK`` of accelerate and torchrun,
+    ``SLURM_PROCID`` of srun): known before an ``Accelerator`` exists."""
+    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "SLURM_PROCID"))
 
 
 def setup_logging(main: bool) -> None:

@@ -36,7 +36,8 @@ from finetune.training.checkpoint import is_write_error
 from finetune.training.checks import check_batch, check_room, check_stream_recipe, check_warmup
 from finetune.training.context import RunContext
 from finetune.training.distributed import slurm_environment
-from finetune.training.environment import cpu_threads, flat_scalars, make_accelerator, setup_logging
+from finetune.training.environment import (cpu_threads, flat_scalars, launched_as_main, make_accelerator,
+                                           setup_logging)
 from finetune.training.failures import stopped_or_failed
 from finetune.training.inputs import load_data, training_set
 from finetune.training.model import load_start_model, parameter_counts, prepare_for_training
@@ -94,6 +95,7 @@ class FinetuneRecipe:
                                       ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)),
                                       recipe_file=recipe.source)
         check_stream_recipe(recipe, ctx.objective)  # before anything slow
+        setup_logging(launched_as_main())  # so that a prerequisite trained first is said (INFO) before it trains
         ctx.prerequisites = ensure_all(recipe, run_recipe, ctx.chain)
         ctx.accelerator = make_accelerator(recipe)
         setup_logging(ctx.accelerator.is_main_process)

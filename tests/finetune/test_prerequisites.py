@@ -255,3 +255,22 @@ def test_find_current_looks_without_training(tiny, tmp_path):
     assert found.status == "folder" and found.final == folder / "final"
     with pytest.raises(PrerequisiteError, match="not found"):
         find_current(str(tmp_path / "nope.yaml"), "model.init_from")
+
+
+@pytest.mark.slow
+def test_a_first_run_says_it_trains_its_start_first_as_info(tiny, tmp_path):
+    """`python finetune/run.py` of a recipe with model.init_from on a fresh clone: the line that says the start is
+    trained first reaches the terminal (the logging is set up before the prerequisites), as INFO, not WARNING."""
+    import subprocess
+    import sys
+
+    pre = _recipe(tmp_path / "pre.yaml", tiny, tmp_path / "runs" / "pre")
+    fine = _recipe(tmp_path / "fine.yaml", tiny, tmp_path / "runs" / "fine", seed=0, init_from=str(pre))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "finetune" / "run.py"), str(fine)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line] = [x for x in proc.stderr.splitlines() if "model.init_from: training" in x]
+    assert " INFO model.init_from: training " in line and f"{tmp_path / 'runs' / 'pre'} holds no finished run" in line
+    assert " WARNING " not in proc.stderr.split("model.init_from: training")[0]
