@@ -9,6 +9,9 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("YOLO_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the entry points' default (finetune/threads.py), here before any test imports torch: torch's OpenMP threads sleep
+# instead of spinning while the test's subprocesses and other users' jobs share the cores
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402 - after the offline settings above
 
