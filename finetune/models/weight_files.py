@@ -16,7 +16,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["DamagedWeightsError", "check_weight_files", "naming_damaged_weights", "safetensors_problem"]
+__all__ = ["DamagedWeightsError", "check_weight_files", "naming_damaged_weights", "quiet_shard_bar",
+           "safetensors_problem"]
 
 #: safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` of the format)
 _MAX_HEADER = 100_000_000
@@ -145,3 +146,19 @@ def naming_damaged_weights(name: str, revision: str | None = None) -> Iterator[N
             if problem is not None:
                 raise DamagedWeightsError(file, problem) from error
         raise DamagedWeightsError(name, f"a weight file cannot be read (safetensors: {error})") from error
+
+
+@contextlib.contextmanager
+def quiet_shard_bar() -> Iterator[None]:
+    """transformers' progress bars off while a model folder is written: ``save_pretrained`` draws a "Writing model
+    shards" bar even for one shard (a 0 % and a 100 % line in every run's log, once per saved model); the run logs
+    what it saved. The user's setting (``HF_HUB_DISABLE_PROGRESS_BARS``, ``disable_progress_bar``) is restored."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()

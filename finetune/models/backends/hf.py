@@ -41,6 +41,7 @@ from finetune.models.backends.pooled_tower import (
     hooked,
 )
 from finetune.models.core.spans import spans_by_offsets, spans_by_pieces
+from finetune.models.weight_files import quiet_shard_bar
 from finetune.models.core.tokens import hf_tokenize
 
 #: transformers ``model_type`` -> family
@@ -391,7 +392,7 @@ class HFDualEncoder(DualEncoder):
             raise ValueError("this model carries a LoRA/DoRA adapter: save it with "
                              "finetune.models.finetuned.save_finetuned, or merge_adapter first")
         self.model.config.xlipkit = {"base_text_len": self.base_text_len, "kps": self.kps}
-        with atomic_dir(path) as tmp:
+        with atomic_dir(path) as tmp, quiet_shard_bar():
             self.model.save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
             self.image_processor.save_pretrained(tmp)

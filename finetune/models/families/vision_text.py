@@ -49,6 +49,7 @@ from finetune.models.core.encoder import first_state_rows as _first_rows
 from finetune.models.families import register_model_family
 from finetune.models.registry import build_model, named_config, register_named_config
 from finetune.models.core.spans import spans_by_offsets, spans_by_pieces
+from finetune.models.weight_files import quiet_shard_bar
 from finetune.models.core.tokens import hf_tokenize
 
 __all__ = ["VisionTextDualEncoder", "VisionTextOptions", "load_vision_text", "from_towers", "save_tiny_towers",
@@ -228,7 +229,7 @@ class VisionTextDualEncoder(DualEncoder):
             raise ValueError("this model carries a LoRA/DoRA adapter: save it with "
                              "finetune.models.finetuned.save_finetuned, or merge_adapter first")
         self.model.config.xlipkit = {"base_text_len": self.base_text_len, "kps": None}
-        with atomic_dir(path) as tmp:
+        with atomic_dir(path) as tmp, quiet_shard_bar():
             self.model.save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
             self.image_processor.save_pretrained(tmp)

@@ -155,3 +155,26 @@ def test_training_from_damaged_weights_is_an_error_naming_the_file(copy_of, tmp_
     assert f"cannot load the model weights {folder / 'model.safetensors'}: the file is empty" in err
     assert "Traceback" not in err
     assert not (tmp_path / "run").exists()  # no half-started run left behind
+
+
+@pytest.mark.parametrize("name", ["tiny-clip", "tiny-siglip2"])
+def test_saving_a_model_draws_no_shard_bar_and_keeps_the_users_setting(name, tmp_path, capfd):
+    """A one-shard save drew transformers' "Writing model shards" bar (a 0 % and a 100 % line per saved model in
+    every run's log); the user's progress-bar setting stands after the save."""
+    from transformers.utils import logging as hf_logging
+
+    from finetune.models.registry import build_model
+
+    model = build_model(name)
+    hf_logging.enable_progress_bar()
+    capfd.readouterr()
+    model.save_pretrained(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(tmp_path / "again"))
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()
