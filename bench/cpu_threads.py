@@ -3,7 +3,7 @@ text positions, batch 16 as ``quickstart.yaml``, clip term, AdamW) with each thr
 with one other busy process (a Python busy loop, pinned nowhere), all measured in the same run; prints each case's
 ratio against the quiet run of the same setting and writes ``bench/results/cpu_threads.json``.
 
-    python bench/cpu_threads.py [--steps 30] [--busy 1]
+    python bench/cpu_threads.py [--steps 30] [--busy 1] [--repeats 3]
 
 A case is a fresh ``python`` process with the environment of the setting, so that the OpenMP runtime reads it at
 start-up: ``torch default`` (every core, OpenMP's active wait), ``1 thread`` (``OMP_NUM_THREADS=1``) and ``every
@@ -89,6 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--busy", type=int, default=1, help="other busy processes in the contended cases")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of every case, interleaved; the table gives medians")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -97,26 +98,35 @@ def main() -> None:
     load = os.getloadavg()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"{cores} cores, load average before the run {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
-    rows = {}
-    for setting in SETTINGS:
-        quiet = _case(setting, args.steps, 0)
-        busy = _case(setting, args.steps, args.busy)
-        rows[setting] = {"quiet": quiet, "busy": busy,
-                         "busy_vs_quiet": busy["seconds_per_step"] / quiet["seconds_per_step"]}
-    base = rows["torch default"]["quiet"]["seconds_per_step"]
-    print(f"seconds per step, small-clip batch 16, 248 tokens; {args.busy} busy process(es) in the contended cases")
+    runs: dict[str, dict[str, list[dict]]] = {s: {"quiet": [], "busy": []} for s in SETTINGS}
+    for _ in range(args.repeats):  # interleaved, so that other users' load falls on every case alike
+        for setting in SETTINGS:
+            runs[setting]["quiet"].append(_case(setting, args.steps, 0))
+            runs[setting]["busy"].append(_case(setting, args.steps, args.busy))
+
+    def median(cases: list[dict]) -> float:
+        values = sorted(c["seconds_per_step"] for c in cases)
+        return values[len(values) // 2] if len(values) % 2 else sum(values[len(values) // 2 - 1:][:2]) / 2
+
+    rows = {s: {"threads": r["quiet"][0]["threads"], "quiet": median(r["quiet"]), "busy": median(r["busy"]),
+                "runs": r} for s, r in runs.items()}
+    base = rows["torch default"]["quiet"]
+    print(f"seconds per step (median of {args.repeats}), small-clip batch 16, 248 tokens; {args.busy} busy "
+          f"process(es) in the contended cases")
     print(f"{'setting':26s} {'threads':>7s} {'quiet':>8s} {'busy':>8s} {'busy/quiet':>10s} {'busy/default quiet':>18s}")
     for setting, r in rows.items():
-        print(f"{setting:26s} {r['quiet']['threads']:7d} {r['quiet']['seconds_per_step']:8.3f} "
-              f"{r['busy']['seconds_per_step']:8.3f} {r['busy_vs_quiet']:10.2f} "
-              f"{r['busy']['seconds_per_step'] / base:18.2f}")
+        r["busy_vs_quiet"] = r["busy"] / r["quiet"]
+        print(f"{setting:26s} {r['threads']:7d} {r['quiet']:8.3f} {r['busy']:8.3f} {r['busy_vs_quiet']:10.2f} "
+              f"{r['busy'] / base:18.2f}")
+    end = os.getloadavg()
+    print(f"load average after the run {end[0]:.2f} / {end[1]:.2f} / {end[2]:.2f}")
     import torch
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "cpu_threads.json").write_text(json.dumps(
-        {"cores": cores, "load_average_before": load, "steps": args.steps, "busy_processes": args.busy,
-         "torch": torch.__version__, "machine": platform.processor() or platform.machine(), "cases": rows},
-        indent=1) + "\n")
+        {"cores": cores, "load_average_before": load, "load_average_after": end, "steps": args.steps,
+         "repeats": args.repeats, "busy_processes": args.busy, "torch": torch.__version__,
+         "machine": platform.processor() or platform.machine(), "cases": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
