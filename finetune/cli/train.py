@@ -47,7 +47,8 @@ def _parser(prog: str = "finetune/run.py") -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("recipe", nargs="?", help="path to a recipe YAML (see --list)")
-    p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value (typed, validated; before or after options)")
+    p.add_argument("overrides", nargs="*",
+                   help="recipe overrides as key.sub=value (typed, validated; before or after the options)")
     p.add_argument("--list", action="store_true", help="list the recipes shipped in recipes/ and exit")
     p.add_argument("--schema", action="store_true",
                    help="print the recipe JSON schema (for editors: `# yaml-language-server: $schema=FILE`) and exit")
