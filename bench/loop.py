@@ -69,8 +69,6 @@ from finetune.training.throughput import peak_tflops  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 RECIPES = ROOT / "recipes"
-#: the H200 run of the earlier benchmark (one process for every case, bare steps on batches the loop had run)
-EARLIER = RESULTS / "loop_h200_2026-11-26_earlier.json"
 
 
 # -- the cases ------------------------------------------------------------------------------------------------
@@ -524,12 +522,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for the whole run: a case starts only when its estimate fits what is left, one "
                          "that runs past it is killed; what did not run is listed as skipped")
-    ap.add_argument("--case-s", type=float, default=None, help="a case's estimate for --budget (default 30 on cuda)")
+    ap.add_argument("--case-s", type=float, default=None, help="a case's estimate for --budget (default 40 on cuda)")
     ap.add_argument("--compile-s", type=float, default=None,
-                    help="a compiled case's estimate for --budget (default 75 on cuda)")
+                    help="a compiled case's estimate for --budget (default 90 on cuda)")
     ap.add_argument("--record-ids", action="store_true", help="keep every step's batch ids in the results "
                                                               "(on with --tiny)")
-    ap.add_argument("--out", default=str(RESULTS / "loop.json"))
+    ap.add_argument("--out", default=None, help="the results (default bench/results/loop.json on cuda; "
+                    "bench/results/loop_dryrun_cpu.json on the CPU, which never overwrites the GPU results)")
     ap.add_argument("--cpu-figures", action="store_true", help="the CPU figures (data path, loop overhead) only")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cpu-batch", type=int, default=32)
@@ -546,8 +545,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                 "warmup": args.warmup or (2 if tiny else 10), "steady": args.steady or (4 if tiny else 40),
                 "bare_warmup": args.bare_warmup or (1 if tiny else 2), "workers": min(args.workers, 1) if tiny
                 else args.workers, "compile": args.compile, "record_ids": args.record_ids or tiny,
-                "budget": args.budget, "case_s": args.case_s or (30.0 if args.device == "cuda" else 10.0),
-                "compile_s": args.compile_s or (75.0 if args.device == "cuda" else 30.0)}
+                "budget": args.budget, "case_s": args.case_s or (40.0 if args.device == "cuda" else 10.0),
+                "compile_s": args.compile_s or (90.0 if args.device == "cuda" else 30.0)}
     if settings["warmup"] < 2:
         raise SystemExit("--warmup must be at least 2: the loop's first read is after step 1, the steady window "
                          "starts at the read that ends the warm-up")
@@ -570,7 +569,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="xlipkit-bench-loop-"))
     if args.cpu_figures:
-        out = Path(args.out if args.out != str(RESULTS / "loop.json") else RESULTS / "loop_cpu.json")
+        out = Path(args.out or RESULTS / "loop_cpu.json")
         result = {**_environment("cpu"), "note": "a shared machine: baseline and new interleaved in one run",
                   **cpu_figures(args, root)}
         d, o = result["data_path"], result["loop_overhead"]
@@ -582,6 +581,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_json_atomic(out, result)
         return result
     settings = _settings(args)
+    args.out = args.out or str(RESULTS / ("loop.json" if args.device == "cuda" and not args.tiny
+                                          else "loop_dryrun_cpu.json"))
     wanted = _select(args.cases)
     rows = rows_needed(wanted, settings)
     data = write_scenes(root / "scenes", rows, image_size=64 if args.tiny else 224,

@@ -171,13 +171,16 @@ def attention_kernels(run: Callable[[], Any], device: str) -> dict[str, Any]:
         _sync(device)
     aten: Counter = Counter()
     kernels: Counter = Counter()
+    device_names: list[str] = []
     for event in prof.events():
         name = event.name
-        low = name.lower()
-        if name.startswith("aten::") and "scaled_dot_product" in low and "backward" not in low:
+        if name.startswith("aten::") and "scaled_dot_product" in name and "backward" not in name:
             aten[name] += 1
-        elif not name.startswith("aten::") and str(getattr(event, "device_type", "")).endswith("CUDA") and any(
-                k in low for k in ("flash", "fmha", "cudnn", "attention", "sdpa", "attn")):
+        if str(getattr(event, "device_type", "")).endswith("CUDA"):  # a kernel listed as an event of its own
+            device_names.append(name)
+        device_names.extend(k.name for k in getattr(event, "kernels", ()))  # or attached to its launching op
+    for name in device_names:
+        if any(k in name.lower() for k in ("flash", "fmha", "cudnn", "attention", "sdpa", "attn")):
             kernels[name] += 1
     names = [k.lower() for k in kernels] if kernels else [a.lower() for a in aten]
     family = "none"
