@@ -22,6 +22,7 @@ checked against the loop's first step, which gives the MFU).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -196,14 +197,21 @@ def attention_kernels(run: Callable[[], Any], device: str) -> dict[str, Any]:
 
 def _device_batches(trainer: Any, start: int, n: int) -> list[dict]:
     """``n`` batches of the trainer's own loader from step ``start`` on (the rows after the loop's), on the device
-    as the loop moves them."""
+    as the loop moves them; the loader's iterator (and its workers' prefetching) is shut before returning."""
     out = []
     trainer.sampler.start_step, trainer.sampler.total_steps = start, start + n
-    for batch in trainer.loader:
+    batches = iter(trainer.loader)
+    for batch in batches:
         trainer._note_skipped(batch)
         out.append(trainer.to_device(batch))
         if len(out) == n:
             break
+    # the loader's workers stop here, not during the timed steps, where their work would take the CPU from the
+    # thread that launches the step
+    if hasattr(batches, "close"):
+        batches.close()
+    del batches
+    gc.collect()
     if len(out) < n:
         raise RuntimeError(f"the loader gave {len(out)} of the {n} fresh batches the bare step needs: write more rows")
     return out
