@@ -202,6 +202,7 @@ def case_batch(case: Case, settings: dict[str, Any]) -> int:
 
 
 def case_compiled(case: Case, settings: dict[str, Any]) -> bool:
+    """Whether the case runs with ``train.compile``: its own setting, else ``--compile`` for the plain CLIP cases."""
     return case.compile if case.compile is not None else (case.clip and settings["compile"] == "on")
 
 

@@ -154,6 +154,7 @@ class StepRecorder:
 
 
 def _graphs() -> int:
+    """Graphs dynamo compiled in this process so far."""
     from finetune.models.compile import compiled_graphs
 
     return compiled_graphs()
@@ -340,6 +341,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Measure the case of ``SPEC.json`` (``argv[0]``) and write its result where the spec says."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python bench/loop_case.py SPEC.json (written by bench/loop.py)")
