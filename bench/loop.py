@@ -34,7 +34,7 @@ along; under 5 minutes: give it ``timeout_s`` 330)::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \\
     export PYTHONPATH=$PWD:/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 && \\
-    python3 bench/loop.py --device cuda --workers 8 --budget 270; cp bench/results/loop.json $OUT/
+    python3 bench/loop.py --device cuda --workers 8 --budget 250; cp bench/results/loop.json $OUT/
 
 On the CPU in seconds (a test runs it): ``python bench/loop.py --tiny`` (the families' tiny configs, the same code
 path). The CPU figures of the data path and the loop's own overhead, each as a ratio against a baseline measured in
