@@ -167,3 +167,28 @@ def test_copy_of_an_unknown_recipe_names_the_closest(tmp_path, capsys):
     assert "did you mean structxlip_docci" in capsys.readouterr().err
     assert not (tmp_path / "x.yaml").exists()
     assert not os.listdir(tmp_path)
+
+
+def test_the_needs_of_a_run_built_on_are_listed_under_its_key(tmp_path):
+    """model.init_from names a recipe whose run is not there: its own missing model is listed, under that key."""
+    start = tmp_path / "start.yaml"
+    text = (REPO / "recipes" / "quickstart_pretrain.yaml").read_text()
+    text = text.replace("name_or_path: random:small-clip", f"name_or_path: {NOT_CACHED}")
+    start.write_text(text.replace("dir: runs/quickstart_pretrain", f"dir: {tmp_path / 'start_run'}"))
+    recipe = load_recipe("recipes/quickstart.yaml", [f"model.init_from={start}", "eval.compare_with=[]"])
+    states = {n.key: n.state for n in recipe_needs(recipe)}
+    assert states == {"model.init_from": "ready", "model.init_from -> model.name_or_path": "missing"}
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
+def test_every_shipped_recipe_lists_its_needs_offline_and_the_embedded_ones_need_nothing(path, tmp_path):
+    """As shipped, offline, with an empty cache: every need has a key, a state and what to do; the recipes that run
+    on the embedded data (quickstart*, *tiny*) need nothing that is missing."""
+    recipe = load_recipe(f"recipes/{path}", [f"data.cache_dir={tmp_path}"])
+    needs = recipe_needs(recipe)
+    assert all(n.state in ("ready", "download", "missing") and n.key and n.how for n in needs)
+    missing = [n.line() for n in needs if n.state == "missing"]
+    if path.startswith("quickstart") or "tiny" in path:
+        assert not missing, missing
+    else:
+        assert missing, f"{path} as shipped needs nothing from outside? {[n.line() for n in needs]}"
