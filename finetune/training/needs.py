@@ -30,7 +30,7 @@ from typing import Any
 from finetune.config import RecipeError, load_recipe, recipe_to_dict
 from finetune.extras import EXTRAS, has_extra
 
-__all__ = ["PROBE_TIMEOUT_S", "Need", "fetch_need", "hub_offline", "missing_message", "recipe_needs"]
+__all__ = ["PROBE_TIMEOUT_S", "Need", "fetch_need", "hub_offline", "missing_message", "model_need", "recipe_needs"]
 
 #: seconds a download host gets to answer before it counts as unreachable
 PROBE_TIMEOUT_S = 5.0
@@ -120,7 +120,7 @@ def _hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
 
 
-def _hub_need(key: str, repo: str, revision: str | None, recipe_ref: str) -> Need:
+def _hub_need(key: str, repo: str, revision: str | None, recipe_ref: str | None) -> Need:
     from huggingface_hub import constants, snapshot_download
 
     what = f"hub model {repo}" + (f" at {revision}" if revision else "")
@@ -129,7 +129,8 @@ def _hub_need(key: str, repo: str, revision: str | None, recipe_ref: str) -> Nee
         return Need(key, what, "ready", f"in the hub cache: {path}")
     except Exception:  # not cached (LocalEntryNotFoundError, or a revision that is not there)
         pass
-    fix = (f"run `xlipkit download {recipe_ref}` where the hub can be reached, then train with HF_HUB_OFFLINE=1 "
+    command = f"xlipkit download {recipe_ref}" if recipe_ref else f"hf download {repo}"
+    fix = (f"run `{command}` where the hub can be reached, then run with HF_HUB_OFFLINE=1 "
            f"and the same cache (HF_HOME / HF_HUB_CACHE, now {constants.HF_HUB_CACHE}); or set {key} to a local "
            "folder")
     why = _blocked(_hub_endpoint())
@@ -145,7 +146,15 @@ def _looks_local(name: str) -> bool:
             or name.endswith((".pt", ".pth", ".bin", ".safetensors", ".tar")))
 
 
-def _model_need(key: str, name: str, revision: str | None, recipe_ref: str, *, bare_hub_ids: bool = False
+def model_need(name: str, *, key: str = "model", revision: str | None = None) -> Need | None:
+    """Whether the model ``name`` (as :func:`finetune.load_model` takes it) is on disk, in the hub cache, can be
+    downloaded now or is missing (``HF_HUB_OFFLINE``, or a hub that does not answer: one probe); ``None`` when it
+    needs nothing (``random:``, an architecture name). For commands that load a model without a recipe
+    (``xlipkit eval MODEL``): a missing one is refused in seconds with what to do."""
+    return _model_need(key, name, revision, None)
+
+
+def _model_need(key: str, name: str, revision: str | None, recipe_ref: str | None, *, bare_hub_ids: bool = False
                 ) -> Need | None:
     """A model name as ``finetune.load_model`` reads it: a folder or file, an open_clip name, a hub id (with
     ``bare_hub_ids``, also one without an organisation, ``bert-base-uncased``, as the vision_text towers take)."""

@@ -192,3 +192,15 @@ def test_every_shipped_recipe_lists_its_needs_offline_and_the_embedded_ones_need
         assert not missing, missing
     else:
         assert missing, f"{path} as shipped needs nothing from outside? {[n.line() for n in needs]}"
+
+
+def test_eval_of_a_hub_model_that_cannot_be_had_fails_at_once_naming_hf_hub_offline(monkeypatch, capsys):
+    from finetune.cli import evaluate as evaluate_command
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the library stays offline: it read the flag at import
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert evaluate_command.main([NOT_CACHED, "--sets", "synthetic"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot load {NOT_CACHED}: not in the local hub cache and http://127.0.0.1:9 "
+                          "cannot be reached"), err
+    assert f"hf download {NOT_CACHED}" in err and "set HF_HUB_OFFLINE=1" in err
