@@ -392,14 +392,16 @@ def missing_message(needs: list[Need], recipe_ref: str) -> str | None:
     missing = [n for n in needs if n.state == "missing"]
     if not missing:
         return None
-    lines = [f"{recipe_ref} needs {len(missing)} thing{'s' if len(missing) > 1 else ''} that cannot be found "
-             "or fetched:"]
-    lines += [f"  - {n.key}: {n.what}: {n.how}" for n in missing]
     fetchable = sum(n.fetch is not None for n in needs)
-    lines.append(f"`xlipkit validate {recipe_ref}` lists everything the recipe needs"
-                 + (f"; `xlipkit download {recipe_ref}` fetches the {fetchable} that can be downloaded (where the "
-                    "network can be reached; --dry-run lists them)" if fetchable else ""))
-    return "\n".join(lines)
+    tail = (f"`xlipkit validate {recipe_ref}` lists everything the recipe needs"
+            + (f"; `xlipkit download {recipe_ref}` fetches the {fetchable} that can be downloaded (where the "
+               "network can be reached; --dry-run lists them)" if fetchable else ""))
+    if len(missing) == 1:  # one line, starting with the key, as the other recipe errors
+        (n,) = missing
+        return f"{n.key}: {n.what}: {n.how}\n{tail}"
+    lines = [f"{recipe_ref} needs {len(missing)} things that cannot be found or fetched:"]
+    lines += [f"  - {n.key}: {n.what}: {n.how}" for n in missing]
+    return "\n".join([*lines, tail])
 
 
 def fetch_need(need: Need) -> str:
