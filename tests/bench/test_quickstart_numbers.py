@@ -23,7 +23,8 @@ def _metrics(after: tuple[float, float], cut: tuple[float, float], start=(55.5, 
     def result(t2i, i2t):
         return {"synthetic": {"t2i": {"R@1": t2i, "R@5": t2i + 30}, "i2t": {"R@1": i2t, "R@5": i2t + 30}}}
 
-    history = [{"step": 5, "clip": 1.0}] + ([{"step": 250, qn.STRUCTURE: structure}] if structure else [])
+    history = [{"step": 5, "clip": 1.0}] + ([{"step": 5, qn.STRUCTURE: 4.4}, {"step": 250, qn.STRUCTURE: structure}]
+                                           if structure else [])
     return {"before": result(*start), "after": result(*after), "after_at_base_length": result(*cut), "steps": 250,
             "history": history}
 
