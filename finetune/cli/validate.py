@@ -6,8 +6,8 @@ starts.
 
 The recipe is read and typed (:func:`finetune.config.load_recipe`), every model, checkpoint file, dataset, extra
 and run it builds on is listed with its state (:func:`finetune.training.needs.recipe_needs`): ``ready``, ``download`` (fetched on first use, or now by
-``xlipkit download``) or ``missing`` (with what to do); when nothing is missing, its objective is built (the terms'
-own checks of their options). Exit status 0 when nothing is missing, 2 otherwise (all
+``xlipkit download``) or ``missing`` (with what to do); its objective is built and a streamed ``data.train`` checked
+against it, as a run does before anything slow (:func:`finetune.training.needs.recipe_problems`). Exit status 0 when nothing is missing, 2 otherwise (all
 missing things in one message), as ``xlipkit train`` would refuse the recipe.
 """
 
@@ -34,14 +34,15 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
-    """The command line; returns 0 when the recipe is valid and nothing it needs is missing, else 2."""
+    """The command line; returns 0 when the recipe passes the run's early checks and nothing it needs is missing,
+    else 2."""
     args = _parser(prog or "python -m finetune.cli.validate").parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
-    from finetune.training.needs import missing_message, recipe_needs
+    from finetune.training.needs import recipe_needs, recipe_problems
 
     needs = recipe_needs(recipe, recipe_ref=args.recipe)
     print(f"{args.recipe}: a valid recipe; it needs {len(needs)} thing{'s' * (len(needs) != 1)} from outside "
@@ -52,16 +53,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
             print(f"\n{heading}:")
             for need in group:
                 print(f"  {need.key}: {need.what}\n      {need.how}")
-    message = missing_message(needs, args.recipe)
-    if message is not None:
-        print(f"\nrecipe error: {message}", file=sys.stderr)
-        return 2
-    try:  # with everything there: the terms' own checks, as the run makes them before any data loads
-        from finetune.objectives import build_objective
-
-        build_objective(recipe.objective)
-    except (ValueError, OSError) as exc:
-        print(f"recipe error: {exc}", file=sys.stderr)
+    problems = recipe_problems(recipe, args.recipe)  # the missing ones and the run's own early checks
+    if problems is not None:
+        print(f"\nrecipe error: {problems}", file=sys.stderr)
         return 2
     return 0
 

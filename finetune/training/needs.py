@@ -30,7 +30,8 @@ from typing import Any
 from finetune.config import RecipeError, load_recipe, recipe_to_dict
 from finetune.extras import EXTRAS, has_extra
 
-__all__ = ["PROBE_TIMEOUT_S", "Need", "fetch_need", "hub_offline", "missing_message", "model_need", "recipe_needs"]
+__all__ = ["PROBE_TIMEOUT_S", "Need", "fetch_need", "hub_offline", "missing_message", "model_need", "recipe_needs",
+           "recipe_problems"]
 
 #: seconds a download host gets to answer before it counts as unreachable
 PROBE_TIMEOUT_S = 5.0
@@ -402,6 +403,32 @@ def missing_message(needs: list[Need], recipe_ref: str) -> str | None:
     lines = [f"{recipe_ref} needs {len(missing)} things that cannot be found or fetched:"]
     lines += [f"  - {n.key}: {n.what}: {n.how}" for n in missing]
     return "\n".join([*lines, tail])
+
+
+def recipe_problems(recipe: Any, recipe_ref: str) -> str | None:
+    """Everything that stops ``recipe`` before it runs, in one message (``None`` when nothing does): the checks a
+    run makes before anything slow (its objective built, a streamed ``data.train`` checked against the terms,
+    :func:`finetune.training.checks.check_stream_recipe`), then every missing need (:func:`missing_message`). An
+    objective error about a key whose need is listed as missing (a FastSAM file, the extra it needs) is left to
+    that line."""
+    from finetune.objectives import build_objective
+    from finetune.training.checks import check_stream_recipe
+
+    needs = recipe_needs(recipe, recipe_ref=recipe_ref)
+    listed = {key for n in needs if n.state == "missing" for key in n.key.split(", ")}
+    errors = []
+    try:
+        objective = build_objective(recipe.objective)
+    except (ValueError, OSError) as exc:
+        if not any(key in str(exc) for key in listed):
+            errors.append(str(exc))
+    else:
+        try:
+            check_stream_recipe(recipe, objective)
+        except RecipeError as exc:
+            errors.append(str(exc))
+    message = missing_message(needs, recipe_ref)
+    return "\n".join([*errors, *([message] if message else [])]) or None
 
 
 def fetch_need(need: Need) -> str:

@@ -204,3 +204,16 @@ def test_eval_of_a_hub_model_that_cannot_be_had_fails_at_once_naming_hf_hub_offl
     assert err.startswith(f"error: cannot load {NOT_CACHED}: not in the local hub cache and http://127.0.0.1:9 "
                           "cannot be reached"), err
     assert f"hf download {NOT_CACHED}" in err and "set HF_HUB_OFFLINE=1" in err
+
+
+def test_the_runs_early_checks_and_the_missing_things_come_in_one_message(tmp_path, capsys):
+    """A stream that does not pass the fields F-CAST reads (a check the run makes before anything slow) and the
+    shards, sets and SFCN weights that are missing: `xlipkit validate` and `xlipkit train` report all of them."""
+    argv = ["recipes/fcast_cc3m_recap.yaml", "data.train.options={}", f"data.cache_dir={tmp_path}",
+            f"output.dir={tmp_path / 'run'}"]
+    for command in (validate_command, train_command):
+        assert command.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "data.train.options.fields" in err and "json.longLLA_captions" in err
+        assert "objective.terms.fcast.superpixels.checkpoint: SFCN weights" in err and "data.train.urls" in err
+    assert not (tmp_path / "run").exists()
