@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.config import RecipeError, load_recipe, recipe_to_dict
+from finetune.config import RecipeError, recipe_to_dict
 from finetune.extras import EXTRAS, has_extra
 
 __all__ = ["PROBE_TIMEOUT_S", "Need", "fetch_need", "hub_offline", "missing_message", "model_need", "recipe_needs",
@@ -363,10 +363,12 @@ def _recipe_needs(recipe: Any, recipe_ref: str | None, _chain: tuple[str, ...]) 
             needs.append(Need(key, f"recipe {target}", "missing", f"not found (read from {Path.cwd()}): give a "
                                                                   "recipe YAML or a run folder that holds final/"))
         elif str(path.resolve()) not in chain:  # a cycle is reported by the run's own check
-            try:
-                sub = load_recipe(path)
-            except RecipeError as exc:
-                needs.append(Need(key, f"recipe {target}", "missing", f"not a valid recipe: {exc}"))
+            from finetune.training import prerequisites
+
+            try:  # read as the run will read it (looked up now: the tests' as-shipped runs replace it)
+                sub = prerequisites._load(target, key)
+            except prerequisites.PrerequisiteError as exc:
+                needs.append(Need(key, f"recipe {target}", "missing", str(exc)))
                 continue
             done = Path(sub.output.dir) / "final"
             needs.append(Need(key, f"recipe {target}", "ready", f"its run {done} is reused when current, else it "

@@ -217,3 +217,25 @@ def test_the_runs_early_checks_and_the_missing_things_come_in_one_message(tmp_pa
         assert "data.train.options.fields" in err and "json.longLLA_captions" in err
         assert "objective.terms.fcast.superpixels.checkpoint: SFCN weights" in err and "data.train.urls" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    from tests.recipes.shipped import Project
+
+    root = tmp_path_factory.mktemp("project")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLIPKIT_CACHE", str(root / "cache"))
+        yield Project(root)
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
+def test_a_recipe_run_as_shipped_on_fixtures_passes_the_check(path, project, monkeypatch):
+    """With its data at fixtures and its model at a tiny checkpoint (tests/recipes/shipped.py, what the slow
+    as-shipped runs use), no shipped recipe is stopped by the check: it asks only for what the run reads."""
+    from tests.recipes.shipped import as_shipped_overrides, enter
+
+    overrides = as_shipped_overrides(REPO / "recipes" / path, project)
+    enter(monkeypatch, project)
+    recipe = load_recipe(REPO / "recipes" / path, overrides)
+    assert needs_module.recipe_problems(recipe, f"recipes/{path}") is None
