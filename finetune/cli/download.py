@@ -49,12 +49,12 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
-    from finetune.training.needs import fetch_need, recipe_needs
+    from finetune.training.needs import fetch_need, fetchable, recipe_needs
 
     offline = _offline_flags()
     needs = recipe_needs(recipe, recipe_ref=args.recipe, plan_only=args.dry_run or bool(offline))
-    todo = [n for n in needs if n.state == "download"]
-    cannot = [n for n in needs if n.state == "missing"]
+    todo = [n for n in needs if fetchable(n)]
+    cannot = [n for n in needs if n.state == "missing" and not fetchable(n)]
     for need in needs:
         if need.state == "ready":
             print(f"already there  {need.key}: {need.what}")

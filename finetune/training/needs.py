@@ -31,7 +31,7 @@ from finetune.config import RecipeError, recipe_to_dict
 from finetune.extras import EXTRAS, has_extra
 
 __all__ = ["PROBE_TIMEOUT_S", "Need", "fetch_need", "hub_offline", "missing_message", "model_need", "recipe_needs",
-           "recipe_problems"]
+           "recipe_problems", "fetchable"]
 
 #: seconds a download host gets to answer before it counts as unreachable
 PROBE_TIMEOUT_S = 5.0
@@ -61,8 +61,8 @@ class Need:
         what: what it is, in words (``hub model openai/clip-vit-base-patch16``).
         state: ``ready``, ``download`` or ``missing``.
         how: for ``missing``, what to do; for ``download``, where it is fetched from; for ``ready``, where it is.
-        fetch: for ``download`` (and a ``missing`` one that only the network or an offline flag stands in the way
-            of): ``("hub", repo_id, revision)``, ``("url", url, sha256, archive, cache_dir)`` or
+        fetch: for ``download`` (and a ``missing`` one that only the network, an offline flag or a run that does not
+            download it stands in the way of): ``("hub", repo_id, revision)``, ``("url", url, sha256, archive, cache_dir)`` or
             ``("ultralytics", path)``; what :func:`fetch_need` does.
     """
 
@@ -188,14 +188,13 @@ def _file_need(key: str, value: str, what: str, how: str, *, extra: str | None =
     if path.exists():
         yield Need(key, f"{what} {value}", "ready", f"local: {path.resolve()}")
     elif extra == "regions" and path.name.startswith(_ULTRALYTICS_ASSET_PREFIXES) and path.suffix == ".pt":
+        # a run never downloads it (the term wants the file): missing for a run, fetched by `xlipkit download`
         why = _blocked(_ULTRALYTICS_ASSETS)
-        if why is None:
-            yield Need(key, f"{what} {value}", "download", f"an ultralytics asset ({_ULTRALYTICS_ASSETS}), fetched "
-                                                           "into that path by `xlipkit download`",
-                       ("ultralytics", str(path)))
-        else:
-            yield Need(key, f"{what} {value}", "missing", f"{path} does not exist and {why}: {how}",
-                       ("ultralytics", str(path)))
+        yield Need(key, f"{what} {value}", "missing",
+                   f"{path} does not exist (read from {Path.cwd()}); a run does not download it: `xlipkit download` "
+                   f"fetches it from the ultralytics assets ({_ULTRALYTICS_ASSETS}) into that path"
+                   + (f" where they can be reached (now {why})" if why else "") + f"; or {how}",
+                   ("ultralytics", str(path)))
     else:
         yield Need(key, f"{what} {value}", "missing", f"{path} does not exist (read from {Path.cwd()}): {how}")
 
@@ -266,8 +265,7 @@ def _term_needs(terms: dict[str, Any], recipe_ref: str) -> Iterator[Need]:
         if regions.get("checkpoint") and regions.get("source", "segmenter") != "dataset":
             yield from _file_need(f"{prefix}.structxlip.regions.checkpoint", regions["checkpoint"],
                                   "FastSAM checkpoint", "download FastSAM-x.pt or FastSAM-s.pt from the ultralytics "
-                                  "assets into that path (`xlipkit download` does), or set it to null for the "
-                                  "default regions", extra="regions")
+                                  "assets into that path, or set it to null for the default regions", extra="regions")
         lexicon = (sx.get("lexicon") or {}).get("file")
         if lexicon:
             yield from _file_need(f"{prefix}.structxlip.lexicon.file", lexicon, "lexicon file",
@@ -431,6 +429,12 @@ def recipe_problems(recipe: Any, recipe_ref: str) -> str | None:
             errors.append(str(exc))
     message = missing_message(needs, recipe_ref)
     return "\n".join([*errors, *([message] if message else [])]) or None
+
+
+def fetchable(need: Need) -> bool:
+    """Whether ``xlipkit download`` fetches ``need``: one that is ``download``, or a checkpoint a run does not
+    download itself but ``xlipkit download`` can (an ultralytics asset)."""
+    return need.fetch is not None and (need.state == "download" or need.fetch[0] == "ultralytics")
 
 
 def fetch_need(need: Need) -> str:

@@ -239,3 +239,15 @@ def test_a_recipe_run_as_shipped_on_fixtures_passes_the_check(path, project, mon
     enter(monkeypatch, project)
     recipe = load_recipe(REPO / "recipes" / path, overrides)
     assert needs_module.recipe_problems(recipe, f"recipes/{path}") is None
+
+
+def test_a_fastsam_checkpoint_is_missing_for_a_run_even_online_but_download_fetches_it(tmp_path):
+    """A run never downloads `regions.checkpoint` (the term wants the file), so even where the assets can be reached
+    it is missing for `train`; `xlipkit download` counts it among what it fetches."""
+    recipe = load_recipe(REAL[0], [*REAL[1:], f"data.cache_dir={tmp_path}"])
+    needs = {n.key: n for n in recipe_needs(recipe, plan_only=True)}  # as where every host answers
+    fastsam = needs["objective.terms.structxlip.regions.checkpoint"]
+    assert fastsam.state == "missing" and needs_module.fetchable(fastsam)
+    assert "a run does not download it" in fastsam.how
+    assert needs["model.name_or_path"].state == "download" and needs_module.fetchable(needs["model.name_or_path"])
+    assert not needs_module.fetchable(needs["eval.sets[2].path"])  # DCI
