@@ -110,6 +110,12 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
+    from finetune.training.needs import missing_message, recipe_needs
+
+    missing = missing_message(recipe_needs(recipe, recipe_ref=args.recipe), args.recipe)
+    if missing is not None:  # all at once, before the model loads
+        print(f"recipe error: {missing}", file=sys.stderr)
+        return 2
     path = preview_recipe(recipe, n=args.n, out=args.out)
     print(f"wrote {path}")
     return 0
