@@ -294,6 +294,11 @@ def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out
         if recipe is not None:
             model = load_finetuned(str(target / "final"))
         else:
+            from finetune.training.needs import model_need
+
+            need = model_need(args.model_or_run, key="MODEL_OR_RUN")
+            if need is not None and need.state == "missing":  # in seconds, not after the hub's retries
+                raise _UsageError(f"cannot load {args.model_or_run}: {need.how}")
             model = load_model(args.model_or_run, max_text_len=args.max_text_len)
     except (OSError, ValueError, KeyError) as exc:
         raise _UsageError(f"cannot load {args.model_or_run}: {exc}") from None

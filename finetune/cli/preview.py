@@ -138,8 +138,13 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
+    from finetune.training.needs import missing_message, recipe_needs
     from finetune.training.prerequisites import PrerequisiteError
 
+    missing = missing_message(recipe_needs(recipe, recipe_ref=args.recipe), args.recipe)
+    if missing is not None:  # all at once, before the model loads
+        print(f"recipe error: {missing}", file=sys.stderr)
+        return 2
     try:
         path = preview_recipe(recipe, n=args.n, out=args.out)
     except PrerequisiteError as exc:  # a model.init_from that names nothing usable

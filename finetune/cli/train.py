@@ -76,6 +76,12 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
+    from finetune.training.needs import recipe_problems
+
+    problems = recipe_problems(recipe, args.recipe)
+    if problems is not None:  # every missing model, file and dataset at once, before anything slow starts
+        print(f"recipe error: {problems}", file=sys.stderr)
+        return 2
     # imported once a recipe is loaded: `--help`, `--list` and a bad recipe need none of the training libraries
     from finetune.training.recipe import run_recipe
 

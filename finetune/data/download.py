@@ -78,6 +78,25 @@ def _target_path(url: str, root: Path, filename: str | None) -> Path:
     return root / "downloads" / url_key / name
 
 
+def cached_download(url: str, *, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """Where :func:`fetch` keeps ``url`` when it is already downloaded (for ``hf://``: in the hub cache), else
+    ``None``; nothing is downloaded.
+
+    Args:
+        url: as for :func:`fetch`.
+        cache_dir: as for :func:`fetch`.
+    """
+    if url.startswith("hf://"):
+        from huggingface_hub import try_to_load_from_cache
+
+        parts = url[len("hf://"):].split("/")
+        repo_type = "dataset" if parts[0] == "datasets" else "model"
+        found = try_to_load_from_cache("/".join(parts[1:3]), "/".join(parts[3:]), repo_type=repo_type)
+        return Path(found) if isinstance(found, str) else None
+    target = _target_path(url, cache_root(cache_dir), None)
+    return target if target.is_file() else None
+
+
 def _verify(path: Path, expected: str | None, url: str) -> str:
     """Return ``path``'s sha256; raise :class:`ChecksumError` when it differs from ``expected``."""
     actual = sha256_of(path)

@@ -1,44 +1,140 @@
-"""bench/loop.py keeps working: its cases run on the CPU with the families' tiny configs through the real
-Trainer and data path, and its CPU figures are computed and written."""
+"""bench/loop.py keeps working and cannot flatter: its cases run on the CPU with the families' tiny configs through
+the real Trainer and data path, each in a process of its own, the bare step on batches neither the loop nor the bare
+step saw; the budget skips and kills what does not fit and lists it; its CPU figures are computed and written."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import loop  # noqa: E402
+import loop_case  # noqa: E402
+
+WARMUP, STEADY, BARE_WARMUP, BATCH = 2, 4, 1, 4  # --tiny's defaults
 
 
-def _check(result: dict, cases: list[str]) -> None:
-    assert [r["case"] for r in result["cases"]] == cases and not result["skipped"]
-    for r in result["cases"]:
-        assert r["loop_samples_per_s"] > 0 and r["bare_samples_per_s"] > 0 and r["loop_vs_bare"] > 0
-        assert 0 <= r["data_wait_share"] <= 1 and r["steady_steps"] >= 2
-        assert r["flops_per_sample_g"] > 0 and r["bare_tflops"] > 0
-        assert r["loop_reads"] >= 3  # step 1, the logging steps and the last step: the loop's only reads
-    assert result["device"].startswith("cpu") and result["torch"] and result["transformers"]
+def _check_case(r: dict) -> None:
+    assert r["loop_samples_per_s"] > 0 and r["bare_samples_per_s"] > 0
+    assert r["loop_vs_bare"] == pytest.approx(r["loop_samples_per_s"] / r["bare_samples_per_s"])
+    assert 0 <= r["data_wait_share"] <= 1
+    assert r["loop_steady_steps"] == r["bare_steady_steps"] == STEADY and r["loop_steady_from_step"] == WARMUP
+    assert r["batch"] == BATCH
+    f = r["flops"]  # counted on the padded shapes, the same for every step of a fixed-shape run
+    assert f["per_step_steady"] > 0 and f["same_every_step"] is True
+    assert r["bare_tflops"] == pytest.approx(f["per_sample_g"] * 1e9 * r["bare_samples_per_s"] / 1e12)
+    assert r["attention"]["ran"] in ("flash", "math") and r["attention"]["setting"] == "auto"
+    assert r["shapes"]["loop"]["new_attention_shapes_per_step"] == 0  # fixed shapes: none new after warm-up
+    assert r["shapes"]["bare"]["new_attention_shapes_per_step"] == 0
+    assert r["shapes"]["loop"]["attention_calls_per_step"] > 0
+    assert r["recompiles"] is None and r["compiled"] is False
+    assert r["peak_rss_gib"] > 0 and r["peak_memory_gib"] is None
 
 
-def test_one_case_runs_on_the_cpu_and_writes_its_results(tmp_path):
+@pytest.mark.slow
+def test_cases_run_in_fresh_processes_on_unseen_batches(tmp_path):
     out = tmp_path / "loop.json"
-    result = loop.main(["--tiny", "--device", "cpu", "--cases", "clip-248", "--steps", "6", "--log-every", "2",
-                        "--out", str(out)])
-    _check(result, ["clip-248"])
-    saved = json.loads(out.read_text())
-    assert saved["cases"][0]["text_len"] == 248 and saved["settings"]["tiny"] is True
+    result = loop.main(["--tiny", "--device", "cpu", "--cases", "clip-248,siglip2", "--out", str(out)])
+    assert [r["case"] for r in result["cases"]] == ["clip-248", "siglip2"] and not result["skipped"]
+    assert result["device"].startswith("cpu") and result["torch"] and result["transformers"]
+    assert json.loads(out.read_text())["cases"] == result["cases"] and result["partial"] is False
+    pids = [r["pid"] for r in result["cases"]]
+    assert len(set(pids)) == 2 and os.getpid() not in pids  # one fresh process per case, not this one
+    assert all(r["parent_pid"] == os.getpid() for r in result["cases"])
+    for r in result["cases"]:
+        _check_case(r)
+        loop_ids, bare_ids = r["batch_ids"]["loop"], r["batch_ids"]["bare"]
+        assert len(loop_ids) == WARMUP + STEADY and len(bare_ids) == BARE_WARMUP + STEADY
+        assert all(len(b) == BATCH for b in loop_ids + bare_ids)
+        seen_loop = [i for b in loop_ids for i in b]
+        seen_bare = [i for b in bare_ids for i in b]
+        assert not set(seen_loop) & set(seen_bare)  # the bare step's batches are ones the loop never ran
+        assert len(set(seen_bare)) == len(seen_bare)  # and each bare batch is used once
+    assert result["summary"]["clip_248_vs_siglip2_bare"] == pytest.approx(
+        result["cases"][0]["bare_samples_per_s"] / result["cases"][1]["bare_samples_per_s"])
+
+
+@pytest.mark.slow
+def test_a_compiled_case_counts_its_recompiles(tmp_path):
+    result = loop.main(["--tiny", "--device", "cpu", "--cases", "clip-248-compiled", "--out", str(tmp_path / "l.json")])
+    r = result["cases"][0]
+    assert r["compiled"] is True and r["shapes"]["loop"]["new_attention_shapes_per_step"] is None
+    rc = r["recompiles"]
+    assert rc["graphs"]["after_loop_warmup"] > rc["graphs"]["after_build"]  # the warm-up compiled the blocks
+    assert rc["loop_after_warmup"] == 0 and rc["bare_timed"] == 0  # fixed shapes: nothing recompiled after it
 
 
 @pytest.mark.slow
 def test_every_case_runs_on_the_cpu(tmp_path):
     result = loop.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "loop.json")])
-    _check(result, [c.name for c in loop.CASES])
-    assert result["summary"]["clip_248_vs_77_bare"] is not None
+    assert [r["case"] for r in result["cases"]] == [c.name for c in loop.CASES] and not result["skipped"]
+    for r in result["cases"]:
+        assert r["loop_samples_per_s"] > 0 and r["bare_samples_per_s"] > 0 and r["flops"]["same_every_step"]
+        assert r["batches"]["bare_rows_seen_before"] == 0
+
+
+def test_the_budget_skips_and_kills_what_does_not_fit_and_lists_it(tmp_path):
+    """No case starts without its estimate left; a case that runs past the budget is killed (with its process group)
+    and listed, and the run still writes its results."""
+    out = tmp_path / "loop.json"
+    result = loop.main(["--tiny", "--device", "cpu", "--cases", "clip-248,siglip2", "--budget", "1",
+                        "--case-s", "5", "--out", str(out)])
+    assert not result["cases"] and [s["case"] for s in result["skipped"]] == ["clip-248", "siglip2"]
+    assert all("budget left" in s["reason"] for s in result["skipped"])
+    result = loop.main(["--tiny", "--device", "cpu", "--cases", "clip-248", "--budget", "5", "--case-s", "0.1",
+                        "--out", str(out)])
+    assert not result["cases"] and result["skipped"][0]["case"] == "clip-248"
+    assert "ran past the budget" in result["skipped"][0]["reason"]
+    assert json.loads(out.read_text())["skipped"] == result["skipped"]
+
+
+def test_bad_options_are_refused_naming_them():
+    with pytest.raises(SystemExit, match="unknown case.*'clip-999'"):
+        loop.main(["--tiny", "--cases", "clip-248,clip-999"])
+    with pytest.raises(SystemExit, match="--warmup must be at least 2"):
+        loop.main(["--tiny", "--warmup", "1"])
+
+
+def test_the_recorder_counts_attention_shapes_new_after_warm_up():
+    """What the per-step shape figures rest on: every SDPA call noted by step and phase, new = seen in no earlier
+    step of the loop or the bare step."""
+    q = lambda n: torch.zeros(1, 2, n, 8)  # noqa: E731
+    original = torch.nn.functional.scaled_dot_product_attention
+    rec = loop_case.StepRecorder(sdpa=True)
+    try:
+        for phase, lengths in (("loop", [4, 4, 5]), ("loop", [4]), ("loop", [6]), ("bare", [6]), ("bare", [7, 7])):
+            rec.begin(phase, {"ids": ["a"], "input_ids": torch.zeros(1, lengths[0])})
+            for n in lengths:
+                torch.nn.functional.scaled_dot_product_attention(q(n), q(n), q(n), is_causal=True)
+    finally:
+        rec.close()
+    assert torch.nn.functional.scaled_dot_product_attention is original  # put back
+    loop_window = rec.new_per_step("loop", 2, 3)  # steps 2 and 3: one new shape (6) in two steps
+    assert loop_window["new_attention_shapes_per_step"] == 0.5 and loop_window["attention_calls_per_step"] == 1
+    assert loop_window["new_input_shapes_per_step"] == 0.5
+    bare_window = rec.new_per_step("bare", 1, 2)  # 6 was seen in the loop; 7 is new
+    assert bare_window["new_attention_shapes_per_step"] == 0.5 and bare_window["attention_calls_per_step"] == 1.5
+    assert rec.ids["loop"] == [["a"]] * 3
+
+
+def test_the_data_is_written_in_chunks_with_unique_ids(tmp_path):
+    folder = loop.write_scenes(tmp_path / "scenes", 5, image_size=32, processes=2, chunk=2)
+    rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and len({r["id"] for r in rows}) == 5
+    assert all((folder / r["image"]).is_file() and r["sentences"] and r["objects"] for r in rows)
+
+
+def test_rows_suffice_for_unseen_batches_of_the_largest_case():
+    settings = {"batch": 256, "batch_fixed": False, "warmup": 10, "steady": 40, "bare_warmup": 2}
+    cases = [c for c in loop.CASES if c.name in ("clip-248", "flair")]
+    assert loop.rows_needed(cases, settings) == 256 * (10 + 2 + 2 * 40 + 2)
 
 
 @pytest.mark.slow

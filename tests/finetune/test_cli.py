@@ -27,6 +27,9 @@ OPTIONS = {
     "pairs": ["IMAGES_AND_CAPTIONS", "OUT", "--model", "--detector", "--method", "--pairs", "--weighting",
               "--no-default"],
     "superpixels": ["RECIPE", "OUT", "overrides", "--workers", "--device", "--batch-size", "--overwrite"],
+    "validate": ["recipe", "overrides"],
+    "download": ["recipe", "overrides", "--dry-run"],
+    "copy": ["name", "dest", "--force"],
     "recipes": ["-h"],
     "schema": ["-h"],
 }

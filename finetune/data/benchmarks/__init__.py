@@ -36,12 +36,22 @@ from .dci import DCI_SPLITS, build_dci
 from .urban1k import build_urban1k
 from .sharegpt4v import SHAREGPT4V_HOLDOUT, SHAREGPT4V_JSON, build_sharegpt4v
 from .flickr30k import FLICKR_TOKEN_FILE, build_flickr30k
-from .coco import build_coco
+from .coco import _COCO_HOW, build_coco
+from .dci import _DCI_HOW
+from .docci import _DOCCI_HOW
+from .flickr30k import _FLICKR_HOW
+from .sharegpt4v import _SHAREGPT4V_HOW
+from .urban1k import _URBAN_HOW
+
+#: how to get each benchmark's files (the advice its own errors end with), for checks made before loading
+HOW_TO_GET: dict[str, str] = {"docci": _DOCCI_HOW, "docci_fg": _DOCCI_HOW, "dci": _DCI_HOW, "urban1k": _URBAN_HOW,
+                              "sharegpt4v": _SHAREGPT4V_HOW, "flickr30k": _FLICKR_HOW, "coco": _COCO_HOW}
 
 __all__ = [
     "available_protocols",
     "protocol_record",
     "OFFICIAL_FILES",
+    "HOW_TO_GET",
     "build_docci",
     "build_docci_fg",
     "build_dci",

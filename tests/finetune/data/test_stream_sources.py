@@ -246,7 +246,7 @@ def test_https_style_shards_from_a_local_server(http_shards):
 def s3_server(monkeypatch):
     """A real S3 API (moto's server mode) on 127.0.0.1, and botocore's environment pointing at it."""
     import moto.server as moto_server  # the dev extra installs moto[server] and s3fs: a missing one fails here
-    import s3fs  # noqa: F401
+    import s3fs
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -257,8 +257,12 @@ def s3_server(monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
+    # fsspec caches filesystems by their arguments, not by the environment: an S3FileSystem of an earlier test
+    # would still point at that test's (stopped) server
+    s3fs.S3FileSystem.clear_instance_cache()
     yield env
     server.stop()
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _upload(env: dict, bucket: str, paths: list[Path]) -> None:

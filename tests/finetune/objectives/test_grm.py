@@ -230,7 +230,8 @@ def test_grm_trains_on_a_stream_and_saves_its_head(tmp_path: Path, monkeypatch) 
         f"model.name_or_path={tiny}", "model.init_from=null", "model.max_text_len=null",
         f"data.train={{name: webdataset, urls: '{tmp_path / 'shards'}/shard-{{00000..00002}}.tar'}}",
         "objective.terms.grm.expand_captions=false", "objective.terms.grm.num_regions=3",
-        "eval.sets=[]", "train.max_steps=3", "train.epochs=null", "train.batch_size=4", "train.warmup_steps=1",
+        "eval.sets=[]", "eval.compare_with=[]", "train.max_steps=3", "train.epochs=null", "train.batch_size=4",
+        "train.warmup_steps=1",
         "train.mixed_precision=no", "train.trackers=[]", f"output.dir={out}"])
     installed = {}
     prepare = GRMTerm.prepare_model

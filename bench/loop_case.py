@@ -1,0 +1,355 @@
+"""One case of ``bench/loop.py``, measured in a process of its own (the parent starts ``python bench/loop_case.py
+SPEC.json`` once per case, so no case inherits another's warm caches, compiled graphs or attention plans).
+
+In that fresh process: build the case's ``Trainer`` as a run does, run ``Trainer.train()`` for ``warmup + steady``
+steps (the steady rate is taken from the loop's own read at step ``warmup`` to its last read), then draw the next
+``bare_warmup + steady + 2`` batches from the same loader (the sampler continues past the loop's steps, so each
+batch holds rows neither the loop nor the bare step has seen), move them all to the device, and time
+``Trainer.train_step`` alone on them, one batch per step, each used once. Every step's batch ids are recorded and
+checked: a bare batch that repeats a loop row, or a bare batch used twice, stops the case with an error.
+
+Per step it records, at no cost to the timing: the batch's tensor shapes as the loader gives them (the step pads texts
+to the run's fixed shapes on the device, so these may change from step to step where the attention's do not), and
+(eager runs only, where a Python-level
+call is not traced by dynamo) every ``scaled_dot_product_attention`` call's query / key / mask shapes, from which the
+new shapes per steady step follow. Compiled runs report dynamo's graph count after the warm-up and after each timed
+window (a recompilation adds a graph). After the timed windows, two more fresh batches: one step under
+``torch.profiler`` (the SDPA aten op and, on CUDA, the attention kernels that ran, e.g. ``flash`` / ``fmha`` /
+``cudnn`` in their names) and one under ``torch.utils.flop_counter`` (FLOPs of a steady step on its padded shapes,
+checked against the loop's first step, which gives the MFU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import resource
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from finetune.training.throughput import LoopClock, count_flops, peak_tflops  # noqa: E402
+
+#: attention kernel families by a substring of a CUDA kernel's or aten op's name (lower case), first match wins
+KERNEL_FAMILIES = (("cudnn", "cudnn"), ("flash", "flash"), ("fmha", "efficient"), ("efficient", "efficient"),
+                   ("mem_eff", "efficient"), ("attention_math", "math"))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def count_syncs(device: str):
+    """Counts CUDA host syncs inside the block (``torch.cuda.set_sync_debug_mode("warn")``: every D2H read,
+    blocking copy and stream synchronisation warns); yields a list holding one message per sync afterwards (always
+    empty off CUDA)."""
+    found: list[str] = []
+    if device != "cuda":
+        yield found
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    found.extend(str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower())
+
+
+def batch_signature(batch: Any, prefix: str = "") -> tuple:
+    """The shapes and dtypes of every tensor of a (nested) batch: ``((key, shape, dtype), ...)``, sorted."""
+    out: list[tuple] = []
+    if isinstance(batch, dict):
+        for key, value in batch.items():
+            out.extend(batch_signature(value, f"{prefix}{key}."))
+    elif isinstance(batch, (list, tuple)):
+        for i, value in enumerate(batch):
+            out.extend(batch_signature(value, f"{prefix}{i}."))
+    elif isinstance(batch, torch.Tensor):
+        out.append((prefix.rstrip("."), tuple(batch.shape), str(batch.dtype)))
+    return tuple(sorted(out))
+
+
+class StepRecorder:
+    """What every step ran with: batch ids, batch shapes, and (when ``sdpa`` is on) the attention calls' shapes.
+
+    ``sdpa`` replaces ``torch.nn.functional.scaled_dot_product_attention`` by a wrapper that notes
+    ``(query shape, key shape, mask shape, is_causal)`` and calls the original: transformers' attention, this
+    package's pooled tower and ``nn.MultiheadAttention`` all look the function up there at call time. Shapes are
+    metadata: noting them reads nothing from the device."""
+
+    def __init__(self, sdpa: bool) -> None:
+        self.phase, self.step = "setup", 0
+        self.ids: dict[str, list[list[str]]] = {"loop": [], "bare": []}
+        self.batches: dict[str, list[tuple]] = {"loop": [], "bare": []}
+        self.attention: dict[str, list[set]] = {"loop": [], "bare": []}
+        self.sdpa_calls: dict[str, list[int]] = {"loop": [], "bare": []}
+        self._original = None
+        self.sdpa = sdpa
+        if sdpa:
+            import torch.nn.functional as F
+
+            self._original = original = F.scaled_dot_product_attention
+
+            def noted(query, key, value, attn_mask=None, *args, **kwargs):
+                if self.phase in self.attention and self.attention[self.phase]:
+                    mask = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else None
+                    causal = kwargs.get("is_causal", args[1] if len(args) > 1 else False)
+                    self.attention[self.phase][-1].add((tuple(query.shape), tuple(key.shape), mask, bool(causal)))
+                    self.sdpa_calls[self.phase][-1] += 1
+                return original(query, key, value, attn_mask, *args, **kwargs)
+
+            F.scaled_dot_product_attention = noted
+
+    def close(self) -> None:
+        if self._original is not None:
+            import torch.nn.functional as F
+
+            F.scaled_dot_product_attention = self._original
+            self._original = None
+
+    def begin(self, phase: str, batch: dict[str, Any]) -> None:
+        """A step of ``phase`` (``loop`` / ``bare``) starts on ``batch``."""
+        self.phase = phase
+        self.ids[phase].append([str(i) for i in batch.get("ids", ())])
+        self.batches[phase].append(batch_signature({k: v for k, v in batch.items() if k != "ids"}))
+        self.attention[phase].append(set())
+        self.sdpa_calls[phase].append(0)
+
+    def new_per_step(self, phase: str, first: int, last: int) -> dict[str, Any]:
+        """New input (batch tensor) shapes and new attention shapes per step over steps ``first..last`` (1-based,
+        inclusive) of ``phase``, new meaning seen in no earlier step of the loop or of the bare step."""
+        order = [("loop", i) for i in range(len(self.batches["loop"]))] + \
+                [("bare", i) for i in range(len(self.batches["bare"]))]
+        seen_b: set = set()
+        seen_a: set = set()
+        new_b = new_a = 0
+        for ph, i in order:
+            window = ph == phase and first - 1 <= i <= last - 1
+            b, a = self.batches[ph][i], self.attention[ph][i]
+            if window:
+                new_b += b not in seen_b
+                new_a += len(a - seen_a)
+            seen_b.add(b)
+            seen_a |= a
+        steps = max(1, last - first + 1)
+        calls = self.sdpa_calls[phase][first - 1:last]
+        return {"new_input_shapes_per_step": new_b / steps,
+                "new_attention_shapes_per_step": new_a / steps if self.sdpa else None,
+                "attention_calls_per_step": (sum(calls) / len(calls)) if calls and self.sdpa else None}
+
+
+def _graphs() -> int:
+    """Graphs dynamo compiled in this process so far."""
+    from finetune.models.compile import compiled_graphs
+
+    return compiled_graphs()
+
+
+def attention_kernels(run: Callable[[], Any], device: str) -> dict[str, Any]:
+    """Run ``run`` once under ``torch.profiler`` and return the attention ops and kernels it ran: ``aten`` (the SDPA
+    aten ops by name and count), ``kernels`` (CUDA kernels whose names say attention, by name and count) and
+    ``family`` (flash / efficient / cudnn / math / none, from those names: the kernels on CUDA, the aten op on
+    the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+        _sync(device)
+    aten: Counter = Counter()
+    kernels: Counter = Counter()
+    device_names: list[str] = []
+    for event in prof.events():
+        name = event.name
+        if name.startswith("aten::") and "scaled_dot_product" in name and "backward" not in name:
+            aten[name] += 1
+        if str(getattr(event, "device_type", "")).endswith("CUDA"):  # a kernel listed as an event of its own
+            device_names.append(name)
+        device_names.extend(k.name for k in getattr(event, "kernels", ()))  # or attached to its launching op
+    for name in device_names:
+        if any(k in name.lower() for k in ("flash", "fmha", "cudnn", "attention", "sdpa", "attn")):
+            kernels[name] += 1
+    names = [k.lower() for k in kernels] if kernels else [a.lower() for a in aten]
+    family = "none"
+    for key, fam in KERNEL_FAMILIES:
+        if any(key in n for n in names):
+            family = fam
+            break
+    else:
+        if aten:  # the math backend runs as matmuls and a softmax under the composite op
+            family = "math"
+    return {"family": family, "aten": dict(aten.most_common(6)), "kernels": dict(kernels.most_common(6))}
+
+
+def _device_batches(trainer: Any, start: int, n: int) -> list[dict]:
+    """``n`` batches of the trainer's own loader from step ``start`` on (the rows after the loop's), on the device
+    as the loop moves them; the loader's iterator (and its workers' prefetching) is shut before returning."""
+    out = []
+    trainer.sampler.start_step, trainer.sampler.total_steps = start, start + n
+    batches = iter(trainer.loader)
+    for batch in batches:
+        trainer._note_skipped(batch)
+        out.append(trainer.to_device(batch))
+        if len(out) == n:
+            break
+    # the loader's workers stop here, not during the timed steps, where their work would take the CPU from the
+    # thread that launches the step
+    if hasattr(batches, "close"):
+        batches.close()
+    del batches
+    gc.collect()
+    if len(out) < n:
+        raise RuntimeError(f"the loader gave {len(out)} of the {n} fresh batches the bare step needs: write more rows")
+    return out
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build and measure one case (the module docstring); ``spec`` is what the parent wrote (``loop.case_spec``)."""
+    import loop
+
+    case = {c.name: c for c in loop.CASES}[spec["case"]]
+    device, warmup, steady, bare_warmup = spec["device"], spec["warmup"], spec["steady"], spec["bare_warmup"]
+    work = Path(spec["work"])
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    recipe = loop.case_recipe(case, spec, work)
+    acc = loop.accelerator(device, recipe.train.mixed_precision)
+    trainer = loop.build_trainer(recipe, acc)
+    model = trainer._model
+    compiled = bool(recipe.train.compile)
+    built = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    rec = StepRecorder(sdpa=not compiled)
+    graphs = {"after_build": _graphs()}
+    step_fn = trainer.train_step
+
+    def loop_step(batch: dict[str, Any], step: int) -> None:
+        if step == warmup + 1:
+            graphs["after_loop_warmup"] = _graphs()
+        rec.begin("loop", batch)
+        step_fn(batch, step)
+
+    trainer.train_step = loop_step  # the loop calls it through the instance: every step is recorded
+    t1 = time.perf_counter()
+    result = trainer.train()
+    loop_s = time.perf_counter() - t1
+    trainer.train_step = step_fn
+    graphs["after_loop"] = _graphs()
+    thr = result.throughput
+    window = LoopClock(skip_steps=warmup, marks=trainer.clock.marks).steady()
+    if window is None or window["first_step"] != warmup or window["steps"] < steady:
+        raise RuntimeError(f"{case.name}: the loop's reads do not bound steps {warmup}..{warmup + steady} "
+                           f"(marks at {[m.step for m in trainer.clock.marks]})")
+    batch_size = recipe.train.batch_size
+
+    # the bare step: fresh batches, each once, all on the device before timing
+    fresh = _device_batches(trainer, warmup + steady, bare_warmup + steady + 2)
+    timed, probes = fresh[:bare_warmup + steady], fresh[bare_warmup + steady:]
+    trainer.wrapped.train()
+    t2 = time.perf_counter()
+    for i, batch in enumerate(timed[:bare_warmup]):
+        rec.begin("bare", batch)
+        trainer.train_step(batch, 100_001 + i)
+    _sync(device)
+    graphs["after_bare_warmup"] = _graphs()
+    with count_syncs(device) as syncs:
+        start = time.perf_counter()
+        for i, batch in enumerate(timed[bare_warmup:]):
+            rec.begin("bare", batch)
+            trainer.train_step(batch, 100_001 + bare_warmup + i)
+        _sync(device)
+        bare_s = time.perf_counter() - start
+    graphs["after_bare"] = _graphs()
+    rec.phase = "probe"
+    kernels = attention_kernels(lambda: trainer.train_step(probes[0], 200_001), device)
+    _, probe_flops = count_flops(lambda: trainer.train_step(probes[1], 200_002))
+    probe_s = time.perf_counter() - t2 - bare_s
+    rec.close()
+
+    loop_ids = {i for b in rec.ids["loop"] for i in b}
+    bare_ids = [i for b in rec.ids["bare"] for i in b]
+    if set(bare_ids) & loop_ids or len(set(bare_ids)) != len(bare_ids):
+        raise RuntimeError(f"{case.name}: the bare step saw rows the loop or an earlier bare step had: the data "
+                           f"has too few rows for {warmup + steady} loop and {bare_warmup + steady} bare steps")
+    bare = batch_size * steady / bare_s
+    loop_rate = window["samples_per_s"]
+    flops = result.throughput["flops_per_sample"]
+    flops_step = flops * batch_size if flops else None
+    peak = peak_tflops(acc.device)
+
+    def tflops(rate: float | None) -> float | None:
+        return flops * rate / 1e12 if flops and rate else None
+
+    def mfu(rate: float | None) -> float | None:
+        t = tflops(rate)
+        return t / peak if t and peak else None
+
+    attention = thr.get("attention") or {}
+    out = {
+        "case": case.name, "recipe": case.recipe, "model": recipe.model.name_or_path, "note": case.note,
+        "pid": os.getpid(), "parent_pid": os.getppid(),
+        "batch": batch_size, "text_len": int(model.max_text_len), "adapter": recipe.adapter.type,
+        "objective": recipe.objective.base + "".join(f" + {t}" for t in recipe.objective.terms),
+        "compiled": compiled, "mixed_precision": recipe.train.mixed_precision,
+        "loop_samples_per_s": loop_rate, "bare_samples_per_s": bare, "loop_vs_bare": loop_rate / bare,
+        "data_wait_share": window["data_wait_share"],
+        "loop_steady_steps": window["steps"], "loop_steady_from_step": window["first_step"],
+        "bare_steady_steps": steady, "bare_warmup_steps": bare_warmup,
+        "shapes": {"fixed": thr.get("shapes"),
+                   "loop": rec.new_per_step("loop", warmup + 1, warmup + steady),
+                   "bare": rec.new_per_step("bare", bare_warmup + 1, bare_warmup + steady),
+                   "distinct_input_shapes": len(set(rec.batches["loop"]) | set(rec.batches["bare"]))},
+        "attention": {"setting": attention.get("setting"), "order": attention.get("order"),
+                      "first_step_kernels": attention.get("first_step_kernels"), "ran": kernels["family"],
+                      "profiled": {"aten": kernels["aten"], "kernels": kernels["kernels"]}},
+        "recompiles": ({"graphs": graphs,
+                        "loop_after_warmup": graphs["after_loop"] - graphs["after_loop_warmup"],
+                        "bare_timed": graphs["after_bare"] - graphs["after_bare_warmup"]} if compiled else None),
+        "flops": {"per_step_first": flops_step, "per_step_steady": probe_flops,
+                  "same_every_step": flops_step == probe_flops if flops_step else None,
+                  "per_sample_g": flops / 1e9 if flops else None,
+                  "counted": "torch.utils.flop_counter on the padded shapes that ran (matmul, conv, SDPA fwd+bwd)"},
+        "loop_tflops": tflops(loop_rate), "bare_tflops": tflops(bare), "loop_mfu": mfu(loop_rate),
+        "bare_mfu": mfu(bare), "peak_tflops": peak,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "host_syncs_per_bare_step": len(syncs) / steady if device == "cuda" else None,
+        "first_syncs": sorted(set(syncs))[:3],
+        "batches": {"loop": len(rec.ids["loop"]), "bare": len(rec.ids["bare"]), "bare_rows_seen_before": 0},
+        "seconds": {"build": built, "loop": loop_s, "bare": bare_s, "probes": probe_s,
+                    "case": time.perf_counter() - t0},
+    }
+    if spec.get("record_ids"):
+        out["batch_ids"] = rec.ids
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure the case of ``SPEC.json`` (``argv[0]``) and write its result where the spec says."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python bench/loop_case.py SPEC.json (written by bench/loop.py)")
+    spec = json.loads(Path(argv[0]).read_text())
+    from finetune.files import write_json_atomic
+
+    write_json_atomic(Path(spec["out"]), measure(spec))
+
+
+if __name__ == "__main__":
+    main()
