@@ -76,17 +76,21 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     except RecipeError as exc:
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2
+    # imported once a recipe is loaded: `--help`, `--list` and a bad recipe need none of the training libraries
+    from finetune.objectives import build_objective
     from finetune.training.needs import recipe_problems
+    from finetune.training.recipe import run_recipe
 
-    problems = recipe_problems(recipe, args.recipe)
+    try:  # the run's one objective, checked here and trained by the run
+        objective = build_objective(recipe.objective)
+    except (ValueError, OSError):
+        objective = None  # recipe_problems names what is wrong with it
+    problems = recipe_problems(recipe, args.recipe, objective=objective)
     if problems is not None:  # every missing model, file and dataset at once, before anything slow starts
         print(f"recipe error: {problems}", file=sys.stderr)
         return 2
-    # imported once a recipe is loaded: `--help`, `--list` and a bad recipe need none of the training libraries
-    from finetune.training.recipe import run_recipe
-
     try:
-        return run_recipe(recipe)
+        return run_recipe(recipe, objective=objective)
     except RecipeError as exc:  # found with the objective (a stream it cannot read), before anything is written
         print(f"recipe error: {exc}", file=sys.stderr)
         return 2

@@ -405,12 +405,12 @@ def missing_message(needs: list[Need], recipe_ref: str) -> str | None:
     return "\n".join([*lines, tail])
 
 
-def recipe_problems(recipe: Any, recipe_ref: str) -> str | None:
+def recipe_problems(recipe: Any, recipe_ref: str, *, objective: Any = None) -> str | None:
     """Everything that stops ``recipe`` before it runs, in one message (``None`` when nothing does): the checks a
     run makes before anything slow (its objective built, a streamed ``data.train`` checked against the terms,
     :func:`finetune.training.checks.check_stream_recipe`), then every missing need (:func:`missing_message`). An
     objective error about a key whose need is listed as missing (a FastSAM file, the extra it needs) is left to
-    that line."""
+    that line. ``objective``: the run's objective when the caller built it already (built here otherwise)."""
     from finetune.objectives import build_objective
     from finetune.training.checks import check_stream_recipe
 
@@ -418,7 +418,7 @@ def recipe_problems(recipe: Any, recipe_ref: str) -> str | None:
     listed = {key for n in needs if n.state == "missing" for key in n.key.split(", ")}
     errors = []
     try:
-        objective = build_objective(recipe.objective)
+        objective = objective if objective is not None else build_objective(recipe.objective)
     except (ValueError, OSError) as exc:
         if not any(key in str(exc) for key in listed):
             errors.append(str(exc))

@@ -29,7 +29,7 @@ from finetune.data.skipping import SkippingDataset, SkipReportingCollate
 from finetune.evaluation import RetrievalOptions, evaluate_sets, format_table
 from finetune.models.finetuned import ModelNotFoundError
 from finetune.models.weight_files import DamagedWeightsError
-from finetune.objectives import build_objective
+from finetune.objectives import Objective, build_objective
 from finetune.run_folder import (RunFolderError, RunLock, check_run_folder, clean_stale_temporaries,
                                  clear_previous_run, lock_on_main_process)
 from finetune.training.checkpoint import is_write_error
@@ -68,9 +68,9 @@ class FinetuneRecipe:
             ``data.train``.
     """
 
-    def __init__(self, recipe: Recipe, *, chain: tuple[str, ...] = ()) -> None:
+    def __init__(self, recipe: Recipe, *, chain: tuple[str, ...] = (), objective: Objective | None = None) -> None:
         try:  # the run's one objective, built (no model, no random draws) before any prerequisite trains
-            objective = build_objective(recipe.objective)
+            objective = objective if objective is not None else build_objective(recipe.objective)
         except RecipeError:
             raise
         except ValueError as exc:  # a term's options that cannot work together, nothing to optimise, ...
@@ -249,7 +249,7 @@ def _refused(message: str) -> int:
     return 2
 
 
-def run_recipe(recipe: Recipe, *, chain: tuple[str, ...] = ()) -> int:
+def run_recipe(recipe: Recipe, *, chain: tuple[str, ...] = (), objective: Objective | None = None) -> int:
     """Run a validated recipe end to end (:class:`FinetuneRecipe`); returns the process exit status.
 
     The runs it builds on (``model.init_from``, ``eval.compare_with``) are reused when current, else trained
@@ -260,17 +260,19 @@ def run_recipe(recipe: Recipe, *, chain: tuple[str, ...] = ()) -> int:
     Args:
         recipe: a loaded :class:`finetune.config.Recipe`.
         chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
+        objective: the run's objective, when the caller already built it from ``recipe.objective`` (the command
+            line does, for its checks); built here otherwise.
 
     Raises:
         RecipeError: the objective cannot be built from ``objective``, or cannot run on a streamed
             ``data.train`` (checked with the run's one objective before anything is written or loaded).
     """
     if chain:  # a prerequisite: its stops and failures end the run that needs it, which says what to do
-        return FinetuneRecipe(recipe, chain=chain).run()
+        return FinetuneRecipe(recipe, chain=chain, objective=objective).run()
     slurm_environment()  # srun without a launcher: the rank decides who holds the run folder's lock
     with stop_signals():
         try:
-            return FinetuneRecipe(recipe).run()
+            return FinetuneRecipe(recipe, objective=objective).run()
         except BaseException as exc:  # noqa: B036 - a signal's RunInterrupted is a KeyboardInterrupt
             status = stopped_or_failed(exc, recipe)
             if status is None:

@@ -134,7 +134,7 @@ def test_every_run_line_parses_and_its_recipe_loads():
         if command.fixed is not None:
             assert argv == [], f"{page}: xlipkit {words[1]} takes no arguments"
             continue
-        parser = module._parser()
+        parser = module._parser(f"xlipkit {words[1]}")
         try:
             args = parser.parse_args(argv) if command.subcommand else parser.parse_intermixed_args(argv)
         except SystemExit:
