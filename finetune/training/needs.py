@@ -62,8 +62,8 @@ class Need:
         state: ``ready``, ``download`` or ``missing``.
         how: for ``missing``, what to do; for ``download``, where it is fetched from; for ``ready``, where it is.
         fetch: for ``download`` (and a ``missing`` one that only the network, an offline flag or a run that does not
-            download it stands in the way of): ``("hub", repo_id, revision)``, ``("url", url, sha256, archive, cache_dir)`` or
-            ``("ultralytics", path)``; what :func:`fetch_need` does.
+            download it stands in the way of): ``("hub", repo_id, revision)``,
+            ``("url", url, sha256, archive, cache_dir)`` or ``("ultralytics", path)``; what :func:`fetch_need` does.
     """
 
     key: str
@@ -216,8 +216,8 @@ def _official(names: tuple[str, ...], cache: Path, what: str, key: str) -> Itera
                        f"not in the cache ({cache}) and {why}: download it where it can be reached (`xlipkit "
                        "download`), or set the entry's `path:` to a local copy", ("url", url, sha, archive, str(cache)))
         else:
-            yield Need(key, f"{what}: {Path(url).name}", "download", f"from {url}, on first use or by `xlipkit "
-                                                                      "download`", ("url", url, sha, archive, str(cache)))
+            yield Need(key, f"{what}: {Path(url).name}", "download",
+                       f"from {url}, on first use or by `xlipkit download`", ("url", url, sha, archive, str(cache)))
 
 
 def _data_needs(key: str, entry: dict[str, Any], cache: Path) -> Iterator[Need]:
