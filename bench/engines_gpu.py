@@ -66,7 +66,8 @@ def launch(config: Path, args: list[str], log: Path) -> tuple[int, float]:
     started = time.perf_counter()
     with open(log, "w") as f:
         status = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=1200,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}).returncode
     return status, time.perf_counter() - started
 
 
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     for engine in args.engines:
         results["engines"][engine] = run_engine(engine, work)
         print(engine, json.dumps({k: v for k, v in results["engines"][engine].items() if k != "log_tail"}), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))  # after each engine: a cut-off run keeps its part
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return results
