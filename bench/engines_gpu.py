@@ -71,6 +71,13 @@ def launch(config: Path, args: list[str], log: Path) -> tuple[int, float]:
     return status, time.perf_counter() - started
 
 
+def failure_lines(log: str, keep: int = 80) -> str:
+    """What a failed launch says: the process's own lines (``[rank0]: ...``, the run's ``error:`` and ``recipe error:``)
+    and any line naming an error, the last ``keep`` of them, without the launcher's traceback around them."""
+    lines = [line for line in log.splitlines() if line.startswith("[rank") or "error" in line.lower()]
+    return "\n".join(lines[-keep:])[-8000:]
+
+
 def load_back(final: Path) -> dict:
     """``final/`` loaded with ``load_finetuned`` and a batch encoded: finite embeddings of the right shape."""
     import torch
@@ -91,7 +98,7 @@ def run_engine(engine: str, work: Path) -> dict:
     status, seconds = launch(config, overrides(out), work / f"{engine}.log")
     record: dict = {"status": status, "seconds": round(seconds, 1), "log_tail": None}
     if status != 0:
-        record["log_tail"] = (work / f"{engine}.log").read_text()[-3000:]
+        record["log_tail"] = failure_lines((work / f"{engine}.log").read_text())
         return record
     metrics = json.loads((out / "metrics.json").read_text())
     record.update(steps=metrics["steps"], final_loss=metrics["final_losses"].get("loss"),
@@ -120,7 +127,7 @@ def run_engine(engine: str, work: Path) -> dict:
         record["resume"]["max_loss_difference"] = max(abs(a["loss"] - b["loss"]) for a, b in
                                                       zip(again["history"], metrics["history"]))
     else:
-        record["resume"]["log_tail"] = (work / f"{engine}-resumed.log").read_text()[-3000:]
+        record["resume"]["log_tail"] = failure_lines((work / f"{engine}-resumed.log").read_text())
     return record
 
 

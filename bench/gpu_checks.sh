@@ -8,7 +8,8 @@
 #   # plus a deepspeed wheel built here (pure Python): DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed
 #   bash bench/gpu_checks.sh                                   # there, with .whl carried; results in $OUT
 #
-# LOOP_CASES, LOOP_BUDGET, LOOP_S, ENGINES, ENGINES_S and SUPERPIXELS_S override the defaults below.
+# PARTS (default: loop engines superpixels, in that order), LOOP_CASES, LOOP_BUDGET, LOOP_S, ENGINES, ENGINES_S and
+# SUPERPIXELS_S override the defaults below.
 set -u
 OUT=${OUT:-bench/results/gpu_checks}
 mkdir -p "$OUT"
@@ -24,16 +25,20 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUF
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-cases=${LOOP_CASES:-clip-248,siglip2,clip-248-torch-attention,clip-248-compiled,structxlip-pool}
-timeout "${LOOP_S:-290}" python3 bench/loop.py --device cuda --workers 8 --budget "${LOOP_BUDGET:-270}" \
-  --cases "$cases" --out "$OUT/loop.json" > "$OUT/loop.log" 2>&1
-echo "loop.py exit $?"; tail -n 25 "$OUT/loop.log"
-
-timeout "${ENGINES_S:-150}" python3 bench/engines_gpu.py --engines ${ENGINES:-fsdp2 deepspeed-zero2 deepspeed-zero3} \
-  --out "$OUT/engines_gpu.json" --keep /tmp/engines > "$OUT/engines.log" 2>&1
-echo "engines_gpu.py exit $?"; tail -n 8 "$OUT/engines.log"
-tail -n 40 /tmp/engines/*.log 2>/dev/null | grep -iE "error|Traceback|==>" | tail -n 20
-
-timeout "${SUPERPIXELS_S:-45}" python3 bench/superpixels.py --gpu-only --repeats 1 \
-  --out "$OUT/superpixels_gpu.json" > "$OUT/superpixels.log" 2>&1
-echo "superpixels.py exit $?"; tail -n 6 "$OUT/superpixels.log"
+loop() {
+  timeout "${LOOP_S:-290}" python3 bench/loop.py --device cuda --workers 8 --budget "${LOOP_BUDGET:-270}" \
+    --cases "${LOOP_CASES:-clip-248,siglip2,clip-248-torch-attention,clip-248-compiled,structxlip-pool}" \
+    --out "$OUT/loop.json" > "$OUT/loop.log" 2>&1
+  echo "loop.py exit $?"; grep -v "it/s\|examples/s" "$OUT/loop.log" | tail -n 25
+}
+engines() {
+  timeout "${ENGINES_S:-150}" python3 bench/engines_gpu.py --engines ${ENGINES:-fsdp2 deepspeed-zero2 deepspeed-zero3} \
+    --out "$OUT/engines_gpu.json" --keep /tmp/engines > "$OUT/engines.log" 2>&1
+  echo "engines_gpu.py exit $?"; tail -n 8 "$OUT/engines.log"
+}
+superpixels() {
+  timeout "${SUPERPIXELS_S:-45}" python3 bench/superpixels.py --gpu-only --repeats 1 \
+    --out "$OUT/superpixels_gpu.json" > "$OUT/superpixels.log" 2>&1
+  echo "superpixels.py exit $?"; tail -n 6 "$OUT/superpixels.log"
+}
+for part in ${PARTS:-loop engines superpixels}; do "$part"; done

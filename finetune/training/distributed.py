@@ -13,6 +13,10 @@ FSDP: accelerate's transformer wrap policy reads ``_no_split_modules`` of the mo
 :class:`~finetune.training.trainer.TrainModule` sets it to :func:`layer_classes` of its model, so that each encoder
 layer of every family is its own FSDP unit (``fsdp_transformer_layer_cls_to_wrap`` in an accelerate config
 overrides it).
+
+Checked on one H200 (2026-11-27, ``bench/gpu_checks.sh``): :func:`check_engine` refuses DeepSpeed releases that cannot
+start these models, and :func:`load_whole_under_zero3` keeps transformers from partitioning the start model while it
+loads under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -26,8 +30,17 @@ from torch import nn
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["average_gradients", "deepspeed_objects", "fsdp2_scalars", "gathered_model", "layer_classes",
-           "process_group_kwargs", "resolve_deepspeed", "sharded", "slurm_environment"]
+__all__ = ["UNUSABLE_DEEPSPEED", "average_gradients", "check_engine", "deepspeed_objects", "fsdp2_scalars",
+           "gathered_model", "layer_classes", "load_whole_under_zero3", "local_shards", "process_group_kwargs", "resolve_deepspeed",
+           "sharded", "slurm_environment"]
+
+#: DeepSpeed releases that cannot start a model with a 0-dim parameter (CLIP's ``logit_scale``, SigLIP's
+#: ``logit_bias``), and why. Seen on an H200 with 0.19.8 (2026-11-27); 0.19.5 to 0.19.7 broadcast ``p.data`` itself.
+UNUSABLE_DEEPSPEED = {
+    "0.19.8": "its engine views every parameter as bytes for its first broadcast (p.data.view(torch.uint8) in "
+              "DeepSpeedEngine._broadcast_model), which torch refuses for a 0-dim parameter such as CLIP's "
+              "logit_scale (\"self.dim() cannot be 0 to view BFloat16 as Byte\")",
+}
 
 
 def process_group_kwargs(recipe: Any) -> list[Any]:
@@ -81,6 +94,52 @@ def sharded(accelerator: Any) -> bool:
     return kind == DistributedType.DEEPSPEED and plugin is not None and plugin.hf_ds_config.is_zero3()
 
 
+def check_engine(accelerator: Any) -> None:
+    """Stop a DeepSpeed run at once, before anything loads, when the installed DeepSpeed is one of
+    :data:`UNUSABLE_DEEPSPEED`; the message names the release and the install command that avoids it.
+
+    Raises:
+        RecipeError: an unusable DeepSpeed release (the run exits with status 2).
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    import deepspeed
+
+    why = UNUSABLE_DEEPSPEED.get(getattr(deepspeed, "__version__", ""))
+    if why:
+        from finetune.config import RecipeError
+
+        raise RecipeError(f"DeepSpeed {deepspeed.__version__} cannot train these models: {why}. Install another "
+                          "release: pip install \"xlipkit[deepspeed]\" (or pip install \"deepspeed!=0.19.8\"), or "
+                          "use FSDP (docs/guides/scaling.md)")
+
+
+def load_whole_under_zero3(accelerator: Any) -> bool:
+    """Under DeepSpeed ZeRO-3, let the run load its models whole; returns whether anything changed.
+
+    accelerate registers its DeepSpeed config with transformers (``HfDeepSpeedConfig``) whatever
+    ``zero3_init_flag`` says, and transformers then builds every model inside ``deepspeed.zero.Init``: each weight is
+    partitioned as it is made, so Long-CLIP's stretching of the text positions (which reads and rewrites the table
+    after loading) sees an empty ``(0,)`` tensor. The registration is dropped for the run: the start model, and the
+    runs ``eval.compare_with`` loads, load whole (a CLIP-size model fits one GPU) and DeepSpeed partitions the model
+    that trains when accelerate prepares it. ``zero3_init_flag: true`` is not used (logged).
+    """
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or not sharded(accelerator):
+        return False
+    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    if not is_deepspeed_zero3_enabled():
+        return False
+    unset_hf_deepspeed_config()
+    if getattr(plugin, "zero3_init_flag", False):
+        log.info("DeepSpeed ZeRO-3: zero3_init_flag is not used; models load whole and are partitioned when the "
+                 "model that trains is prepared (Long-CLIP's position stretching reads the whole table)")
+    return True
+
+
 def fsdp2_scalars(accelerator: Any, module: nn.Module) -> list[nn.Parameter]:
     """Under FSDP2, the module's 0-dim parameters (CLIP's ``logit_scale``, SigLIP's ``logit_bias``, a term's
     temperature), which ``fully_shard`` refuses ("fully_shard doesn't support scalar parameters"): given to accelerate
@@ -101,6 +160,18 @@ def fsdp2_scalars(accelerator: Any, module: nn.Module) -> list[nn.Parameter]:
         if isinstance(existing, str):
             log.warning("FSDP2: fsdp_ignored_modules=%r is replaced by the model's scalar parameters", existing)
     return scalars
+
+
+def local_shards(params: list[nn.Parameter]) -> list[Any]:
+    """The part of each parameter this process holds, the empty ones left out: a DTensor's local shard (FSDP2), a
+    ZeRO-3 parameter's partition (``ds_tensor``; the parameter itself is then an empty tensor), else the parameter.
+    What the loop's NaN check reads (an infinity norm has no value on an empty tensor)."""
+    out = []
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+        if local.numel():
+            out.append(local)
+    return out
 
 
 def average_gradients(params: list[nn.Parameter], num_processes: int) -> None:

@@ -35,7 +35,7 @@ from finetune.run_folder import (RunFolderError, RunLock, check_run_folder, clea
 from finetune.training.checkpoint import is_write_error
 from finetune.training.checks import check_batch, check_room, check_stream_recipe, check_warmup
 from finetune.training.context import RunContext
-from finetune.training.distributed import slurm_environment
+from finetune.training.distributed import check_engine, load_whole_under_zero3, slurm_environment
 from finetune.training.environment import (cpu_threads, flat_scalars, launched_as_main, make_accelerator,
                                            setup_logging)
 from finetune.training.failures import stopped_or_failed
@@ -98,6 +98,8 @@ class FinetuneRecipe:
         setup_logging(launched_as_main())  # so that a prerequisite trained first is said (INFO) before it trains
         ctx.prerequisites = ensure_all(recipe, run_recipe, ctx.chain)
         ctx.accelerator = make_accelerator(recipe)
+        check_engine(ctx.accelerator)  # a DeepSpeed release that cannot start these models: before anything loads
+        load_whole_under_zero3(ctx.accelerator)
         setup_logging(ctx.accelerator.is_main_process)
         cpu_threads(ctx.accelerator)
         set_seed(recipe.train.seed)

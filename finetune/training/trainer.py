@@ -32,7 +32,7 @@ from finetune.objectives.planning import split_batch
 from finetune.resume import check_continuation, find_checkpoint, rng_problem, rng_state_name
 from finetune.run_folder import continuation_view
 from finetune.training.distributed import (average_gradients, deepspeed_objects, fsdp2_scalars, gathered_model,
-                                          layer_classes, sharded)
+                                          layer_classes, local_shards, sharded)
 from finetune.training.checkpoint import (SaveFailedError, TrainState, list_checkpoints, read_stream_states,
                                           save_checkpoint)
 from finetune.training.loaders import map_loader
@@ -375,8 +375,10 @@ class Trainer:
         if not self._trainable:
             return torch.zeros((), device=self.acc.device)
         by_device: dict[torch.device, list[Tensor]] = {}
-        for p in self._trainable:
-            by_device.setdefault(p.device, []).append(p.detach())
+        for local in local_shards(self._trainable):  # FSDP2, ZeRO-3: each process its own shard, summed below
+            by_device.setdefault(local.device, []).append(local.detach())
+        if not by_device:
+            return torch.zeros((), device=self.acc.device)
         bad = [(~torch.stack(torch._foreach_norm(ps, math.inf)).float().isfinite()).any().float().to(self.acc.device)
                for ps in by_device.values()]
         flag = torch.stack(bad).max()

@@ -318,3 +318,76 @@ def test_two_srun_tasks_train_as_one_run(tmp_path):
                                                                                          (1, 2, "1", "1")]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["num_processes"] == 2 and metrics["steps"] == 2
+
+
+def _deepspeed_accelerator(plugin):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(deepspeed_plugin=plugin))
+
+
+def test_an_unusable_deepspeed_release_stops_the_run_with_the_install_command(monkeypatch):
+    from types import ModuleType, SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from finetune.config import RecipeError
+    from finetune.training.distributed import check_engine
+
+    fake = ModuleType("deepspeed")
+    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    fake.__version__ = "0.19.8"  # seen on an H200: its engine cannot broadcast CLIP's 0-dim logit_scale
+    with pytest.raises(RecipeError, match=r"DeepSpeed 0\.19\.8 cannot train.*logit_scale.*deepspeed!=0\.19\.8"):
+        check_engine(_deepspeed_accelerator(None))
+    fake.__version__ = "0.19.7"
+    check_engine(_deepspeed_accelerator(None))
+    fake.__version__ = "0.19.8"
+    check_engine(SimpleNamespace(distributed_type=DistributedType.FSDP))  # another engine: DeepSpeed not asked
+
+
+def test_under_zero3_the_start_model_loads_whole_and_is_stretched_to_248():
+    """accelerate registers its ZeRO-3 config with transformers (HfDeepSpeedConfig) whatever zero3_init_flag says;
+    transformers would then build the model inside deepspeed.zero.Init (partitioned as made: the stretch saw a (0,)
+    table on an H200). DeepSpeed is not installed here: a stand-in registers as a ZeRO-3 config the same way."""
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config
+
+    from finetune import load_model
+    from finetune.training.distributed import load_whole_under_zero3
+
+    class Zero3Config:  # what transformers reads of the registered HfDeepSpeedConfig
+        def is_zero3(self) -> bool:
+            return True
+
+    registered = Zero3Config()
+    set_hf_deepspeed_config(registered)
+    plugin = DeepSpeedPlugin(hf_ds_config=dict(_ZERO3), zero3_init_flag=False)
+    try:
+        assert is_deepspeed_zero3_enabled()
+        assert load_whole_under_zero3(_deepspeed_accelerator(plugin)) is True
+        assert not is_deepspeed_zero3_enabled()
+        model = load_model("random:tiny-clip", max_text_len=248)
+        assert tuple(model.position_embedding().shape)[0] == 248
+        assert load_whole_under_zero3(_deepspeed_accelerator(plugin)) is False  # nothing left to drop
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def test_the_nan_check_reads_each_process_s_own_part_of_the_weights():
+    import torch
+    from torch import nn
+
+    from finetune.training.distributed import local_shards
+
+    whole = nn.Parameter(torch.ones(3))
+    zero3 = nn.Parameter(torch.empty(0))  # DeepSpeed ZeRO-3: the parameter is emptied, the partition is ds_tensor
+    zero3.ds_tensor = torch.tensor([1.0, float("nan")])
+    other = nn.Parameter(torch.empty(0))  # this process holds none of it
+    other.ds_tensor = torch.empty(0)
+    shards = local_shards([whole, zero3, other])
+    assert [s.shape for s in shards] == [(3,), (2,)]
+    assert torch.isnan(shards[1]).any()
+    torch._foreach_norm(shards, float("inf"))  # no empty tensor left: the infinity norm has a value
