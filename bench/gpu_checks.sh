@@ -9,7 +9,7 @@
 #   bash bench/gpu_checks.sh                                   # there, with .whl carried; results in $OUT
 #
 # PARTS (default: loop engines superpixels, in that order), LOOP_CASES, LOOP_BUDGET, LOOP_S, ENGINES, ENGINES_S and
-# SUPERPIXELS_S override the defaults below.
+# SUPERPIXELS_S override the defaults below; LOOP_ARGS adds arguments to bench/loop.py.
 set -u
 OUT=${OUT:-bench/results/gpu_checks}
 mkdir -p "$OUT"
@@ -28,7 +28,7 @@ cat "$OUT/env.txt"
 loop() {
   timeout "${LOOP_S:-290}" python3 bench/loop.py --device cuda --workers 8 --budget "${LOOP_BUDGET:-270}" \
     --cases "${LOOP_CASES:-clip-248,siglip2,clip-248-torch-attention,clip-248-compiled,structxlip-pool}" \
-    --out "$OUT/loop.json" > "$OUT/loop.log" 2>&1
+    --out "$OUT/loop.json" ${LOOP_ARGS:-} > "$OUT/loop.log" 2>&1
   echo "loop.py exit $?"; grep -v "it/s\|examples/s" "$OUT/loop.log" | tail -n 25
 }
 engines() {
