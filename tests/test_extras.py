@@ -64,6 +64,7 @@ def test_require_extra_names_the_extra_and_its_licence(monkeypatch):
     assert issubclass(MissingExtraError, ValueError)  # a run reports it as a recipe error
 
 
+@pytest.mark.slow
 def test_the_package_and_recipes_without_fastsam_work_without_ultralytics():
     """Imports, recipe loading and objectives of recipes that do not use the extra, with ultralytics hidden; the
     StructXLIP and FAST-GOAL terms build without it when no FastSAM checkpoint or .pt detector is set."""
@@ -87,6 +88,7 @@ def test_the_package_and_recipes_without_fastsam_work_without_ultralytics():
     assert result.stdout.strip().endswith("ok")
 
 
+@pytest.mark.slow
 def test_a_recipe_that_needs_the_extra_stops_before_anything_slow():
     """structxlip_docci (FastSAM regions) and fastgoal_docci with an ultralytics detector: `finetune/run.py` exits 2
     with `recipe error:` and the install command, before any data, model or run folder (no FileNotFoundError for the
@@ -125,6 +127,7 @@ def test_a_recipe_that_needs_the_extra_stops_before_anything_slow():
     assert not out_dir.exists()
 
 
+@pytest.mark.slow
 def test_the_flism_command_names_the_extra_for_an_ultralytics_detector(tmp_path):
     result = _run_hidden("""
         import sys

@@ -149,6 +149,7 @@ def test_a_shim_warns_naming_the_new_path_and_forwards_its_old_names(module, nam
 @pytest.mark.parametrize("argv", [["finetune/run.py", "--help"], ["-m", "finetune.evaluate", "--help"],
                                   ["-m", "finetune.preview", "--help"], ["-m", "finetune.hub", "--help"],
                                   ["-m", "finetune.preprocess.flism", "--help"]])
+@pytest.mark.slow
 def test_the_commands_users_type_run_without_a_warning(argv):
     out = subprocess.run([sys.executable, "-W", "error::FutureWarning", *argv], capture_output=True, text=True,
                          cwd=REPO, timeout=300)

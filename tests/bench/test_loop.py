@@ -80,6 +80,7 @@ def test_every_case_runs_on_the_cpu(tmp_path):
         assert r["batches"]["bare_rows_seen_before"] == 0
 
 
+@pytest.mark.slow
 def test_the_budget_skips_and_kills_what_does_not_fit_and_lists_it(tmp_path):
     """No case starts without its estimate left; a case that runs past the budget is killed (with its process group)
     and listed, and the run still writes its results."""

@@ -27,6 +27,7 @@ def fresh_accelerate():
     GradientState._reset_state()
 
 
+@pytest.mark.slow
 def test_clip_248_launches_within_1_2x_of_siglip2_at_the_same_depth(tmp_path, fresh_accelerate):
     clip = shapes.run_case("clip-248", steps=2, warmup=1, batch=4, workdir=tmp_path / "clip")
     siglip = shapes.run_case("siglip2", steps=2, warmup=1, batch=4, workdir=tmp_path / "siglip")

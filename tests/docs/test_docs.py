@@ -57,6 +57,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_the_site_builds_in_strict_mode_with_every_nav_page(site):
     nav = yaml.safe_load((REPO / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
     pages = list(_nav_pages(nav))

@@ -44,6 +44,7 @@ def _options(text: str) -> dict[str, str]:
     ("hub_roundtrip.py", {"--repo-id", "--stage-only", "--steps", "--adapter", "--train-size", "--eval-size",
                           "--out", "--public"}),
 ])
+@pytest.mark.slow
 def test_help_prints_every_option_with_a_description_and_trains_nothing(script, options):
     text = _help(script)
     assert text.startswith("usage: ")

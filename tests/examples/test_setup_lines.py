@@ -102,6 +102,7 @@ def _run_lines() -> list[tuple[str, list[str]]]:
             if c.startswith(("accelerate launch", "python finetune/run.py", "xlipkit "))]
 
 
+@pytest.mark.slow
 def test_every_run_line_parses_and_its_recipe_loads():
     """`accelerate launch ... finetune/run.py RECIPE`, `python finetune/run.py RECIPE` and `xlipkit CMD ...` as
     shown: the launcher's parser, the command's own parser, the recipe file and its overrides."""

@@ -180,6 +180,7 @@ def test_each_command_help_parses_before_importing_the_model_libraries(name):
     assert int(modules) < 400, f"xlipkit {name} --help imported {modules} modules"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["train", "preview"])
 def test_overrides_are_accepted_after_options(command, tmp_path, monkeypatch):
     """`xlipkit preview RECIPE --n 8 key=value` (an override after an option) reads the override, as

@@ -64,6 +64,7 @@ def _model(shipped: list[str]):
     return model
 
 
+@pytest.mark.slow
 def test_the_shards_hold_the_superpixels_a_run_computes_and_every_original_member(shipped, written, capsys):
     import PIL.Image
 
@@ -153,6 +154,7 @@ def _objective(model):
     return objective
 
 
+@pytest.mark.slow
 def test_a_stream_of_precomputed_shards_does_no_superpixel_work_in_its_workers(shipped, written, tmp_path,
                                                                               monkeypatch):
     from finetune.models.families.fcast import FCastModel

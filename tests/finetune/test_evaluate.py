@@ -632,6 +632,7 @@ def test_no_room_for_the_results_or_a_busy_run_folder_is_refused_first(tmp_path,
         holder.wait()
 
 
+@pytest.mark.slow
 def test_the_command_line_lives_in_cli_and_the_documented_command_keeps_working():
     """The library (finetune.evaluation) does not import its command line (finetune.cli.evaluate), and
     ``python -m finetune.evaluate`` (DESIGN 1) still runs it (``tests/test_old_paths.py``: without a warning)."""

@@ -52,6 +52,7 @@ def _trainer(folder: Path, **train) -> Trainer:
                    folder)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_does_not_fit_keeps_the_last_one_and_says_why(tmp_path):
     # a checkpoint of tiny-clip at 248 text positions takes 19.6 MB (6.5 MB of weights, 13 MB of AdamW moments):
     # room for one, not two

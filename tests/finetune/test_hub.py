@@ -81,6 +81,7 @@ def _assert_close(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...], atol
 
 
 # -- staging and push --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_stage_upload_writes_a_complete_adapter_folder_that_loads_on_its_own(clip_run: Path, tmp_path: Path) -> None:
     from transformers import AutoImageProcessor, AutoTokenizer
 

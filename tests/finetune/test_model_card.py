@@ -128,6 +128,7 @@ torch.save({"text": out[0], "image": out[1], "max_length": tokenizer.model_max_l
 """
 
 
+@pytest.mark.slow
 def test_peft_snippet_rebuilds_the_adapter_without_xlipkit(tmp_path: Path) -> None:
     import subprocess
     import sys

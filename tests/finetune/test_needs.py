@@ -69,6 +69,7 @@ def test_validate_lists_found_to_download_and_missing_and_exits_2_when_something
     assert "recipe error:" in err and NOT_CACHED in err
 
 
+@pytest.mark.slow
 def test_validate_of_the_quickstart_needs_nothing_from_outside(capsys):
     assert validate_command.main(["recipes/quickstart.yaml"]) == 0
     out = capsys.readouterr().out

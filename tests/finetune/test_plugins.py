@@ -91,6 +91,7 @@ def test_the_toolkits_registries_are_the_ones_their_public_lookups_read():
     assert {"grm.GRMHead", "tsl.heads"} <= set(inference_module_names())
 
 
+@pytest.mark.slow
 def test_config_and_the_objectives_do_not_import_each_other():
     # config asks finetune.plugins for the term options; the registry's first lookup discovers the terms
     config_first = ("import sys, finetune.config as c; print('finetune.objectives' in sys.modules); "

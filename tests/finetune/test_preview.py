@@ -16,6 +16,7 @@ pytestmark = pytest.mark.usefixtures("quiet_datasets")
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_preview_command_on_a_recipe(tmp_path, capsys):
     tiny = save_tiny("tiny-clip", tmp_path / "tiny-clip")
     out = tmp_path / "preview.png"
@@ -72,6 +73,7 @@ def test_preview_reports_recipe_errors(tmp_path, capsys):
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.slow
 def test_preview_before_the_start_is_trained_says_so_without_a_random_weights_warning(tmp_path, caplog):
     """`xlipkit preview recipes/quickstart.yaml` on a fresh clone: the start (model.init_from) is not trained yet;
     the preview says so as INFO and warns about nothing, and trains nothing."""

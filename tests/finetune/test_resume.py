@@ -249,6 +249,7 @@ def test_resume_with_another_recipe_lists_the_differing_keys(finished, tmp_path,
     assert trainer.state.step == 4 and trainer.state.recipe["train"]["lr"] == 2e-3
 
 
+@pytest.mark.slow
 def test_metrics_after_a_resume_cover_the_whole_run(finished, tmp_path, scenes):
     _copy(finished, tmp_path)
     _, straight = finished

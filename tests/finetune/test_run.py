@@ -80,6 +80,7 @@ def _entry_point_environment(entry: str, env: dict[str, str], first: str = "") -
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["finetune/run.py", "finetune/cli/__main__.py"])
 def test_the_entry_points_make_openmp_wait_passively_unless_told_otherwise(entry):
     """`python finetune/run.py` and `xlipkit` set OMP_WAIT_POLICY=PASSIVE before torch loads its OpenMP runtime;

@@ -388,6 +388,7 @@ SLOW_METHODS = {"lora", "dora", "structxlip-crop", "fastgoal", "flair", "fcast",
 
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_METHODS else m
                                     for m in METHODS])
+@pytest.mark.slow
 def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeypatch, capsys):
     """Every method's shipped recipe, run by ``finetune/run.py``, reads no tensor back to the host between two
     logging steps (``train.log_every``): no ``.item()`` / ``.tolist()`` / ``.cpu()``, no ``nonzero``, boolean-mask

@@ -428,6 +428,7 @@ def _assert_close(got, want, msg: str, rtol: float = 1e-9) -> None:
     torch.testing.assert_close(got, want, rtol=rtol, atol=1e-12, msg=lambda m: f"{msg}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["global", "global_public_mps", "global_no_mps", "global_seeded", "global_keyed"])
 def test_global_semantics_equal_one_process_on_the_concatenated_batch(flair_world, case: str) -> None:
     """Each rank draws only its own rows; with the same draw (a fixed one, one seeded alike, or one

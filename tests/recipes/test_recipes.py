@@ -73,6 +73,7 @@ def _reset_accelerate() -> None:
     GradientState._reset_state()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_as_shipped_overrides_change_only_data_and_model(path, project):
     """The as-shipped harness changes a recipe's data paths, its model and the files it cannot have here, and
@@ -223,6 +224,7 @@ def test_a_stream_without_the_terms_fields_stops_before_anything_runs(tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_bad_recipe_exits_2_with_a_message(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("# bad\ntrain:\n  lr: 1e-3\n  batchsize: 8\n")
@@ -234,6 +236,7 @@ def test_bad_recipe_exits_2_with_a_message(tmp_path):
         load_recipe(bad)
 
 
+@pytest.mark.slow
 def test_run_help_and_list():
     proc = subprocess.run([sys.executable, str(ROOT / "finetune" / "run.py"), "--help"],
                           capture_output=True, text=True, timeout=120)

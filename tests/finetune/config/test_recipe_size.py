@@ -70,6 +70,7 @@ def test_shipped_sized_recipes_still_load(tmp_path):
     assert len(load_recipe(path).eval.sets) == 200
 
 
+@pytest.mark.slow
 def test_overrides_are_bounded_in_number_and_bytes(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("# r\ntrain: {lr: 1.0e-5}\n")

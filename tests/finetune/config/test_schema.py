@@ -220,6 +220,7 @@ def test_every_foreign_name_points_at_a_recipe_key():
     assert not set(errors._FOREIGN_KEYS) & {p.rsplit(".", 1)[-1] for p in errors._schema_paths()}
 
 
+@pytest.mark.slow
 def test_wrong_type_names_the_expected_type_and_line(tmp_path):
     path = write(tmp_path, "train:\n  lr: fast\n")
     with pytest.raises(RecipeError) as info:
@@ -446,6 +447,7 @@ def test_yaml_quirks_in_term_options(tmp_path, term_registry):
         load_recipe(write(tmp_path, "objective:\n  terms:\n    quirky: {steps: 2.5}\n"))
 
 
+@pytest.mark.slow
 def test_schema_flag_prints_the_json_schema_with_terms_and_types():
     out = subprocess.run([sys.executable, str(REPO / "finetune" / "run.py"), "--schema"], capture_output=True,
                          text=True, cwd=REPO, timeout=600)

@@ -125,6 +125,7 @@ def test_missing_shard_is_named(tmp_path):
         open_stream({"name": "webdataset", "urls": str(tmp_path / "shard-{00000..00002}.tar")})
 
 
+@pytest.mark.slow
 def test_recipe_validates_stream_entry():
     from finetune.config import RecipeError, load_recipe
 
@@ -737,6 +738,7 @@ def test_two_processes_read_disjoint_shards(tmp_path):
     assert [(s["rank"], s["world_size"], s["positions"]["0"]["yielded"]) for s in states] == [(0, 2, 6), (1, 2, 6)]
 
 
+@pytest.mark.slow
 def test_preview_of_a_stream_recipe(tmp_path):
     from finetune.models.registry import save_tiny
     from finetune.cli.preview import main
@@ -806,6 +808,7 @@ def _parquet_with_number_captions(folder: Path) -> list[Path]:
     return paths
 
 
+@pytest.mark.slow
 def test_a_caption_column_of_numbers_is_refused_by_its_type_and_named_example_by_example(tmp_path):
     from finetune.data.streams import check_stream_columns
 

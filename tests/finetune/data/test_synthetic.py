@@ -24,6 +24,7 @@ def tokenizer():
     return open_clip.get_tokenizer("ViT-B-32")  # the real CLIP BPE, shipped with open_clip
 
 
+@pytest.mark.slow
 def test_same_seed_same_bytes_and_prefix_stable():
     a = synthetic_scenes(40, 7)
     b = synthetic_scenes(40, 7)

@@ -46,6 +46,7 @@ def _trainer(tmp_path, objective: dict, **train):
                    tmp_path / "run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_compiled_run_does_not_recompile_after_its_first_steps(tmp_path, monkeypatch, accumulation):
     """Long-CLIP (captions at 248 tokens, first sentences at the short length: two text passes and one image pass per

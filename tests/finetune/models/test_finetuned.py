@@ -151,6 +151,7 @@ def test_open_clip_folder_with_broken_config(tiny_dir, tmp_path) -> None:
         load_model(str(folder))
 
 
+@pytest.mark.slow
 def test_open_clip_architecture_name_builds_random_weights() -> None:
     assert load_model("random:ViT-B-32").name_or_path == "random:ViT-B-32"
     model = load_model("ViT-B-16", backend="open_clip")

@@ -520,6 +520,7 @@ def _header(path: Path) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_fastgoal_recipes_run_the_settings_of_the_table_they_name():
     """A recipe that follows the paper runs that table's settings: Table V's target-dataset runs at batch 64,
     GLIT100k at 256, 10 epochs; R@10/15 where Tables IV / XII report them and R@25/50 where Tables III / V do; the
@@ -552,6 +553,7 @@ def test_fastgoal_recipes_run_the_settings_of_the_table_they_name():
     assert second.objective.terms["fastgoal"].regions.method == "pairs"
 
 
+@pytest.mark.slow
 def test_recipes_and_docs_say_which_tsl_form_the_papers_numbers_likely_used():
     """Eq. 14 as written (matrix) and the GOAL code's diagonal form are both kept; every FAST-GOAL recipe says which
     it runs and which the paper's numbers most likely used, and the FAST-GOAL page of the docs argues it."""

@@ -438,6 +438,7 @@ def test_run_evaluates_with_the_recipe_scorer(tmp_path, monkeypatch):
     assert sys.modules["my_scorer_mod"].CALLS["score"] == 2 * (6 + 6)
 
 
+@pytest.mark.slow
 def test_the_toolkits_scorers_are_discovered_on_the_first_lookup() -> None:
     # no list of built-in modules: the first lookup imports every module of the finetune.evaluation.scorers package
     code = ("import sys; from finetune.evaluation.scorers import available_scorers; "

@@ -430,6 +430,7 @@ def test_registering_another_class_under_a_taken_name_is_an_error() -> None:
         register_inference_module(dict)
 
 
+@pytest.mark.slow
 def test_inference_module_is_staged_for_the_hub_and_exported(clip_base: Path, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
     from finetune.hub import export, stage_upload

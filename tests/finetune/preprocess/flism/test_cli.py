@@ -14,6 +14,7 @@ from tests.finetune.preprocess.flism.stubs import REPO
 pytestmark = pytest.mark.usefixtures("quiet_datasets")
 
 
+@pytest.mark.slow
 def test_pairs_cli_top3_and_a_bad_source(tmp_path, capsys):
     from finetune.models.registry import save_tiny
 
