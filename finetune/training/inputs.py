@@ -118,8 +118,8 @@ def check_broken_shards(source: Any, on_error: str) -> None:
     listed = "; ".join(f"{url}: {why}" for url, why in list(broken.items())[:5])
     if on_error == "raise":
         raise DataError(f"{len(broken)} shard(s) cannot be read to their end ({listed}): they are truncated or "
-                        "damaged. Replace or remove them, or set data.on_error: skip to skip the rest of a broken shard "
-                        "(counted in metrics.json)")
+                        "damaged. Replace or remove them, or set data.on_error: skip to skip the rest of a broken "
+                        "shard (counted in metrics.json)")
     log.warning("data.train: %d shard(s) end early and their rest is skipped every epoch (data.on_error: skip): %s",
                 len(broken), listed)
 

@@ -58,8 +58,8 @@ class EpochShuffleSampler(Sampler[tuple[int, int]]):
 
 class EpochIndexed:
     """A map-style dataset read by ``(epoch, index)`` (:class:`EpochShuffleSampler`): row ``index`` with the
-    epoch under :data:`finetune.data.collate.EPOCH_KEY`, which :class:`finetune.objectives.planning.PlannedCollate` hands to
-    the terms in the worker that collates the batch."""
+    epoch under :data:`finetune.data.collate.EPOCH_KEY`, which
+    :class:`finetune.objectives.planning.PlannedCollate` hands to the terms in the worker that collates the batch."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset

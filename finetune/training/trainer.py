@@ -377,11 +377,9 @@ class Trainer:
         by_device: dict[torch.device, list[Tensor]] = {}
         for local in local_shards(self._trainable):  # FSDP2, ZeRO-3: each process its own shard, summed below
             by_device.setdefault(local.device, []).append(local.detach())
-        if not by_device:
-            return torch.zeros((), device=self.acc.device)
         bad = [(~torch.stack(torch._foreach_norm(ps, math.inf)).float().isfinite()).any().float().to(self.acc.device)
                for ps in by_device.values()]
-        flag = torch.stack(bad).max()
+        flag = torch.stack(bad).max() if bad else torch.zeros((), device=self.acc.device)  # a process may hold none
         if self.meter.reduce is not None:  # a sharded model (FSDP) holds other weights on each process
             flag = self.meter.reduce(flag, reduction="sum")
         return flag
