@@ -28,6 +28,8 @@ from typing import Any
 
 from torch import nn
 
+from finetune.config import RecipeError
+
 log = logging.getLogger("xlipkit")
 
 __all__ = ["UNUSABLE_DEEPSPEED", "average_gradients", "check_engine", "deepspeed_objects", "fsdp2_scalars",
@@ -109,8 +111,6 @@ def check_engine(accelerator: Any) -> None:
 
     why = UNUSABLE_DEEPSPEED.get(getattr(deepspeed, "__version__", ""))
     if why:
-        from finetune.config import RecipeError
-
         raise RecipeError(f"DeepSpeed {deepspeed.__version__} cannot train these models: {why}. Install another "
                           "release: pip install \"xlipkit[deepspeed]\" (or pip install \"deepspeed!=0.19.8\"), or "
                           "use FSDP (docs/guides/scaling.md)")

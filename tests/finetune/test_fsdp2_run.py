@@ -64,7 +64,7 @@ def test_fsdp2_run_checkpoints_gathers_and_resumes_on_two_processes(tmp_path):
     metrics = json.loads((first / "metrics.json").read_text())
     assert metrics["num_processes"] == 1 and metrics["steps"] == 4
     assert (first / "checkpoints" / "step-2" / "pytorch_model_fsdp.bin").is_file()  # accelerate's FSDP save
-    assert (first / "final" / "model.safetensors").is_file() or any((first / "final").glob("*.safetensors"))
+    assert any((first / "final").glob("*.safetensors"))  # the gathered whole weights
 
     resumed = tmp_path / "resumed"  # the run stopped after its step-2 checkpoint, requeued on two processes
     shutil.copytree(first, resumed, ignore=shutil.ignore_patterns("final", "metrics.json", "report.md", "plots",
