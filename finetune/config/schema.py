@@ -435,7 +435,8 @@ class Recipe:
     """A validated recipe: the eight sections, plus where it came from.
 
     ``description`` is the file's first comment line and ``source`` its path; ``overrides`` are the
-    command-line ``key=value`` strings applied on top. These three are not recipe keys.
+    command-line ``key=value`` strings applied on top; ``trust_code`` is whether the user allowed the recipe to
+    run the code it names (``load_recipe(..., trust_imports=)``). These four are not recipe keys.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -450,6 +451,9 @@ class Recipe:
     source: SkipJsonSchema[Str | None] = dataclasses.field(default=None, metadata={"meta": True}, compare=False)
     overrides: SkipJsonSchema[tuple[Str, ...]] = dataclasses.field(default=(), metadata={"meta": True},
                                                                    compare=False)
+    #: the user said on the command line that this recipe may run the code it names (``objective.import``
+    #: modules, ``pipe:`` shard commands); never read from the file itself
+    trust_code: SkipJsonSchema[bool] = dataclasses.field(default=False, metadata={"meta": True}, compare=False)
 
 
 
@@ -601,7 +605,7 @@ def _validated(data: Any, node: Any, text: str, file: str, overrides: Sequence[s
         raise _recipe_error(exc, origins, tree, Recipe) from None
     _cross_checks(recipe, origins)
     return dataclasses.replace(recipe, description=_first_comment(text), source=file,
-                               overrides=tuple(overrides))
+                               overrides=tuple(overrides), trust_code=trust_imports)
 
 
 def recipe_json_schema() -> dict[str, Any]:
