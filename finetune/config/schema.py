@@ -364,6 +364,19 @@ class ObjectiveConfig:
         default_factory=dict)
 
 
+def _text_buckets(value: list[int] | None) -> list[int] | None:
+    if value is None:
+        return None
+    if not value:
+        raise ValueError("is an empty list; give the lengths text passes are padded to (e.g. [32, 64, 96, 128]) or "
+                         "null for the multiples of 32 up to model.max_text_len")
+    if any(v < 1 for v in value):
+        raise ValueError(f"must hold token counts >= 1, got {list(value)!r}")
+    if any(b <= a for a, b in zip(value, value[1:])):
+        raise ValueError(f"must be strictly increasing, got {list(value)!r}")
+    return list(value)
+
+
 @_section(("train",))
 class TrainConfig:
     """The Accelerate loop (DESIGN 6). Defaults are StructXLIP's (D.2): AdamW lr 5e-6, weight
@@ -404,6 +417,10 @@ class TrainConfig:
     attention: Annotated[Literal["auto", "torch", "flash", "efficient", "cudnn", "math"], _doc(
         "the attention backend of the training step: auto (CUDA: flash, then efficient for masked calls, then cudnn, "
         "then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend tried first")] = "auto"
+    text_buckets: Annotated[list[Int] | None, AfterValidator(_text_buckets), _doc(
+        "the lengths a text pass is padded to: the smallest that holds its longest text (model.max_text_len is "
+        "added as the last); null: the multiples of 32 below model.max_text_len. Only the lengths some training "
+        "text reaches are used (a map-style training set is scanned once)")] = None
     process_group_timeout_s: Annotated[_int(ge=1), _doc("seconds a process waits for the others at a collective (a "
         "first download or preprocessing included) before the launch fails; NCCL's default is 600")] = 7200
 
@@ -511,6 +528,11 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
         raise origins.error_any([("train", "min_lr"), ("train", "lr")],
                                 f"`train.min_lr` ({t.min_lr:g}) is above `train.lr` ({t.lr:g}); lower it")
     m = recipe.model
+    if t.text_buckets and m.max_text_len is not None and t.text_buckets[-1] > m.max_text_len:
+        raise origins.error_any([("train", "text_buckets"), ("model", "max_text_len")],
+                                f"`train.text_buckets` reaches {t.text_buckets[-1]} tokens, above "
+                                f"`model.max_text_len` ({m.max_text_len}); keep the lengths at most "
+                                f"{m.max_text_len} (it is added as the last one)")
     if m.backend not in ("auto", m.family):
         raise origins.error_any([("model", "backend"), ("model", "family")],
                                 f"`model.backend` ({m.backend}) and `model.family` ({m.family}) disagree; "

@@ -1,16 +1,19 @@
-"""What a training run fixes about its step before the first batch (issue 29 items 1-2), in one place the trainer
-calls: the batch shapes (:mod:`finetune.objectives.shapes`), the attention backend (``train.attention``,
-:mod:`finetune.models.backends.attention`) and ``train.compile`` (:mod:`finetune.models.compile`).
+"""What a training run fixes about its step before the first batch (issues 29 and 37), in one place the trainer
+calls: the batch shapes and their planned text lengths (:mod:`finetune.objectives.shapes`), the attention backend
+(``train.attention``, :mod:`finetune.models.backends.attention`) and ``train.compile``
+(:mod:`finetune.models.compile`).
 
 The trainer calls :func:`setup_step` once, wraps its collate function with :meth:`StepSetup.collate`, runs every
-step inside :meth:`StepSetup.attention`, its first step through :meth:`StepSetup.observed` (which SDPA kernels ran,
-at which shapes) and records :meth:`StepSetup.summary` in the run's log and ``metrics.json``.
+step inside :meth:`StepSetup.attention_context`, before its first step :meth:`StepSetup.warm_up` (every planned
+text length once, so that no later step meets a new shape), its first step through :meth:`StepSetup.observed`
+(which SDPA kernels ran, at which shapes) and records :meth:`StepSetup.summary` in the run's log and
+``metrics.json``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -18,6 +21,7 @@ import torch
 from finetune.models.backends.attention import SdpaCalls, attention_context, describe_attention
 from finetune.models.compile import compile_blocks, compile_options, compiled_graphs
 
+from .base import TEXT_PLAN
 from .planning import PlannedCollate
 from .shapes import BatchShapes, plan_shapes
 
@@ -33,7 +37,7 @@ class StepSetup:
     Attributes:
         objective: the run's objective (its terms hold :attr:`shapes`).
         model: the model being trained.
-        shapes: the batch shapes every batch is padded to.
+        shapes: the planned batch shapes (text bucket lengths, row capacities).
         attention: ``train.attention``; ``device``: where the step runs.
         compile: the ``torch.compile`` keywords of ``train.compile`` (None: off) and ``blocks`` compiled.
         micro_batches: ``train.accumulation_steps``.
@@ -50,6 +54,9 @@ class StepSetup:
     #: the fused SDPA kernels the observed (first) step ran, by backend, and at how many distinct shapes
     first_step_kernels: dict[str, int] = field(default_factory=dict)
     first_step_shapes: int = 0
+    #: warm-up passes run before the first step (:meth:`warm_up`), and the recompile limit set for compiled blocks
+    warmup_passes: int = 0
+    recompile_limit: int | None = None
 
     def collate(self, collate_fn: Callable[[list[dict]], dict[str, Any]]) -> PlannedCollate:
         """``collate_fn`` planned for the step (:class:`~finetune.objectives.planning.PlannedCollate`)."""
@@ -67,6 +74,32 @@ class StepSetup:
         self.first_step_shapes = len(set(calls.shapes))
         return out
 
+    def warm_up(self, run: Callable[[dict[str, Any]], Any], batch: dict[str, Any]) -> int:
+        """Run ``run`` (the step's forward and backward, no update) on ``batch`` at every planned text length its
+        own passes do not take (:func:`warmup_lengths`), so that every (kind, length) shape of the run has run before
+        the first step: attention graphs (cuDNN) and compiled blocks are built here, never later. The batch's rows
+        are cut or padded to each length (a warm-up plan: its values are not used). The RNG state is restored
+        after, so that the run trains as it would without the warm-up. Returns the passes run.
+
+        Args:
+            run: one forward and backward on a batch on the device, its gradients discarded by the caller.
+            batch: the first batch of the run (on the device), with its :class:`TextPlan`.
+        """
+        plan = batch.get(TEXT_PLAN)
+        if plan is None or not plan.lengths:
+            return 0
+        todo = warmup_lengths(self.shapes, plan.lengths)
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for lengths in todo:
+                run({**batch, TEXT_PLAN: replace(plan, lengths=lengths, warmup=True)})
+        self.warmup_passes += len(todo)
+        if todo:
+            log.info("warm-up: %d forward+backward pass(es) ran the planned text lengths the first batch did not "
+                     "take (%s)", len(todo), "; ".join(", ".join(f"{k} {v}" for k, v in sorted(t.items()))
+                                                       for t in todo))
+        return len(todo)
+
     def summary(self) -> dict[str, Any]:
         """What ``metrics.json`` records: the shapes, the attention setting and the kernels of the first step, the
         compile mode and how many graphs were compiled so far in this process."""
@@ -75,8 +108,19 @@ class StepSetup:
                      "first_step_shapes": self.first_step_shapes}
         compiled = None
         if self.compile is not None:
-            compiled = {**self.compile, "blocks": self.blocks, "graphs_compiled": compiled_graphs()}
-        return {"shapes": self.shapes.summary(), "attention": attention, "compile": compiled}
+            compiled = {**self.compile, "blocks": self.blocks, "graphs_compiled": compiled_graphs(),
+                        "recompile_limit": self.recompile_limit}
+        return {"shapes": {**self.shapes.summary(), "warmup_passes": self.warmup_passes}, "attention": attention,
+                "compile": compiled}
+
+
+def warmup_lengths(shapes: BatchShapes, seen: dict[str, int]) -> list[dict[str, int]]:
+    """The text lengths warm-up passes take so that every planned (kind, length) pair of the kinds in ``seen`` (a
+    batch's :attr:`TextPlan.lengths`) runs once besides ``seen`` itself: as many passes as the kind with the most
+    lengths left, each kind at its next length left (or at its ``seen`` length when none is left)."""
+    left = {kind: [n for n in shapes.lengths(kind) if n != length] for kind, length in seen.items()}
+    count = max((len(v) for v in left.values()), default=0)
+    return [{kind: (v[i] if i < len(v) else seen[kind]) for kind, v in left.items()} for i in range(count)]
 
 
 def setup_step(module: Any, cfg: Any, dataset: Any, device: torch.device | str) -> StepSetup:
@@ -85,25 +129,44 @@ def setup_step(module: Any, cfg: Any, dataset: Any, device: torch.device | str) 
 
     Args:
         module: the ``TrainModule`` (``.model``, ``.objective``).
-        cfg: the recipe's ``train`` section (``attention``, ``compile``, ``accumulation_steps``).
+        cfg: the recipe's ``train`` section (``attention``, ``compile``, ``accumulation_steps``, ``text_buckets``).
         dataset: the preprocessed training set, or a stream (nothing is scanned then).
         device: the training device.
+
+    Raises:
+        ValueError: a ``train.text_buckets`` list the model cannot take (:func:`~finetune.objectives.shapes.run_buckets`).
     """
     model, objective = module.model, module.objective
-    shapes = plan_shapes(objective, model, dataset)
+    shapes = plan_shapes(objective, model, dataset, getattr(cfg, "text_buckets", None))
     objective.set_shapes(shapes)
     caps = ", ".join(f"{k} {v}" for k, v in sorted(shapes.capacities.items()))
-    log.info("fixed shapes: texts padded to %d tokens, short texts to %d%s", shapes.text_length,
-             shapes.short_length, f"; rows per sample: {caps}" if caps else "")
+    log.info("batch shapes: text passes padded to the smallest planned length that holds their longest row (%s)%s",
+             "; ".join(f"{k} {list(v)}" for k, v in sorted(shapes.planned.items())),
+             f"; rows per sample: {caps}" if caps else "")
     attention = str(getattr(cfg, "attention", "auto"))
     info = describe_attention(attention, device)
     log.info("train.attention: %s on %s (%s)", attention, info["device"],
              info["order"] if isinstance(info["order"], str) else "backends in order: " + ", ".join(info["order"]))
     options = compile_options(getattr(cfg, "compile", False))
-    blocks = 0
+    blocks, limit = 0, None
     if options is not None:
         blocks = compile_blocks(model, **options)
-        log.info("train.compile: %d transformer blocks compiled with torch.compile(%s)", blocks,
-                 ", ".join(f"{k}={v}" for k, v in options.items()))
-    return StepSetup(objective, model, shapes, attention, torch.device(device), options, blocks,
-                     int(getattr(cfg, "accumulation_steps", 1)))
+        limit = allow_recompiles(shapes)
+        log.info("train.compile: %d transformer blocks compiled with torch.compile(%s); up to %d graphs per block "
+                 "(one per planned shape)", blocks, ", ".join(f"{k}={v}" for k, v in options.items()), limit)
+    setup = StepSetup(objective, model, shapes, attention, torch.device(device), options, blocks,
+                      int(getattr(cfg, "accumulation_steps", 1)))
+    setup.recompile_limit = limit
+    return setup
+
+
+def allow_recompiles(shapes: BatchShapes) -> int:
+    """Raise dynamo's per-frame recompile limit (``torch._dynamo.config.recompile_limit``, 8 by default) to what the
+    planned shapes need: a block's code serves the image pass and every planned text (kind, length), in training
+    and again under evaluation's ``no_grad``, so that no planned shape falls back to eager. Returns the limit."""
+    import torch._dynamo.config as dynamo
+
+    need = 2 * (shapes.planned_pairs() + 4)
+    limit = max(int(dynamo.recompile_limit), need)
+    dynamo.recompile_limit = limit
+    return limit

@@ -315,6 +315,25 @@ class Trainer:
                 self.acc.backward(out["loss"] * self.acc.gradient_accumulation_steps)
         return out
 
+    def _warm_up(self, batch: dict[str, Any]) -> None:
+        """Forward and backward of the first batch at every planned text length it does not take
+        (:meth:`~finetune.objectives.step_setup.StepSetup.warm_up`), gradients discarded, no update, the RNG state
+        restored: attention graphs and compiled blocks are built for every shape before the first step. Not under
+        DeepSpeed, whose engine steps the optimiser inside ``backward``: there each length's first step builds its
+        graphs."""
+        if self.acc.state.deepspeed_plugin is not None:
+            log.info("warm-up of the planned text lengths skipped under DeepSpeed (its backward steps the optimiser): "
+                     "the first step at each length builds its attention graphs")
+            return
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+
+        def run(b: dict[str, Any]) -> None:
+            with self.step_setup.attention_context():
+                self._step(b)
+            inner.zero_grad(set_to_none=True)
+
+        self.step_setup.warm_up(run, batch)
+
     def train_step(self, batch: dict[str, Any], step: int) -> None:
         """One optimiser step on a batch already on the device, without reading anything back: forward and
         backward (:meth:`_step`), the loss terms and the non-finite check into :attr:`meter`, clipping, the
@@ -473,6 +492,8 @@ class Trainer:
                 clock.wait_s += time.perf_counter() - waited
                 self._note_skipped(batch)
                 step = self.state.step + 1
+                if step == first + 1:  # this process's first step: every planned text length runs once before it
+                    self._warm_up(batch)
                 if step == 1:  # FLOPs of the first step from the shapes (finetune.training.throughput); only in a
                     # fresh run: ops under a dispatch mode may round differently, and a resumed run must match
                     _, self.state.flops_per_step = count_flops(
