@@ -476,14 +476,12 @@ class Objective(nn.Module):
 
     def plan(self, model: Any, batch: Batch) -> TextPlan:
         """The :class:`~finetune.objectives.encoders.TextPlan` of ``batch`` (collated on the CPU), decided where the
-        batch is collated so that the step reads no mask from the device: whether its text requests are right-padded
-        and, under :attr:`shapes`, the length of each text kind's pass (the smallest planned bucket that holds its
-        longest row; the kinds of the terms' own texts, :meth:`Term.text_masks`, too) with the real and computed
-        text tokens."""
+        batch is collated so that the step reads no mask from the device: whether its text requests are right-padded,
+        the length of each text kind's pass (under :attr:`shapes` the smallest planned bucket that holds its longest
+        row, else that row's length; the kinds of the terms' own texts, :meth:`Term.text_masks`, too) and the real
+        and computed text tokens."""
         _, text_reqs, _ = self.requests(batch)
         padded = right_padded([r.attention_mask for r in text_reqs.values()])
-        if self.shapes is None:
-            return TextPlan(right_padded=padded)
         masks: dict[str, list[Tensor]] = {}
         for req in text_reqs.values():
             masks.setdefault(request_kind(req), []).append(req.attention_mask)

@@ -30,8 +30,8 @@ class TextPlan:
     Attributes:
         right_padded: every text request's mask is ones then zeros: a causal tower may then run without its
             padding mask (under the causal mask no real token attends to the padding after it).
-        lengths: ``{kind: columns}`` of the batch's text passes (:meth:`BatchShapes.length`); empty without
-            planned shapes.
+        lengths: ``{kind: columns}`` of the batch's text passes (:meth:`BatchShapes.length`; without planned
+            shapes the longest row, which only the terms' own texts use).
         real_tokens: the real text tokens of the batch's passes (their masks' sum).
         computed_tokens: the text tokens the passes compute (rows x columns, padding included).
         warmup: a warm-up pass (:meth:`~finetune.objectives.step_setup.StepSetup.warm_up`): rows longer than a
@@ -65,15 +65,17 @@ def request_kind(req: Any) -> str:
     return SHORT if getattr(req, "short", False) else TEXT
 
 
-def plan_lengths(shapes: BatchShapes, masks: Mapping[str, list[Tensor]]) -> TextPlan:
+def plan_lengths(shapes: BatchShapes | None, masks: Mapping[str, list[Tensor]]) -> TextPlan:
     """The :class:`TextPlan` lengths and token counts of a batch's texts, ``masks`` ``{kind: [(n, L) masks]}`` on
-    the host: each kind at :meth:`BatchShapes.length` of its longest row."""
+    the host: each kind at :meth:`BatchShapes.length` of its longest row (without ``shapes``: the longest row
+    itself)."""
     lengths, real, computed = {}, 0, 0
     for kind, ms in masks.items():
         ms = [m for m in ms if m.shape[0]]
         if not ms:
             continue
-        lengths[kind] = shapes.length(kind, max(text_extent(ms), 1))
+        longest = max(text_extent(ms), 1)
+        lengths[kind] = shapes.length(kind, longest) if shapes is not None else longest
         real += int(sum(int(m.sum()) for m in ms))
         computed += sum(m.shape[0] for m in ms) * lengths[kind]
     return TextPlan(lengths=lengths, real_tokens=real, computed_tokens=computed)

@@ -75,11 +75,12 @@ class StepSetup:
         return out
 
     def warm_up(self, run: Callable[[dict[str, Any]], Any], batch: dict[str, Any]) -> int:
-        """Run ``run`` (the step's forward and backward, no update) on ``batch`` at every planned text length its
-        own passes do not take (:func:`warmup_lengths`), so that every (kind, length) shape of the run has run before
-        the first step: attention graphs (cuDNN) and compiled blocks are built here, never later. The batch's rows
+        """Run ``run`` (the step's forward and backward, no update) on ``batch`` at every planned text length
+        (:func:`warmup_lengths`), so that every (kind, length) shape of the run has run before the first step:
+        attention graphs (cuDNN) and compiled blocks are built here, never later. The batch's rows
         are cut or padded to each length (a warm-up plan: its values are not used). The RNG state is restored
-        after, so that the run trains as it would without the warm-up. Returns the passes run.
+        after, so that the run trains as it would without the warm-up. Nothing to run (0) where every kind has one
+        planned length and no block is compiled: the first step runs that shape. Returns the passes run.
 
         Args:
             run: one forward and backward on a batch on the device, its gradients discarded by the caller.
@@ -88,16 +89,17 @@ class StepSetup:
         plan = batch.get(TEXT_PLAN)
         if plan is None or not plan.lengths:
             return 0
-        todo = warmup_lengths(self.shapes, plan.lengths)
+        todo = warmup_lengths(self.shapes, list(plan.lengths))
+        if len(todo) == 1 and self.compile is None:  # one length per kind: the first step is that shape
+            return 0
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             for lengths in todo:
                 run({**batch, TEXT_PLAN: replace(plan, lengths=lengths, warmup=True)})
         self.warmup_passes += len(todo)
         if todo:
-            log.info("warm-up: %d forward+backward pass(es) ran the planned text lengths the first batch did not "
-                     "take (%s)", len(todo), "; ".join(", ".join(f"{k} {v}" for k, v in sorted(t.items()))
-                                                       for t in todo))
+            done = "; ".join(", ".join(f"{k} {v}" for k, v in sorted(t.items())) for t in todo)
+            log.info("warm-up: %d forward+backward pass(es) ran every planned text length (%s)", len(todo), done)
         return len(todo)
 
     def summary(self) -> dict[str, Any]:
@@ -114,13 +116,14 @@ class StepSetup:
                 "compile": compiled}
 
 
-def warmup_lengths(shapes: BatchShapes, seen: dict[str, int]) -> list[dict[str, int]]:
-    """The text lengths warm-up passes take so that every planned (kind, length) pair of the kinds in ``seen`` (a
-    batch's :attr:`TextPlan.lengths`) runs once besides ``seen`` itself: as many passes as the kind with the most
-    lengths left, each kind at its next length left (or at its ``seen`` length when none is left)."""
-    left = {kind: [n for n in shapes.lengths(kind) if n != length] for kind, length in seen.items()}
-    count = max((len(v) for v in left.values()), default=0)
-    return [{kind: (v[i] if i < len(v) else seen[kind]) for kind, v in left.items()} for i in range(count)]
+def warmup_lengths(shapes: BatchShapes, kinds: Any) -> list[dict[str, int]]:
+    """The text lengths of the warm-up passes, so that every planned (kind, length) pair of ``kinds`` (a batch's
+    :attr:`TextPlan.lengths`) runs once: as many passes as the kind with the most planned lengths, the i-th pass
+    each kind at its i-th length (its last when it has fewer). The first batch's own lengths are run too: the first
+    step runs under the FLOP counter's dispatch mode, which compiled blocks do not compile under."""
+    planned = {kind: shapes.lengths(kind) for kind in kinds}
+    count = max((len(v) for v in planned.values()), default=0)
+    return [{kind: v[min(i, len(v) - 1)] for kind, v in planned.items()} for i in range(count)]
 
 
 def setup_step(module: Any, cfg: Any, dataset: Any, device: torch.device | str) -> StepSetup:

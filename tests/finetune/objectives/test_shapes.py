@@ -285,3 +285,259 @@ def test_every_bucket_gives_the_same_losses_and_gradients(method, tmp_path):
         assert grads.keys() == loose_grads.keys()
         for key, grad in loose_grads.items():
             torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-5, msg=f"{lengths}: {key}")
+
+
+# -- the warm-up: no new shape after it -----------------------------------------------------------------------------
+def varied_scenes(size: int = 12):
+    """Synthetic scenes whose captions keep their first 1-6 sentences: 20-100 tokens, so that batches of two take
+    different bucket lengths from step to step."""
+    return _scenes(size, image_size=32).map(
+        lambda r, i: {"caption": " ".join(r["sentences"][: i % 6 + 1])}, with_indices=True)
+
+
+def _trainer(tmp_path, objective: dict, rows, **train):
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
+
+    from finetune.training import Trainer, TrainModule
+
+    recipe = {"objective": objective, "train": {"lr": 1e-4, "batch_size": 2, "max_steps": 6, "trackers": [],
+                                                "log_every": 1, "seed": 0, **train}}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    loaded = load_recipe(path)
+    objective = build_objective(loaded.objective)
+    torch.manual_seed(0)
+    model = load_model("tiny-clip", max_text_len=248)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
+    return Trainer(acc, TrainModule(model, objective), rows, Collator(model, objective), loaded.train,
+                   tmp_path / "run")
+
+
+def _recorded_run(trainer) -> dict:
+    """Train, noting the SDPA shapes of the warm-up and of every step, and the text passes of every step."""
+    from finetune.training import Trainer
+
+    seen: dict = {"warmup": set(), "steps": [], "passes": [], "lengths": []}
+    phase = {"now": "warmup"}
+    step, block = trainer._step, trainer.module.model.model.text_model.encoder.layers[0]
+    handle = block.register_forward_pre_hook(lambda *_: seen["passes"].__setitem__(-1, seen["passes"][-1] + 1)
+                                             if phase["now"] == "step" else None)
+
+    def recorded(batch):
+        with SdpaCalls() as calls:
+            out = step(batch)
+        if phase["now"] == "warmup":
+            seen["warmup"] |= set(calls.shapes)
+        else:
+            seen["steps"][-1] |= set(calls.shapes)
+        return out
+
+    original = trainer.train_step
+
+    def counted(batch, n):
+        phase["now"] = "step"
+        seen["steps"].append(set())
+        seen["passes"].append(0)
+        seen["lengths"].append(dict(batch[TEXT_PLAN].lengths))
+        original(batch, n)
+
+    trainer._step, trainer.train_step = recorded, counted
+    try:
+        seen["result"] = Trainer.train(trainer)
+    finally:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.slow
+def test_after_the_warm_up_no_step_brings_a_new_attention_shape(tmp_path, monkeypatch):
+    """Long-CLIP on captions of 20-100 tokens, batches of two: the steps take different caption lengths, and every
+    attention shape a step runs was run by the warm-up or the first step; each step runs one text pass per kind.
+    Without the warm-up the same run meets new shapes after its first step; with it the losses are the same (the
+    warm-up updates nothing and restores the RNG state)."""
+    from finetune.objectives.step_setup import StepSetup
+
+    rows = varied_scenes()
+    run = _recorded_run(_trainer(tmp_path / "warm", {"base": "longclip"}, rows))
+    lengths = run["lengths"]
+    assert len({tuple(sorted(x.items())) for x in lengths}) > 1, lengths  # the steps do take different lengths
+    known = run["warmup"] | run["steps"][0]
+    for i, shapes in enumerate(run["steps"][1:], start=2):
+        assert shapes <= known, f"step {i}: new attention shapes {shapes - known}"
+    assert run["passes"] == [2] * 6  # captions and first sentences: one pass each
+    assert run["result"].throughput["shapes"]["warmup_passes"] >= 1
+
+    monkeypatch.setattr(StepSetup, "warm_up", lambda self, run, batch: 0)
+    cold = _recorded_run(_trainer(tmp_path / "cold", {"base": "longclip"}, rows))
+    assert cold["lengths"] == lengths
+    assert any(not s <= cold["steps"][0] for s in cold["steps"][1:])  # the check above can fail
+    for warm, plain in zip(run["result"].history, cold["result"].history):
+        assert warm["loss"] == pytest.approx(plain["loss"], rel=1e-6), warm["step"]
+
+
+@pytest.mark.slow
+def test_a_compiled_run_compiles_once_per_planned_length_and_never_after_the_warm_up(tmp_path, monkeypatch):
+    """train.compile on the varied captions: dynamo compiles the blocks once per shape the warm-up and the first
+    step run (the image pass, each planned caption length) and never afterwards, although the steps take different
+    lengths; the recompile limit is raised for the planned shapes. aot_eager (dynamo and AOT autograd, no code
+    generation) keeps it within seconds; dynamo's guards and recompilations are the same with any backend."""
+    import finetune.objectives.step_setup as step_setup
+    from finetune.models.compile import compiled_graphs
+
+    monkeypatch.setattr(step_setup, "compile_options",
+                        lambda setting: {"backend": "aot_eager", "dynamic": False} if setting else None)
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    trainer = _trainer(tmp_path, {"base": "clip"}, varied_scenes(), compile=True)
+    planned = trainer.step_setup.shapes.lengths(TEXT)
+    assert len(planned) >= 3 and torch._dynamo.config.recompile_limit >= 2 * (len(planned) + 1)
+    graphs, step = [], trainer.train_step
+
+    def counted(batch, n):
+        step(batch, n)
+        graphs.append(compiled_graphs() - before)
+
+    trainer.train_step = counted
+    seen = []
+    original_step = trainer._step
+    trainer._step = lambda batch: seen.append(batch[TEXT_PLAN].lengths[TEXT]) or original_step(batch)
+    result = trainer.train()
+    assert result.steps == 6 and len(set(seen[-6:])) > 1  # the steps take different caption lengths
+    assert set(seen) == set(planned)  # warm-up and steps together ran every planned length
+    assert graphs == [graphs[0]] * 6, graphs  # nothing compiled after the warm-up and the first step
+    assert 0 < graphs[0] <= len(planned) + 1  # at most one graph per planned text length, and the image pass
+    assert result.throughput["compile"]["recompile_limit"] == torch._dynamo.config.recompile_limit
+
+
+# -- runs of every method's shipped recipe: shapes per step, text passes -------------------------------------------
+from tests.finetune.test_train import METHODS, project  # noqa: E402,F401  (the shipped-recipe runs and fixture)
+
+RUNS = {**{m: METHODS[m] for m in ("clip-248", "lora", "structxlip-crop", "structxlip-pool", "fastgoal", "grm",
+                                   "flair", "fcast", "siglip2")},
+        "grm-coco": ("grm_coco", [])}
+#: runs that take more than ~20 s on the shared 2-core CPU (preprocessing and the workers' start included)
+SLOW_RUNS = set(RUNS) - {"structxlip-pool", "grm-coco"}
+
+
+def _first_text_block(model):
+    inner = model.model
+    if hasattr(inner, "text_model"):
+        text = inner.text_model
+        return (text.encoder.layer if hasattr(text.encoder, "layer") else text.encoder.layers)[0]
+    if hasattr(inner, "transformer"):
+        return inner.transformer.resblocks[0]
+    return inner.text.blocks[0]  # F-CAST's chunk encoder
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_RUNS else m for m in RUNS])
+def test_a_run_brings_no_new_attention_shape_after_its_warm_up(method, project, monkeypatch, capsys):
+    """Every method's shipped recipe, run by finetune/run.py for 6 steps (batch 8, the project's fixtures and tiny
+    towers): every attention shape a step runs was run by the warm-up or the first step, every step runs the text
+    tower once per text kind, and the run's metrics record the planned lengths and the attention backend."""
+    import logging
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from finetune import train
+    from finetune.cli.train import main
+    from tests.recipes.shipped import RECIPES_DIR, as_shipped_overrides, clear_run, output_dir, \
+        prerequisites_as_shipped
+
+    name, extra = RUNS[method]
+    path = RECIPES_DIR / f"{name}.yaml"
+    overrides = [*as_shipped_overrides(path, project), "train.log_every=3", "train.batch_size=8", "eval.sets=[]",
+                 *extra]
+    monkeypatch.setattr(logging.getLogger("xlipkit"), "handlers", [])
+    monkeypatch.chdir(project.root)
+    prerequisites_as_shipped(monkeypatch, project)
+    steps: list[dict] = []
+    warm: set = set()
+    original_train, original_step, original_warm = train.Trainer.train, train.Trainer.train_step, \
+        train.Trainer._warm_up
+
+    def counted_train(self):
+        self.total_steps = min(self.total_steps, 6)
+        handle = _first_text_block(self._model).register_forward_pre_hook(
+            lambda *_: setattr(self, "_passes", getattr(self, "_passes", 0) + 1))
+        try:
+            return original_train(self)
+        finally:
+            handle.remove()
+
+    def counted_warm(self, batch):
+        with SdpaCalls() as calls:
+            original_warm(self, batch)
+        warm.update(calls.shapes)
+
+    def counted_step(self, batch, step):
+        self._passes = 0
+        with SdpaCalls() as calls:
+            original_step(self, batch, step)
+        steps.append({"shapes": set(calls.shapes), "passes": self._passes, "calls": len(calls.shapes),
+                      "kinds": len(batch["_text_plan"].lengths)})
+
+    monkeypatch.setattr(train.Trainer, "train", counted_train)
+    monkeypatch.setattr(train.Trainer, "_warm_up", counted_warm)
+    monkeypatch.setattr(train.Trainer, "train_step", counted_step)
+    out = output_dir(path, project)
+    clear_run(out)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        assert main([f"recipes/{path.name}", *overrides]) == 0, capsys.readouterr().err[-3000:]
+    finally:  # the recipe's mixed precision must not stay in accelerate's state for the next test's Accelerator
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert len(steps) == 6 and all(s["calls"] for s in steps)
+    known = warm | steps[0]["shapes"]
+    for i, s in enumerate(steps[1:], start=2):
+        assert s["shapes"] <= known, f"{method}: step {i}: new attention shapes {s['shapes'] - known}"
+    assert all(s["passes"] == s["kinds"] >= 1 for s in steps), [(s["passes"], s["kinds"]) for s in steps]
+    throughput = json.loads((out / "metrics.json").read_text())["throughput"]
+    assert throughput["shapes"]["buckets"][-1] == throughput["shapes"]["text_length"]
+    assert set(throughput["shapes"]["planned"]) >= {TEXT, SHORT}
+    if method.startswith("structxlip"):  # planned from the run's (wrapped) training set
+        assert set(throughput["shapes"]["capacities"]) == {"structxlip/chunks", "structxlip/regions"}
+    assert throughput["attention"]["setting"] == "auto" and throughput["attention"]["first_step_kernels"]
+
+
+# -- evaluation ------------------------------------------------------------------------------------------------
+def test_evaluation_encodes_in_passes_of_bucket_lengths():
+    """encode_for_retrieval: every image pass and every text pass has batch_size rows (the last ones filled), each
+    text pass padded to the smallest default bucket that holds its longest caption; the embeddings are those of each
+    row encoded alone."""
+    from finetune.evaluation.encode import encode_for_retrieval
+
+    model = load_model("tiny-clip", max_text_len=248).eval()
+    rows = [{"id": str(i), "image": r["image"], "captions": [r["caption"], r["caption"].split(".")[0]]}
+            for i, r in enumerate(_scenes(5))]
+    captions = [c for r in rows for c in r["captions"]]
+    longest = [max(_tokens(model, c) for c in captions[i:i + 4]) for i in range(0, 10, 4)]
+    seen = {"image": set(), "text": []}
+    encode_image, encode_text = model.encode_image, model.encode_text
+
+    def image(pixel_values, **kwargs):
+        seen["image"].add(tuple(pixel_values.shape))
+        return encode_image(pixel_values, **kwargs)
+
+    def text(input_ids, attention_mask=None, **kwargs):
+        seen["text"].append(tuple(input_ids.shape))
+        return encode_text(input_ids, attention_mask, **kwargs)
+
+    model.encode_image, model.encode_text = image, text
+    out = encode_for_retrieval(model, rows, batch_size=4)
+    assert seen["image"] == {(4, 3, 32, 32)}
+    assert seen["text"] == [(4, bucket_of(n, default_buckets(248))) for n in longest] and max(longest) < 248
+    assert out.image_embeds.shape[0] == 5 and out.text_embeds.shape[0] == 10
+    assert out.text_to_image.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    with torch.no_grad():
+        for j in (0, 9):
+            tok = model.tokenize([captions[j]])
+            alone = encode_text(tok.input_ids, tok.attention_mask).embeds[0].float()
+            torch.testing.assert_close(out.text_embeds[j], alone, atol=1e-5, rtol=1e-5)
+        pixels = model.preprocess_images([rows[4]["image"]])["pixel_values"]
+        torch.testing.assert_close(out.image_embeds[4], encode_image(pixels).embeds[0].float(), atol=1e-5, rtol=1e-5)
