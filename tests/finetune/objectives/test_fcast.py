@@ -245,6 +245,34 @@ def test_the_step_uses_the_segment_count_and_cut_planned_on_the_cpu(model, scene
     model.train()
 
 
+def test_batches_over_the_segment_capacity_warn_once_and_are_counted(model, scenes, caplog):
+    """A batch whose superpixels have more segments than planned runs at the next multiple of 16 (a new shape): the
+    step warns the first time and counts every such batch in the term's summary (metrics.json); a warm-up pass is
+    not counted."""
+    from dataclasses import replace
+
+    from finetune.data.collate import Collator
+    from finetune.objectives.base import TEXT_PLAN
+    from finetune.objectives.planning import PlannedCollate
+    from finetune.objectives.shapes import plan_shapes
+
+    term = _term()
+    objective = Objective(None, [(term, 1.0)])
+    objective.prepare_model(model)
+    shapes = plan_shapes(objective, model, scenes)
+    objective.set_shapes(replace(shapes, capacities={"fcast/segments": 16}))
+    batch = PlannedCollate(Collator(model, objective), objective, model)([dict(e) for e in scenes])
+    plan = batch["_term_plans"]["fcast"]
+    assert plan["over_capacity"] > 16 and plan["segments"] % 16 == 0 and plan["segments"] >= plan["over_capacity"]
+    with torch.no_grad(), caplog.at_level("WARNING", logger="xlipkit"):
+        for _ in range(2):
+            objective.encode(model, batch)
+        objective.encode(model, {**batch, TEXT_PLAN: replace(batch[TEXT_PLAN], warmup=True)})
+    warned = [r for r in caplog.records if "more than the 16 planned per image" in r.getMessage()]
+    assert len(warned) == 1 and term.summary()["over_capacity_batches"] == 2
+    objective.set_shapes(None)
+
+
 def test_segment_count_refuses_negative_labels(model):
     pixels = torch.zeros(1, 3, 64, 64)
     with pytest.raises(ValueError, match="labels >= 0"):
