@@ -45,7 +45,7 @@ from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_t
                                      _validate_source_list)
 from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas,
                                     _build_options, _doc, _float, _int, _json_schema_of,
-                                    _positive_ints, _yaml_word)
+                                    _positive_ints, _text_buckets, _yaml_word)
 
 # -- the sections ---------------------------------------------------------------------------------
 _SECTION_CONFIG = ConfigDict(extra="forbid", populate_by_name=True)
@@ -364,19 +364,6 @@ class ObjectiveConfig:
         default_factory=dict)
 
 
-def _text_buckets(value: list[int] | None) -> list[int] | None:
-    if value is None:
-        return None
-    if not value:
-        raise ValueError("is an empty list; give the lengths text passes are padded to (e.g. [32, 64, 96, 128]) or "
-                         "null for the multiples of 32 up to model.max_text_len")
-    if any(v < 1 for v in value):
-        raise ValueError(f"must hold token counts >= 1, got {list(value)!r}")
-    if any(b <= a for a, b in zip(value, value[1:])):
-        raise ValueError(f"must be strictly increasing, got {list(value)!r}")
-    return list(value)
-
-
 @_section(("train",))
 class TrainConfig:
     """The Accelerate loop (DESIGN 6). Defaults are StructXLIP's (D.2): AdamW lr 5e-6, weight
@@ -418,9 +405,8 @@ class TrainConfig:
         "the attention backend of the training step: auto (CUDA: flash, then efficient for masked calls, then cudnn, "
         "then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend tried first")] = "auto"
     text_buckets: Annotated[list[Int] | None, AfterValidator(_text_buckets), _doc(
-        "the lengths a text pass is padded to: the smallest that holds its longest text (model.max_text_len is "
-        "added as the last); null: the multiples of 32 below model.max_text_len. Only the lengths some training "
-        "text reaches are used (a map-style training set is scanned once)")] = None
+        "lengths a text pass is padded to, the smallest that holds its longest text (model.max_text_len added as the "
+        "last); null: the multiples of 32 below model.max_text_len")] = None
     process_group_timeout_s: Annotated[_int(ge=1), _doc("seconds a process waits for the others at a collective (a "
         "first download or preprocessing included) before the launch fails; NCCL's default is 600")] = 7200
 
@@ -529,10 +515,8 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
                                 f"`train.min_lr` ({t.min_lr:g}) is above `train.lr` ({t.lr:g}); lower it")
     m = recipe.model
     if t.text_buckets and m.max_text_len is not None and t.text_buckets[-1] > m.max_text_len:
-        raise origins.error_any([("train", "text_buckets"), ("model", "max_text_len")],
-                                f"`train.text_buckets` reaches {t.text_buckets[-1]} tokens, above "
-                                f"`model.max_text_len` ({m.max_text_len}); keep the lengths at most "
-                                f"{m.max_text_len} (it is added as the last one)")
+        raise origins.error_any([("train", "text_buckets"), ("model", "max_text_len")], f"`train.text_buckets` reaches "
+                                f"{t.text_buckets[-1]}, above `model.max_text_len` ({m.max_text_len}); keep it below")
     if m.backend not in ("auto", m.family):
         raise origins.error_any([("model", "backend"), ("model", "family")],
                                 f"`model.backend` ({m.backend}) and `model.family` ({m.family}) disagree; "

@@ -77,7 +77,8 @@ class StepSetup:
     def warm_up(self, run: Callable[[dict[str, Any]], Any], batch: dict[str, Any]) -> int:
         """Run ``run`` (the step's forward and backward, no update) on ``batch`` at every planned text length
         (:func:`warmup_lengths`), so that every (kind, length) shape of the run has run before the first step:
-        attention graphs (cuDNN) and compiled blocks are built here, never later. The batch's rows
+        attention graphs (cuDNN) and compiled blocks are built here (in the step's attention context), never later.
+        The batch's rows
         are cut or padded to each length (a warm-up plan: its values are not used). The RNG state is restored
         after, so that the run trains as it would without the warm-up. Nothing to run (0) where every kind has one
         planned length and no block is compiled: the first step runs that shape. Returns the passes run.
@@ -93,7 +94,7 @@ class StepSetup:
         if len(todo) == 1 and self.compile is None:  # one length per kind: the first step is that shape
             return 0
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), self.attention_context():
             for lengths in todo:
                 run({**batch, TEXT_PLAN: replace(plan, lengths=lengths, warmup=True)})
         self.warmup_passes += len(todo)

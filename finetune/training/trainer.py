@@ -316,23 +316,12 @@ class Trainer:
         return out
 
     def _warm_up(self, batch: dict[str, Any]) -> None:
-        """Forward and backward of the first batch at every planned text length it does not take
-        (:meth:`~finetune.objectives.step_setup.StepSetup.warm_up`), gradients discarded, no update, the RNG state
-        restored: attention graphs and compiled blocks are built for every shape before the first step. Not under
-        DeepSpeed, whose engine steps the optimiser inside ``backward``: there each length's first step builds its
-        graphs."""
-        if self.acc.state.deepspeed_plugin is not None:
-            log.info("warm-up of the planned text lengths skipped under DeepSpeed (its backward steps the optimiser): "
-                     "the first step at each length builds its attention graphs")
-            return
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
-
-        def run(b: dict[str, Any]) -> None:
-            with self.step_setup.attention_context():
-                self._step(b)
-            inner.zero_grad(set_to_none=True)
-
-        self.step_setup.warm_up(run, batch)
+        """Forward and backward of the first batch at every planned text length, gradients dropped, no update
+        (:meth:`~finetune.objectives.step_setup.StepSetup.warm_up`). Not under DeepSpeed, whose backward steps the
+        optimiser: there the first step at each length builds its graphs."""
+        if self.acc.state.deepspeed_plugin is None:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)
+            self.step_setup.warm_up(lambda b: (self._step(b), inner.zero_grad(set_to_none=True)), batch)
 
     def train_step(self, batch: dict[str, Any], step: int) -> None:
         """One optimiser step on a batch already on the device, without reading anything back: forward and
@@ -492,7 +481,7 @@ class Trainer:
                 clock.wait_s += time.perf_counter() - waited
                 self._note_skipped(batch)
                 step = self.state.step + 1
-                if step == first + 1:  # this process's first step: every planned text length runs once before it
+                if step == first + 1:  # every planned text length runs once before this process's first step
                     self._warm_up(batch)
                 if step == 1:  # FLOPs of the first step from the shapes (finetune.training.throughput); only in a
                     # fresh run: ops under a dispatch mode may round differently, and a resumed run must match
