@@ -251,7 +251,8 @@ def plan_shapes(objective: Any, model: Any, dataset: Any = None, buckets: Sequen
         for name, value in scan.capacities.items():
             capacities[name] = max(int(value), capacities.get(name, 0))
     planned: dict[str, tuple[int, ...]] = {}
-    for kind in sorted({TEXT, SHORT} | set(longest) | open_kinds):
+    kinds = {TEXT} | set(longest) | open_kinds | ({SHORT} if rows is None or not is_causal_tower(model) else set())
+    for kind in sorted(kinds):
         if kind in (TEXT, SHORT) and not is_causal_tower(model):
             planned[kind] = (run[-1],)
         elif rows is None or kind in open_kinds or not longest.get(kind):

@@ -499,7 +499,7 @@ def test_a_run_brings_no_new_attention_shape_after_its_warm_up(method, project, 
     assert all(s["passes"] == s["kinds"] >= 1 for s in steps), [(s["passes"], s["kinds"]) for s in steps]
     throughput = json.loads((out / "metrics.json").read_text())["throughput"]
     assert throughput["shapes"]["buckets"][-1] == throughput["shapes"]["text_length"]
-    assert set(throughput["shapes"]["planned"]) >= {TEXT, SHORT}
+    assert TEXT in throughput["shapes"]["planned"]
     if method.startswith("structxlip"):  # planned from the run's (wrapped) training set
         assert set(throughput["shapes"]["capacities"]) == {"structxlip/chunks", "structxlip/regions"}
     assert throughput["attention"]["setting"] == "auto" and throughput["attention"]["first_step_kernels"]
