@@ -32,6 +32,7 @@ class TextPlan:
             padding mask (under the causal mask no real token attends to the padding after it).
         lengths: ``{kind: columns}`` of the batch's text passes (:meth:`BatchShapes.length`; without planned
             shapes the longest row, which only the terms' own texts use).
+        rows: ``{kind: rows}`` of the batch's text passes.
         real_tokens: the real text tokens of the batch's passes (their masks' sum).
         computed_tokens: the text tokens the passes compute (rows x columns, padding included).
         warmup: a warm-up pass (:meth:`~finetune.objectives.step_setup.StepSetup.warm_up`): rows longer than a
@@ -40,6 +41,7 @@ class TextPlan:
 
     right_padded: bool = False
     lengths: Mapping[str, int] = field(default_factory=dict)
+    rows: Mapping[str, int] = field(default_factory=dict)
     real_tokens: int = 0
     computed_tokens: int = 0
     warmup: bool = False
@@ -69,16 +71,17 @@ def plan_lengths(shapes: BatchShapes | None, masks: Mapping[str, list[Tensor]]) 
     """The :class:`TextPlan` lengths and token counts of a batch's texts, ``masks`` ``{kind: [(n, L) masks]}`` on
     the host: each kind at :meth:`BatchShapes.length` of its longest row (without ``shapes``: the longest row
     itself)."""
-    lengths, real, computed = {}, 0, 0
+    lengths, rows, real, computed = {}, {}, 0, 0
     for kind, ms in masks.items():
         ms = [m for m in ms if m.shape[0]]
         if not ms:
             continue
         longest = max(text_extent(ms), 1)
         lengths[kind] = shapes.length(kind, longest) if shapes is not None else longest
+        rows[kind] = sum(m.shape[0] for m in ms)
         real += int(sum(int(m.sum()) for m in ms))
-        computed += sum(m.shape[0] for m in ms) * lengths[kind]
-    return TextPlan(lengths=lengths, real_tokens=real, computed_tokens=computed)
+        computed += rows[kind] * lengths[kind]
+    return TextPlan(lengths=lengths, rows=rows, real_tokens=real, computed_tokens=computed)
 
 
 def encode_images(model: Any, reqs: dict[str, Any]) -> Features:
