@@ -147,8 +147,9 @@ def bert_towers(folder: Path, positions: int = 512) -> dict[str, str]:
 
 
 # -- padding shares ------------------------------------------------------------------------------------------------
-def share_case(name: str, work: Path, batches: int) -> dict[str, Any]:
-    """The padding shares of case ``name`` (module docstring) over ``batches`` batches of each batch size."""
+def share_case(name: str, work: Path, batches: int, rows_of_lengths: int = 4096) -> dict[str, Any]:
+    """The padding shares of case ``name`` (module docstring) over ``batches`` batches of each batch size
+    (``rows_of_lengths`` rows of DOCCI- or COCO-length captions)."""
     import torch
 
     from finetune import load_model
@@ -167,7 +168,7 @@ def share_case(name: str, work: Path, batches: int) -> dict[str, Any]:
     elif name == "docci-lengths":
         recipe = load_recipe(RECIPES / "longclip_docci.yaml")
         model = load_model("random:tiny-clip", max_text_len=248)  # the CLIP tokenizer; the tower is not run
-        rows = length_dataset("docci", 4096)
+        rows = length_dataset("docci", rows_of_lengths)
         sizes = [recipe.train.batch_size, 256]
     else:
         recipe = load_recipe(RECIPES / "grm_coco.yaml", [f"model.options.{k}={v}" for k, v in
@@ -175,7 +176,7 @@ def share_case(name: str, work: Path, batches: int) -> dict[str, Any]:
         from finetune.training.model import load_start_model
 
         model = load_start_model(recipe.model, None)
-        rows = length_dataset("coco", 4096)
+        rows = length_dataset("coco", rows_of_lengths)
         sizes = [recipe.train.batch_size]
     objective = build_objective(recipe.objective)
     objective.prepare_model(model)

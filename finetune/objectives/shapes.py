@@ -44,8 +44,8 @@ from torch import Tensor
 
 log = logging.getLogger("xlipkit")
 
-#: the default bucket lengths are the multiples of this below ``max_text_len`` (tensor-core tiles; ``train.text_buckets``
-#: sets other lengths)
+#: the default bucket lengths are the multiples of this below ``max_text_len`` (tensor-core tiles;
+#: ``train.text_buckets`` sets other lengths)
 BUCKET_STEP = 32
 #: texts tokenised per call when the training set's texts are measured
 SCAN_CHUNK = 4096

@@ -138,7 +138,8 @@ def setup_step(module: Any, cfg: Any, dataset: Any, device: torch.device | str) 
         device: the training device.
 
     Raises:
-        ValueError: a ``train.text_buckets`` list the model cannot take (:func:`~finetune.objectives.shapes.run_buckets`).
+        ValueError: a ``train.text_buckets`` list the model cannot take
+            (:func:`~finetune.objectives.shapes.run_buckets`).
     """
     model, objective = module.model, module.objective
     shapes = plan_shapes(objective, model, dataset, getattr(cfg, "text_buckets", None))
