@@ -49,6 +49,16 @@ OLD_PATHS = {
     "finetune.models.vision_text": "finetune.models.families.vision_text",
     "finetune.models.fcast": "finetune.models.families.fcast",
     "finetune.models.loading": "finetune.models.finetuned",
+    "finetune.run_folder": "finetune.runs.folder (check_run_folder, clear_previous_run, clean_stale_temporaries, "
+                           "check_eval_output), finetune.runs.lock (RunLock, lock_on_main_process), "
+                           "finetune.runs.identity (continuation_view, recipe_hash, read_run_recipe, ...)",
+    "finetune.resume": "finetune.runs.checkpoints (checkpoint_problem, file_manifest, ...), finetune.runs.resume "
+                       "(find_checkpoint, check_continuation), finetune.runs.errors (CheckpointError)",
+    "finetune.run_space": "finetune.runs.space (and check_writable)",
+    "finetune.run_basics": "finetune.runs.errors (RunFolderError), finetune.runs.identity (differing_keys)",
+    "finetune.training.checkpoint (list_checkpoints, stream_state_file, read_stream_states, read_stream_index, "
+    "STREAM_INDEX, CHECKPOINT_PREFIX)": "finetune.runs.checkpoints",
+    "finetune.training.checkpoint.resolve_resume": "finetune.runs.resume.find_checkpoint",
 }
 
 #: how each old path is written in code, docs, recipes and embedded scripts (dotted or as a file path); the
@@ -70,6 +80,10 @@ _PATTERNS = [
     r"streams(\.| import )check_stream_recipe",
     r"finetune[./]models[./](encoder|tokens|spans|hf|openclip|pooled_tower|activations|flair|vision_text|fcast|"
     r"loading)\b",
+    r"finetune[./](run_folder|resume|run_space|run_basics)\b",
+    r"training[./]checkpoint import .*\b(list_checkpoints|stream_state_file|read_stream_\w+|STREAM_INDEX|"
+    r"CHECKPOINT_PREFIX)\b",
+    r"\bresolve_resume\b",
 ]
 OLD = re.compile("|".join(f"(?:{p})" for p in _PATTERNS))
 
@@ -107,13 +121,18 @@ def test_the_pattern_finds_old_paths_and_leaves_the_commands():
                 "from finetune.run import run", "finetune.scorers.Scorer", "finetune/scorers/grm.py",
                 "from finetune.evaluate import recall_at_k", "finetune.models.loading.load_model",
                 "from finetune.preprocess.cache import cached_map", "finetune.report.write_json_atomic",
-                "from finetune.data.streams import check_stream_recipe", "finetune/models/flair.py"):
+                "from finetune.data.streams import check_stream_recipe", "finetune/models/flair.py",
+                "from finetune.run_folder import RunLock", "finetune/resume.py", "import finetune.run_space",
+                "from finetune.training.checkpoint import SaveFailedError, list_checkpoints",
+                "checkpoint.resolve_resume(x)"):
         assert OLD.search(old), old
     for new in ("python -m finetune.evaluate runs/x", '[sys.executable, "-m", "finetune.evaluate", "--help"]',
                 "accelerate launch finetune/run.py r.yaml",
                 "python -m finetune.preview r.yaml", "from finetune.training import Trainer",
                 "finetune.evaluation.scorers.Scorer", "finetune/evaluation/scorers/grm.py",
-                "from finetune.run_folder import RunLock", "finetune.training.prerequisites",
+                "from finetune.runs.lock import RunLock", "finetune.training.prerequisites",
+                "from finetune.runs.resume import find_checkpoint", "finetune/runs/space.py",
+                "from finetune.training.checkpoint import SaveFailedError, save_checkpoint",
                 "python -m finetune.hub push runs/x", "finetune.models.families.flair"):
         assert not OLD.search(new), new
 

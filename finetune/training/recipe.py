@@ -30,8 +30,9 @@ from finetune.evaluation import RetrievalOptions, evaluate_sets, format_table
 from finetune.models.finetuned import ModelNotFoundError
 from finetune.models.weight_files import DamagedWeightsError
 from finetune.objectives import Objective, build_objective
-from finetune.run_folder import (RunFolderError, RunLock, check_run_folder, clean_stale_temporaries,
-                                 clear_previous_run, lock_on_main_process)
+from finetune.runs.errors import RunFolderError
+from finetune.runs.folder import check_run_folder, clean_stale_temporaries, clear_previous_run
+from finetune.runs.lock import RunLock, lock_on_main_process
 from finetune.training.checkpoint import is_write_error
 from finetune.training.checks import check_batch, check_room, check_stream_recipe, check_warmup
 from finetune.training.context import RunContext
@@ -56,7 +57,7 @@ class FinetuneRecipe:
 
     Nothing is written before the whole recipe is checked: the run folder, the objective (and a stream it must
     read), the runs it builds on, the resume target, the data. ``output.dir`` is locked while the run lasts
-    (:class:`finetune.run_folder.RunLock`, taken by the main process of a launch): another run into the same folder
+    (:class:`finetune.runs.lock.RunLock`, taken by the main process of a launch): another run into the same folder
     is refused naming this one's PID.
 
     Args:
