@@ -59,6 +59,7 @@ OLD_PATHS = {
     "finetune.training.checkpoint (list_checkpoints, stream_state_file, read_stream_states, read_stream_index, "
     "STREAM_INDEX, CHECKPOINT_PREFIX)": "finetune.runs.checkpoints",
     "finetune.training.checkpoint.resolve_resume": "finetune.runs.resume.find_checkpoint",
+    "finetune.training.launch, finetune.training.failures": "finetune.training.ending",
 }
 
 #: how each old path is written in code, docs, recipes and embedded scripts (dotted or as a file path); the
@@ -84,6 +85,7 @@ _PATTERNS = [
     r"training[./]checkpoint import .*\b(list_checkpoints|stream_state_file|read_stream_\w+|STREAM_INDEX|"
     r"CHECKPOINT_PREFIX)\b",
     r"\bresolve_resume\b",
+    r"finetune[./]training[./](launch|failures)\b",
 ]
 OLD = re.compile("|".join(f"(?:{p})" for p in _PATTERNS))
 
@@ -124,7 +126,8 @@ def test_the_pattern_finds_old_paths_and_leaves_the_commands():
                 "from finetune.data.streams import check_stream_recipe", "finetune/models/flair.py",
                 "from finetune.run_folder import RunLock", "finetune/resume.py", "import finetune.run_space",
                 "from finetune.training.checkpoint import SaveFailedError, list_checkpoints",
-                "checkpoint.resolve_resume(x)"):
+                "checkpoint.resolve_resume(x)", "from finetune.training.launch import resume_command",
+                "finetune/training/failures.py"):
         assert OLD.search(old), old
     for new in ("python -m finetune.evaluate runs/x", '[sys.executable, "-m", "finetune.evaluate", "--help"]',
                 "accelerate launch finetune/run.py r.yaml",
@@ -133,6 +136,7 @@ def test_the_pattern_finds_old_paths_and_leaves_the_commands():
                 "from finetune.runs.lock import RunLock", "finetune.training.prerequisites",
                 "from finetune.runs.resume import find_checkpoint", "finetune/runs/space.py",
                 "from finetune.training.checkpoint import SaveFailedError, save_checkpoint",
+                "from finetune.training.ending import stopped_or_failed",
                 "python -m finetune.hub push runs/x", "finetune.models.families.flair"):
         assert not OLD.search(new), new
 

@@ -13,7 +13,7 @@
   :class:`~finetune.training.context.RunContext`, with the helpers of each stage: ``checks`` (before anything
   slow), ``inputs`` (the sets, the rows, the stream), ``model`` (the start model, made ready), ``outputs`` (after
   training), ``prerequisites`` (``model.init_from``, ``eval.compare_with``), ``environment`` (the accelerator, the
-  logging, the threads), ``failures`` and ``launch`` (how a stopped or failed run ends, and how to continue it).
+  logging, the threads), ``ending`` (how a stopped or failed run ends, and the command that continues it).
 
 Features:
 - one process, DDP, FSDP or DeepSpeed, from ``accelerate config`` / ``accelerate launch``; mixed precision
