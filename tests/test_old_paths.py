@@ -63,8 +63,9 @@ OLD_PATHS = {
     "STREAM_INDEX, CHECKPOINT_PREFIX)": "finetune.runs.checkpoints",
     "finetune.training.checkpoint.resolve_resume": "finetune.runs.resume.find_checkpoint",
     "finetune.training.launch, finetune.training.failures": "finetune.training.ending",
-    "finetune.models.registry (REGISTRY, ALIASES, FAMILY_CONFIGS)": "finetune.models.registry (named_config, "
-                                                                   "registry_names), finetune.plugins.NAMED_CONFIGS",
+    "finetune.models.registry (REGISTRY, ALIASES, FAMILY_CONFIGS)": "finetune.plugins.NAMED_CONFIGS (and "
+                                                                   "finetune.models.registry's named_config, "
+                                                                   "registry_names)",
 }
 
 #: how each old path is written in code, docs, recipes and embedded scripts (dotted or as a file path); the

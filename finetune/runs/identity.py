@@ -50,20 +50,15 @@ def continuation_hash(recipe: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _comparable(recipe: dict[str, Any]) -> dict[str, Any]:
-    """The whole recipe less what may change between a run and its rerun in the same folder."""
+def comparable_recipe(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The whole recipe (as ``recipe_to_dict`` gives it) less what may change between a run and its rerun in
+    the same folder: ``output``, ``hub.token``, ``train.resume`` / ``resume_ignore_changes`` / ``resume_ignore_rng``."""
     out = json.loads(json.dumps(recipe, default=str))
     out.pop("output", None)
     (out.get("hub") or {}).pop("token", None)
     for key in ("resume", "resume_ignore_changes", "resume_ignore_rng"):
         (out.get("train") or {}).pop(key, None)
     return out
-
-
-def comparable_recipe(recipe: dict[str, Any]) -> dict[str, Any]:
-    """The whole recipe (as ``recipe_to_dict`` gives it) less what may change between a run and its rerun in
-    the same folder: ``output``, ``hub.token``, ``train.resume`` / ``resume_ignore_changes``."""
-    return _comparable(recipe)
 
 
 def recipe_hash(recipe: dict[str, Any]) -> str:

@@ -294,7 +294,8 @@ def test_a_bad_training_data_path_is_found_before_the_model_loads(tmp_path, tiny
 
     monkeypatch.setattr(start, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "run"
-    recipe = tiny_recipe(tmp_path, tiny_model, out, f'data.train={{"name": "jsonl", "path": "{tmp_path / "nope.jsonl"}"}}')
+    missing = tmp_path / "nope.jsonl"
+    recipe = tiny_recipe(tmp_path, tiny_model, out, f'data.train={{"name": "jsonl", "path": "{missing}"}}')
     assert run(recipe) == 2
     err = capsys.readouterr().err
     assert "training set (data.train) could not be loaded" in err and "nope.jsonl" in err and "Traceback" not in err
