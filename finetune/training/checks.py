@@ -17,7 +17,8 @@ from finetune.data.images import DataError
 from finetune.data.sources import SourceSpec
 from finetune.data.streams import STREAM_EXAMPLE_FIELDS, check_fields
 from finetune.objectives import Objective
-from finetune.run_folder import RunFolderError, check_free_space, estimate_run_bytes, folder_bytes
+from finetune.runs.errors import RunFolderError
+from finetune.runs.space import check_free_space, estimate_run_bytes, folder_bytes
 from finetune.training.optim import warmup_problem
 
 __all__ = ["check_batch", "check_room", "check_stream_recipe", "check_warmup"]
@@ -133,7 +134,7 @@ def check_warmup(recipe: Recipe, train: Any, objective: Objective, main: bool) -
 
 def check_room(recipe: Recipe, model: Any, objective: Objective, train: Any, accelerator: Any) -> None:
     """Stop before training when ``output.dir``'s disk cannot hold what the run will write: ``final/`` and
-    the checkpoints kept at once (:func:`finetune.run_folder.estimate_run_bytes`), less an earlier
+    the checkpoints kept at once (:func:`finetune.runs.space.estimate_run_bytes`), less an earlier
     ``final/`` and checkpoints that the run replaces. The main process checks; every process gets its answer.
 
     Args:
