@@ -493,7 +493,7 @@ def build_vit_b16_bert_base(*, projection_dim: int = 512) -> VisionTextDualEncod
 register_named_config("vision-text-vit-b16-bert-base", "vision_text", "clip",
                       "transformers VisionTextDualEncoder: ViT-B/16 (224 px) + BERT-base (12 layers, 512 positions), "
                       "projections to 512 (GRM's backbone at size; offline WordPiece vocabulary)",
-                      build_vit_b16_bert_base)
+                      build_vit_b16_bert_base, real=True)
 register_named_config("tiny-vision-text-vit", "vision_text", "clip",
                       "transformers VisionTextDualEncoder: ViT (2 layers, width 32, 32 px, patch 8) + BERT (2 layers, "
                       "width 32), projections to 16", lambda: build_tiny("vit"))

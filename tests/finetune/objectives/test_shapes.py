@@ -442,8 +442,8 @@ def test_a_run_brings_no_new_attention_shape_after_its_warm_up(method, project, 
 
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune import train
     from finetune.cli.train import main
+    from finetune.training import Trainer
     from tests.recipes.shipped import RECIPES_DIR, as_shipped_overrides, clear_run, output_dir, \
         prerequisites_as_shipped
 
@@ -456,8 +456,7 @@ def test_a_run_brings_no_new_attention_shape_after_its_warm_up(method, project, 
     prerequisites_as_shipped(monkeypatch, project)
     steps: list[dict] = []
     warm: set = set()
-    original_train, original_step, original_warm = train.Trainer.train, train.Trainer.train_step, \
-        train.Trainer._warm_up
+    original_train, original_step, original_warm = Trainer.train, Trainer.train_step, Trainer._warm_up
 
     def counted_train(self):
         self.total_steps = min(self.total_steps, 6)
@@ -480,9 +479,9 @@ def test_a_run_brings_no_new_attention_shape_after_its_warm_up(method, project, 
         steps.append({"shapes": set(calls.shapes), "passes": self._passes, "calls": len(calls.shapes),
                       "kinds": len(batch["_text_plan"].lengths)})
 
-    monkeypatch.setattr(train.Trainer, "train", counted_train)
-    monkeypatch.setattr(train.Trainer, "_warm_up", counted_warm)
-    monkeypatch.setattr(train.Trainer, "train_step", counted_step)
+    monkeypatch.setattr(Trainer, "train", counted_train)
+    monkeypatch.setattr(Trainer, "_warm_up", counted_warm)
+    monkeypatch.setattr(Trainer, "train_step", counted_step)
     out = output_dir(path, project)
     clear_run(out)
     AcceleratorState._reset_state(reset_partial_state=True)
