@@ -256,6 +256,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     recipe = loop.case_recipe(case, spec, work)
     acc = loop.accelerator(device, recipe.train.mixed_precision)
     trainer = loop.build_trainer(recipe, acc)
+    trainer.step_setup.warm_up_always = True  # a CPU dry run takes the GPU's path: every planned length warmed up
     model = trainer._model
     compiled = bool(recipe.train.compile)
     built = time.perf_counter() - t0

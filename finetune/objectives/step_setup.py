@@ -4,8 +4,8 @@ calls: the batch shapes and their planned text lengths (:mod:`finetune.objective
 (:mod:`finetune.models.compile`).
 
 The trainer calls :func:`setup_step` once, wraps its collate function with :meth:`StepSetup.collate`, runs every
-step inside :meth:`StepSetup.attention_context`, before its first step :meth:`StepSetup.warm_up` (every planned
-text length once, so that no later step meets a new shape), its first step through :meth:`StepSetup.observed`
+step inside :meth:`StepSetup.attention_context`, before its first step :meth:`StepSetup.warm_up` (on a GPU or with
+compiled blocks every planned text length once, so that no later step meets a new shape), its first step through :meth:`StepSetup.observed`
 (which SDPA kernels ran, at which shapes) and records :meth:`StepSetup.summary` in the run's log and
 ``metrics.json``.
 """
@@ -57,6 +57,8 @@ class StepSetup:
     #: warm-up passes run before the first step (:meth:`warm_up`), and the recompile limit set for compiled blocks
     warmup_passes: int = 0
     recompile_limit: int | None = None
+    #: run :meth:`warm_up` on any device (a CPU dry run of a GPU benchmark); False: where it pays (:attr:`warms_up`)
+    warm_up_always: bool = False
 
     def collate(self, collate_fn: Callable[[list[dict]], dict[str, Any]]) -> PlannedCollate:
         """``collate_fn`` planned for the step (:class:`~finetune.objectives.planning.PlannedCollate`)."""
@@ -74,21 +76,29 @@ class StepSetup:
         self.first_step_shapes = len(set(calls.shapes))
         return out
 
+    @property
+    def warms_up(self) -> bool:
+        """Whether :meth:`warm_up` runs: on a GPU (a new shape builds attention graphs: cuDNN's, CUDA graphs) and
+        wherever blocks are compiled (a new shape recompiles them); on a CPU without compiled blocks a new shape
+        costs nothing, and the first steps meet the lengths as they come (unless :attr:`warm_up_always`)."""
+        return self.warm_up_always or self.device.type == "cuda" or self.compile is not None
+
     def warm_up(self, run: Callable[[dict[str, Any]], Any], batch: dict[str, Any]) -> int:
         """Run ``run`` (the step's forward and backward, no update) on ``batch`` at every planned text length
         (:func:`warmup_lengths`), so that every (kind, length) shape of the run has run before the first step:
         attention graphs (cuDNN) and compiled blocks are built here (in the step's attention context), never later.
         The batch's rows
         are cut or padded to each length (a warm-up plan: its values are not used). The RNG state is restored
-        after, so that the run trains as it would without the warm-up. Nothing to run (0) where every kind has one
-        planned length and no block is compiled: the first step runs that shape. Returns the passes run.
+        after, so that the run trains as it would without the warm-up. Nothing to run (0) where it does not pay
+        (:attr:`warms_up`) and where every kind has one planned length and no block is compiled: the first step runs
+        that shape. Returns the passes run.
 
         Args:
             run: one forward and backward on a batch on the device, its gradients discarded by the caller.
             batch: the first batch of the run (on the device), with its :class:`TextPlan`.
         """
         plan = batch.get(TEXT_PLAN)
-        if plan is None or not plan.lengths:
+        if plan is None or not plan.lengths or not self.warms_up:
             return 0
         todo = warmup_lengths(self.shapes, list(plan.lengths))
         if len(todo) == 1 and self.compile is None:  # one length per kind: the first step is that shape
