@@ -423,7 +423,7 @@ RUNS = {**{m: METHODS[m] for m in ("clip-248", "lora", "structxlip-crop", "struc
                                    "flair", "fcast", "siglip2")},
         "grm-coco": ("grm_coco", [])}
 #: runs that take more than ~20 s on the shared 2-core CPU (preprocessing and the workers' start included)
-SLOW_RUNS = set(RUNS) - {"structxlip-pool", "grm-coco"}
+SLOW_RUNS = set(RUNS) - {"structxlip-pool"}
 
 
 def _first_text_block(model):
