@@ -20,8 +20,9 @@ from :class:`BatchShapes`:
   trained on captions padded to the full length) keep ``max_text_len`` for every pass;
 - **planned lengths**: a map-style training set is scanned once before training (:func:`plan_shapes`: every
   caption and every text a term lists in its :meth:`~finetune.objectives.base.Term.shape_scan`, tokenised), so
-  that a kind plans only the lengths some example reaches (the bucket of each example's longest text of that
-  kind); kinds whose texts are drawn during training (FLAIR's and F-CAST's sub-captions) and streams plan every
+  that a kind plans only the buckets some example reaches (the bucket of each example's longest text of that
+  kind), each cut down to the longest text that reaches it (:func:`tight_buckets`); kinds whose texts are drawn
+  during training (FLAIR's and F-CAST's sub-captions) and streams plan every
   length. The trainer runs every planned length once before its first step
   (:meth:`~finetune.objectives.step_setup.StepSetup.warm_up`), so that no later step meets a new shape;
 - **rows**: every request has a fixed number of rows per sample: one caption, one filtered caption, ``k``
@@ -47,6 +48,8 @@ log = logging.getLogger("xlipkit")
 #: the default bucket lengths are the multiples of this below ``max_text_len`` (tensor-core tiles;
 #: ``train.text_buckets`` sets other lengths)
 BUCKET_STEP = 32
+#: a planned length is the longest text reaching its bucket rounded up to a multiple of this (:func:`tight_buckets`)
+LENGTH_ALIGN = 8
 #: texts tokenised per call when the training set's texts are measured
 SCAN_CHUNK = 4096
 #: the text kinds of the objective's requests: captions and the texts like them, and short texts
@@ -258,8 +261,19 @@ def plan_shapes(objective: Any, model: Any, dataset: Any = None, buckets: Sequen
         elif rows is None or kind in open_kinds or not longest.get(kind):
             planned[kind] = run
         else:
-            planned[kind] = tuple(sorted({bucket_of(max(n, 1), run) for n in longest[kind]}))
+            planned[kind] = tight_buckets(longest[kind], run)
     return BatchShapes(run, planned, capacities)
+
+
+def tight_buckets(lengths: Sequence[int], buckets: Sequence[int]) -> tuple[int, ...]:
+    """The lengths planned for texts of ``lengths`` tokens: each bucket some text reaches, cut down to the longest
+    text that reaches it, rounded up to :data:`LENGTH_ALIGN` (the quickstart's captions of 69-119 tokens: 96 and
+    120, not 96 and 128). As many lengths as buckets reached, each holding every text that reaches its bucket."""
+    most: dict[int, int] = {}
+    for n in lengths:
+        b = bucket_of(max(int(n), 1), buckets)
+        most[b] = max(most.get(b, 0), max(int(n), 1))
+    return tuple(sorted(min(b, round_up(n, LENGTH_ALIGN)) for b, n in most.items()))
 
 
 def fit_columns(ids: Tensor, mask: Tensor, length: int, pad_id: int) -> tuple[Tensor, Tensor]:

@@ -31,11 +31,12 @@ def test_captions_have_the_word_counts_asked_for():
 @pytest.mark.slow
 def test_the_padding_shares_are_the_collated_batches_token_counts(tmp_path):
     """COCO-length captions through GRM's recipe and BERT's 512 positions: every batch's captions take the 32-token
-    bucket; the share with buckets lies between the floor (each pass at its longest row) and padding to 512."""
+    bucket, cut to the longest caption; the share with buckets lies between the floor (each pass at its longest row) and padding to 512."""
     r = buckets.share_case("coco-lengths", tmp_path, batches=3, rows_of_lengths=400)
-    assert r["max_text_len"] == 512 and r["planned"]["text"] == [32]
+    longest = -(-r["caption_tokens"]["max"] // 8) * 8  # the 32-token bucket cut to the longest caption
+    assert r["max_text_len"] == 512 and r["planned"]["text"] == [longest] and longest <= 32
     b = r["batch_128"]
-    assert b["computed_tokens"] == 3 * 128 * 32  # one caption pass a batch, 128 rows at 32 columns
+    assert b["computed_tokens"] == 3 * 128 * longest  # one caption pass a batch, 128 rows at that length
     assert b["padding_share"] == pytest.approx(1 - b["real_tokens"] / b["computed_tokens"])
     assert b["padding_share_floor"] < b["padding_share"] < b["padding_share_padded_to_max"]
     assert b["padding_share_padded_to_max"] == pytest.approx(1 - b["real_tokens"] / (3 * 128 * 512))

@@ -23,7 +23,7 @@ from finetune.objectives.base import TERM_PLANS, TEXT_PLAN, Term
 from finetune.objectives.encoders import TextPlan, text_passes
 from finetune.objectives.planning import PlannedCollate
 from finetune.objectives.shapes import (SHORT, TEXT, BatchShapes, ShapeScan, bucket_of, default_buckets, pad_rows,
-                                        plan_shapes, run_buckets)
+                                        plan_shapes, round_up, run_buckets)
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 
@@ -110,13 +110,15 @@ def test_a_kind_plans_the_buckets_of_its_examples_longest_texts(tmp_path):
     model.truncation_stats = {"captions": 0, "truncated": 0}
     shapes = plan_shapes(objective, model, rows)
     assert model.truncation_stats == {"captions": 0, "truncated": 0}
-    assert shapes.planned[TEXT] == (32, 64, 128)  # 96 and 160-248: no example reaches them
-    assert shapes.planned[SHORT] == (32,) and counts["sentence"] <= 32
+    # the buckets 32, 64 and 128 are reached (96 and 160-248 are not), each cut to its longest text, rounded up to 8
+    tight = tuple(round_up(counts[k], 8) for k in ("short", "extra", "long"))
+    assert shapes.planned[TEXT] == tight and tight[0] <= 32 and 32 < tight[1] <= 64 and 96 < tight[2] <= 128
+    assert shapes.planned[SHORT] == (round_up(counts["sentence"], 8),)  # the longest first sentence
     assert shapes.buckets == default_buckets(248) and shapes.text_length == 248
     # a pass takes the smallest planned length that holds its longest row, else the next bucket (a new shape)
-    assert [shapes.length(TEXT, n) for n in (5, 33, 65, 128, 129)] == [32, 64, 128, 128, 160]
+    assert [shapes.length(TEXT, n) for n in (5, 33, 65, tight[2] + 1, 129)] == [*tight, 128, 160]
     custom = plan_shapes(objective, model, rows, buckets=[48, 96])
-    assert custom.buckets == (48, 96, 248) and custom.planned[TEXT] == (48, 96, 248)
+    assert custom.buckets == (48, 96, 248) and custom.planned[TEXT] == tight  # 16 of 48, 56 of 96, 112 of 248
 
 
 def test_towers_that_read_their_padding_and_streams(tmp_path):
@@ -151,12 +153,15 @@ def test_the_text_plan_is_made_on_the_host_one_pass_per_kind(tmp_path):
     plan = objective.plan(model, batch)
     longest = int(batch["attention_mask"].sum(-1).max())
     short = int(batch["short_attention_mask"].sum(-1).max())
-    assert plan.lengths == {TEXT: bucket_of(longest, default_buckets(248)), SHORT: 32} and plan.right_padded
-    assert plan.real_tokens == int(batch["attention_mask"].sum() + batch["short_attention_mask"].sum()) and short <= 32
-    assert plan.computed_tokens == 4 * plan.lengths[TEXT] + 4 * 32
+    shapes = objective.shapes
+    assert plan.lengths == {TEXT: shapes.length(TEXT, longest), SHORT: shapes.length(SHORT, short)} and plan.right_padded
+    assert longest <= plan.lengths[TEXT] < longest + 8 + 32 and short <= plan.lengths[SHORT] <= 32
+    assert plan.real_tokens == int(batch["attention_mask"].sum() + batch["short_attention_mask"].sum())
+    assert plan.computed_tokens == 4 * plan.lengths[TEXT] + 4 * plan.lengths[SHORT]
     _, reqs, _ = objective.requests(batch)
     passes = text_passes(model, reqs, objective.shapes, plan)
-    assert [(p.keys, p.length) for p in passes] == [(("text",), plan.lengths[TEXT]), (("short_text",), 32)]
+    assert [(p.keys, p.length) for p in passes] == [(("text",), plan.lengths[TEXT]),
+                                                     (("short_text",), plan.lengths[SHORT])]
 
 
 def test_a_sample_beyond_the_planned_capacity_is_a_clear_error(tmp_path):

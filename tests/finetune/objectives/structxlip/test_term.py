@@ -355,7 +355,7 @@ def test_text_passes_embed_like_each_request_alone(fixed, model):
     """Under planned shapes, captions and filtered captions go through the text tower in one pass at the bucket of
     the longest of them and the chunks in a second at the bucket of the longest chunk, and each embeds as it does
     encoded on its own."""
-    from finetune.objectives.shapes import SHORT, TEXT, bucket_of
+    from finetune.objectives.shapes import SHORT, TEXT
 
     objective, term, data = fixed
     shapes = objective.shapes
@@ -364,7 +364,8 @@ def test_text_passes_embed_like_each_request_alone(fixed, model):
     caption = max(int(model.tokenize([data[i][k]]).attention_mask.sum()) for i in rows
                   for k in ("caption", "filtered_caption"))
     assert shapes.text_length == 248 and chunk <= 32 < caption < 248
-    lengths = {TEXT: bucket_of(caption, shapes.buckets), SHORT: 32}
+    lengths = {TEXT: shapes.length(TEXT, caption), SHORT: shapes.length(SHORT, chunk)}
+    assert lengths[TEXT] >= caption and lengths[SHORT] >= chunk
     most = max(len(data[i]["chunks"]) for i in range(len(data)))
     assert shapes.capacities == {"structxlip/chunks": most, "structxlip/regions": 3}
     batch = Collator(model, objective)([data[i] for i in (0, 1, 2, 3)])
