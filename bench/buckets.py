@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               f"{v['padding_share_floor']:.1%}", flush=True)
         if args.only != "share":
             trees = {"buckets": ROOT, "padded": _baseline_tree(args.baseline, work / "baseline")}
-            result["steps"] = {}
+            result["steps"] = dict(result.get("steps") or {})  # the cases not run now keep their last figures
             for case in [c for c in args.cases.split(",") if c]:
                 r = step_case(case, trees, work, args)
                 result["steps"][case] = r
