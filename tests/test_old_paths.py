@@ -24,7 +24,12 @@ OLD_PATHS = {
     "finetune.train": "finetune.training (trainer, optim, checkpoint, signals, meter, loaders)",
     "finetune.run (run, main, RECIPES_DIR)": "finetune.training.run_recipe, finetune.cli.train",
     "finetune.throughput": "finetune.training.throughput",
-    "finetune.prerequisites": "finetune.training.prerequisites",
+    "finetune.prerequisites, finetune.training.prerequisites": "finetune.training.upstream",
+    "finetune.training.needs": "finetune.training.assets (Need, model_need, fetch_need; asset_needs), "
+                               "finetune.training.preflight (recipe_needs, missing_message; preflight replaces "
+                               "recipe_problems)",
+    "finetune.training.checks": "finetune.training.size_checks (check_batch, check_room, check_warmup), "
+                                "finetune.training.preflight (check_stream_recipe)",
     "finetune.evaluate (the library)": "finetune.evaluation (retrieval, encode, sets)",
     "finetune.zeroshot": "finetune.evaluation.zeroshot",
     "finetune.report": "finetune.evaluation.report",
@@ -37,7 +42,7 @@ OLD_PATHS = {
     "finetune.preprocess.cache": "finetune.data.cache",
     "finetune.models.frozen": "finetune.preprocess.frozen",
     "finetune.models.atomic": "finetune.files",
-    "finetune.data.streams.check_stream_recipe": "finetune.training.checks.check_stream_recipe",
+    "finetune.data.streams.check_stream_recipe": "finetune.training.preflight.check_stream_recipe",
     "finetune.models.encoder": "finetune.models.core.encoder",
     "finetune.models.tokens": "finetune.models.core.tokens",
     "finetune.models.spans": "finetune.models.core.spans",
@@ -57,6 +62,7 @@ _PATTERNS = [
     r"finetune[./]train\b(?!ing)",
     r"(?<!-m )(?<!\"-m\", \")finetune\.run\b(?!\.py)",
     r"(?<!training[./])finetune[./](throughput|prerequisites)\b",
+    r"finetune[./]training[./](needs|prerequisites|checks)\b",
     r"(?<!-m )(?<!\"-m\", \")finetune\.evaluate\b",
     r"finetune/evaluate\.py",
     r"finetune[./](zeroshot|report|model_card|scorers_flair)\b",
@@ -107,13 +113,16 @@ def test_the_pattern_finds_old_paths_and_leaves_the_commands():
                 "from finetune.run import run", "finetune.scorers.Scorer", "finetune/scorers/grm.py",
                 "from finetune.evaluate import recall_at_k", "finetune.models.loading.load_model",
                 "from finetune.preprocess.cache import cached_map", "finetune.report.write_json_atomic",
-                "from finetune.data.streams import check_stream_recipe", "finetune/models/flair.py"):
+                "from finetune.data.streams import check_stream_recipe", "finetune/models/flair.py",
+                "from finetune.training.needs import recipe_needs", "finetune/training/prerequisites.py",
+                "finetune.training.checks.check_room"):
         assert OLD.search(old), old
     for new in ("python -m finetune.evaluate runs/x", '[sys.executable, "-m", "finetune.evaluate", "--help"]',
                 "accelerate launch finetune/run.py r.yaml",
                 "python -m finetune.preview r.yaml", "from finetune.training import Trainer",
                 "finetune.evaluation.scorers.Scorer", "finetune/evaluation/scorers/grm.py",
-                "from finetune.run_folder import RunLock", "finetune.training.prerequisites",
+                "from finetune.run_folder import RunLock", "finetune.training.upstream",
+                "finetune.training.preflight", "finetune/training/size_checks.py", "finetune.training.assets",
                 "python -m finetune.hub push runs/x", "finetune.models.families.flair"):
         assert not OLD.search(new), new
 

@@ -288,7 +288,7 @@ def test_the_stream_check_uses_the_objective_it_is_given(monkeypatch):
     import finetune.data.streams as streams
     import finetune.objectives as objectives
     from finetune.config import RecipeError, load_recipe
-    from finetune.training.checks import check_stream_recipe
+    from finetune.training.preflight import check_stream_recipe
 
     assert not hasattr(streams, "check_stream_recipe")
     assert inspect.signature(check_stream_recipe).parameters["objective"].default is inspect.Parameter.empty

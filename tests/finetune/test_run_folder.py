@@ -365,7 +365,8 @@ def test_a_bad_training_data_path_is_found_before_the_model_loads(tmp_path, tiny
     recipe = _recipe(tmp_path, tiny_model, out, f'data.train={{"name": "jsonl", "path": "{tmp_path / "nope.jsonl"}"}}')
     assert _run(recipe) == 2
     err = capsys.readouterr().err
-    assert "training set (data.train) could not be loaded" in err and "nope.jsonl" in err and "Traceback" not in err
+    assert "recipe error: data.train.path: jsonl files" in err and "nope.jsonl does not exist" in err
+    assert "Traceback" not in err
     assert not out.exists()
 
 
