@@ -178,6 +178,13 @@ def _shards(tmp: Path, urls: str) -> list[str]:
     return [str(_tiny(tmp)), f"data.train={{name: webdataset, urls: '{urls}'}}", "data.num_workers=0"]
 
 
+def _stream_without_max_steps(tmp: Path) -> list[str]:
+    from tests.recipes.shipped import write_dreamlip_webdataset
+
+    write_dreamlip_webdataset(tmp / "shards", n_shards=2, per_shard=4)
+    return [*_shards(tmp, f"{tmp}/shards/{{00000..00001}}.tar"), "train.max_steps=null", "train.epochs=1"]
+
+
 def _warmup_past_the_run(tmp: Path) -> list[str]:
     return [str(_tiny(tmp)), "train.warmup_steps=1000"]
 
@@ -196,6 +203,7 @@ CASES = {
                                   2, "4 of 4 shard files do not exist"),
     "a brace range of 10^11 shards": (lambda tmp: _shards(tmp, f"{tmp}/s-{{00000000000..99999999999}}.tar"), 2,
                                       "expands to 100,000,000,000 shard urls"),
+    "a stream without train.max_steps": (_stream_without_max_steps, 2, "set train.max_steps"),
     "warm-up past the run (a warning)": (_warmup_past_the_run, 0, ""),
 }
 OUTPUT_CASES = {"own report as output.dir", "recipe kept in its output.dir", "finished run in output.dir"}
@@ -302,6 +310,22 @@ def test_download_cannot_fetch_from_a_host_validate_found_unreachable(monkeypatc
     assert f"cannot fetch   model.name_or_path: hub model {NOT_CACHED}: not in the local hub cache and " \
            "http://127.0.0.1:9 cannot be reached" in err
     assert list(assets._probes) == ["http://127.0.0.1:9"]  # one probe, shared
+
+
+def test_download_cannot_fetch_a_checkpoint_from_an_unreachable_asset_host(tmp_path, monkeypatch, capsys):
+    """FastSAM's checkpoint, which `download` fetches from the ultralytics assets: not "would fetch" when that host
+    does not answer (a closed local port here)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.setattr(assets, "_ULTRALYTICS_ASSETS", "http://127.0.0.1:9/assets/releases")
+    checkpoint = tmp_path / "FastSAM-x.pt"
+    argv = ["recipes/quickstart_clip.yaml", "--dry-run",
+            f"objective.terms={{structxlip: {{regions: {{checkpoint: {checkpoint}}}}}}}"]
+    assert download_command.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "would fetch" not in out, out
+    assert f"cannot fetch   objective.terms.structxlip.regions.checkpoint: FastSAM checkpoint {checkpoint}" in err
+    assert "now http://127.0.0.1:9 cannot be reached" in err
 
 
 def test_the_offline_hint_of_download_repeats_the_overrides_but_a_token(capsys):
