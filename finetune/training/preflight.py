@@ -21,6 +21,8 @@ as the run) the run checks itself (:mod:`finetune.training.size_checks`).
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +33,9 @@ from finetune.config.secrets import without_secrets
 from finetune.data.images import DataError
 from finetune.data.sources import SourceSpec
 from finetune.data.streams import STREAM_EXAMPLE_FIELDS, check_fields
+from finetune.files import owner_alive, process_tag
 from finetune.objectives import Objective, build_objective
-from finetune.run_folder import RunFolderError, check_run_folder
+from finetune.run_folder import OWNER_NAME, RunFolderError, RunLock, check_run_folder
 from finetune.training.assets import Need, asset_needs, planning
 from finetune.training.upstream import upstream_needs
 
@@ -201,12 +204,29 @@ def output_action(recipe: Recipe) -> str:
     ``new``, ``overwrite``, ``resume`` or ``rerun``.
 
     Raises:
-        RunFolderError: the folder holds another run, the user's own files, or the recipe being run.
+        RunFolderError: the folder holds another run, the user's own files, or the recipe being run; another run
+            writes into it now (:class:`~finetune.run_folder.RunFolderBusy`, naming it, as the run's lock would).
     """
+    _not_in_use(Path(recipe.output.dir))
     return check_run_folder(recipe.output.dir, recipe_to_dict(recipe),
                             overwrite=bool(getattr(recipe.output, "overwrite", False)), resume=recipe.train.resume,
                             ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)),
                             recipe_file=recipe.source)
+
+
+def _not_in_use(folder: Path) -> None:
+    """Refuse ``folder`` while another run writes into it, naming that run as the run's own lock does: asked (the
+    lock taken and given back at once) only where the lock's owner record names a live process on this host other
+    than this one, and only on the main process of a launch (its lock is the others')."""
+    if int(os.environ.get("RANK") or 0) != 0:
+        return
+    try:
+        owner = json.loads((folder / OWNER_NAME).read_text(encoding="utf-8"))
+        pid, host = int(owner["pid"]), str(owner["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if host == process_tag().partition("@")[2] and pid != os.getpid() and owner_alive(pid, host):
+        RunLock(folder, what=f"output.dir {str(folder)!r}").acquire().release()
 
 
 def command_ref(recipe: Recipe, recipe_ref: str | None = None) -> str:

@@ -256,7 +256,8 @@ def test_a_recipe_kept_in_its_output_folder_is_never_replaced(tmp_path, tiny_mod
         err = capsys.readouterr().err
         assert f"the recipe being run, '{kept}', is the recipe.yaml of output.dir" in err, err
         assert f"mv {kept} experiment.yaml" in err and "another run" not in err
-        assert kept.read_bytes() == mine and sorted(p.name for p in out.iterdir()) == [".xlipkit.lock", "recipe.yaml"]
+        # refused by the preflight, before the run takes the folder's lock: the folder is as it was
+        assert kept.read_bytes() == mine and sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]
     # through a symbolic link to it: the same file
     link = tmp_path / "link.yaml"
     link.symlink_to(kept)
@@ -299,7 +300,7 @@ def test_second_run_and_failed_run_leave_a_finished_run_intact(tmp_path, tiny_mo
                   f'eval.sets=[{{"name": "jsonl", "path": "{tmp_path / "missing.jsonl"}"}}]')
     assert _run(bad) == 2
     err = capsys.readouterr().err
-    assert "evaluation set 'jsonl'" in err and "missing.jsonl" in err and "Traceback" not in err
+    assert "recipe error: eval.sets[0].path: jsonl files" in err and "missing.jsonl" in err and "Traceback" not in err
     assert _snapshot(out) == good
 
     # output.overwrite: the old run's files are replaced, not mixed

@@ -222,6 +222,34 @@ def test_validate_train_and_preview_refuse_the_same_cases(case, tmp_path, monkey
         assert "hf_planted_token_abcdef" not in text
 
 
+def test_a_folder_another_run_writes_into_is_refused_naming_it(tmp_path, monkeypatch, capsys):
+    """One run per folder: while another process holds output.dir's lock (its owner record names it), validate and
+    train refuse, naming that process, as the run's lock does (the preflight used to say the folder "holds another
+    run" and suggest output.overwrite)."""
+    import json
+    import subprocess
+
+    from filelock import FileLock
+
+    from finetune.files import process_tag
+    from finetune.run_folder import LOCK_NAME, OWNER_NAME
+
+    out = tmp_path / "run"
+    out.mkdir()
+    other = subprocess.Popen(["sleep", "60"])  # the other run's process: alive, on this host
+    try:
+        with FileLock(str(out / LOCK_NAME)):
+            (out / OWNER_NAME).write_text(json.dumps({"pid": other.pid, "host": process_tag().partition("@")[2],
+                                                      "command": "finetune/run.py other.yaml"}))
+            got = _commands(monkeypatch, capsys, [str(_tiny(tmp_path))])
+    finally:
+        other.kill()
+        other.wait()
+    assert got.validate == got.train == 2 and got.preview == 0, got
+    for text in (got.validate_text, got.train_text):
+        assert f"is in use by another run: PID {other.pid} on " in text and "finetune/run.py other.yaml" in text
+
+
 def test_the_shipped_shard_form_pipe_cat_passes_the_shard_check_when_trusted(tmp_path, monkeypatch, capsys):
     """`pipe:cat /abs/shard-{..}.tar` (docs/guides/scaling.md): the shards are not looked for as local files (the
     folder check of before took `pipe:cat /abs` for a folder); the command runs only with --trust-recipe-code, so
