@@ -188,7 +188,8 @@ def test_overrides_are_accepted_after_options(command, tmp_path, monkeypatch):
     import finetune.cli.preview as preview
 
     seen = []
-    monkeypatch.setattr(preview, "preview_recipe", lambda recipe, n, out: seen.append((recipe, n)) or Path(out))
+    monkeypatch.setattr(preview, "preview_recipe",
+                        lambda recipe, n, out, objective: seen.append((recipe, n)) or Path(out))
     monkeypatch.setattr("finetune.training.recipe.run_recipe", lambda recipe, **kw: seen.append((recipe, None)) or 0)
     recipe = str(REPO / "recipes" / "quickstart.yaml")
     options = ["--n", "3", "--out", str(tmp_path / "p.png")] if command == "preview" else []
