@@ -38,7 +38,7 @@ if __name__ == "__main__":
 
     passive_wait_by_default()  # before torch loads its OpenMP runtime
     from finetune.cli.train import main
-    from finetune.training.launch import accelerate_traceback_follows
+    from finetune.training.ending import accelerate_traceback_follows
 
     status = main()
     if status and accelerate_traceback_follows():

@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ground", ("finetune.plugins", "finetune.files", "finetune.extras", "finetune.threads")),
     ("data", ("finetune.data",)),
     ("config", ("finetune.config",)),
-    ("run folders", ("finetune.run_basics", "finetune.resume", "finetune.run_space", "finetune.run_folder")),
+    ("runs", ("finetune.runs",)),
     ("preprocess", ("finetune.preprocess",)),
     ("models", ("finetune.models",)),
     ("objectives", ("finetune.objectives",)),

@@ -211,7 +211,8 @@ def _main(args: argparse.Namespace) -> int:
         raise _UsageError("no evaluation sets: the run's recipe has an empty eval.sets; give --sets")
     options = _options(args, recipe)
     if args.out:
-        from finetune.run_folder import RunFolderError, check_eval_output
+        from finetune.runs.errors import RunFolderError
+        from finetune.runs.folder import check_eval_output
 
         try:  # before the model loads: never overwrite the model's own files
             check_eval_output(args.out, [target / "final"] if recipe is not None else [target])
@@ -251,13 +252,15 @@ _EVAL_OUTPUT_BYTES = 2**20
 
 def _claim_output(out: Path | None, run_dir: Path | None) -> Any:
     """Before the model loads: the folder ``out`` goes to must be writable with room for the results, and a
-    run folder written into is locked (:class:`finetune.run_folder.RunLock`) so that no training replaces
+    run folder written into is locked (:class:`finetune.runs.lock.RunLock`) so that no training replaces
     it meanwhile. Returns the lock (None when none was taken).
 
     Raises:
         _UsageError: not writable, no room, or a run writes into that run folder now.
     """
-    from finetune.run_folder import RunFolderError, RunLock, check_free_space, check_writable, lock_on_main_process
+    from finetune.runs.errors import RunFolderError
+    from finetune.runs.lock import RunLock, lock_on_main_process
+    from finetune.runs.space import check_free_space, check_writable
 
     if out is None:
         return None

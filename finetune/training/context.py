@@ -63,7 +63,7 @@ class RunContext:
         recipe: the loaded, validated recipe.
         objective: the run's one objective, built from ``recipe.objective`` before anything else.
         chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
-        action: what the run does with ``output.dir`` (:func:`finetune.run_folder.check_run_folder`: ``new``,
+        action: what the run does with ``output.dir`` (:func:`finetune.runs.folder.check_run_folder`: ``new``,
             ``resume``, ``overwrite``, ...).
         prerequisites: the runs it builds on (``model.init_from``, ``eval.compare_with``).
         accelerator: the ``accelerate.Accelerator``.

@@ -35,7 +35,9 @@ from finetune.data.sources import SourceSpec
 from finetune.data.streams import STREAM_EXAMPLE_FIELDS, check_fields
 from finetune.files import owner_alive, process_tag
 from finetune.objectives import Objective, build_objective
-from finetune.run_folder import OWNER_NAME, RunFolderError, RunLock, check_run_folder
+from finetune.runs.errors import RunFolderError
+from finetune.runs.folder import check_run_folder
+from finetune.runs.lock import OWNER_NAME, RunLock
 from finetune.training.assets import Need, asset_needs, planning
 from finetune.training.upstream import upstream_needs
 
@@ -200,12 +202,12 @@ def untrusted_commands(recipe: Recipe) -> list[RecipeError]:
 
 
 def output_action(recipe: Recipe) -> str:
-    """What the run does with ``output.dir`` (:func:`finetune.run_folder.check_run_folder`; nothing is written):
+    """What the run does with ``output.dir`` (:func:`finetune.runs.folder.check_run_folder`; nothing is written):
     ``new``, ``overwrite``, ``resume`` or ``rerun``.
 
     Raises:
         RunFolderError: the folder holds another run, the user's own files, or the recipe being run; another run
-            writes into it now (:class:`~finetune.run_folder.RunFolderBusy`, naming it, as the run's lock would).
+            writes into it now (:class:`~finetune.runs.errors.RunFolderBusy`, naming it, as the run's lock would).
     """
     _not_in_use(Path(recipe.output.dir))
     return check_run_folder(recipe.output.dir, recipe_to_dict(recipe),

@@ -28,14 +28,15 @@ from finetune.data.skipping import SkippingDataset, SkipReportingCollate
 from finetune.evaluation import RetrievalOptions, evaluate_sets, format_table
 from finetune.models.finetuned import ModelNotFoundError
 from finetune.models.weight_files import DamagedWeightsError
-from finetune.run_folder import (RunFolderError, RunLock, clean_stale_temporaries, clear_previous_run,
-                                 lock_on_main_process)
+from finetune.runs.errors import RunFolderError
+from finetune.runs.folder import clean_stale_temporaries, clear_previous_run
+from finetune.runs.lock import RunLock, lock_on_main_process
 from finetune.training.checkpoint import is_write_error
 from finetune.training.context import RunContext
 from finetune.training.distributed import check_engine, load_whole_under_zero3, slurm_environment
+from finetune.training.ending import stopped_or_failed
 from finetune.training.environment import (cpu_threads, flat_scalars, launched_as_main, make_accelerator,
                                            setup_logging)
-from finetune.training.failures import stopped_or_failed
 from finetune.training.inputs import load_data, training_set
 from finetune.training.model import load_start_model, parameter_counts, prepare_for_training
 from finetune.training.outputs import evaluate_after, final_checkpoint, final_save_failed, write_outputs
@@ -56,7 +57,7 @@ class FinetuneRecipe:
     Nothing is written before the whole recipe is checked: everything :func:`~finetune.training.preflight.preflight`
     checks (the objective, built there once, and a stream it must read, every asset, the runs it builds on,
     ``output.dir``), then the resume target and the data. ``output.dir`` is locked while the run lasts
-    (:class:`finetune.run_folder.RunLock`, taken by the main process of a launch): another run into the same folder
+    (:class:`finetune.runs.lock.RunLock`, taken by the main process of a launch): another run into the same folder
     is refused naming this one's PID.
 
     Args:
@@ -243,7 +244,7 @@ def run_recipe(recipe: Recipe, *, chain: tuple[str, ...] = (), checked: Prefligh
     The runs it builds on (``model.init_from``, ``eval.compare_with``) are reused when current, else trained
     first by this same function in this same process (in a multi-process launch, by every process together:
     one DDP run, see :mod:`finetune.training.upstream`). A signal or a failure the user can act on ends the
-    run with a message and a status (:func:`finetune.training.failures.stopped_or_failed`), not a traceback.
+    run with a message and a status (:func:`finetune.training.ending.stopped_or_failed`), not a traceback.
 
     Before anything is loaded or written, the recipe goes through :func:`~finetune.training.preflight.preflight`
     (the same check as ``xlipkit validate``'s), unless the caller passes the one it made (``checked``); a recipe it

@@ -15,7 +15,8 @@ from accelerate.utils import broadcast_object_list
 
 from finetune.config import Recipe
 from finetune.objectives import Objective
-from finetune.run_folder import RunFolderError, check_free_space, estimate_run_bytes, folder_bytes
+from finetune.runs.errors import RunFolderError
+from finetune.runs.space import check_free_space, estimate_run_bytes, folder_bytes
 from finetune.training.optim import warmup_problem
 
 __all__ = ["check_batch", "check_room", "check_warmup"]
@@ -79,7 +80,7 @@ def check_warmup(recipe: Recipe, train: Any, objective: Objective, main: bool) -
 
 def check_room(recipe: Recipe, model: Any, objective: Objective, train: Any, accelerator: Any) -> None:
     """Stop before training when ``output.dir``'s disk cannot hold what the run will write: ``final/`` and
-    the checkpoints kept at once (:func:`finetune.run_folder.estimate_run_bytes`), less an earlier
+    the checkpoints kept at once (:func:`finetune.runs.space.estimate_run_bytes`), less an earlier
     ``final/`` and checkpoints that the run replaces. The main process checks; every process gets its answer.
 
     Args:

@@ -5,7 +5,7 @@ each can be used (for :func:`finetune.training.preflight.preflight`); the run it
 
 A reference is a recipe YAML or a run folder. A recipe's run lives in its ``output.dir``; it is *current*
 when that folder holds a finished run (``metrics.json`` and ``final/``) whose ``recipe.yaml`` has the same
-:func:`finetune.run_folder.recipe_hash` as the recipe now (and, when that recipe has an ``init_from`` of
+:func:`finetune.runs.identity.recipe_hash` as the recipe now (and, when that recipe has an ``init_from`` of
 its own, was trained from the same start: :func:`chain_hash` recorded in its ``metrics.json``). A current
 run is reused; otherwise it is trained first, into its ``output.dir`` (a stale run there is replaced), by
 the same launcher and in the same processes as the run that needs it: every process of a multi-process
@@ -31,8 +31,8 @@ from typing import Any
 from accelerate.state import AcceleratorState, GradientState
 
 from finetune.config import RecipeError, load_recipe, recipe_to_dict
-from finetune.run_folder import (RECIPE_NAME, RunFolderError, comparable_recipe, differing_keys, read_run_recipe,
-                                 recipe_hash)
+from finetune.runs.errors import RunFolderError
+from finetune.runs.identity import RECIPE_NAME, comparable_recipe, differing_keys, read_run_recipe, recipe_hash
 from finetune.training.assets import Need, weights_need
 
 log = logging.getLogger("xlipkit")
@@ -130,7 +130,7 @@ def reference_hash(ref: str, key: str, chain: tuple[str, ...] = (), *, trust: bo
 
 
 def chain_hash(recipe: Any, chain: tuple[str, ...] = ()) -> str:
-    """sha256 of the recipe's :func:`finetune.run_folder.recipe_hash` and, when it has a ``model.init_from``,
+    """sha256 of the recipe's :func:`finetune.runs.identity.recipe_hash` and, when it has a ``model.init_from``,
     the :func:`reference_hash` of that start (recursively): equal hashes train the same weights.
 
     Args:

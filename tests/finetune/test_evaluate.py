@@ -619,7 +619,7 @@ def test_no_room_for_the_results_or_a_busy_run_folder_is_refused_first(tmp_path,
         assert ("has 1000 bytes free, but about 1.0 MiB will be written there (the evaluation results); free some "
                 "space, or write the results elsewhere (--out)") in capsys.readouterr().err
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom finetune.run_folder import RunLock\n"
+        [sys.executable, "-c", "import sys, time\nfrom finetune.runs.lock import RunLock\n"
          "lock = RunLock(sys.argv[1], command='finetune/run.py x.yaml').acquire()\nprint('held', flush=True)\n"
          "time.sleep(600)\n", str(run)], stdout=subprocess.PIPE, text=True, cwd=REPO,
         env={**__import__("os").environ, "PYTHONPATH": str(REPO)})

@@ -21,7 +21,7 @@ from finetune.config import load_recipe
 from finetune.data.collate import Collator
 from finetune.data.sources import load_source
 from finetune.objectives import ClipTerm, Objective
-from finetune.resume import checkpoint_problem
+from finetune.runs.checkpoints import checkpoint_problem
 from finetune.training import SaveFailedError, TrainModule, Trainer
 from tests.finetune.mounts import require_mount, tmpfs
 

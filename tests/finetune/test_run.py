@@ -161,7 +161,7 @@ def test_a_recipe_error_under_the_readmes_accelerate_launch_is_one_line():
 
 
 def test_the_resume_command_is_the_launch_command_with_train_resume_latest(monkeypatch):
-    from finetune.training.launch import resume_command
+    from finetune.training.ending import resume_command
 
     monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", "finetune/run.py", "recipes/x.yaml", "train.lr=1e-5",
                                            "train.resume=runs/x/checkpoints/step-3", "output.overwrite=true"])
@@ -177,9 +177,9 @@ def test_a_stopped_run_never_prints_the_hub_token(monkeypatch, tmp_path, capsys)
     (flat, in a whole-section override, or one that does not look like one) is left out, and the user is told."""
     import signal
 
-    import finetune.training.failures as failures
+    import finetune.training.ending as ending
     from finetune.training import SaveFailedError, TrainingStopped
-    from finetune.training.launch import resume_command
+    from finetune.training.ending import resume_command
 
     secret = "mysecret-4f2a9c"
     monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", "/venv/bin/xlipkit", "train", "r.yaml",
@@ -193,7 +193,7 @@ def test_a_stopped_run_never_prints_the_hub_token(monkeypatch, tmp_path, capsys)
     ckpt = tmp_path / "run" / "checkpoints" / "step-6"
     for exc in (TrainingStopped(signal.SIGTERM, 6, ckpt), TrainingStopped(signal.SIGINT, 6, ckpt),
                 SaveFailedError("checkpoint step-8 could not be saved: the disk is full", kept=ckpt, disk_full=True)):
-        failures.stopped_or_failed(exc, _recipe_at(tmp_path / "run"))
+        ending.stopped_or_failed(exc, _recipe_at(tmp_path / "run"))
         err = capsys.readouterr().err
         assert secret not in err and "hf_abcdefghijklmnopqrstu" not in err, err
         assert "\n  xlipkit train r.yaml train.lr=1e-5 'hub={repo_id: me/x, push: true}' train.resume=latest\n  (the " \
@@ -202,7 +202,7 @@ def test_a_stopped_run_never_prints_the_hub_token(monkeypatch, tmp_path, capsys)
 
 def test_the_resume_command_of_a_launched_process_is_the_launchers(monkeypatch, tmp_path):
     """Under torchrun or accelerate launch the command to give again is the launcher's, read from /proc."""
-    from finetune.training.launch import resume_command
+    from finetune.training.ending import resume_command
 
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "torch.distributed.run",
                                  "--nproc_per_node", "8", "finetune/run.py", "r.yaml"])
@@ -226,11 +226,11 @@ def _recipe_at(out: Path):
 def test_stops_and_failures_end_with_a_status_and_a_message_not_a_traceback(tmp_path, capsys, monkeypatch):
     import signal
 
-    import finetune.training.failures as failures
+    import finetune.training.ending as ending
     from finetune.data.images import DataError
     from finetune.training import DivergedError, RunInterrupted, SaveFailedError, TrainingStopped
 
-    monkeypatch.setattr(failures, "resume_command", lambda: "python finetune/run.py r.yaml train.resume=latest")
+    monkeypatch.setattr(ending, "resume_command", lambda: "python finetune/run.py r.yaml train.resume=latest")
     monkeypatch.delenv("RANK", raising=False)
     recipe = _recipe_at(tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "step-6"
@@ -251,12 +251,12 @@ def test_stops_and_failures_end_with_a_status_and_a_message_not_a_traceback(tmp_
                    "cannot be read"), 1, "data error: data source 'webdataset': shard s.tar cannot be read"),
     ]
     for exc, status, said in cases:
-        assert failures.stopped_or_failed(exc, recipe) == status, exc
+        assert ending.stopped_or_failed(exc, recipe) == status, exc
         err = capsys.readouterr().err
         assert said in err and "Traceback" not in err, err
-    assert failures.stopped_or_failed(ValueError("a bug"), recipe) is None  # re-raised with its traceback
+    assert ending.stopped_or_failed(ValueError("a bug"), recipe) is None  # re-raised with its traceback
     monkeypatch.setenv("RANK", "1")  # another rank of an agreed stop prints nothing
-    assert failures.stopped_or_failed(TrainingStopped(signal.SIGTERM, 6, ckpt), recipe) == 143
+    assert ending.stopped_or_failed(TrainingStopped(signal.SIGTERM, 6, ckpt), recipe) == 143
     assert capsys.readouterr().err == ""
 
 

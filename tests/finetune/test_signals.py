@@ -151,7 +151,7 @@ def test_sigint_saves_a_checkpoint_and_exits_130_without_a_traceback(tmp_path, t
     assert "KeyboardInterrupt" not in run.err and "Traceback" not in run.err
     step, checkpoint, command = _stopped(run, "SIGINT")
     assert checkpoint.name == f"step-{step}" and (checkpoint / "random_states_0.pkl").is_file()
-    from finetune.resume import checkpoint_problem
+    from finetune.runs.checkpoints import checkpoint_problem
 
     assert checkpoint_problem(checkpoint) is None
     assert command.endswith("train.lr=0.001 train.resume=latest")
@@ -308,7 +308,7 @@ def test_a_two_process_run_signalled_on_one_rank_saves_one_checkpoint_and_both_e
     assert "exitcode  : 143" in run.err or "exitcode: 143" in run.err, run.err[-4000:]
     step, checkpoint, command = _stopped(run, "SIGTERM")  # printed once, by rank 0
     assert run.err.count("stopped after step") == 1
-    from finetune.resume import checkpoint_problem
+    from finetune.runs.checkpoints import checkpoint_problem
 
     assert checkpoint_problem(checkpoint, world_size=2) is None  # both RNG states, one step
     assert json.loads((checkpoint / "train_state.json").read_text())["step"] == step

@@ -670,7 +670,7 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
     # the stream position is part of the checkpoint's manifest: a changed byte is named on resume
     import hashlib
 
-    from finetune.resume import checkpoint_problem
+    from finetune.runs.checkpoints import checkpoint_problem
 
     manifest = json.loads((ckpt.parent / "train_state.json").read_text())["files"]
     assert manifest["stream_state_0.json"]["sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest()

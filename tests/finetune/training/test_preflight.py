@@ -232,7 +232,7 @@ def test_a_folder_another_run_writes_into_is_refused_naming_it(tmp_path, monkeyp
     from filelock import FileLock
 
     from finetune.files import process_tag
-    from finetune.run_folder import LOCK_NAME, OWNER_NAME
+    from finetune.runs.lock import LOCK_NAME, OWNER_NAME
 
     out = tmp_path / "run"
     out.mkdir()

@@ -19,11 +19,12 @@ from finetune.config import load_recipe
 from finetune.data.collate import Collator
 from finetune.data.sources import load_source
 from finetune.objectives import ClipTerm, Objective
-from finetune.resume import CheckpointError, checkpoint_problem, find_checkpoint
-from finetune.run_folder import RunFolderError
+from finetune.runs.checkpoints import checkpoint_problem
+from finetune.runs.errors import CheckpointError, RunFolderError
+from finetune.runs.resume import find_checkpoint
 from finetune.training import TrainModule, Trainer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,21 @@
 """Room for what a run writes: the bytes a folder holds (:func:`folder_bytes`), what a run will hold on disk at its
-peak (:func:`estimate_run_bytes`), and the check that stops a run or an evaluation before it starts when the disk
-cannot take it (:func:`check_free_space`). :mod:`finetune.run_folder` re-exports them."""
+peak (:func:`estimate_run_bytes`), a size as people read it (:func:`size_text`), and the checks that stop a run or an
+evaluation before it starts when its folder cannot take what it writes: not writable (:func:`check_writable`), or
+not enough free space (:func:`check_free_space`)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
-from finetune.run_basics import RunFolderError
+from finetune.files import process_tag
+from finetune.runs.errors import RunFolderError
 
-__all__ = ["check_free_space", "estimate_run_bytes", "folder_bytes"]
+__all__ = ["check_free_space", "check_writable", "describe_os_error", "estimate_run_bytes", "folder_bytes",
+           "size_text"]
 
 
 def folder_bytes(path: str | os.PathLike) -> int:
@@ -54,9 +59,10 @@ def estimate_run_bytes(*, model_bytes: int, trainable_bytes: int, trainable_nume
             "total": peak + peak // 20 + 16 * 2**20}
 
 
-def _size(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+def size_text(n: float) -> str:
+    """``n`` bytes as people read them: ``512 bytes``, ``1.5 KiB``, ... ``2.0 TiB`` (binary units, TiB the largest)."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
@@ -82,5 +88,35 @@ def check_free_space(folder: str | os.PathLike, need: int, *, what: str, detail:
     free = shutil.disk_usage(folder).free
     if free + reclaimed < need:
         made_of = f" ({detail})" if detail else ""
-        raise RunFolderError(f"{what} has {_size(free)} free, but about {_size(need - reclaimed)} will be written there"
-                             f"{made_of}; {advice}")
+        raise RunFolderError(f"{what} has {size_text(free)} free, but about {size_text(need - reclaimed)} will be "
+                             f"written there{made_of}; {advice}")
+
+
+def describe_os_error(exc: OSError) -> str:
+    """Why a write failed, in words: a read-only file system, permission denied, a full disk, or the OS's own."""
+    if exc.errno == errno.EROFS:
+        return "it is on a read-only file system"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    if exc.errno == errno.ENOSPC:
+        return "the disk is full"
+    return exc.strerror or str(exc)
+
+
+def check_writable(folder: str | os.PathLike, what: str) -> None:
+    """Create and remove a small file in ``folder`` (an existing folder): the one test of writability that
+    a read-only mount, permissions, ACLs and a full disk all answer.
+
+    Raises:
+        RunFolderError: naming ``what`` (e.g. ``output.dir 'runs/x'``) and why.
+    """
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".xlipkit-probe.{process_tag()}.", suffix=".tmp", dir=folder)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise RunFolderError(f"{what} is not writable ({describe_os_error(exc)}); choose a writable folder, or "
+                             "fix its permissions") from None

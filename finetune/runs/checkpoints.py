@@ -1,16 +1,15 @@
-"""Resume checks what it resumes: the checkpoint exists, every file is there with the bytes it was saved
-with, the RNG state of every process can be restored, and it was written by the same run
-(:func:`finetune.run_folder.continuation_view`).
+"""The reading side of checkpoints: what a checkpoint folder holds, which folders are checkpoints
+(:func:`list_checkpoints`, the one listing), and whether one is complete and intact (:func:`checkpoint_problem`).
+:mod:`finetune.training.checkpoint` writes them; :mod:`finetune.runs.resume` picks the one ``train.resume`` names.
 
 A checkpoint folder ``checkpoints/step-N`` holds accelerate's state (``model.safetensors``,
 ``optimizer.bin``, ``scheduler.bin``, ``random_states_<rank>.pkl``, ...), each process's stream position
-(``stream_state_<rank>.json``, streamed data) and ``train_state.json``, which records the step, the loss
-history, the recipe's continuation view and a manifest of the other files: the size and sha256 of each
-(:func:`file_manifest`). :func:`checkpoint_problem` checks a folder against its manifest, so that a missing,
-truncated or bit-flipped file is named before the model loads, instead of resuming silently from damaged
-weights or surfacing as an unrelated message deep in ``load_state``. ``train.resume: latest`` falls back
-to the newest checkpoint that passes (saying which it skipped and why); a checkpoint named by its path must
-pass.
+(``stream_state_<rank>.json``, streamed data, :func:`read_stream_states`), the stream's shard index
+(:data:`STREAM_INDEX`) and ``train_state.json``, which records the step, the loss history, the recipe's continuation
+view and a manifest of the other files: the size and sha256 of each (:func:`file_manifest`).
+:func:`checkpoint_problem` checks a folder against its manifest, so that a missing, truncated or bit-flipped file is
+named before the model loads, instead of resuming silently from damaged weights or surfacing as an unrelated message
+deep in ``load_state``.
 
 The RNG state matters as much as the weights: without it a resumed run draws other dropout masks and
 augmentations and stops being bit-identical to an uninterrupted one, which accelerate only reports at
@@ -29,24 +28,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from finetune.run_basics import RunFolderError
-
-__all__ = ["CheckpointError", "CHECKPOINT_PREFIX", "STATE_NAME", "file_digest", "file_manifest",
-           "checkpoint_problem", "rng_problem", "rng_state_name", "find_checkpoint"]
+__all__ = ["CHECKPOINT_PREFIX", "STATE_NAME", "STREAM_INDEX", "checkpoint_problem", "checkpoint_step", "file_digest",
+           "file_manifest", "list_checkpoints", "read_stream_index", "read_stream_states", "rng_problem",
+           "rng_state_name", "stream_state_file"]
 
 log = logging.getLogger("xlipkit")
 
 CHECKPOINT_PREFIX = "step-"
 STATE_NAME = "train_state.json"
+#: the stream's shard index (sample counts) in a checkpoint: a resume reads it instead of counting again
+STREAM_INDEX = "stream_index.json"
 _WEIGHT_PATTERNS = ("model*.safetensors", "pytorch_model*.bin", "model*.bin")
 #: bytes read at a time when hashing a checkpoint file
 HASH_CHUNK = 8 * 2**20
 #: files hashed at once (hashlib releases the GIL on large updates, so the big files hash in parallel)
 HASH_THREADS = 4
-
-
-class CheckpointError(RunFolderError, FileNotFoundError):
-    """``train.resume`` names no usable checkpoint: missing, incomplete or damaged (names the file)."""
 
 
 def rng_state_name(rank: int) -> str:
@@ -213,79 +209,49 @@ def checkpoint_problem(folder: str | os.PathLike, *, hashes: bool = True, world_
     return None
 
 
-def _steps(ckpt_dir: Path) -> list[Path]:
+def checkpoint_step(folder: Path) -> int:
+    """The step of a checkpoint folder ``step-N``: ``N``."""
+    return int(folder.name[len(CHECKPOINT_PREFIX):])
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike, *, complete: bool = True) -> list[Path]:
+    """The checkpoint folders ``step-N`` of a run's ``checkpoints/`` folder, oldest first; the temporary folders of
+    an interrupted save (``step-N.<PID@HOST>.tmp``) are never listed.
+
+    Args:
+        ckpt_dir: the run's ``checkpoints/`` folder (none yet: an empty list).
+        complete: only those with a ``train_state.json`` (written last, before the rename); False lists every
+            ``step-N`` folder, so that a resume can name what is wrong with a damaged one.
+    """
+    ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
     found = [p for p in ckpt_dir.iterdir()
-             if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+             if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX):].isdigit()
+             and (not complete or (p / STATE_NAME).is_file())]
+    return sorted(found, key=checkpoint_step)
 
 
-def find_checkpoint(resume: str | None, ckpt_dir: str | os.PathLike, *, world_size: int = 1,
-                    ignore_rng: bool = False) -> Path | None:
-    """The checkpoint ``train.resume`` names, checked with :func:`checkpoint_problem` (every file's sha256).
-
-    Args:
-        resume: None (no resume), ``latest`` (the newest intact ``step-N`` in ``ckpt_dir``; a newer one that
-            is incomplete or damaged is skipped with a warning that names the file and why) or a checkpoint
-            folder.
-        ckpt_dir: the run's ``checkpoints/`` folder.
-        world_size: processes of this launch (each needs its RNG state).
-        ignore_rng: ``train.resume_ignore_rng``.
-    Returns:
-        the folder, or None (no resume, or ``latest`` with no checkpoint yet: logged).
-    Raises:
-        CheckpointError: a path that is not an intact checkpoint, or ``latest`` when every checkpoint is
-            unusable (naming the file of each).
-    """
-    if not resume:
-        return None
-    ckpt_dir = Path(ckpt_dir)
-    check = dict(world_size=world_size, ignore_rng=ignore_rng)
-    if resume == "latest":
-        candidates = _steps(ckpt_dir)
-        if not candidates:
-            log.info("train.resume: latest: no checkpoint in %s yet; training starts at step 0", ckpt_dir)
-            return None
-        problems = []
-        for path in reversed(candidates):
-            problem = checkpoint_problem(path, **check)
-            if problem is None:
-                for skipped, why in problems:
-                    log.warning("train.resume: latest: skipped %s: %s; resuming from %s", skipped, why, path.name)
-                return path
-            problems.append((path.name, problem))
-        raise CheckpointError(
-            f"train.resume: latest: no usable checkpoint in {ckpt_dir}: "
-            + "; ".join(f"{name}: {why}" for name, why in problems)
-            + ". Remove the damaged checkpoints, or unset train.resume to start again")
-    path = Path(resume).expanduser()
-    if not path.is_dir():
-        raise CheckpointError(
-            f"train.resume: {resume} is not a checkpoint folder (it does not exist); use `latest` or a folder "
-            f"like {ckpt_dir / (CHECKPOINT_PREFIX + '100')}")
-    problem = checkpoint_problem(path, **check)
-    if problem is not None:
-        hint = "" if (path / STATE_NAME).exists() or not _steps(path) else "; its step-N folders are checkpoints"
-        raise CheckpointError(f"train.resume: {resume} is not a checkpoint folder ({problem}){hint}")
-    return path
+def stream_state_file(folder: Path, rank: int) -> Path:
+    """Where process ``rank`` keeps its stream position in a checkpoint folder."""
+    return folder / f"stream_state_{rank}.json"
 
 
-def check_continuation(saved: dict[str, Any] | None, current: dict[str, Any] | None, checkpoint: Path, *,
-                       ignore_changes: bool = False) -> None:
-    """Compare the continuation view a checkpoint was saved with to the current recipe's.
+def read_stream_states(folder: Path) -> list[dict[str, Any]]:
+    """Every process's stream position in a checkpoint folder (``stream_state_<rank>.json``, rank order).
 
     Raises:
-        RunFolderError: listing the differing keys, unless ``ignore_changes`` (then logged).
+        FileNotFoundError: none, or a gap in the ranks (naming the folder).
     """
-    from finetune.run_basics import differing_keys
+    files = sorted(folder.glob("stream_state_*.json"), key=lambda p: int(p.stem.rpartition("_")[2]))
+    if not files or [int(p.stem.rpartition("_")[2]) for p in files] != list(range(len(files))):
+        raise FileNotFoundError(
+            f"train.resume: {folder} has no complete set of stream positions (stream_state_<rank>.json): it was saved "
+            "from map-style data; resume with the data.train it was saved with")
+    return [json.loads(p.read_text()) for p in files]
 
-    if saved is None or current is None or saved == current:
-        return
-    changes = differing_keys(saved, current)
-    if not ignore_changes:
-        raise RunFolderError(
-            f"train.resume: {checkpoint} was saved by a run with a different recipe; differing keys: "
-            f"{'; '.join(changes)}. Resume with that run's recipe, or set train.resume_ignore_changes: true "
-            "to continue with these changes on purpose")
-    log.warning("train.resume_ignore_changes: continuing %s with changed keys: %s", checkpoint, "; ".join(changes))
+
+def read_stream_index(folder: Path) -> dict[str, Any] | None:
+    """The shard index a checkpoint saved (:data:`STREAM_INDEX`), or None."""
+    path = folder / STREAM_INDEX
+    return json.loads(path.read_text()) if path.is_file() else None
