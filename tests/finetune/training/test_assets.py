@@ -19,7 +19,7 @@ from finetune.cli import validate as validate_command
 from finetune.config import load_recipe
 from finetune.data import benchmarks
 from finetune.training import assets as assets_module
-from finetune.training.preflight import preflight, recipe_needs
+from finetune.training.preflight import recipe_needs
 
 REPO = Path(__file__).resolve().parents[3]
 NOT_CACHED = "xlipkit-tests/never-cached-model"
@@ -58,7 +58,7 @@ def test_train_and_preview_list_every_missing_thing_at_once_with_exit_2(command,
     assert "Traceback" not in err
     listed = [line[4:].split(": ")[0] for line in err.splitlines() if line.startswith("  - ")]
     assert sorted(set(listed)) == sorted(EXPECTED_KEYS), err
-    assert "HF_HUB_OFFLINE is set" in err and f"xlipkit download recipes/structxlip_docci.yaml" in err
+    assert "HF_HUB_OFFLINE is set" in err and "xlipkit download recipes/structxlip_docci.yaml" in err
     assert "FastSAM-x.pt" in err and "SA-1B" in err
 
 
@@ -220,29 +220,6 @@ def test_the_runs_early_checks_and_the_missing_things_come_in_one_message(tmp_pa
         assert "objective.terms.fcast.superpixels.checkpoint: SFCN weights" in out + err
         assert "data.train.urls" in out + err
     assert not (tmp_path / "run").exists()
-
-
-@pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    from tests.recipes.shipped import Project
-
-    root = tmp_path_factory.mktemp("project")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XLIPKIT_CACHE", str(root / "cache"))
-        yield Project(root)
-
-
-@pytest.mark.parametrize("path", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
-def test_a_recipe_run_as_shipped_on_fixtures_passes_the_check(path, project, monkeypatch):
-    """With its data at fixtures and its model at a tiny checkpoint (tests/recipes/shipped.py, what the slow
-    as-shipped runs use), no shipped recipe is stopped by the check: it asks only for what the run reads."""
-    from tests.recipes.shipped import as_shipped_overrides, enter
-
-    overrides = as_shipped_overrides(REPO / "recipes" / path, project)
-    enter(monkeypatch, project)
-    recipe = load_recipe(REPO / "recipes" / path, overrides)
-    checked = preflight(recipe, f"recipes/{path}")
-    assert checked.ok, checked.message()
 
 
 def test_a_fastsam_checkpoint_is_missing_for_a_run_even_online_but_download_fetches_it(tmp_path):
