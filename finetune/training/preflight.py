@@ -56,8 +56,6 @@ class Preflight:
         problems: what else stops it (the objective, the stream, ``output.dir``, a command it may not run), each a
             :class:`RecipeError` naming its key.
         objective: the run's objective, built once (``None`` when it could not be built).
-        action: what the run does with ``output.dir`` (``new``, ``overwrite``, ``resume``, ``rerun``; ``None`` when
-            it was not checked or is refused).
     """
 
     recipe: Recipe
@@ -65,7 +63,6 @@ class Preflight:
     needs: list[Need] = field(default_factory=list)
     problems: list[RecipeError] = field(default_factory=list)
     objective: Objective | None = None
-    action: str | None = None
 
     @property
     def missing(self) -> list[Need]:
@@ -111,16 +108,16 @@ def preflight(recipe: Recipe, recipe_ref: str | None = None, *, output: bool = T
     listed = {key for n in needs if n.state == "missing" for key in n.key.split(", ")}
     objective, errors = _objective(recipe, listed)
     problems += errors
-    for key, sub in upstream:  # a run trained first: its objective and stream, as its own run will check them
+    for key, sub in upstream:  # a run trained first: its commands, objective and stream, as its own run checks them
         inner = {k.removeprefix(f"{key} -> ") for k in listed if k.startswith(f"{key} -> ")}
-        problems += [RecipeError(f"{key}: {sub.source}: {error}", key=key) for error in _objective(sub, inner)[1]]
-    action = None
+        errors = untrusted_commands(sub) + _objective(sub, inner)[1]
+        problems += [RecipeError(f"{key}: {sub.source}: {error}", key=key) for error in errors]
     if output:
         try:
-            action = output_action(recipe)
+            output_action(recipe)
         except RunFolderError as exc:
             problems.append(RecipeError(str(exc), key="output.dir"))
-    return Preflight(recipe, ref, needs, problems, objective, action)
+    return Preflight(recipe, ref, needs, problems, objective)
 
 
 def recipe_needs(recipe: Recipe, *, recipe_ref: str | None = None, plan_only: bool = False) -> list[Need]:
@@ -219,8 +216,10 @@ def output_action(recipe: Recipe) -> str:
 def _not_in_use(folder: Path) -> None:
     """Refuse ``folder`` while another run writes into it, naming that run as the run's own lock does: asked (the
     lock taken and given back at once) only where the lock's owner record names a live process on this host other
-    than this one, and only on the main process of a launch (its lock is the others')."""
-    if int(os.environ.get("RANK") or 0) != 0:
+    than this one, and only on the main process of a launch (``RANK``, or ``SLURM_PROCID`` under ``srun`` before the
+    run sets ``RANK`` from it): the others' lock is the main process's, which may hold it already. A run missed here
+    is still refused by the run's own lock."""
+    if any(os.environ.get(name, "0").strip() not in ("", "0") for name in ("RANK", "SLURM_PROCID")):
         return
     try:
         owner = json.loads((folder / OWNER_NAME).read_text(encoding="utf-8"))

@@ -225,7 +225,8 @@ def test_validate_train_and_preview_refuse_the_same_cases(case, tmp_path, monkey
 def test_a_folder_another_run_writes_into_is_refused_naming_it(tmp_path, monkeypatch, capsys):
     """One run per folder: while another process holds output.dir's lock (its owner record names it), validate and
     train refuse, naming that process, as the run's lock does (the preflight used to say the folder "holds another
-    run" and suggest output.overwrite)."""
+    run" and suggest output.overwrite). The other processes of a launch (RANK, or SLURM_PROCID under srun) do not
+    ask: their main process holds that lock for them, and they must reach the run to meet it."""
     import json
     import subprocess
 
@@ -236,18 +237,26 @@ def test_a_folder_another_run_writes_into_is_refused_naming_it(tmp_path, monkeyp
 
     out = tmp_path / "run"
     out.mkdir()
+    for name in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
     other = subprocess.Popen(["sleep", "60"])  # the other run's process: alive, on this host
     try:
         with FileLock(str(out / LOCK_NAME)):
             (out / OWNER_NAME).write_text(json.dumps({"pid": other.pid, "host": process_tag().partition("@")[2],
                                                       "command": "finetune/run.py other.yaml"}))
             got = _commands(monkeypatch, capsys, [str(_tiny(tmp_path))])
+            ranks = []
+            for name in ("RANK", "SLURM_PROCID"):
+                with monkeypatch.context() as env:
+                    env.setenv(name, "1")
+                    ranks.append(_commands(monkeypatch, capsys, [str(_tiny(tmp_path))], preview=False))
     finally:
         other.kill()
         other.wait()
     assert got.validate == got.train == 2 and got.preview == 0, got
     for text in (got.validate_text, got.train_text):
         assert f"is in use by another run: PID {other.pid} on " in text and "finetune/run.py other.yaml" in text
+    assert [(r.validate, r.train) for r in ranks] == [(0, 0), (0, 0)], ranks
 
 
 def test_the_shipped_shard_form_pipe_cat_passes_the_shard_check_when_trusted(tmp_path, monkeypatch, capsys):
