@@ -18,12 +18,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 # What a user types after `xlipkit CMD`: the options each command's --help must name (its module's own).
 OPTIONS = {
-    "train": ["recipe", "overrides", "--list", "--schema"],
+    "train": ["recipe", "overrides", "--list", "--schema", "--trust-recipe-code"],
     "eval": ["MODEL_OR_RUN", "--sets", "--protocol", "--scorer", "--rerank-top-k", "--zeroshot", "--templates",
-             "--out", "--trust-recipe-imports"],
+             "--out", "--trust-recipe-code", "--trust-recipe-imports"],
     "push": ["run_dir", "--repo-id", "--public", "--revision", "--merge", "--stage-only"],
     "export": ["run_dir", "out_dir", "--format", "--overwrite"],
-    "preview": ["recipe", "overrides", "--n", "--out"],
+    "preview": ["recipe", "overrides", "--n", "--out", "--trust-recipe-code"],
     "pairs": ["IMAGES_AND_CAPTIONS", "OUT", "--model", "--detector", "--method", "--pairs", "--weighting",
               "--no-default"],
     "superpixels": ["RECIPE", "OUT", "overrides", "--workers", "--device", "--batch-size", "--overwrite"],

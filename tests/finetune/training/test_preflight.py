@@ -318,6 +318,9 @@ def test_the_trust_option_is_named_alike_everywhere():
         assert parser.parse_args(["r.yaml", "--trust-recipe-code"]).trust_recipe_code
         assert parser.parse_args(["r.yaml", "--trust-recipe-imports"]).trust_recipe_code  # the earlier name
         assert not parser.parse_args(["r.yaml"]).trust_recipe_code
+    for command in (validate_command, download_command):  # they never run a recipe's code: no option to allow it
+        with pytest.raises(SystemExit):
+            command._parser("x").parse_args(["r.yaml", "--trust-recipe-code"])
 
 
 # ------------------------------------------------------------------------------------ what the commands print
