@@ -753,7 +753,8 @@ def test_preview_of_a_stream_recipe(tmp_path):
     heights = []
     for n in (1, 3):
         out = tmp_path / f"preview-{n}.png"
-        assert main(["recipes/quickstart.yaml", f"model.name_or_path={tiny}",
+        # a stream trains train.max_steps steps: the preview checks the recipe as `xlipkit train` would
+        assert main(["recipes/quickstart.yaml", f"model.name_or_path={tiny}", "train.max_steps=10",
                      "objective.terms.structxlip.weights.local=0", f"data.train={{name: webdataset, urls: '{urls}'}}",
                      "--n", str(n), "--out", str(out)]) == 0
         with PIL.Image.open(out) as png:
