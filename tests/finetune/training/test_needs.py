@@ -20,7 +20,7 @@ from finetune.data import benchmarks
 from finetune.training import needs as needs_module
 from finetune.training.needs import recipe_needs
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NOT_CACHED = "xlipkit-tests/never-cached-model"
 
 

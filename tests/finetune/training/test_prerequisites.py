@@ -15,7 +15,7 @@ from finetune.config import load_recipe
 from finetune.models.registry import save_tiny
 from finetune.training.prerequisites import PrerequisiteError, chain_hash, ensure, reference_hash
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _reset_accelerate() -> None:
