@@ -1,14 +1,13 @@
-"""The old module paths (issue 32): nothing in the repository uses one, and the few kept for users warn.
+"""The old module paths (issues 32 and 38): nothing in the repository uses one, and none is kept.
 
-:data:`OLD_PATHS` is the table a maintainer updates imports with (old path -> new path). A path that users may
-have imported is a shim for one release: importing it raises a ``FutureWarning`` naming the new path, and its
-old names still resolve to the moved objects. The commands users type (``finetune/run.py RECIPE``,
+:data:`OLD_PATHS` is the table a maintainer updates imports with (old path -> new path). The forwarding shims of
+issue 32 are deleted (issue 38): an old module does not import, and the entry points at the top of ``finetune/`` hold
+no library names. The commands users type (``finetune/run.py RECIPE``,
 ``python -m finetune.evaluate``, ``python -m finetune.preview``, ``python -m finetune.hub push``) run without one.
 """
 
 from __future__ import annotations
 
-import datetime
 import importlib
 import re
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: old path -> new path (removed, or a warning shim where :data:`SHIMS` lists it); the silent forwards are gone:
+#: old path -> new path (every old path is removed; no shim forwards it); the silent forwards are gone too:
 #: ``finetune.models.registry``'s computed ``REGISTRY`` / ``ALIASES`` / ``FAMILY_CONFIGS`` and
 #: ``finetune.training.checkpoint.resolve_resume`` (issue 38)
 OLD_PATHS = {
@@ -102,19 +101,10 @@ _PATTERNS = [
 ]
 OLD = re.compile("|".join(f"(?:{p})" for p in _PATTERNS))
 
-#: the one table of deprecation shims: each file (it names the old paths it stands for) -> the new path its warning
-#: names and the date by which it goes (a shim module is deleted; an entry point, ``run.py``, ``evaluate.py``,
-#: ``preview.py``, stays and loses its forwarding of the old library names). Kept: the old paths that the README
-#: documented before issue 32 (``from finetune.scorers import Scorer, register_scorer``, ``finetune/train.py``'s
-#: loop) or that users typed; a shim past its date fails :func:`test_every_shim_goes_by_its_date`
-SHIMS: dict[str, tuple[str, str]] = {
-    "finetune/train.py": ("finetune.training", "2027-03-01"),
-    "finetune/run.py": ("finetune.training.run_recipe", "2027-03-01"),
-    "finetune/evaluate.py": ("finetune.evaluation", "2027-03-01"),
-    "finetune/preview.py": ("finetune.cli.preview", "2027-03-01"),
-    "finetune/scorers.py": ("finetune.evaluation.scorers", "2027-03-01"),
-}
-EXEMPT = {*SHIMS, "tests/test_old_paths.py", "tests/test_import_graph.py"}  # the latter puts the shims on top
+#: the entry points users type: files at the top of finetune/ that run a command and hold no library names (the
+#: forwarding shims of issue 32 were deleted in issue 38: the project had no release that users imported them from)
+ENTRY_POINTS = ("finetune/run.py", "finetune/evaluate.py", "finetune/preview.py")
+EXEMPT = {"tests/test_old_paths.py", "tests/test_import_graph.py"}  # they name the old paths on purpose
 SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".cfg", ".txt", ".sh")
 
 
@@ -165,40 +155,31 @@ def test_the_pattern_finds_old_paths_and_leaves_the_commands():
         assert not OLD.search(new), new
 
 
-@pytest.mark.parametrize("module, names", [
-    ("finetune.train", ["Trainer", "TrainModule", "build_optimizer", "StepMeter", "save_checkpoint", "StopVote",
-                        "EpochShuffleSampler"]),
-    ("finetune.run", ["run", "main", "RECIPES_DIR"]),
-    ("finetune.evaluate", ["recall_at_k", "evaluate_sets", "format_table", "main"]),
-    ("finetune.preview", ["main", "preview_recipe", "render_preview", "save_png_atomic"]),
-    ("finetune.scorers", ["Scorer", "register_scorer", "get_scorer", "CosineScorer"]),
-])
-def test_a_shim_warns_naming_the_new_path_and_forwards_its_old_names(module, names):
+@pytest.mark.parametrize("module, old", [("finetune.train", None), ("finetune.scorers", None),
+                                         ("finetune.run", "RECIPES_DIR"), ("finetune.evaluate", "recall_at_k"),
+                                         ("finetune.preview", "render_preview")])
+def test_no_module_at_the_top_forwards_old_names(module, old):
+    """The forwarding shims are gone (issue 38): an old module is not importable, an entry point holds no library
+    name, and importing one warns about nothing."""
     sys.modules.pop(module, None)
+    if old is None:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(module)
+        return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        shim = importlib.import_module(module)
-    new, _ = SHIMS[module.replace(".", "/") + ".py"]
-    assert [w.category for w in caught] == [FutureWarning], [str(w.message) for w in caught]
-    assert new in str(caught[0].message)
-    for name in names:
-        value = getattr(shim, name)
-        home = getattr(shim, "MOVED", {}).get(name)
-        if isinstance(home, tuple):  # finetune.run: (module, new name)
-            assert value is getattr(importlib.import_module(home[0]), home[1]), name
-        else:
-            target = importlib.import_module(home or new)
-            assert value is getattr(target, name), name
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        shim.nothing  # noqa: B018
+        entry = importlib.import_module(module)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert not hasattr(entry, old)
+    assert module.replace(".", "/") + ".py" in ENTRY_POINTS
 
 
-def test_every_shim_goes_by_its_date():
-    today = datetime.date.today()
-    late = {path: gone for path, (_, gone) in SHIMS.items() if datetime.date.fromisoformat(gone) < today}
-    assert not late, (f"deprecation shims past their removal date: delete them (an entry point keeps its command and "
-                      f"loses the forwarding) and their entries in SHIMS: {late}")
-    assert all((REPO / path).is_file() for path in SHIMS), "a deleted shim is still listed in SHIMS"
+def test_the_top_of_finetune_holds_only_entry_points():
+    """No forwarding, run-folder, resume or checkpoint module is left at the top of ``finetune/``."""
+    top = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "finetune").glob("*.py"))
+    ground = {"finetune/__init__.py", "finetune/plugins.py", "finetune/files.py", "finetune/extras.py",
+              "finetune/threads.py"}
+    assert set(top) == ground | set(ENTRY_POINTS), top
 
 
 @pytest.mark.parametrize("argv", [["finetune/run.py", "--help"], ["-m", "finetune.evaluate", "--help"],

@@ -27,25 +27,25 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.json_schema import SkipJsonSchema
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import PydanticCustomError
 
 import finetune.plugins as plugins
 
 from finetune.config.errors import (SECTION_TYPES, RecipeError, _NOT_FINITE, _Origins, _alias, _arms, _fields_of,
-                                    _non_finite, _raise_errors, _recipe_error, _suggest, _type_name)
+                                    _non_finite, _recipe_error, _suggest, _type_name)
 from finetune.config.io import MAX_RECIPE_BYTES, _compose, _first_comment, _plain
+from finetune.config.model_options import _OPTIONS_MARK, _moved_model_keys, _validate_model_options
 from finetune.config.overrides import _parse_override, _set_path, check_override_sizes
 from finetune.config.secrets import mask_secrets, override_secrets, secret_values
 from finetune.config.terms import (_TERMS_MARK, _import_objectives, _import_user_modules, _term_options,
                                    registered_term_configs)
 from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_train_source, _no_streams,
                                      _validate_source_list)
-from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas,
-                                    _build_options, _doc, _float, _int, _json_schema_of,
-                                    _positive_ints, _yaml_word)
+from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas, _doc,
+                                    _float, _int, _positive_ints, _yaml_word)
 
 # -- the sections ---------------------------------------------------------------------------------
 _SECTION_CONFIG = ConfigDict(extra="forbid", populate_by_name=True)
@@ -87,114 +87,6 @@ class KPSConfig:
     ratio: Annotated[_int(ge=1) | None, _doc("interpolation ratio; null: the smallest that "
                                                    "reaches model.max_text_len")] = None
     freeze_kept: Annotated[Bool, _doc("keep the copied rows frozen in training")] = True
-
-
-# -- model family options --------------------------------------------------------------------------------
-#: ``model`` keys of the vision_text family before ``model.options`` held them: still read, with a warning
-_MOVED_MODEL_KEYS = ("vision", "text", "projection_dim")
-
-
-def family_options_class(family: str) -> type | None:
-    """The options class that ``model.options`` is validated against for model family ``family`` (the
-    ``options`` its registration in :data:`finetune.plugins.MODEL_FAMILIES` names), or ``None`` for a family
-    that takes no options or is not registered."""
-    entry = plugins.MODEL_FAMILIES.get(family) if family in plugins.MODEL_FAMILIES else None
-    return getattr(entry, "options", None)
-
-
-def _families_with_options() -> list[str]:
-    """The registered model families that take ``model.options``, sorted."""
-    return [name for name in plugins.MODEL_FAMILIES.names() if family_options_class(name) is not None]
-
-
-def family_loader_options(model: Any) -> dict[str, Any]:
-    """The keywords a recipe's ``model`` section gives its family's loader beyond the name: the options that
-    are set (``{"vision": ..., "text": ..., "projection_dim": 512}`` for vision_text), ``{}`` for none."""
-    options = getattr(model, "options", None)
-    if options is None:
-        return {}
-    plain = _plain(options)
-    return {k: v for k, v in plain.items() if v is not None}
-
-
-class _ModelOptions:
-    """Marks ``model.options``; its JSON schema offers each family's options class, and its keys (for error
-    messages) are those of every family's options (the validation itself uses the recipe's family)."""
-
-    describe = "a mapping of the model family's options"
-
-    def recipe_fields(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for family in _families_with_options():
-            out.update(_fields_of(family_options_class(family)) or {})
-        return out
-
-    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
-        arms = [_json_schema_of(family_options_class(f), handler) for f in _families_with_options()]
-        return {"anyOf": [*arms, {"type": "null"}],
-                "description": "options of model.family: " + "; ".join(
-                    f"{f}: {', '.join(_fields_of(family_options_class(f)) or {})}" for f in _families_with_options())}
-
-
-_OPTIONS_MARK = _ModelOptions()
-
-
-def _validate_model_options(value: Any, info: ValidationInfo) -> Any:
-    """``model.options`` built as the options class of the recipe's family (``model.family``, or the
-    deprecated ``model.backend``); unknown keys get the closest valid one, as term options do."""
-    if value is None:
-        return None
-    if "family" not in info.data or "backend" not in info.data:
-        return value  # the family itself is wrong: that error is reported
-    family = info.data["family"] if info.data["family"] != "auto" else info.data["backend"]
-    cls = family_options_class(family) if family != "auto" else None
-    if cls is None:
-        if isinstance(value, Mapping) and not value:
-            return None
-        takes = ", ".join(f"{f} ({', '.join(_fields_of(family_options_class(f)) or {})})"
-                          for f in _families_with_options())
-        if family == "auto":
-            raise PydanticCustomError("recipe_value", "belongs to a model family: set model.family (families with "
-                                      "options: {takes})", {"takes": takes})
-        raise PydanticCustomError("recipe_value", "is set, but model family {family} takes no options (families "
-                                  "with options: {takes}); remove it", {"family": repr(family), "takes": takes})
-    if isinstance(value, Mapping):
-        fields = _fields_of(cls) or {}
-        unknown = [InitErrorDetails(type=PydanticCustomError("recipe_key", "is not a recipe key: {hint}", {
-            "hint": _suggest(str(key), fields, ("model", "options"), False)}), loc=(key,), input=sub)
-            for key, sub in value.items() if key not in fields]
-        _raise_errors(unknown, "model.options")
-    return _build_options(cls, value)
-
-
-def _moved_model_keys(tree: dict[str, Any], origins: _Origins) -> None:
-    """``model.vision`` / ``model.text`` / ``model.projection_dim`` (before ``model.options``) moved into
-    ``model.options`` with a ``FutureWarning`` naming the new key; ``null`` ones (what every run folder's
-    recipe.yaml of that time holds) are dropped silently."""
-    import warnings
-
-    model = tree.get("model")
-    if not isinstance(model, dict):
-        return
-    moved = {k: model.pop(k) for k in _MOVED_MODEL_KEYS if k in model}
-    moved = {k: v for k, v in moved.items() if v is not None}
-    if not moved:
-        return
-    options = model.get("options")
-    if options is None:
-        options = {}
-    if not isinstance(options, dict):
-        return  # model.options' own error follows
-    for key in moved:
-        if key in options:
-            raise origins.error(("model", key), f"and `model.options.{key}` are both set; `model.{key}` is the old "
-                                f"name of `model.options.{key}`: keep only that", key_error=True)
-    model["options"] = {**options, **moved}
-    for key in moved:
-        where = origins.error(("model", key), f"is deprecated: write it as `model.options.{key}` (the options of "
-                              "model.family: vision_text); the old key will be refused in the next release",
-                              key_error=True)
-        warnings.warn(str(where), FutureWarning, stacklevel=3)
 
 
 def _check_family(value: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from finetune.config import Recipe
-from finetune.config.schema import family_loader_options
+from finetune.config.model_options import family_loader_options
 from finetune.models.adapters import apply_adapter, enable_gradient_checkpointing
 from finetune.models.families import recipe_family
 from finetune.models.finetuned import apply_text_length, load_finetuned, load_model, read_info

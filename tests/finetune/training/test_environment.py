@@ -3,6 +3,8 @@ and the parameter count."""
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune.training.environment import cpu_threads
+from finetune.training.environment import cpu_threads, setup_logging
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -110,7 +112,7 @@ def test_the_parameter_count_includes_the_objectives_own_parameters():
     assert parameter_counts(model, objective) == (1, in_model + 1)
 
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "configs" / "accelerate"
 
 
@@ -300,3 +302,22 @@ def test_the_stream_check_uses_the_objective_it_is_given(monkeypatch):
     recipe.train.max_steps = None
     with pytest.raises(RecipeError, match="train.max_steps"):
         check_stream_recipe(recipe, objective)
+
+
+def test_the_log_writes_to_the_current_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's log follows ``sys.stderr`` when a caller swaps it (pytest's capture, a progress bar): a handler
+    made under an earlier, now closed stream printed "--- Logging error ---" in place of the message."""
+    logger = logging.getLogger("xlipkit")
+    saved, logger.handlers[:] = logger.handlers[:], []
+    try:
+        first = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", first)
+        setup_logging(True)
+        first.close()
+        second = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", second)
+        logger.info("the message")
+        assert second.getvalue().rstrip().endswith("INFO the message")
+        assert "Logging error" not in second.getvalue()
+    finally:
+        logger.handlers[:] = saved

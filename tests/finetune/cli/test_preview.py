@@ -13,7 +13,7 @@ from finetune.cli.preview import main
 
 
 pytestmark = pytest.mark.usefixtures("quiet_datasets")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from finetune.cli import train as train_command
 from finetune.cli.main import COMMANDS, main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # What a user types after `xlipkit CMD`: the options each command's --help must name (its module's own).
 OPTIONS = {

@@ -158,7 +158,7 @@ def test_format_table_single_result_and_empty():
 
 # -- encoding with a real tiny model --------------------------------------------------------------
 # Building tiny-clip imports transformers (several seconds on a shared CPU): these tests are `slow`.
-REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+REPO = __import__("pathlib").Path(__file__).resolve().parents[3]
 LONG = " ".join(f"word{i}" for i in range(120))  # well past 77 tokens
 
 
