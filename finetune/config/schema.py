@@ -117,7 +117,7 @@ class ModelConfig:
     init_from: Annotated[Str | None, _doc(
         "start from another run's final/: a recipe YAML (its run is reused when its output.dir holds a "
         "finished run of the same resolved recipe, else trained first) or a run folder with final/; "
-        "name_or_path is then not loaded (finetune.training.prerequisites)")] = None
+        "name_or_path is then not loaded (finetune.training.upstream)")] = None
     options: Annotated[Any, BeforeValidator(_validate_model_options), _OPTIONS_MARK, _doc(
         "the model family's own options, validated by the options class the family declares (vision_text: "
         "vision, text, projection_dim); null: its defaults")] = None
@@ -162,7 +162,6 @@ class AdapterConfig:
     train_extra: Annotated[list[Str], _doc("trained as they are next to the adapter: positions, "
                                            "logit_scale, logit_bias or parameter name patterns")] = (
         dataclasses.field(default_factory=lambda: list(_DEFAULT_TRAIN_EXTRA)))
-
 
 
 @_section(("data",))
@@ -346,10 +345,8 @@ class Recipe:
     source: SkipJsonSchema[Str | None] = dataclasses.field(default=None, metadata={"meta": True}, compare=False)
     overrides: SkipJsonSchema[tuple[Str, ...]] = dataclasses.field(default=(), metadata={"meta": True},
                                                                    compare=False)
-    #: the user said on the command line that this recipe may run the code it names (``objective.import``
-    #: modules, ``pipe:`` shard commands); never read from the file itself
+    #: the user allowed this recipe's code on the command line (objective.import, pipe: commands); never from the file
     trust_code: SkipJsonSchema[bool] = dataclasses.field(default=False, metadata={"meta": True}, compare=False)
-
 
 
 _SECTION_TYPES = (Recipe, ModelConfig, KPSConfig, AdapterConfig, DataConfig, EvalConfig, ObjectiveConfig,
@@ -379,17 +376,16 @@ def _merge_defaults(data: Any, cls: type) -> Any:
         return data
     defaults = cls()
     out = dict(data)
+    hints = typing.get_type_hints(cls, include_extras=True)  # once: each call evaluates every annotation again
     for key, tp in (_fields_of(cls) or {}).items():
         section = next((a for a in _arms(tp) if a in _SECTION_TYPES), None)
         if key in data:
             if section is not None:
                 out[key] = _merge_defaults(data[key], section)
         else:
-            name = next(f.name for f in dataclasses.fields(cls) if f.name == key or _alias(
-                typing.get_type_hints(cls, include_extras=True)[f.name]) == key)
+            name = next(f.name for f in dataclasses.fields(cls) if f.name == key or _alias(hints[f.name]) == key)
             out[key] = _plain(getattr(defaults, name))
     return out
-
 
 
 def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
@@ -420,7 +416,7 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
 
 
 def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
-                trust_imports: bool = True) -> Recipe:
+                trust_imports: bool = False) -> Recipe:
     """Read, override and validate a recipe.
 
     Args:
@@ -428,9 +424,9 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
         overrides: ``key.sub=value`` strings applied after the file; values are YAML scalars or
             flow collections (``train.lr=1e-5``, ``eval.sets=[docci,urban1k]``,
             ``train.max_steps=null``, ``eval.sets.0.size=128``) and are validated like file values.
-        trust_imports: import the modules of ``objective.import`` (running their code). False for a
-            recipe from a folder that is not the user's own (``python -m finetune.evaluate RUN``): then a
-            module that is not imported yet and not part of xlipkit is a :class:`RecipeError`.
+        trust_imports: the user allowed the recipe's code (``--trust-recipe-code``; ``Recipe.trust_code``): import
+            ``objective.import``, run ``pipe:`` shard commands. Off by default (a recipe may come from anyone): a module
+            not imported yet and not part of xlipkit is then a :class:`RecipeError` naming the flag.
 
     Returns:
         the :class:`Recipe`, every section filled with its defaults where the file is silent.

@@ -15,7 +15,7 @@ from finetune.models.adapters import apply_adapter, enable_gradient_checkpointin
 from finetune.models.families import recipe_family
 from finetune.models.finetuned import apply_text_length, load_finetuned, load_model, read_info
 from finetune.objectives import Objective
-from finetune.training.prerequisites import Prerequisite
+from finetune.training.upstream import Prerequisite
 
 log = logging.getLogger("xlipkit")
 
@@ -28,7 +28,7 @@ def load_start_model(m: Any, init: Prerequisite | None) -> Any:
 
     Args:
         m: the recipe's ``model`` section.
-        init: the ``model.init_from`` run (:class:`~finetune.training.prerequisites.Prerequisite`), or None.
+        init: the ``model.init_from`` run (:class:`~finetune.training.upstream.Prerequisite`), or None.
     """
     kps = dict(vars(m.kps)) if m.kps is not None else None
     if init is None:

@@ -61,7 +61,7 @@ def test_record_stream_marks_every_cuda_tensor_of_a_batch_and_no_host_tensor():
 def test_the_training_loader_neither_pins_nor_places_batches(tmp_path):
     """Pinned batches cost a cudaHostAlloc per batch in flight on a GPU (finetune.data.prefetch); the loop moves
     host batches itself."""
-    from tests.finetune.test_train import _counting_trainer
+    from tests.finetune.training.test_trainer import _counting_trainer
 
     trainer = _counting_trainer(tmp_path, {"base": "clip"}, size=16)
     assert trainer.loader.pin_memory is False

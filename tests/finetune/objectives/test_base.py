@@ -233,7 +233,7 @@ def test_objective_import_loads_a_users_term_and_runs_it(tmp_path, monkeypatch, 
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"objective": {"base": "none", "import": ["user_terms_a"],
                                                   "terms": {"user_nce": {"scale": 2.0}}}}))
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, trust_imports=True)
     assert recipe.objective.imports == ["user_terms_a"]
     objective = build_objective(recipe.objective)
     values = objective.loss(model, objective.encode(model, batch))

@@ -154,7 +154,8 @@ def test_the_text_plan_is_made_on_the_host_one_pass_per_kind(tmp_path):
     longest = int(batch["attention_mask"].sum(-1).max())
     short = int(batch["short_attention_mask"].sum(-1).max())
     shapes = objective.shapes
-    assert plan.lengths == {TEXT: shapes.length(TEXT, longest), SHORT: shapes.length(SHORT, short)} and plan.right_padded
+    assert plan.right_padded
+    assert plan.lengths == {TEXT: shapes.length(TEXT, longest), SHORT: shapes.length(SHORT, short)}
     assert longest <= plan.lengths[TEXT] < longest + 8 + 32 and short <= plan.lengths[SHORT] <= 32
     assert plan.real_tokens == int(batch["attention_mask"].sum() + batch["short_attention_mask"].sum())
     assert plan.computed_tokens == 4 * plan.lengths[TEXT] + 4 * plan.lengths[SHORT]
@@ -422,7 +423,8 @@ def test_a_compiled_run_compiles_once_per_planned_length_and_never_after_the_war
 
 
 # -- runs of every method's shipped recipe: shapes per step, text passes -------------------------------------------
-from tests.finetune.test_train import METHODS, project  # noqa: E402,F401  (the shipped-recipe runs and fixture)
+# the shipped-recipe runs and their fixture
+from tests.finetune.training.test_trainer import METHODS, project  # noqa: E402,F401
 
 RUNS = {**{m: METHODS[m] for m in ("clip-248", "lora", "structxlip-crop", "structxlip-pool", "fastgoal", "grm",
                                    "flair", "fcast", "siglip2")},

@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 #: steps of the tiny runs: enough that a signal sent once the progress bar shows step 2 arrives before the end
 STEPS = 40
 

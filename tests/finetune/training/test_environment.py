@@ -3,6 +3,8 @@ and the parameter count."""
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune.training.environment import cpu_threads
+from finetune.training.environment import cpu_threads, setup_logging
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -110,7 +112,7 @@ def test_the_parameter_count_includes_the_objectives_own_parameters():
     assert parameter_counts(model, objective) == (1, in_model + 1)
 
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "configs" / "accelerate"
 
 
@@ -261,15 +263,16 @@ def test_stops_and_failures_end_with_a_status_and_a_message_not_a_traceback(tmp_
 
 
 def test_a_run_builds_its_objective_once(tmp_path, monkeypatch, capsys):
-    """One objective per run (issue 25 item 3): built before the data and the model, checked, counted and
-    trained; the stream check and the batch check reuse it instead of building their own."""
+    """One objective per run (issue 25 item 3, issue 38 item 1): built by the preflight before the data and the
+    model, checked, counted and trained; the stream check and the batch check reuse it instead of building their
+    own."""
     import finetune.objectives as objectives
-    import finetune.training.recipe as recipe_module
+    import finetune.training.preflight as preflight_module
     from finetune.cli.train import main
 
     built = []
     real = objectives.build_objective
-    for module in (objectives, recipe_module):
+    for module in (objectives, preflight_module):
         monkeypatch.setattr(module, "build_objective", lambda cfg: built.append(cfg) or real(cfg))
     recipe = tmp_path / "r.yaml"
     recipe.write_text("# r\nmodel: {name_or_path: random:tiny-clip, max_text_len: null}\n"
@@ -288,7 +291,7 @@ def test_the_stream_check_uses_the_objective_it_is_given(monkeypatch):
     import finetune.data.streams as streams
     import finetune.objectives as objectives
     from finetune.config import RecipeError, load_recipe
-    from finetune.training.checks import check_stream_recipe
+    from finetune.training.preflight import check_stream_recipe
 
     assert not hasattr(streams, "check_stream_recipe")
     assert inspect.signature(check_stream_recipe).parameters["objective"].default is inspect.Parameter.empty
@@ -299,3 +302,22 @@ def test_the_stream_check_uses_the_objective_it_is_given(monkeypatch):
     recipe.train.max_steps = None
     with pytest.raises(RecipeError, match="train.max_steps"):
         check_stream_recipe(recipe, objective)
+
+
+def test_the_log_writes_to_the_current_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's log follows ``sys.stderr`` when a caller swaps it (pytest's capture, a progress bar): a handler
+    made under an earlier, now closed stream printed "--- Logging error ---" in place of the message."""
+    logger = logging.getLogger("xlipkit")
+    saved, logger.handlers[:] = logger.handlers[:], []
+    try:
+        first = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", first)
+        setup_logging(True)
+        first.close()
+        second = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", second)
+        logger.info("the message")
+        assert second.getvalue().rstrip().endswith("INFO the message")
+        assert "Logging error" not in second.getvalue()
+    finally:
+        logger.handlers[:] = saved

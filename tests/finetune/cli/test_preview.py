@@ -13,7 +13,7 @@ from finetune.cli.preview import main
 
 
 pytestmark = pytest.mark.usefixtures("quiet_datasets")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
@@ -40,8 +40,8 @@ def test_preview_of_a_recipe_without_structxlip_uses_the_default_options(tmp_pat
     terms, drawn = [], []
     real_term, real_render = preview._structxlip_term, preview.render_preview
 
-    def spy_term(recipe):
-        terms.append(real_term(recipe))
+    def spy_term(recipe, objective=None):
+        terms.append(real_term(recipe, objective))
         return terms[-1]
 
     def spy_render(items, out, **kwargs):

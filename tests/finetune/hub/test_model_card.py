@@ -20,7 +20,7 @@ from finetune.hub.model_card import (
     transformers_snippet,
 )
 from finetune.models.registry import save_tiny
-from tests.finetune.hub_runs import AFTER, BEFORE, CAPTIONS, embeddings, images, make_run, recipe_dict
+from tests.finetune.hub.hub_runs import AFTER, BEFORE, CAPTIONS, embeddings, images, make_run, recipe_dict
 
 
 def _info(kind: str = "adapter", *, base: str = "openai/clip-vit-base-patch16", backend: str = "hf",

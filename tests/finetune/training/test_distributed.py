@@ -19,7 +19,7 @@ import pytest
 
 from finetune.training.distributed import layer_classes, resolve_deepspeed, slurm_environment
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # what `accelerate config` writes for ZeRO-3 with a DeepSpeed config file of HF's examples: every size "auto"
 _ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",

@@ -16,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _recipe(tmp_path: Path, model: Path, out: Path, **train) -> Path:

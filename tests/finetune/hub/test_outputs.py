@@ -14,7 +14,7 @@ import pytest
 from finetune.cli.hub import main
 from finetune.hub import export, stage_upload
 from finetune.hub.upload import MARKER_NAME
-from tests.finetune.hub_runs import make_run, snapshot
+from tests.finetune.hub.hub_runs import make_run, snapshot
 
 REPO_ID = "me/tiny-clip-long"
 
