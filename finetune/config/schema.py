@@ -45,7 +45,7 @@ from finetune.config.terms import (_TERMS_MARK, _import_objectives, _import_user
 from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_train_source, _no_streams,
                                      _validate_source_list)
 from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas, _doc,
-                                    _float, _int, _positive_ints, _yaml_word)
+                                    _float, _int, _positive_ints, _text_buckets, _yaml_word)
 
 # -- the sections ---------------------------------------------------------------------------------
 _SECTION_CONFIG = ConfigDict(extra="forbid", populate_by_name=True)
@@ -295,6 +295,9 @@ class TrainConfig:
     attention: Annotated[Literal["auto", "torch", "flash", "efficient", "cudnn", "math"], _doc(
         "the attention backend of the training step: auto (CUDA: flash, then efficient for masked calls, then cudnn, "
         "then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend tried first")] = "auto"
+    text_buckets: Annotated[list[Int] | None, AfterValidator(_text_buckets), _doc(
+        "lengths a text pass is padded to, the smallest that holds its longest text (model.max_text_len added as the "
+        "last); null: the multiples of 32 below model.max_text_len")] = None
     process_group_timeout_s: Annotated[_int(ge=1), _doc("seconds a process waits for the others at a collective (a "
         "first download or preprocessing included) before the launch fails; NCCL's default is 600")] = 7200
 
@@ -399,6 +402,9 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
         raise origins.error_any([("train", "min_lr"), ("train", "lr")],
                                 f"`train.min_lr` ({t.min_lr:g}) is above `train.lr` ({t.lr:g}); lower it")
     m = recipe.model
+    if t.text_buckets and m.max_text_len is not None and t.text_buckets[-1] > m.max_text_len:
+        raise origins.error_any([("train", "text_buckets"), ("model", "max_text_len")], f"`train.text_buckets` reaches "
+                                f"{t.text_buckets[-1]}, above `model.max_text_len` ({m.max_text_len}); keep it below")
     if m.backend not in ("auto", m.family):
         raise origins.error_any([("model", "backend"), ("model", "family")],
                                 f"`model.backend` ({m.backend}) and `model.family` ({m.family}) disagree; "

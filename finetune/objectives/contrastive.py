@@ -146,13 +146,13 @@ class LongClipTerm(Term):
         }
 
     def shape_scan(self, dataset: Any, model: Any) -> Any:
-        """The first sentences of the training set's captions (the run's short text length is their longest)."""
+        """The first sentence of each training caption (the short texts, whose lengths plan the short passes)."""
         from finetune.data.text import first_sentence
 
-        from .shapes import ShapeScan, dataset_columns
+        from .shapes import SHORT, ShapeScan, dataset_columns
 
         cols = dataset_columns(dataset, ["caption"])
-        return None if cols is None else ShapeScan(short_texts=tuple(first_sentence(c or "") for c in cols["caption"]))
+        return None if cols is None else ShapeScan(texts={SHORT: [[first_sentence(c or "")] for c in cols["caption"]]})
 
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
         s = scale_of(model.logit_scale, detach_params)

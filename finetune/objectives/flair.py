@@ -265,6 +265,13 @@ class FlairTerm(Term):
     def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
         return {FEATURE: TextRequest(batch[FIELD_IDS], batch[FIELD_MASK])}
 
+    def shape_scan(self, dataset: Any, model: Any) -> Any:
+        """The sub-captions are drawn every epoch (:meth:`prepare`), so their lengths cannot be listed before
+        training: the caption kind plans every bucket length."""
+        from .shapes import TEXT, ShapeScan
+
+        return ShapeScan(open_kinds=frozenset({TEXT}))
+
     # -- loss ---------------------------------------------------------------------------------------
     def draw_seed(self) -> int:
         """The key of this step's negatives, (``seed``, steps so far), the same on every process
