@@ -1,5 +1,7 @@
-"""Secrets in recipes (``hub.token``), found by their key wherever they are given: a flat override
-(``hub.token=...``), a section override (``'hub={token: ...}'``), a nested YAML mapping in a recipe file.
+"""Secrets in recipes (``hub.token``, and the object-storage credentials of :mod:`finetune.credentials`: the
+``storage_options`` keys ``key``, ``secret``, ``token``, ``password``, ..., its headers, credentials inside URLs),
+found by their key wherever they are given: a flat override (``hub.token=...``), a section override
+(``'hub={token: ...}'``), a nested YAML mapping in a recipe file.
 
 Two operations, one rule for what is secret:
 
@@ -9,7 +11,10 @@ Two operations, one rule for what is secret:
   shaped like a Hugging Face token (``hf_...``), whatever its key. :func:`mask_override` shows one
   ``key=value`` override that way.
 - :func:`without_secrets` is an override as it is written into a run's ``recipe.yaml`` header or a command the
-  user is told to run again: the secret keys left out (a token belongs in ``HF_TOKEN``), the rest still valid.
+  user is told to run again: the secret keys left out (a token belongs in ``HF_TOKEN``, a storage credential in
+  the filesystem's usual places), the rest still valid.
+- :func:`clean_recipe` is a recipe tree as a file holds it: ``hub.token`` left out, every storage credential and
+  every credential inside a URL masked (``***``).
 
 This module is the bottom of :mod:`finetune.config`: it imports nothing of it.
 """
@@ -23,8 +28,10 @@ from typing import Any
 
 import yaml
 
-__all__ = ["SECRET_PATHS", "mask_override", "mask_secrets", "override_secrets", "secret_key", "secret_values",
-           "without_secrets"]
+from finetune.credentials import credential_path, mask_data, mask_text
+
+__all__ = ["SECRET_PATHS", "clean_recipe", "mask_override", "mask_secrets", "override_secrets", "secret_key",
+           "secret_values", "without_secrets"]
 
 #: the recipe keys that hold a secret: never written into a file, never printed
 SECRET_PATHS = frozenset({("hub", "token")})
@@ -82,7 +89,7 @@ def secret_values(value: Any, path: tuple[Any, ...] = ()) -> list[str]:
         path: where ``value`` sits in the recipe (an override's key path): a value below a secret key is
             secret whole.
     """
-    if path and secret_key(path[-1]):
+    if path and (secret_key(path[-1]) or credential_path(path)):
         return _scalars(value)
     if isinstance(value, Mapping):
         return [s for k, v in value.items() for s in secret_values(v, (*path, k))]
@@ -121,7 +128,8 @@ def override_secrets(overrides: Iterable[str]) -> list[str]:
 def mask_secrets(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` as it may be shown or written: the value of every secret key in it (``token: X``,
     ``hub.token=X``, ``{"token": "X"}``, ``--token X``) replaced by ``***``, every value of ``secrets`` (at least 4
-    characters) wherever it appears, and every ``hf_...`` token.
+    characters) wherever it appears, every ``hf_...`` token, and the credentials inside URLs, headers and AWS key
+    ids (:func:`finetune.credentials.mask_text`).
 
     Args:
         text: a message, a log line, the comment lines of a recipe, a command line.
@@ -131,12 +139,12 @@ def mask_secrets(text: str, secrets: Iterable[str] = ()) -> str:
         text = text.replace(secret, MASK)
     text = _KEY_VALUE.sub(lambda m: m.group("key") + MASK, text)
     text = _OPTION_VALUE.sub(lambda m: m.group("key") + MASK, text)
-    return _TOKEN_VALUE.sub(lambda m: m.group(1) + MASK, text)
+    return mask_text(_TOKEN_VALUE.sub(lambda m: m.group(1) + MASK, text))
 
 
 def _masked(value: Any, path: tuple[Any, ...]) -> Any:
     """``value`` (set at ``path``) with the values under secret keys replaced by ``***``."""
-    if path and secret_key(path[-1]):
+    if path and (secret_key(path[-1]) or credential_path(path)):
         return MASK
     if isinstance(value, Mapping):
         return {k: _masked(v, (*path, k)) for k, v in value.items()}
@@ -156,7 +164,7 @@ def mask_override(text: str) -> str:
             return f"{key}={MASK}"
         return mask_secrets(text)
     path, value = parsed
-    if secret_key(path[-1]) and sep and raw.strip():
+    if (secret_key(path[-1]) or credential_path(path)) and sep and raw.strip():
         return f"{key}={MASK}"
     if not secret_values(value, path) and _masked(value, path) == value:
         return mask_secrets(text)
@@ -172,7 +180,7 @@ def _drop(value: Any, path: tuple[str, ...]) -> tuple[Any, bool]:
     out, dropped = {}, False
     for k, v in value.items():
         sub = (*path, str(k))
-        if sub in SECRET_PATHS:
+        if sub in SECRET_PATHS or credential_path(sub):
             dropped = True
             continue
         out[k], below = _drop(v, sub)
@@ -184,13 +192,15 @@ def without_secrets(override: str) -> str | None:
     """An override as a file or a command repeats it: None for one that sets a secret key (``hub.token=...``),
     a section override re-written without its secret keys (``'hub={token: X, repo_id: me/x}'`` ->
     ``hub={repo_id: me/x}``), any other override unchanged. Only the recipe's secret keys (:data:`SECRET_PATHS`)
-    are left out, so that what remains sets the same recipe but for them; an override that this module does not
-    parse (YAML anchors, over 64 KiB) and that names a secret word is left out whole (None)."""
+    and the storage credentials (:func:`finetune.credentials.credential_path`) are left out, so that what remains
+    sets the same recipe but for them; an override that this module does not parse (YAML anchors, over 64 KiB) and
+    that names a secret word is left out whole (None). Credentials inside URLs stay: mask the text shown
+    (:func:`mask_secrets`)."""
     parsed = _parsed(override)
     if parsed is None:  # not parsed here (anchors, size): left out whole when it may hold a secret
         return None if _names_secret(override) else override
     path, value = parsed
-    if any(path[:len(p)] == p for p in SECRET_PATHS):
+    if any(path[:len(p)] == p for p in SECRET_PATHS) or credential_path(path):
         return None
     clean, dropped = _drop(value, path)
     if not dropped:
@@ -198,3 +208,16 @@ def without_secrets(override: str) -> str | None:
     shown = yaml.safe_dump(clean, default_flow_style=True, width=float("inf"), allow_unicode=True,
                            sort_keys=False).strip()
     return f"{override.partition('=')[0].strip()}={shown}"
+
+
+def clean_recipe(recipe: Any) -> Any:
+    """A recipe tree (plain data) as a file may hold it: the keys of :data:`SECRET_PATHS` left out (``hub.token``),
+    every storage credential and every credential inside a URL masked (:func:`finetune.credentials.mask_data`).
+    Anything that is not a mapping is returned as it is."""
+    if not isinstance(recipe, Mapping):
+        return recipe
+    out = mask_data(recipe)
+    for section, key in SECRET_PATHS:
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
+    return out
