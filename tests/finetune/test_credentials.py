@@ -17,6 +17,7 @@ from finetune.config.io import recipe_to_dict
 from finetune.config.secrets import mask_override, mask_secrets, without_secrets
 from finetune.credentials import credential_path, mask_data, mask_text, masked_credentials
 from finetune.data.images import DataError
+from tests.finetune.data.test_stream_sources import s3_server  # noqa: F401 - the fixture
 
 KEY_ID = "AKIAIOSFODNN7EXAMPLE"
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"
@@ -129,3 +130,36 @@ def test_data_errors_and_the_run_log_mask_credentials(capsys: pytest.CaptureFixt
         logger.handlers, logger.propagate = saved
     err = capsys.readouterr().err
     assert "shard https://***@h/x.tar ends early" in err and URL_PASSWORD not in err
+
+
+@pytest.mark.slow
+def test_a_run_on_s3_with_credentials_in_the_recipe_writes_them_nowhere(tmp_path, s3_server, monkeypatch,
+                                                                          caplog) -> None:
+    """Issue 40: ``storage_options: {key: AKIA..., secret: ...}`` was written as given into recipe.yaml,
+    metrics.json, final/xlipkit.json, checkpoints/step-N/train_state.json and the folder ``push --stage-only``
+    prepares. Every file of the run folder and of the staged folder, and the run's log, are searched."""
+    from finetune.hub.upload import stage_upload
+    from finetune.models.registry import save_tiny
+    from tests.finetune.data.test_stream_sources import _upload
+    from tests.finetune.data.test_streams import _run_recording, _scenes, _stream_recipe, write_webdataset
+
+    tiny = save_tiny("tiny-clip", tmp_path / "tiny")
+    _upload(s3_server, "train", write_webdataset(tmp_path / "shards", _scenes(8), 4))
+    options = (f"data.train.options={{storage_options: {{key: {KEY_ID}, secret: {SECRET}, "
+               f"client_kwargs: {{region_name: us-east-1}}}}}}")
+    recipe = _stream_recipe(tiny, "s3://train/shard-{00000..00001}.tar", tmp_path / "run", options,
+                            "train.max_steps=2", "train.checkpoint_every=1", "train.keep_checkpoints=5")
+    caplog.set_level(logging.INFO)
+    assert len(_run_recording(recipe, monkeypatch)) == 2
+    stage_upload(tmp_path / "run", tmp_path / "staged", repo_id="me/run")
+    written = [p for folder in ("run", "staged") for p in (tmp_path / folder).rglob("*") if p.is_file()]
+    names = {str(p.relative_to(tmp_path)) for p in written}
+    for name in ("run/recipe.yaml", "run/metrics.json", "run/final/xlipkit.json", "run/checkpoints/step-1/"
+                 "train_state.json", "run/checkpoints/step-2/stream_index.json", "staged/recipe.yaml",
+                 "staged/metrics.json", "staged/xlipkit.json", "staged/README.md"):
+        assert name in names, sorted(names)
+    for path in written:
+        data = path.read_bytes()
+        assert KEY_ID.encode() not in data and SECRET.encode() not in data, path
+    assert "key: '***'" in (tmp_path / "run" / "recipe.yaml").read_text()
+    assert KEY_ID not in caplog.text and SECRET not in caplog.text

@@ -357,6 +357,12 @@ def test_a_saved_index_masks_url_credentials_and_matches_re_signed_urls(tmp_path
     loaded = type(index).from_json(json.loads(saved), "webdataset", where="stream_index.json")
     assert loaded.matches(later) and loaded.for_urls(later).urls == later
     assert changed_shards(loaded.for_urls(later), policy=QUICK) == []
+    (site / "garbage.tar").write_bytes(os.urandom(1024))  # a broken shard: named in the stream's report
+    spec = {"name": "webdataset", "urls": [*later, f"{base}/garbage.tar?sig=second-signature"], "shuffle_buffer": 0}
+    stream = ExampleStream(open_stream(spec, policy=QUICK), spec)
+    assert len([e for _, e in zip(range(8), stream)]) == 8
+    report = json.dumps({"report": stream.report(), "state": stream.state_dict()})
+    assert "second-signature" not in report and f"{base}/garbage.tar?sig=***" in report
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
