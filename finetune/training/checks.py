@@ -1,6 +1,7 @@
 """The checks a run makes before anything slow starts, each naming the recipe key to change: a streamed
-``data.train`` the objective cannot train on (:func:`check_stream_recipe`), a batch that does not split over the
-processes or a training set smaller than one batch (:func:`check_batch`), and a disk that cannot hold what the run
+``data.train`` the objective cannot train on (:func:`check_stream_recipe`), a batch too small for a contrastive
+term (:func:`check_contrastive_batch`), a batch that does not split over the processes or a training set smaller
+than one batch (:func:`check_batch`), and a disk that cannot hold what the run
 will write (:func:`check_room`); and a warm-up as long as the run (:func:`check_warmup`, a warning)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from finetune.objectives import Objective
 from finetune.run_folder import RunFolderError, check_free_space, estimate_run_bytes, folder_bytes
 from finetune.training.optim import warmup_problem
 
-__all__ = ["check_batch", "check_room", "check_stream_recipe", "check_warmup"]
+__all__ = ["check_batch", "check_contrastive_batch", "check_room", "check_stream_recipe", "check_warmup"]
 
 log = logging.getLogger("xlipkit")
 
@@ -77,6 +78,20 @@ def _check_example_fields(spec: SourceSpec, objective: Any, recipe: Any) -> None
             file=getattr(recipe, "source", None), key="data.train.options.fields")
 
 
+def check_contrastive_batch(recipe: Recipe, objective: Objective) -> None:
+    """A ``train.batch_size`` that gives a contrastive term (``clip``, ``siglip``, ...) batches of one example, whose
+    loss is exactly 0 at every step (:meth:`~finetune.objectives.Objective.check_batch`), is a recipe error found
+    before anything slow (``xlipkit train`` and ``xlipkit validate`` call it with the objective built).
+
+    Raises:
+        RecipeError: naming ``train.batch_size``.
+    """
+    try:
+        objective.check_batch(recipe.train.batch_size, recipe.train.accumulation_steps)
+    except ValueError as exc:
+        raise RecipeError(str(exc), key="train.batch_size") from None
+
+
 def check_batch(recipe: Recipe, train: Any, num_processes: int, objective: Objective) -> None:
     """A training set smaller than one optimiser step, or a batch that does not split over the processes,
     is a recipe error found with the data, before the model loads or anything is written.
@@ -88,8 +103,9 @@ def check_batch(recipe: Recipe, train: Any, num_processes: int, objective: Objec
         objective: the run's objective (it counts the examples: GRM trains on one per caption).
 
     Raises:
-        RunFolderError: naming the keys to change.
+        RunFolderError: naming the keys to change; RecipeError: a batch too small for a contrastive term.
     """
+    check_contrastive_batch(recipe, objective)
     t = recipe.train
     if t.batch_size % (num_processes * t.accumulation_steps):
         raise RunFolderError(f"train.batch_size={t.batch_size} must be divisible by processes x "

@@ -412,7 +412,7 @@ def recipe_problems(recipe: Any, recipe_ref: str, *, objective: Any = None) -> s
     objective error about a key whose need is listed as missing (a FastSAM file, the extra it needs) is left to
     that line. ``objective``: the run's objective when the caller built it already (built here otherwise)."""
     from finetune.objectives import build_objective
-    from finetune.training.checks import check_stream_recipe
+    from finetune.training.checks import check_contrastive_batch, check_stream_recipe
 
     needs = recipe_needs(recipe, recipe_ref=recipe_ref)
     listed = {key for n in needs if n.state == "missing" for key in n.key.split(", ")}
@@ -423,10 +423,11 @@ def recipe_problems(recipe: Any, recipe_ref: str, *, objective: Any = None) -> s
         if not any(key in str(exc) for key in listed):
             errors.append(str(exc))
     else:
-        try:
-            check_stream_recipe(recipe, objective)
-        except RecipeError as exc:
-            errors.append(str(exc))
+        for check in (check_stream_recipe, check_contrastive_batch):
+            try:
+                check(recipe, objective)
+            except RecipeError as exc:
+                errors.append(str(exc))
     message = missing_message(needs, recipe_ref)
     return "\n".join([*errors, *([message] if message else [])]) or None
 
