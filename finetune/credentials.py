@@ -40,10 +40,11 @@ CREDENTIAL_NAMES = frozenset({
 _WORDS = ("token", "secret", "password", "passwd", "credential", "auth", "cookie", "signature", "api_key", "apikey",
           "private_key")
 #: ``scheme://user[:password]@``: the user part is masked whole (an access key id may stand there)
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s/@?#'\"\[\]]+)@")
-#: ``?name=value`` / ``&name=value`` where the name says it holds a signature, a token or a key
-_QUERY = re.compile(r"(?P<name>[?&;](?:[A-Za-z0-9_.-]*?)(?:sig|signature|token|key|credential|password|secret|auth|"
-                    r"accessid|session)[A-Za-z0-9_.-]*=)(?P<value>[^&#\s'\"]+)", re.IGNORECASE)
+_USERINFO = re.compile(r"(?P<scheme>(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*+://)(?P<user>[^\s/@?#'\"\[\]]++)@")
+#: ``?name=value`` / ``&name=value``: masked where the name says it holds a signature, a token or a key
+#: (:data:`_QUERY_WORDS`; the name is tested apart, so that the pattern stays linear on any text)
+_QUERY = re.compile(r"(?P<name>[?&;][A-Za-z0-9_.-]+=)(?P<value>[^&#\s'\"]+)")
+_QUERY_WORDS = re.compile(r"sig|token|key|credential|password|secret|auth|accessid|session", re.IGNORECASE)
 #: ``Authorization: Bearer X`` / ``Cookie: a=b`` (a header in a ``pipe:`` command or a message)
 _HEADER = re.compile(r"(?P<name>\b(?:Proxy-)?Authorization|\bCookie|\bX-Api-Key|\bX-Auth-Token)(?P<sep>\s*[:=]\s*)"
                      r"(?P<value>(?:(?:Bearer|Basic|Token|Digest)\s+)?[^\s'\"]+)", re.IGNORECASE)
@@ -72,7 +73,7 @@ def mask_text(text: str) -> str:
     if not text:
         return text
     text = _USERINFO.sub(lambda m: m.group("scheme") + MASK + "@", text)
-    text = _QUERY.sub(lambda m: m.group("name") + MASK, text)
+    text = _QUERY.sub(lambda m: m.group("name") + MASK if _QUERY_WORDS.search(m.group("name")) else m.group(0), text)
     text = _HEADER.sub(lambda m: m.group("name") + m.group("sep") + MASK, text)
     text = _USER_OPTION.sub(lambda m: m.group("name") + MASK, text)
     return _AWS_KEY_ID.sub(MASK, text)

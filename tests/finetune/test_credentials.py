@@ -60,6 +60,19 @@ def test_storage_credentials_are_found_by_key_below_storage_options_only() -> No
     assert masked_credentials(tree) == [("storage_options", "secret")]
 
 
+@pytest.mark.parametrize("text", ["a-" * 100_000 + "token", "--a-" * 50_000 + "token x", "a+" * 100_000 + "://",
+                                  "&sig" * 50_000, "a." * 100_000 + "token="])
+def test_masking_is_linear_in_the_text(text: str) -> None:
+    """Hostile round 4: a 32 kB run of ``a-a-...`` took 40 s to mask (``hub.token``'s pattern), and ``&sigsig...`` and
+    ``a+a+...://`` were quadratic too; an error message or a log line holding such a value (a recipe value of up to
+    1 MiB) would stop the command for hours. 200 kB of each now takes well under a second; the guard is a hang."""
+    import threading
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (mask_secrets(text), done.set()), daemon=True).start()
+    assert done.wait(60), "masking 200 kB did not finish in 60 s"
+
+
 def _recipe_with_credentials(tmp_path: Path) -> Path:
     path = tmp_path / "r.yaml"
     path.write_text(

@@ -164,7 +164,8 @@ class TimedFile:
 
 class PipeReader:
     """The standard output of ``pipe:COMMAND`` as a read-only binary file. The command runs in a shell, in its own
-    process group; a read that gets no output for ``timeout_s`` kills the group (:class:`ReadTimeout`), and closing
+    process group, its standard error read as it comes (the end kept for the error message); a read that gets no
+    output for ``timeout_s`` kills the group (:class:`ReadTimeout`), and closing
     checks the command's exit status (a failed ``aws s3 cp`` or ``curl`` is an error naming the command, not a short
     shard), killing a command still running ``timeout_s`` after its output ended.
 
@@ -181,6 +182,14 @@ class PipeReader:
         self.fd = self.proc.stdout.fileno()
         self.eof = False
         self._closed = False
+        self._stderr = bytearray()  # its last bytes, read as they come: a full stderr pipe would stop the command
+        self._drain = threading.Thread(target=self._read_stderr, daemon=True, name="xlipkit-pipe-stderr")
+        self._drain.start()
+
+    def _read_stderr(self) -> None:
+        for chunk in iter(lambda: self.proc.stderr.read1(1 << 16), b""):
+            self._stderr += chunk
+            del self._stderr[:-_ERROR_TAIL * 4]
 
     def read(self, n: int = -1) -> bytes:
         chunks, left = [], n
@@ -218,18 +227,20 @@ class PipeReader:
             self._kill()
         self.proc.stdout.close()
         try:
-            _, err = self.proc.communicate(timeout=self.timeout_s)
+            self.proc.wait(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             self._kill()
-            self.proc.communicate()
+            self.proc.wait()
             if check:
                 raise ReadTimeout(f"pipe:{self.command} did not exit {self.timeout_s:g} s after its output ended "
                                   "(data.read_timeout_s); it was stopped") from None
             return
         finally:
             self._kill()  # what the command left running in its group
+            self._drain.join(self.timeout_s)
+            self.proc.stderr.close()
         status = self.proc.returncode
-        err = (err or b"").decode("utf-8", "replace").strip()
+        err = bytes(self._stderr).decode("utf-8", "replace").strip()
         if check and status != 0:
             raise OSError(f"pipe:{self.command} exited with status {status}" + (f": {err[-_ERROR_TAIL:]}" if err else ""))
 

@@ -228,6 +228,19 @@ def test_a_pipe_command_that_never_ends_times_out(tmp_path):
         assert time.monotonic() - started < 60
 
 
+def test_a_pipe_command_that_writes_much_to_stderr_is_read_and_its_error_named(tmp_path):
+    """Hostile round 4: a command writing over 64 kB to its standard error (``curl -v``) stopped on the full pipe,
+    and the read timed out (without a timeout it would have hung)."""
+    shard = write_webdataset(tmp_path, _scenes(4), 4)[0]
+    policy = ReadPolicy(commands=True, timeout_s=5.0)
+    chatty = f"pipe:head -c 300000 /dev/zero | tr '\\0' x >&2; cat {shard}"
+    error = _finishes(lambda: open_stream({"name": "webdataset", "urls": chatty}, policy=policy))
+    assert error is None, error
+    failing = f"pipe:head -c 300000 /dev/zero | tr '\\0' x >&2; cat {shard}; echo the-last-words >&2; exit 3"
+    with pytest.raises(DataError, match=r"exited with status 3: x*the-last-words"):
+        open_stream({"name": "webdataset", "urls": failing}, policy=policy)
+
+
 def _self_signed(folder: Path) -> tuple[Path, Path]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
