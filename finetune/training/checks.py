@@ -17,8 +17,10 @@ from finetune.config import Recipe, RecipeError
 from finetune.data.images import DataError
 from finetune.data.sources import SourceSpec
 from finetune.data.streams import STREAM_EXAMPLE_FIELDS, check_fields
+from finetune.data.streams.urls import check_commands
 from finetune.objectives import Objective
 from finetune.run_folder import RunFolderError, check_free_space, estimate_run_bytes, folder_bytes
+from finetune.training.inputs import read_policy
 from finetune.training.optim import warmup_problem
 
 __all__ = ["check_batch", "check_contrastive_batch", "check_room", "check_stream_recipe", "check_warmup"]
@@ -36,8 +38,9 @@ def check_stream_recipe(recipe: Recipe, objective: Objective) -> None:
 
     Raises:
         RecipeError: ``train.max_steps`` is null (a stream has no length to count epochs with), an
-            objective term cannot run on streamed examples (naming the option that makes it streamable), or a
-            term reads an example field the stream does not pass through (``data.train.options.fields``).
+            objective term cannot run on streamed examples (naming the option that makes it streamable), a
+            term reads an example field the stream does not pass through (``data.train.options.fields``), or a
+            ``pipe:`` command runs without the user's ``--trust-recipe-code`` (``Recipe.trust_code``).
     """
     spec = recipe.data.train  # a typed SourceSpec, checked (streams included) by load_recipe
     if not spec.is_stream:
@@ -51,6 +54,10 @@ def check_stream_recipe(recipe: Recipe, objective: Objective) -> None:
     except ValueError as error:
         raise RecipeError(str(error), key="objective") from None
     _check_example_fields(spec, objective, recipe)
+    try:  # a pipe: command the user did not allow: refused before anything runs, by validate as by train
+        check_commands(spec, read_policy(recipe))
+    except DataError as error:
+        raise RecipeError(str(error), key="data.train.urls") from None
 
 
 def _check_example_fields(spec: SourceSpec, objective: Any, recipe: Any) -> None:

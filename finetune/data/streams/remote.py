@@ -308,6 +308,17 @@ def read_failure(error: BaseException, timeout_s: float) -> str:
         if status in (401, 403) or code in _DENIED_CODES:
             return (f"access denied (HTTP {status or 403}{', ' + code if code else ''}): check the credentials "
                     "(the filesystem's usual places, or data.train.options.storage_options) and their rights")
+        if status is not None and status >= 400:
+            what = "a server error: retry later, or check the server" if status >= 500 else "check the URL"
+            return f"the server answered HTTP {status}{' (' + code + ')' if code else ''}: {what}"
+    option = next((e for e in chain if isinstance(e, TypeError) and "keyword argument" in str(e)), None)
+    if option is not None:
+        return (f"an option the filesystem does not take ({option}): check data.train.options.storage_options "
+                "(fsspec's keyword arguments of this URL's filesystem)")
+    if any(n in ("ClientPayloadError", "IncompleteRead", "ContentLengthError", "ResponseStreamingError")
+           for n in names):
+        return ("the transfer broke off before the end of the shard (the server or the network closed it): check "
+                "the server; a retry may work")
     if any(n == "NoCredentialsError" for n in names):
         return ("no credentials: set them where the filesystem reads them (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
                 "~/.aws, an instance role) or pass anon: true in data.train.options.storage_options for public data")

@@ -86,6 +86,9 @@ def test_a_pipe_command_runs_only_when_the_user_allowed_the_recipe_code(tmp_path
     assert recipe.trust_code is False
     with pytest.raises(DataError, match=r"data\.train\.urls holds a pipe: command .*pass --trust-recipe-code"):
         load_data(recipe, _one_process())
+    from finetune.training.needs import recipe_problems  # validate and train: before anything slow
+
+    assert "data.train.urls holds a pipe: command" in (recipe_problems(recipe, "r.yaml") or "")
     with pytest.raises(DataError, match="--trust-recipe-code"):
         open_stream(recipe.data.train)  # the default: no commands
     with pytest.raises(DataError, match="--trust-recipe-code"):
@@ -297,6 +300,42 @@ def test_refused_tls_and_not_found_are_told_apart(slow_site, tls_server):
     with pytest.raises(DataError) as info:  # a password in the URL is never shown
         open_stream({"name": "webdataset", "urls": refused.replace("//", "//me:pa55word@")}, policy=QUICK)
     assert "pa55word" not in str(info.value) and "http://***@127.0.0.1" in str(info.value)
+
+
+def test_server_errors_unknown_options_and_broken_transfers_are_named(tmp_path):
+    """Hostile round 4: an HTTP 500 and an option aiohttp does not take were both "not found"."""
+    shard = write_webdataset(tmp_path, _scenes(4), 4)[0]
+    data = shard.read_bytes()
+
+    class Odd(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_HEAD(self):  # noqa: N802 - http.server's name
+            self.send_response(500 if "error" in self.path else 200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+
+        def do_GET(self):  # noqa: N802
+            self.do_HEAD()
+            if "short" in self.path:
+                self.wfile.write(data[: len(data) // 2])  # then the connection closes
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Odd)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        cases = [({"urls": f"{base}/error.tar"}, r"the server answered HTTP 500: a server error"),
+                 ({"urls": f"{base}/x.tar", "options": {"storage_options": {"key": "AKIAIOSFODNN7EXAMPLE"}}},
+                  r"an option the filesystem does not take .*'key'.*check data\.train\.options\.storage_options"),
+                 ({"urls": f"{base}/short.tar"}, "the transfer broke off before the end of the shard")]
+        for entry, cause in cases:
+            with pytest.raises(DataError, match=rf"cannot read shard {base}/\w+\.tar: {cause}"):
+                open_stream({"name": "webdataset", **entry}, policy=QUICK)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_s3_reads_time_out_and_name_a_missing_key(tmp_path, s3_server, stalled_server):  # noqa: F811
