@@ -8,9 +8,9 @@ full fine-tuning (weights and both AdamW moments: about 1.8 GB) and once for LoR
 the moments only for the adapter: about 0.6 GB). For each it times, interleaved and repeated:
 
 - ``save``: ``accelerator.save_state`` into a fresh folder (the baseline: what a checkpoint costs already);
-- ``manifest``: :func:`finetune.resume.file_manifest`, the size and sha256 of every file (what a save adds; the
-  files were just written, so they are read from the page cache, as on a real save);
-- ``verify``: :func:`finetune.resume.checkpoint_problem` (what a resume adds before the model loads).
+- ``manifest``: :func:`finetune.runs.checkpoints.file_manifest`, the size and sha256 of every file (what a save adds;
+  the files were just written, so they are read from the page cache, as on a real save);
+- ``verify``: :func:`finetune.runs.checkpoints.checkpoint_problem` (what a resume adds before the model loads).
 
 It reports the medians and the ratios to ``save`` measured in the same run. The machine this ran on is shared,
 so absolute numbers move with its load; sha256 speed depends on the CPU's SHA extensions (``sha_ni`` here).
@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "checkpoint_hash.json"))
     args = p.parse_args()
 
-    from finetune.resume import checkpoint_problem, file_manifest
+    from finetune.runs.checkpoints import checkpoint_problem, file_manifest
 
     results = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

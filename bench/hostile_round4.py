@@ -681,10 +681,10 @@ def many_broken(tmp):
 
 @case("limits", "batch_size=2 with accumulation_steps=2 and the clip loss", "refused: each loss sees 1 example")
 def batch_accumulation(tmp):
-    from finetune.training.needs import recipe_problems
+    from finetune.training.preflight import preflight
 
     recipe = _recipe(tmp, "train.batch_size=2", "train.accumulation_steps=2")
-    problems = recipe_problems(recipe, "r.yaml") or ""
+    problems = preflight(recipe, "r.yaml", output=False).message() or ""
     return problems[:160], "gives each loss 1 example" in problems
 
 

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.training import run_recipe
 
     root = Path(__file__).resolve().parent.parent
-    recipe = load_recipe(root / "recipes" / "quickstart_clip.yaml", [
+    # trust_imports: this script names its own module, so it allows the import (`--trust-recipe-code` of the CLI)
+    recipe = load_recipe(root / "recipes" / "quickstart_clip.yaml", trust_imports=True, overrides=[
         "objective.import=[custom_term]",
         "objective.terms={tokenwise: {weight: 0.5}}",
         "eval.scorer=tokenwise",

@@ -9,7 +9,7 @@ a registry's package list, a lazy ``__getattr__`` table). Checked here:
 - every arrow points to the same layer or a lower one, except the plugin discovery (``finetune.plugins`` names the
   packages whose modules register entries) and the allowances listed in :data:`ALLOWED_UPWARD`, each owned by
   other work in progress;
-- entry points and deprecation shims sit on top: no module of the toolkit, the benchmarks or the examples imports
+- entry points sit on top: no module of the toolkit, the benchmarks or the examples imports
   them; every module belongs to a layer;
 - ``losses`` imports nothing of ``finetune``;
 - no module in ``finetune/`` over ~600 lines, no function over ~80 lines or with more than 8 parameters, but for the
@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "finetune.credentials")),
     ("data", ("finetune.data",)),
     ("config", ("finetune.config",)),
-    ("run folders", ("finetune.run_basics", "finetune.resume", "finetune.run_space", "finetune.run_folder")),
+    ("runs", ("finetune.runs",)),
     ("preprocess", ("finetune.preprocess",)),
     ("models", ("finetune.models",)),
     ("objectives", ("finetune.objectives",)),
@@ -45,9 +45,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("finetune.cli",)),
 )
 #: the top: the public facade (``from finetune import load_model``), the entry points users type
-#: (``finetune/run.py``, ``python -m finetune.evaluate``, ``python -m ...`` of a package) and the deprecation shims;
+#: (``finetune/run.py``, ``python -m finetune.evaluate``, ``python -m ...`` of a package);
 #: each may import anything, none is imported by the toolkit, the benchmarks or the examples
-TOP = ("finetune", "finetune.run", "finetune.evaluate", "finetune.preview", "finetune.train", "finetune.scorers")
+TOP = ("finetune", "finetune.run", "finetune.evaluate", "finetune.preview")
 #: the plugin discovery: the registries name the packages whose modules they import on first lookup
 DISCOVERY = "finetune.plugins"
 #: upward arrows that other work in progress removes (the lead deletes an entry as that work lands)

@@ -1,8 +1,8 @@
-"""The old module paths (issue 32): nothing in the repository uses one, and the few kept for users warn.
+"""The old module paths (issues 32 and 38): nothing in the repository uses one, and none is kept.
 
-:data:`OLD_PATHS` is the table a maintainer updates imports with (old path -> new path). A path that users may
-have imported is a shim for one release: importing it raises a ``FutureWarning`` naming the new path, and its
-old names still resolve to the moved objects. The commands users type (``finetune/run.py RECIPE``,
+:data:`OLD_PATHS` is the table a maintainer updates imports with (old path -> new path). The forwarding shims of
+issue 32 are deleted (issue 38): an old module does not import, and the entry points at the top of ``finetune/`` hold
+no library names. The commands users type (``finetune/run.py RECIPE``,
 ``python -m finetune.evaluate``, ``python -m finetune.preview``, ``python -m finetune.hub push``) run without one.
 """
 
@@ -19,12 +19,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: old path -> new path (removed, or a warning shim where :data:`SHIMS` lists it)
+#: old path -> new path (every old path is removed; no shim forwards it); the silent forwards are gone too:
+#: ``finetune.models.registry``'s computed ``REGISTRY`` / ``ALIASES`` / ``FAMILY_CONFIGS`` and
+#: ``finetune.training.checkpoint.resolve_resume`` (issue 38)
 OLD_PATHS = {
     "finetune.train": "finetune.training (trainer, optim, checkpoint, signals, meter, loaders)",
     "finetune.run (run, main, RECIPES_DIR)": "finetune.training.run_recipe, finetune.cli.train",
     "finetune.throughput": "finetune.training.throughput",
-    "finetune.prerequisites": "finetune.training.prerequisites",
+    "finetune.prerequisites, finetune.training.prerequisites": "finetune.training.upstream",
+    "finetune.training.needs": "finetune.training.assets (Need, model_need, fetch_need; asset_needs), "
+                               "finetune.training.preflight (recipe_needs, missing_message; preflight replaces "
+                               "recipe_problems)",
+    "finetune.training.checks": "finetune.training.size_checks (check_batch, check_room, check_warmup), "
+                                "finetune.training.preflight (check_stream_recipe)",
     "finetune.evaluate (the library)": "finetune.evaluation (retrieval, encode, sets)",
     "finetune.zeroshot": "finetune.evaluation.zeroshot",
     "finetune.report": "finetune.evaluation.report",
@@ -37,7 +44,7 @@ OLD_PATHS = {
     "finetune.preprocess.cache": "finetune.data.cache",
     "finetune.models.frozen": "finetune.preprocess.frozen",
     "finetune.models.atomic": "finetune.files",
-    "finetune.data.streams.check_stream_recipe": "finetune.training.checks.check_stream_recipe",
+    "finetune.data.streams.check_stream_recipe": "finetune.training.preflight.check_stream_recipe",
     "finetune.models.encoder": "finetune.models.core.encoder",
     "finetune.models.tokens": "finetune.models.core.tokens",
     "finetune.models.spans": "finetune.models.core.spans",
@@ -49,6 +56,20 @@ OLD_PATHS = {
     "finetune.models.vision_text": "finetune.models.families.vision_text",
     "finetune.models.fcast": "finetune.models.families.fcast",
     "finetune.models.loading": "finetune.models.finetuned",
+    "finetune.run_folder": "finetune.runs.folder (check_run_folder, clear_previous_run, clean_stale_temporaries, "
+                           "check_eval_output), finetune.runs.lock (RunLock, lock_on_main_process), "
+                           "finetune.runs.identity (continuation_view, recipe_hash, read_run_recipe, ...)",
+    "finetune.resume": "finetune.runs.checkpoints (checkpoint_problem, file_manifest, ...), finetune.runs.resume "
+                       "(find_checkpoint, check_continuation), finetune.runs.errors (CheckpointError)",
+    "finetune.run_space": "finetune.runs.space (and check_writable)",
+    "finetune.run_basics": "finetune.runs.errors (RunFolderError), finetune.runs.identity (differing_keys)",
+    "finetune.training.checkpoint (list_checkpoints, stream_state_file, read_stream_states, read_stream_index, "
+    "STREAM_INDEX, CHECKPOINT_PREFIX)": "finetune.runs.checkpoints",
+    "finetune.training.checkpoint.resolve_resume": "finetune.runs.resume.find_checkpoint",
+    "finetune.training.launch, finetune.training.failures": "finetune.training.ending",
+    "finetune.models.registry (REGISTRY, ALIASES, FAMILY_CONFIGS)": "finetune.plugins.NAMED_CONFIGS (and "
+                                                                   "finetune.models.registry's named_config, "
+                                                                   "registry_names)",
 }
 
 #: how each old path is written in code, docs, recipes and embedded scripts (dotted or as a file path); the
@@ -57,6 +78,7 @@ _PATTERNS = [
     r"finetune[./]train\b(?!ing)",
     r"(?<!-m )(?<!\"-m\", \")finetune\.run\b(?!\.py)",
     r"(?<!training[./])finetune[./](throughput|prerequisites)\b",
+    r"finetune[./]training[./](needs|prerequisites|checks)\b",
     r"(?<!-m )(?<!\"-m\", \")finetune\.evaluate\b",
     r"finetune/evaluate\.py",
     r"finetune[./](zeroshot|report|model_card|scorers_flair)\b",
@@ -70,14 +92,19 @@ _PATTERNS = [
     r"streams(\.| import )check_stream_recipe",
     r"finetune[./]models[./](encoder|tokens|spans|hf|openclip|pooled_tower|activations|flair|vision_text|fcast|"
     r"loading)\b",
+    r"finetune[./](run_folder|resume|run_space|run_basics)\b",
+    r"training[./]checkpoint import .*\b(list_checkpoints|stream_state_file|read_stream_\w+|STREAM_INDEX|"
+    r"CHECKPOINT_PREFIX)\b",
+    r"\bresolve_resume\b",
+    r"finetune[./]training[./](launch|failures)\b",
+    r"registry\.(REGISTRY|ALIASES|FAMILY_CONFIGS)\b|models\.registry import .*\b(REGISTRY|ALIASES|FAMILY_CONFIGS)\b",
 ]
 OLD = re.compile("|".join(f"(?:{p})" for p in _PATTERNS))
 
-#: the deprecation shims (they name the old paths they stand for) -> the new path their warning names
-SHIMS = {"finetune/train.py": "finetune.training", "finetune/run.py": "finetune.training.run_recipe",
-         "finetune/evaluate.py": "finetune.evaluation", "finetune/preview.py": "finetune.cli.preview",
-         "finetune/scorers.py": "finetune.evaluation.scorers"}
-EXEMPT = {*SHIMS, "tests/test_old_paths.py", "tests/test_import_graph.py"}  # the latter puts the shims on top
+#: the entry points users type: files at the top of finetune/ that run a command and hold no library names (the
+#: forwarding shims of issue 32 were deleted in issue 38: the project had no release that users imported them from)
+ENTRY_POINTS = ("finetune/run.py", "finetune/evaluate.py", "finetune/preview.py")
+EXEMPT = {"tests/test_old_paths.py", "tests/test_import_graph.py"}  # they name the old paths on purpose
 SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".cfg", ".txt", ".sh")
 
 
@@ -107,43 +134,52 @@ def test_the_pattern_finds_old_paths_and_leaves_the_commands():
                 "from finetune.run import run", "finetune.scorers.Scorer", "finetune/scorers/grm.py",
                 "from finetune.evaluate import recall_at_k", "finetune.models.loading.load_model",
                 "from finetune.preprocess.cache import cached_map", "finetune.report.write_json_atomic",
-                "from finetune.data.streams import check_stream_recipe", "finetune/models/flair.py"):
+                "from finetune.data.streams import check_stream_recipe", "finetune/models/flair.py",
+                "from finetune.run_folder import RunLock", "finetune/resume.py", "import finetune.run_space",
+                "from finetune.training.checkpoint import SaveFailedError, list_checkpoints",
+                "checkpoint.resolve_resume(x)", "from finetune.training.launch import resume_command",
+                "finetune/training/failures.py", "from finetune.models.registry import REGISTRY, build_model",
+                "registry.FAMILY_CONFIGS", "from finetune.training.needs import recipe_needs",
+                "finetune/training/prerequisites.py", "finetune.training.checks.check_room"):
         assert OLD.search(old), old
     for new in ("python -m finetune.evaluate runs/x", '[sys.executable, "-m", "finetune.evaluate", "--help"]',
                 "accelerate launch finetune/run.py r.yaml",
                 "python -m finetune.preview r.yaml", "from finetune.training import Trainer",
                 "finetune.evaluation.scorers.Scorer", "finetune/evaluation/scorers/grm.py",
-                "from finetune.run_folder import RunLock", "finetune.training.prerequisites",
+                "from finetune.runs.lock import RunLock", "finetune.training.upstream",
+                "from finetune.runs.resume import find_checkpoint", "finetune/runs/space.py",
+                "from finetune.training.checkpoint import SaveFailedError, save_checkpoint",
+                "from finetune.training.ending import stopped_or_failed",
+                "finetune.training.preflight", "finetune/training/size_checks.py", "finetune.training.assets",
                 "python -m finetune.hub push runs/x", "finetune.models.families.flair"):
         assert not OLD.search(new), new
 
 
-@pytest.mark.parametrize("module, names", [
-    ("finetune.train", ["Trainer", "TrainModule", "build_optimizer", "StepMeter", "save_checkpoint", "StopVote",
-                        "EpochShuffleSampler"]),
-    ("finetune.run", ["run", "main", "RECIPES_DIR"]),
-    ("finetune.evaluate", ["recall_at_k", "evaluate_sets", "format_table", "main"]),
-    ("finetune.preview", ["main", "preview_recipe", "render_preview", "save_png_atomic"]),
-    ("finetune.scorers", ["Scorer", "register_scorer", "get_scorer", "CosineScorer"]),
-])
-def test_a_shim_warns_naming_the_new_path_and_forwards_its_old_names(module, names):
+@pytest.mark.parametrize("module, old", [("finetune.train", None), ("finetune.scorers", None),
+                                         ("finetune.run", "RECIPES_DIR"), ("finetune.evaluate", "recall_at_k"),
+                                         ("finetune.preview", "render_preview")])
+def test_no_module_at_the_top_forwards_old_names(module, old):
+    """The forwarding shims are gone (issue 38): an old module is not importable, an entry point holds no library
+    name, and importing one warns about nothing."""
     sys.modules.pop(module, None)
+    if old is None:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(module)
+        return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        shim = importlib.import_module(module)
-    new = SHIMS[module.replace(".", "/") + ".py"]
-    assert [w.category for w in caught] == [FutureWarning], [str(w.message) for w in caught]
-    assert new in str(caught[0].message)
-    for name in names:
-        value = getattr(shim, name)
-        home = getattr(shim, "MOVED", {}).get(name)
-        if isinstance(home, tuple):  # finetune.run: (module, new name)
-            assert value is getattr(importlib.import_module(home[0]), home[1]), name
-        else:
-            target = importlib.import_module(home or new)
-            assert value is getattr(target, name), name
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        shim.nothing  # noqa: B018
+        entry = importlib.import_module(module)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert not hasattr(entry, old)
+    assert module.replace(".", "/") + ".py" in ENTRY_POINTS
+
+
+def test_the_top_of_finetune_holds_only_entry_points():
+    """No forwarding, run-folder, resume or checkpoint module is left at the top of ``finetune/``."""
+    top = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "finetune").glob("*.py"))
+    ground = {"finetune/__init__.py", "finetune/plugins.py", "finetune/files.py", "finetune/extras.py",
+              "finetune/threads.py", "finetune/credentials.py"}
+    assert set(top) == ground | set(ENTRY_POINTS), top
 
 
 @pytest.mark.parametrize("argv", [["finetune/run.py", "--help"], ["-m", "finetune.evaluate", "--help"],

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetune.cli.arguments import add_trust_option
+
 if TYPE_CHECKING:
     from finetune.evaluation import RetrievalOptions
     from finetune.evaluation.scorers import Scorer
@@ -70,9 +72,7 @@ def _parser(prog: str = "python -m finetune.evaluate") -> argparse.ArgumentParse
                    help="zero-shot prompt templates: seven (CLIP's 7 ImageNet templates, FLAIR's; default), openai "
                         "(CLIP's 80), simple, or a text file with one template per line holding {}")
     p.add_argument("--out", help="write the metrics JSON here (default for a run: RUN/metrics_eval.json)")
-    p.add_argument("--trust-recipe-imports", action="store_true",
-                   help="import the modules that the run folder's recipe.yaml lists under objective.import (this "
-                        "runs their code: only for a run folder you trust; off by default)")
+    add_trust_option(p, "the run folder's recipe.yaml")
     return p
 
 
@@ -185,11 +185,9 @@ def _main(args: argparse.Namespace) -> int:
         if args.max_text_len is not None:
             raise _UsageError("--max-text-len applies to models, not run folders (a run keeps its own length)")
         try:  # a run folder may come from anyone: its objective.import runs code only when the user says so
-            recipe = load_recipe(target / "recipe.yaml", trust_imports=args.trust_recipe_imports)
-        except RecipeError as exc:
-            hint = ("; pass --trust-recipe-imports to import them if you trust this run folder"
-                    if (exc.key or "").startswith("objective.import") and not args.trust_recipe_imports else "")
-            raise _UsageError(f"cannot read the run's recipe: {exc}{hint}") from None
+            recipe = load_recipe(target / "recipe.yaml", trust_imports=args.trust_recipe_code)
+        except RecipeError as exc:  # an objective.import refused names --trust-recipe-code
+            raise _UsageError(f"cannot read the run's recipe: {exc}") from None
     if args.batch_size is not None and args.batch_size < 1:
         raise _UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.sets:
@@ -213,7 +211,8 @@ def _main(args: argparse.Namespace) -> int:
         raise _UsageError("no evaluation sets: the run's recipe has an empty eval.sets; give --sets")
     options = _options(args, recipe)
     if args.out:
-        from finetune.run_folder import RunFolderError, check_eval_output
+        from finetune.runs.errors import RunFolderError
+        from finetune.runs.folder import check_eval_output
 
         try:  # before the model loads: never overwrite the model's own files
             check_eval_output(args.out, [target / "final"] if recipe is not None else [target])
@@ -253,13 +252,15 @@ _EVAL_OUTPUT_BYTES = 2**20
 
 def _claim_output(out: Path | None, run_dir: Path | None) -> Any:
     """Before the model loads: the folder ``out`` goes to must be writable with room for the results, and a
-    run folder written into is locked (:class:`finetune.run_folder.RunLock`) so that no training replaces
+    run folder written into is locked (:class:`finetune.runs.lock.RunLock`) so that no training replaces
     it meanwhile. Returns the lock (None when none was taken).
 
     Raises:
         _UsageError: not writable, no room, or a run writes into that run folder now.
     """
-    from finetune.run_folder import RunFolderError, RunLock, check_free_space, check_writable, lock_on_main_process
+    from finetune.runs.errors import RunFolderError
+    from finetune.runs.lock import RunLock, lock_on_main_process
+    from finetune.runs.space import check_free_space, check_writable
 
     if out is None:
         return None
@@ -312,7 +313,7 @@ def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out
         if recipe is not None:
             model = load_finetuned(str(target / "final"))
         else:
-            from finetune.training.needs import model_need
+            from finetune.training.assets import model_need
 
             need = model_need(args.model_or_run, key="MODEL_OR_RUN")
             if need is not None and need.state == "missing":  # in seconds, not after the hub's retries

@@ -282,8 +282,27 @@ def precompute(recipe: Any, out: str | os.PathLike, *, workers: int = 1, device:
                      batch_size, getattr(recipe.data, "max_image_pixels", None), options, policy)
             for src, name in zip(sources, names)]
     todo = [j for j in jobs if overwrite or not Path(j.target).is_file()]
-    counts = {"samples": 0, "with_superpixels": 0, "unreadable": 0}
     start = time.perf_counter()
+    counts = _run_jobs(todo, workers)
+    seconds = time.perf_counter() - start
+    urls = spec.urls
+    pattern = urls if isinstance(urls, str) else None
+    manifest = {
+        "settings": asdict(settings), "image_size": image_size, "stamp": stamp, "entry": "superpixels.png",
+        "source_urls": urls, "shards": len(jobs), "written": len(todo), "kept": len(jobs) - len(todo), **counts,
+        "seconds": round(seconds, 3),
+        "images_per_s": round(counts["with_superpixels"] / seconds, 2) if seconds else None,
+        "workers": workers, "device": device or "cpu", "batch_size": batch_size,
+        "urls": str(folder / Path(pattern).name) if pattern else [str(folder / n) for n in names],
+        "finished": True,
+    }
+    _write_manifest(manifest_path, manifest)
+    return manifest
+
+
+def _run_jobs(todo: list[ShardJob], workers: int) -> dict[str, int]:
+    """Write the shards of ``todo`` (in this process, or in ``workers`` spawned processes); their summed counts."""
+    counts = {"samples": 0, "with_superpixels": 0, "unreadable": 0}
     if workers == 1:
         results = (_run_job(j) for j in todo)
     else:
@@ -301,20 +320,7 @@ def precompute(recipe: Any, out: str | os.PathLike, *, workers: int = 1, device:
         if workers > 1:
             pool.close()
             pool.join()
-    seconds = time.perf_counter() - start
-    urls = spec.urls
-    pattern = urls if isinstance(urls, str) else None
-    manifest = {
-        "settings": asdict(settings), "image_size": image_size, "stamp": stamp, "entry": "superpixels.png",
-        "source_urls": urls, "shards": len(jobs), "written": len(todo), "kept": len(jobs) - len(todo), **counts,
-        "seconds": round(seconds, 3),
-        "images_per_s": round(counts["with_superpixels"] / seconds, 2) if seconds else None,
-        "workers": workers, "device": device or "cpu", "batch_size": batch_size,
-        "urls": str(folder / Path(pattern).name) if pattern else [str(folder / n) for n in names],
-        "finished": True,
-    }
-    _write_manifest(manifest_path, manifest)
-    return manifest
+    return counts
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:

@@ -27,25 +27,25 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.json_schema import SkipJsonSchema
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import PydanticCustomError
 
 import finetune.plugins as plugins
 
 from finetune.config.errors import (SECTION_TYPES, RecipeError, _NOT_FINITE, _Origins, _alias, _arms, _fields_of,
-                                    _non_finite, _raise_errors, _recipe_error, _suggest, _type_name)
+                                    _non_finite, _recipe_error, _suggest, _type_name)
 from finetune.config.io import MAX_RECIPE_BYTES, _compose, _first_comment, _plain
+from finetune.config.model_options import _OPTIONS_MARK, _moved_model_keys, _validate_model_options
 from finetune.config.overrides import _parse_override, _set_path, check_override_sizes
 from finetune.config.secrets import mask_secrets, override_secrets, secret_values
 from finetune.config.terms import (_TERMS_MARK, _import_objectives, _import_user_modules, _term_options,
                                    registered_term_configs)
 from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_train_source, _no_streams,
                                      _validate_source_list)
-from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas,
-                                    _build_options, _doc, _float, _int, _json_schema_of,
-                                    _positive_ints, _yaml_word)
+from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas, _doc,
+                                    _float, _int, _positive_ints, _yaml_word)
 
 # -- the sections ---------------------------------------------------------------------------------
 _SECTION_CONFIG = ConfigDict(extra="forbid", populate_by_name=True)
@@ -89,114 +89,6 @@ class KPSConfig:
     freeze_kept: Annotated[Bool, _doc("keep the copied rows frozen in training")] = True
 
 
-# -- model family options --------------------------------------------------------------------------------
-#: ``model`` keys of the vision_text family before ``model.options`` held them: still read, with a warning
-_MOVED_MODEL_KEYS = ("vision", "text", "projection_dim")
-
-
-def family_options_class(family: str) -> type | None:
-    """The options class that ``model.options`` is validated against for model family ``family`` (the
-    ``options`` its registration in :data:`finetune.plugins.MODEL_FAMILIES` names), or ``None`` for a family
-    that takes no options or is not registered."""
-    entry = plugins.MODEL_FAMILIES.get(family) if family in plugins.MODEL_FAMILIES else None
-    return getattr(entry, "options", None)
-
-
-def _families_with_options() -> list[str]:
-    """The registered model families that take ``model.options``, sorted."""
-    return [name for name in plugins.MODEL_FAMILIES.names() if family_options_class(name) is not None]
-
-
-def family_loader_options(model: Any) -> dict[str, Any]:
-    """The keywords a recipe's ``model`` section gives its family's loader beyond the name: the options that
-    are set (``{"vision": ..., "text": ..., "projection_dim": 512}`` for vision_text), ``{}`` for none."""
-    options = getattr(model, "options", None)
-    if options is None:
-        return {}
-    plain = _plain(options)
-    return {k: v for k, v in plain.items() if v is not None}
-
-
-class _ModelOptions:
-    """Marks ``model.options``; its JSON schema offers each family's options class, and its keys (for error
-    messages) are those of every family's options (the validation itself uses the recipe's family)."""
-
-    describe = "a mapping of the model family's options"
-
-    def recipe_fields(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for family in _families_with_options():
-            out.update(_fields_of(family_options_class(family)) or {})
-        return out
-
-    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
-        arms = [_json_schema_of(family_options_class(f), handler) for f in _families_with_options()]
-        return {"anyOf": [*arms, {"type": "null"}],
-                "description": "options of model.family: " + "; ".join(
-                    f"{f}: {', '.join(_fields_of(family_options_class(f)) or {})}" for f in _families_with_options())}
-
-
-_OPTIONS_MARK = _ModelOptions()
-
-
-def _validate_model_options(value: Any, info: ValidationInfo) -> Any:
-    """``model.options`` built as the options class of the recipe's family (``model.family``, or the
-    deprecated ``model.backend``); unknown keys get the closest valid one, as term options do."""
-    if value is None:
-        return None
-    if "family" not in info.data or "backend" not in info.data:
-        return value  # the family itself is wrong: that error is reported
-    family = info.data["family"] if info.data["family"] != "auto" else info.data["backend"]
-    cls = family_options_class(family) if family != "auto" else None
-    if cls is None:
-        if isinstance(value, Mapping) and not value:
-            return None
-        takes = ", ".join(f"{f} ({', '.join(_fields_of(family_options_class(f)) or {})})"
-                          for f in _families_with_options())
-        if family == "auto":
-            raise PydanticCustomError("recipe_value", "belongs to a model family: set model.family (families with "
-                                      "options: {takes})", {"takes": takes})
-        raise PydanticCustomError("recipe_value", "is set, but model family {family} takes no options (families "
-                                  "with options: {takes}); remove it", {"family": repr(family), "takes": takes})
-    if isinstance(value, Mapping):
-        fields = _fields_of(cls) or {}
-        unknown = [InitErrorDetails(type=PydanticCustomError("recipe_key", "is not a recipe key: {hint}", {
-            "hint": _suggest(str(key), fields, ("model", "options"), False)}), loc=(key,), input=sub)
-            for key, sub in value.items() if key not in fields]
-        _raise_errors(unknown, "model.options")
-    return _build_options(cls, value)
-
-
-def _moved_model_keys(tree: dict[str, Any], origins: _Origins) -> None:
-    """``model.vision`` / ``model.text`` / ``model.projection_dim`` (before ``model.options``) moved into
-    ``model.options`` with a ``FutureWarning`` naming the new key; ``null`` ones (what every run folder's
-    recipe.yaml of that time holds) are dropped silently."""
-    import warnings
-
-    model = tree.get("model")
-    if not isinstance(model, dict):
-        return
-    moved = {k: model.pop(k) for k in _MOVED_MODEL_KEYS if k in model}
-    moved = {k: v for k, v in moved.items() if v is not None}
-    if not moved:
-        return
-    options = model.get("options")
-    if options is None:
-        options = {}
-    if not isinstance(options, dict):
-        return  # model.options' own error follows
-    for key in moved:
-        if key in options:
-            raise origins.error(("model", key), f"and `model.options.{key}` are both set; `model.{key}` is the old "
-                                f"name of `model.options.{key}`: keep only that", key_error=True)
-    model["options"] = {**options, **moved}
-    for key in moved:
-        where = origins.error(("model", key), f"is deprecated: write it as `model.options.{key}` (the options of "
-                              "model.family: vision_text); the old key will be refused in the next release",
-                              key_error=True)
-        warnings.warn(str(where), FutureWarning, stacklevel=3)
-
-
 def _check_family(value: str) -> str:
     if value != "auto":
         known = plugins.MODEL_FAMILIES.names()
@@ -225,7 +117,7 @@ class ModelConfig:
     init_from: Annotated[Str | None, _doc(
         "start from another run's final/: a recipe YAML (its run is reused when its output.dir holds a "
         "finished run of the same resolved recipe, else trained first) or a run folder with final/; "
-        "name_or_path is then not loaded (finetune.training.prerequisites)")] = None
+        "name_or_path is then not loaded (finetune.training.upstream)")] = None
     options: Annotated[Any, BeforeValidator(_validate_model_options), _OPTIONS_MARK, _doc(
         "the model family's own options, validated by the options class the family declares (vision_text: "
         "vision, text, projection_dim); null: its defaults")] = None
@@ -270,7 +162,6 @@ class AdapterConfig:
     train_extra: Annotated[list[Str], _doc("trained as they are next to the adapter: positions, "
                                            "logit_scale, logit_bias or parameter name patterns")] = (
         dataclasses.field(default_factory=lambda: list(_DEFAULT_TRAIN_EXTRA)))
-
 
 
 @_section(("data",))
@@ -454,10 +345,8 @@ class Recipe:
     source: SkipJsonSchema[Str | None] = dataclasses.field(default=None, metadata={"meta": True}, compare=False)
     overrides: SkipJsonSchema[tuple[Str, ...]] = dataclasses.field(default=(), metadata={"meta": True},
                                                                    compare=False)
-    #: the user said on the command line that this recipe may run the code it names (``objective.import``
-    #: modules, ``pipe:`` shard commands); never read from the file itself
+    #: the user allowed this recipe's code on the command line (objective.import, pipe: commands); never from the file
     trust_code: SkipJsonSchema[bool] = dataclasses.field(default=False, metadata={"meta": True}, compare=False)
-
 
 
 _SECTION_TYPES = (Recipe, ModelConfig, KPSConfig, AdapterConfig, DataConfig, EvalConfig, ObjectiveConfig,
@@ -487,17 +376,16 @@ def _merge_defaults(data: Any, cls: type) -> Any:
         return data
     defaults = cls()
     out = dict(data)
+    hints = typing.get_type_hints(cls, include_extras=True)  # once: each call evaluates every annotation again
     for key, tp in (_fields_of(cls) or {}).items():
         section = next((a for a in _arms(tp) if a in _SECTION_TYPES), None)
         if key in data:
             if section is not None:
                 out[key] = _merge_defaults(data[key], section)
         else:
-            name = next(f.name for f in dataclasses.fields(cls) if f.name == key or _alias(
-                typing.get_type_hints(cls, include_extras=True)[f.name]) == key)
+            name = next(f.name for f in dataclasses.fields(cls) if f.name == key or _alias(hints[f.name]) == key)
             out[key] = _plain(getattr(defaults, name))
     return out
-
 
 
 def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
@@ -525,7 +413,7 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
 
 
 def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
-                trust_imports: bool = True) -> Recipe:
+                trust_imports: bool = False) -> Recipe:
     """Read, override and validate a recipe.
 
     Args:
@@ -533,9 +421,9 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
         overrides: ``key.sub=value`` strings applied after the file; values are YAML scalars or
             flow collections (``train.lr=1e-5``, ``eval.sets=[docci,urban1k]``,
             ``train.max_steps=null``, ``eval.sets.0.size=128``) and are validated like file values.
-        trust_imports: import the modules of ``objective.import`` (running their code). False for a
-            recipe from a folder that is not the user's own (``python -m finetune.evaluate RUN``): then a
-            module that is not imported yet and not part of xlipkit is a :class:`RecipeError`.
+        trust_imports: the user allowed the recipe's code (``--trust-recipe-code``; ``Recipe.trust_code``): import
+            ``objective.import``, run ``pipe:`` shard commands. Off by default (a recipe may come from anyone): a module
+            not imported yet and not part of xlipkit is then a :class:`RecipeError` naming the flag.
 
     Returns:
         the :class:`Recipe`, every section filled with its defaults where the file is silent.

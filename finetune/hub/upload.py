@@ -41,7 +41,7 @@ from finetune.files import apply_umask, process_tag, replace_dir
 from finetune.hub.model_card import hub_model_id, is_local_path, render_model_card
 from finetune.models.adapters import _builtin_kind
 from finetune.models.finetuned import load_finetuned, read_info, save_finetuned
-from finetune.run_folder import LOCK_NAME
+from finetune.runs.lock import LOCK_NAME
 
 log = logging.getLogger("xlipkit")
 

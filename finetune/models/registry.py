@@ -36,7 +36,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -176,29 +175,3 @@ def save_tiny(name: str, folder: str | os.PathLike, *, seed: int = 0) -> Path:
     model = build_model(name, seed=seed)
     model.save_pretrained(str(folder))
     return Path(folder)
-
-
-#: names kept for code written before the configs moved beside their families (issue 25): computed
-#: from :data:`finetune.plugins.NAMED_CONFIGS` on access
-_COMPUTED = {
-    # the configs build_model builds: name -> RegistryEntry
-    "REGISTRY": lambda: {n: e for n, e in _all().items() if e.build is not None},
-    # other spellings: alias -> name
-    "ALIASES": lambda: dict(_alias_table()),
-    # configs that their family's own loader builds: {family: {name: real}}
-    "FAMILY_CONFIGS": lambda: _family_configs(),
-}
-
-
-def _family_configs() -> dict[str, dict[str, bool]]:
-    out: dict[str, dict[str, bool]] = {}
-    for name, entry in _all().items():
-        if entry.build is None:
-            out.setdefault(entry.backend, {})[name] = entry.real
-    return out
-
-
-def __getattr__(name: str) -> Any:
-    if name in _COMPUTED:
-        return _COMPUTED[name]()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

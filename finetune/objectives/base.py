@@ -157,7 +157,7 @@ class Term(nn.Module):
     def example_fields(self) -> dict[str, str]:
         """Raw example fields the term reads besides ``id``, ``image`` and ``caption``, each with the recipe key
         that names it (``{"raw_caption": "objective.terms.flair.caption_fields"}``): a stream must pass them
-        through (``data.train.options.fields``), which :func:`finetune.training.checks.check_stream_recipe` checks
+        through (``data.train.options.fields``), which :func:`finetune.training.preflight.check_stream_recipe` checks
         before anything runs. The default reads none."""
         return {}
 

@@ -2,7 +2,8 @@
 ``checkpoints/step-N``, written atomically (a temporary folder, then a rename), with the loop's own state
 (:class:`TrainState`) and a manifest of every file; the newest ``train.keep_checkpoints`` kept. A failed write
 (a full disk above all) is diagnosed (:func:`describe_save_failure`) and raised as :class:`SaveFailedError`
-on every process, the earlier checkpoints kept."""
+on every process, the earlier checkpoints kept. Reading them (the listing, the manifest, integrity, the stream
+positions) is :mod:`finetune.runs.checkpoints`."""
 
 from __future__ import annotations
 
@@ -19,14 +20,13 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors import SafetensorError
 
 from finetune.files import apply_umask, process_tag, replace_dir
-from finetune.resume import CHECKPOINT_PREFIX, STATE_NAME, _steps, file_manifest, find_checkpoint
-from finetune.run_folder import folder_bytes
+from finetune.runs.checkpoints import (CHECKPOINT_PREFIX, STATE_NAME, STREAM_INDEX, checkpoint_step, file_manifest,
+                                      list_checkpoints, stream_state_file)
+from finetune.runs.space import folder_bytes, size_text
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["CHECKPOINT_PREFIX", "SaveFailedError", "TrainState", "describe_save_failure", "is_write_error",
-           "list_checkpoints", "read_stream_index", "read_stream_states", "resolve_resume", "save_checkpoint",
-           "stream_state_file", "STREAM_INDEX"]
+__all__ = ["SaveFailedError", "TrainState", "describe_save_failure", "is_write_error", "save_checkpoint"]
 
 
 @dataclass
@@ -46,7 +46,7 @@ class TrainState:
     skipped_examples: list[dict[str, str]] = field(default_factory=list)
     #: seconds spent training up to ``step`` (over every resumed part)
     train_time_s: float = 0.0
-    #: the recipe's continuation view (``finetune.run_folder.continuation_view``), checked on resume
+    #: the recipe's continuation view (``finetune.runs.identity.continuation_view``), checked on resume
     recipe: dict[str, Any] | None = None
     #: ``{file: {"bytes": size, "sha256": hex}}`` of the checkpoint beside this state, checked on resume
     files: dict[str, Any] = field(default_factory=dict)
@@ -76,54 +76,6 @@ class TrainState:
     def from_json(cls, text: str) -> "TrainState":
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in json.loads(text).items() if k in known})
-
-
-
-def list_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temp folders of an interrupted save are ignored)."""
-    if not ckpt_dir.is_dir():
-        return []
-    found = []
-    for p in ckpt_dir.iterdir():
-        if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX):].isdigit():
-            if (p / "train_state.json").is_file():
-                found.append(p)
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
-
-
-def resolve_resume(resume: str | None, ckpt_dir: Path) -> Path | None:
-    """``latest`` -> newest usable checkpoint (None when there is none yet); a path -> that folder,
-    checked (see :func:`finetune.resume.find_checkpoint`, which names a missing or damaged file)."""
-    return find_checkpoint(resume, ckpt_dir)
-
-
-def stream_state_file(folder: Path, rank: int) -> Path:
-    """Where process ``rank`` keeps its stream position in a checkpoint folder."""
-    return folder / f"stream_state_{rank}.json"
-
-
-#: the stream's shard index (sample counts) in a checkpoint: a resume reads it instead of counting again
-STREAM_INDEX = "stream_index.json"
-
-
-def read_stream_states(folder: Path) -> list[dict[str, Any]]:
-    """Every process's stream position in a checkpoint folder (``stream_state_<rank>.json``, rank order).
-
-    Raises:
-        FileNotFoundError: none, or a gap in the ranks (naming the folder).
-    """
-    files = sorted(folder.glob("stream_state_*.json"), key=lambda p: int(p.stem.rpartition("_")[2]))
-    if not files or [int(p.stem.rpartition("_")[2]) for p in files] != list(range(len(files))):
-        raise FileNotFoundError(
-            f"train.resume: {folder} has no complete set of stream positions (stream_state_<rank>.json): it was saved "
-            "from map-style data; resume with the data.train it was saved with")
-    return [json.loads(p.read_text()) for p in files]
-
-
-def read_stream_index(folder: Path) -> dict[str, Any] | None:
-    """The shard index a checkpoint saved (:data:`STREAM_INDEX`), or None."""
-    path = folder / STREAM_INDEX
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 class SaveFailedError(RuntimeError):
@@ -159,14 +111,6 @@ def is_write_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(words in text for words in _WRITER_WORDS)
 
 
-def _size(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def _mount_point(path: Path) -> Path:
     path = path.resolve()
     while not path.exists() or not os.path.ismount(path):
@@ -195,8 +139,8 @@ def describe_save_failure(error: BaseException, folder: Path, need: int | None) 
     if not full and need is not None and free < need and any(words in text for words in _WRITER_WORDS):
         full = True  # torch's zip writer names no errno; it fails so when the data no longer fits
     if full:
-        needed = f"about {_size(need)} are needed, " if need else ""
-        return (f"the disk is full ({needed}{_size(free)} free now in {existing}, on the file system mounted at "
+        needed = f"about {size_text(need)} are needed, " if need else ""
+        return (f"the disk is full ({needed}{size_text(free)} free now in {existing}, on the file system mounted at "
                 f"{_mount_point(existing)})", True)
     first = chain[-1] if chain else error
     return f"{type(first).__name__}: {first}".splitlines()[0], False
@@ -223,7 +167,7 @@ def save_checkpoint(
     (``StreamLoader.state_dict()``), written by each process as ``stream_state_<rank>.json``; every other file is
     written by accelerate (the main process for shared files, each process its ``random_states_<rank>.pkl``), so
     on a filesystem shared by several nodes each file has one writer. The main process then records the size and
-    sha256 of every file (:func:`finetune.resume.file_manifest`) in ``train_state.json``, gives the files the
+    sha256 of every file (:func:`finetune.runs.checkpoints.file_manifest`) in ``train_state.json``, gives the files the
     user's umask (safetensors writes ``0600``) and renames the folder. ``stream_index``: the stream's shard index,
     written by the main process as :data:`STREAM_INDEX`.
 
@@ -307,7 +251,7 @@ def _save_failed(ckpt_dir: Path, final: Path, failure: str) -> SaveFailedError:
 def _remove_superseded(ckpt_dir: Path, step: int, keep: int) -> None:
     """Remove the checkpoints past ``step`` (the trajectory a resume from an earlier or damaged one left:
     ``latest`` must not go back to them) and the older ones beyond the newest ``keep``."""
-    for old in [p for p in _steps(ckpt_dir) if int(p.name[len(CHECKPOINT_PREFIX):]) > step]:
+    for old in [p for p in list_checkpoints(ckpt_dir, complete=False) if checkpoint_step(p) > step]:
         log.info("removed %s: the run continued from an earlier checkpoint", old)
         shutil.rmtree(old, ignore_errors=True)
     for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:

@@ -12,7 +12,7 @@ from typing import Any
 from finetune.config import Recipe, recipe_to_dict
 from finetune.evaluation import RetrievalOptions
 from finetune.objectives import Objective
-from finetune.training.prerequisites import Prerequisites
+from finetune.training.upstream import Prerequisites
 from finetune.training.trainer import Trainer, TrainResult
 
 __all__ = ["RunContext", "RunData", "TrainingSet"]
@@ -63,7 +63,7 @@ class RunContext:
         recipe: the loaded, validated recipe.
         objective: the run's one objective, built from ``recipe.objective`` before anything else.
         chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
-        action: what the run does with ``output.dir`` (:func:`finetune.run_folder.check_run_folder`: ``new``,
+        action: what the run does with ``output.dir`` (:func:`finetune.runs.folder.check_run_folder`: ``new``,
             ``resume``, ``overwrite``, ...).
         prerequisites: the runs it builds on (``model.init_from``, ``eval.compare_with``).
         accelerator: the ``accelerate.Accelerator``.

@@ -59,6 +59,20 @@ class MaskSecrets(logging.Filter):
         return True
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A handler that writes to whatever ``sys.stderr`` is when a record is emitted, not the stream it was made with
+    (a caller that swaps ``sys.stderr`` for a while, as pytest's capture or a progress bar does, would otherwise
+    leave the handler writing to a closed stream)."""
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 def setup_logging(main: bool) -> None:
     """The ``xlipkit`` logger on stderr: INFO on the main process, WARNING on the others (once per process); what it
     prints never shows a secret (:class:`MaskSecrets`)."""
@@ -66,7 +80,7 @@ def setup_logging(main: bool) -> None:
     logger = logging.getLogger("xlipkit")
     logger.setLevel(level)
     if not logger.handlers:
-        h = logging.StreamHandler(sys.stderr)
+        h = _CurrentStderr()
         h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
         h.addFilter(MaskSecrets())
         logger.addHandler(h)

@@ -22,8 +22,9 @@ from finetune.data.streams.source import stream_shards
 from finetune.data.streams.urls import DEFAULT_READ_TIMEOUT_S, ReadPolicy, storage_options
 from finetune.evaluation import set_label
 from finetune.objectives import Objective, Term
-from finetune.resume import CheckpointError, find_checkpoint
-from finetune.training.checkpoint import read_stream_index
+from finetune.runs.checkpoints import read_stream_index
+from finetune.runs.errors import CheckpointError
+from finetune.runs.resume import find_checkpoint
 from finetune.training.context import RunData, TrainingSet
 
 log = logging.getLogger("xlipkit")
@@ -162,7 +163,7 @@ def check_broken_shards(source: Any, on_error: str) -> None:
 
 
 def find_resume(recipe: Recipe, accelerator: Any) -> Path | None:
-    """The checkpoint ``train.resume`` names (:func:`finetune.resume.find_checkpoint`: every file's sha256 checked,
+    """The checkpoint ``train.resume`` names (:func:`finetune.runs.resume.find_checkpoint`: every file's sha256 checked,
     ``latest`` falling back past damaged ones), found by the main process and told to the others, so that the
     files are read once.
 

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from finetune.config import Recipe, RecipeError
-from finetune.config.schema import family_loader_options
+from finetune.config.model_options import family_loader_options
 from finetune.models.adapters import apply_adapter, enable_gradient_checkpointing
 from finetune.models.families import recipe_family
 from finetune.models.finetuned import TextLengthError, apply_text_length, load_finetuned, load_model, read_info
 from finetune.objectives import Objective
-from finetune.training.prerequisites import Prerequisite
+from finetune.training.upstream import Prerequisite
 
 log = logging.getLogger("xlipkit")
 
@@ -28,7 +28,7 @@ def load_start_model(m: Any, init: Prerequisite | None) -> Any:
 
     Args:
         m: the recipe's ``model`` section.
-        init: the ``model.init_from`` run (:class:`~finetune.training.prerequisites.Prerequisite`), or None.
+        init: the ``model.init_from`` run (:class:`~finetune.training.upstream.Prerequisite`), or None.
     Raises:
         RecipeError: ``model.max_text_len`` below what the model has.
     """

@@ -19,7 +19,8 @@ from finetune.evaluation.report import comparison_section, plot_losses, plot_rec
 from finetune.files import write_json_atomic
 from finetune.hub import HubPushError, push
 from finetune.models.finetuned import save_finetuned
-from finetune.training.checkpoint import SaveFailedError, describe_save_failure, list_checkpoints
+from finetune.runs.checkpoints import list_checkpoints
+from finetune.training.checkpoint import SaveFailedError, describe_save_failure
 from finetune.training.context import RunContext
 from finetune.training.inputs import stream_report
 

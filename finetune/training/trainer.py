@@ -29,12 +29,12 @@ from finetune.data.skipping import SKIPPED_KEY
 from finetune.data.streams import StreamLoader, set_terms_epoch
 from finetune.objectives.base import Features, Objective, merge_features
 from finetune.objectives.planning import split_batch
-from finetune.resume import check_continuation, find_checkpoint, rng_problem, rng_state_name
-from finetune.run_folder import continuation_view
+from finetune.runs.checkpoints import list_checkpoints, read_stream_states, rng_problem, rng_state_name
+from finetune.runs.identity import continuation_view
+from finetune.runs.resume import check_continuation, find_checkpoint
 from finetune.training.distributed import (average_gradients, deepspeed_objects, fsdp2_scalars, gathered_model,
                                           layer_classes, local_shards, sharded)
-from finetune.training.checkpoint import (SaveFailedError, TrainState, list_checkpoints, read_stream_states,
-                                          save_checkpoint)
+from finetune.training.checkpoint import SaveFailedError, TrainState, save_checkpoint
 from finetune.training.loaders import map_loader
 from finetune.training.meter import StepMeter
 from finetune.training.optim import build_optimizer, build_scheduler
@@ -246,16 +246,16 @@ class Trainer:
 
         Args:
             resume: the recipe's ``train.resume``.
-            checkpoint: the folder already found by :func:`finetune.resume.find_checkpoint`
+            checkpoint: the folder already found by :func:`finetune.runs.resume.find_checkpoint`
                 (skips the search).
-            recipe: the run's recipe: its continuation view (:func:`finetune.run_folder.continuation_view`) is
+            recipe: the run's recipe: its continuation view (:func:`finetune.runs.identity.continuation_view`) is
                 saved in every checkpoint and compared with the checkpoint's on resume.
             ignore_changes: ``train.resume_ignore_changes``: continue despite a different recipe.
             ignore_rng: ``train.resume_ignore_rng`` (None: the recipe's): resume from a checkpoint whose RNG state
                 is missing or damaged, with a fresh one seeded from ``train.seed`` and the step.
         Raises:
-            finetune.resume.CheckpointError: no usable checkpoint at a given path (names the file).
-            finetune.run_folder.RunFolderError: the checkpoint was saved with a different recipe.
+            finetune.runs.errors.CheckpointError: no usable checkpoint at a given path (names the file).
+            finetune.runs.errors.RunFolderError: the checkpoint was saved with a different recipe.
         """
         view = continuation_view(recipe_to_dict(recipe)) if recipe is not None else None
         self.state.recipe = view

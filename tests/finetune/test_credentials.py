@@ -115,7 +115,7 @@ def test_overrides_messages_and_commands_never_show_a_storage_credential() -> No
 
 
 def test_the_resume_command_leaves_storage_credentials_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    from finetune.training import launch
+    from finetune.training import ending as launch
 
     monkeypatch.setattr(launch, "launch_argv", lambda: [
         "xlipkit", "train", "r.yaml", f"data.train.options.storage_options.secret={SECRET}",

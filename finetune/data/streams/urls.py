@@ -22,8 +22,8 @@ from finetune.data.images import DataError
 from finetune.data.spec import SourceSpec
 from finetune.data.streams.remote import PipeReader, TimedFile, read_failure, with_timeouts
 
-__all__ = ["DEFAULT_READ_TIMEOUT_S", "REMOTE_EXTRA", "TRUST_FLAG", "ReadPolicy", "check_commands", "command_refusal",
-           "expand_urls", "failure", "is_remote", "open_shard", "shard_urls", "storage_options"]
+__all__ = ["DEFAULT_READ_TIMEOUT_S", "MAX_SHARD_URLS", "REMOTE_EXTRA", "TRUST_FLAG", "ReadPolicy", "check_commands",
+           "command_refusal", "expand_urls", "failure", "is_remote", "open_shard", "shard_urls", "storage_options"]
 
 #: the command-line flag that allows a recipe's code: ``objective.import`` modules and ``pipe:`` shard commands
 TRUST_FLAG = "--trust-recipe-code"
@@ -48,6 +48,10 @@ class ReadPolicy:
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 #: the packages each URL scheme needs, all in ``pip install xlipkit[remote]``
+#: the most shard urls a stream's patterns may expand to: 10 million, 100 billion examples at 10,000 a shard (the
+#: largest public sets, LAION-5B and DataComp-12.8B, hold about 1.3 million); a range past it is refused before it is
+#: expanded (``{0..99999999999}`` filled 4 GB and raised MemoryError)
+MAX_SHARD_URLS = 10_000_000
 REMOTE_EXTRA = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp",
                 "az": "adlfs", "abfs": "adlfs"}
 
@@ -64,15 +68,32 @@ def expand_urls(urls: str | list[str]) -> list[str]:
     Returns:
         the urls, in order (``["shards/00000.tar", "shards/00001.tar", "shards/00002.tar"]``).
     Raises:
-        DataError: an empty pattern list.
+        DataError: an empty pattern list; patterns that expand to more than :data:`MAX_SHARD_URLS` urls (counted
+            before anything is expanded).
     """
     patterns = [urls] if isinstance(urls, str) else list(urls)
+    total = sum(_count_one(pattern) for pattern in patterns)
+    if total > MAX_SHARD_URLS:
+        raise DataError(f"data.train.urls expands to {total:,} shard urls, more than the {MAX_SHARD_URLS:,} a stream "
+                        f"may list; check its brace ranges (a digit too many?): {patterns[:3]!r}")
     out: list[str] = []
     for pattern in patterns:
         out.extend(_expand_one(pattern))
     if not out:
         raise DataError("data.train.urls is empty: give a shard pattern like shards/{00000..00099}.tar")
     return out
+
+
+def _count_one(pattern: str) -> int:
+    """How many urls :func:`_expand_one` makes of ``pattern``, without making them."""
+    match = _BRACE.search(pattern)
+    if match is None:
+        return 1
+    body, tail = match.group(1), pattern[match.end():]
+    numeric = _RANGE.match(body)
+    choices = (abs(int(numeric.group(2)) - int(numeric.group(1))) + 1 if numeric
+               else len(body.split(",")) if "," in body else 1)
+    return choices * _count_one(tail)
 
 
 def _expand_one(pattern: str) -> list[str]:

@@ -12,7 +12,8 @@ import finetune.config.schema as schema
 from finetune.config import RecipeError, load_recipe
 from finetune.config.io import (MAX_OVERRIDES, MAX_RECIPE_BYTES, MAX_RECIPE_VALUES, BoundedSafeLoader,
                                 YAMLSizeError, safe_load_yaml)
-from finetune.run_folder import RunFolderError, read_run_recipe
+from finetune.runs.errors import RunFolderError
+from finetune.runs.identity import read_run_recipe
 
 
 def _keys(n: int) -> str:

@@ -25,15 +25,43 @@ def test_every_batch_reaches_the_device_whole_and_in_order():
         assert b["plan"].plans[0].device.type == "meta" and b["plan"].plans[1] == 2
 
 
-def test_record_stream_leaves_host_tensors_and_walks_dataclasses():
-    # no CUDA here: record_stream must walk the batch and touch only CUDA tensors (none), without failing
-    record_stream(_batch(0), None)
+class _Placed(torch.Tensor):
+    """A tensor that says it is on CUDA (or not) and records the streams it is marked as used on: the caching
+    allocator's bookkeeping that :func:`record_stream` must reach for every CUDA tensor of a batch."""
+
+    def __new__(cls, cuda: bool) -> "_Placed":
+        tensor = torch.Tensor._make_subclass(cls, torch.zeros(2))
+        tensor.cuda_, tensor.streams = cuda, []
+        return tensor
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.cuda_
+
+    def record_stream(self, stream) -> None:
+        if not self.cuda_:  # torch refuses a host tensor: record_stream must never call it on one
+            raise RuntimeError("record_stream on a host tensor")
+        self.streams.append(stream)
+
+
+def test_record_stream_marks_every_cuda_tensor_of_a_batch_and_no_host_tensor():
+    """A CUDA tensor left unmarked could have its memory handed out again while the step still reads it: every one
+    is marked, in nested dicts, lists, tuples and the dataclasses of host metadata (the plans)."""
+    stream = object()
+    on_device = [_Placed(True) for _ in range(5)]
+    on_host = [_Placed(False) for _ in range(3)]
+    batch = {"input_ids": on_device[0], "image_inputs": {"pixel_values": on_device[1], "sizes": on_host[0]},
+             "regions": [on_device[2], (on_host[1], on_device[3])], "plan": MicroPlans([on_device[4], on_host[2], 2]),
+             "ids": ["a", "b"]}
+    record_stream(batch, stream)
+    assert [t.streams for t in on_device] == [[stream]] * 5
+    assert [t.streams for t in on_host] == [[]] * 3
 
 
 def test_the_training_loader_neither_pins_nor_places_batches(tmp_path):
     """Pinned batches cost a cudaHostAlloc per batch in flight on a GPU (finetune.data.prefetch); the loop moves
     host batches itself."""
-    from tests.finetune.test_train import _counting_trainer
+    from tests.finetune.training.test_trainer import _counting_trainer
 
     trainer = _counting_trainer(tmp_path, {"base": "clip"}, size=16)
     assert trainer.loader.pin_memory is False

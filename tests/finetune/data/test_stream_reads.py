@@ -86,9 +86,9 @@ def test_a_pipe_command_runs_only_when_the_user_allowed_the_recipe_code(tmp_path
     assert recipe.trust_code is False
     with pytest.raises(DataError, match=r"data\.train\.urls holds a pipe: command .*pass --trust-recipe-code"):
         load_data(recipe, _one_process())
-    from finetune.training.needs import recipe_problems  # validate and train: before anything slow
+    from finetune.training.preflight import preflight  # validate and train: before anything slow
 
-    assert "data.train.urls holds a pipe: command" in (recipe_problems(recipe, "r.yaml") or "")
+    assert "runs a command to read each shard" in (preflight(recipe, "r.yaml", output=False).message() or "")
     with pytest.raises(DataError, match="--trust-recipe-code"):
         open_stream(recipe.data.train)  # the default: no commands
     with pytest.raises(DataError, match="--trust-recipe-code"):

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.models.registry import REGISTRY, TINY_NAMES, build_model, registry_names, resolve_name, save_tiny
+from finetune.models.registry import TINY_NAMES, build_model, named_config, registry_names, resolve_name, save_tiny
+from finetune.plugins import NAMED_CONFIGS
 
 
 @pytest.mark.parametrize("name", TINY_NAMES)
 def test_tiny_models_are_tiny_and_declared(name: str) -> None:
     model = build_model(name)
-    entry = REGISTRY[name]
+    entry = named_config(name)
     assert (model.backend, model.family) == (entry.backend, entry.family)
     assert sum(p.numel() for p in model.parameters()) < 3_000_000
     assert model.image_size == 32 and model.patch_size == 8
@@ -40,15 +41,16 @@ def test_names_aliases_and_errors() -> None:
 
 def test_every_real_size_config_is_flagged_and_the_family_configs_exist() -> None:
     from finetune.models.families.fcast import FCAST_CONFIGS
-    from finetune.models.registry import FAMILY_CONFIGS, random_config
+    from finetune.models.registry import random_config
 
-    small = {n for n, e in REGISTRY.items() if not e.real}
-    assert small == {n for n in REGISTRY if n.startswith(("tiny-", "small-"))}
-    assert {n: e.pretrained for n, e in REGISTRY.items() if e.real and e.backend == "hf"} == {
+    built = {n: e for n, e in NAMED_CONFIGS.items() if e.build is not None}  # what build_model builds
+    small = {n for n, e in built.items() if not e.real}
+    assert small == {n for n in built if n.startswith(("tiny-", "small-"))}
+    assert {n: e.pretrained for n, e in built.items() if e.real and e.backend == "hf"} == {
         "clip-vit-base-patch16": "openai/clip-vit-base-patch16",
         "clip-vit-large-patch14": "openai/clip-vit-large-patch14",
         "siglip2-base-patch16-224": "google/siglip2-base-patch16-224"}
-    assert set(FAMILY_CONFIGS["fcast"]) == set(FCAST_CONFIGS)
+    assert {n for n, e in NAMED_CONFIGS.items() if e.build is None and e.backend == "fcast"} == set(FCAST_CONFIGS)
     assert random_config("random:ViT-B/16").name == "clip-vit-base-patch16"
     assert random_config("tiny-clip", "open_clip") is None and random_config("fcast-b", "hf") is None
     assert build_model("random:tiny-clip").name_or_path == "random:tiny-clip"

@@ -233,7 +233,7 @@ def test_objective_import_loads_a_users_term_and_runs_it(tmp_path, monkeypatch, 
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"objective": {"base": "none", "import": ["user_terms_a"],
                                                   "terms": {"user_nce": {"scale": 2.0}}}}))
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, trust_imports=True)
     assert recipe.objective.imports == ["user_terms_a"]
     objective = build_objective(recipe.objective)
     values = objective.loss(model, objective.encode(model, batch))
@@ -418,9 +418,9 @@ def test_the_clip_loss_of_a_batch_of_one_is_exactly_zero():
 
 
 def test_xlipkit_train_and_validate_refuse_it_before_anything_slow(tmp_path):
-    from finetune.training.needs import recipe_problems
+    from finetune.training.preflight import preflight
 
     path = tmp_path / "r.yaml"
     path.write_text("# r\ntrain: {batch_size: 1, max_steps: 2}\neval: {sets: []}\n", encoding="utf-8")
-    problems = recipe_problems(load_recipe(path), str(path))
+    problems = preflight(load_recipe(path), str(path), output=False).message()
     assert problems is not None and "train.batch_size=1 gives each loss 1 example(s)" in problems

@@ -149,7 +149,7 @@ def test_padding_to_the_fixed_shapes_changes_no_loss(method, tmp_path):
 
 
 # -- runs of every method: shapes per step, text passes ---------------------------------------------------------
-from tests.finetune.test_train import METHODS, project  # noqa: E402,F401  (the shipped-recipe runs and fixture)
+from tests.finetune.training.test_trainer import METHODS, project  # noqa: E402,F401  (the shipped-recipe runs and fixture)
 
 RUNS = ["clip-248", "structxlip-crop", "structxlip-pool", "fastgoal", "flair"]
 #: runs that take more than ~20 s on the shared 2-core CPU (preprocessing and the workers' start included)
@@ -172,7 +172,7 @@ def test_a_run_brings_no_new_attention_shape_after_its_first_step(method, projec
 
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune import train
+    from finetune.training import trainer as train
     from finetune.cli.train import main
     from tests.recipes.shipped import RECIPES_DIR, as_shipped_overrides, clear_run, output_dir, \
         prerequisites_as_shipped

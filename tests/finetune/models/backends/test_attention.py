@@ -43,7 +43,7 @@ def test_the_context_decides_what_sdpa_runs_on_the_cpu(choice, kernel):
 
 
 def test_a_run_logs_and_records_its_attention_backend(tmp_path, caplog):
-    from tests.finetune.test_train import _trainer, scenes  # noqa: F401
+    from tests.finetune.training.test_trainer import _trainer, scenes  # noqa: F401
 
     from finetune.data.sources import load_source
 

@@ -164,7 +164,7 @@ def test_the_old_top_level_keys_load_with_a_warning_naming_the_new_key(tmp_path:
 
 
 def test_the_recipe_options_reach_the_family_loader(tmp_path: Path) -> None:
-    from finetune.config.schema import family_loader_options
+    from finetune.config.model_options import family_loader_options
 
     recipe = load_recipe(_recipe(tmp_path, "{family: vision_text, options: {vision: a/b, text: c/d}}"))
     assert family_loader_options(recipe.model) == {"vision": "a/b", "text": "c/d"}

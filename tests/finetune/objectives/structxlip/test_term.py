@@ -674,7 +674,7 @@ def _tiny_overrides(path: Path, fx: dict, out: Path) -> list[str]:
         f"eval.sets={json.dumps(sets)}", f"data.cache_dir={fx['cache']}", "data.num_workers=0",
         "eval.batch_size=8", "train.max_steps=2", "train.batch_size=4", "train.mixed_precision=no",
         "train.checkpoint_every=0", "train.trackers=[]", f"output.dir={out}",
-        "model.init_from=null", "eval.compare_with=[]",  # the start and comparisons: tests/finetune/test_prerequisites.py
+        "model.init_from=null", "eval.compare_with=[]",  # the start and comparisons: tests/finetune/training/test_upstream.py
     ] + ([] if regions.get("source") == "dataset" else [  # the dataset's regions need no FastSAM
         f"objective.terms.structxlip.regions.checkpoint={fx['checkpoint']}",
         "objective.terms.structxlip.regions.imgsz=64",
