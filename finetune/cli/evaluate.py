@@ -282,16 +282,17 @@ def _claim_output(out: Path | None, run_dir: Path | None) -> Any:
 
 
 def _check_finite_weights(model: Any, name: str) -> None:
-    """Refuse a model whose weights hold NaN or inf (one pass over its parameters and buffers, before any image is
-    encoded): every embedding it makes would be NaN, and Recall@K meaningless.
+    """Refuse a model whose weights hold NaN or inf (one pass over its parameters, and its buffers for NaN: an
+    attention mask holds -inf by design; before any image is encoded): every embedding it makes would be NaN, and
+    Recall@K meaningless.
 
     Raises:
         _UsageError: naming the model, the first bad tensor and how many there are.
     """
     import torch
 
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    bad = [n for n, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = [n for n, t in model.named_parameters() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad += [n for n, t in model.named_buffers() if t.is_floating_point() and bool(torch.isnan(t).any())]  # masks: -inf
     if bad:
         more = f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""
         raise _UsageError(f"cannot evaluate {name}: its weights hold NaN or inf ({bad[0]}{more}): the model is broken "

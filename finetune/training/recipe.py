@@ -21,7 +21,7 @@ import logging
 
 from accelerate.utils import set_seed
 
-from finetune.config import Recipe, dump_recipe, refuse_recipe
+from finetune.config import Recipe, RecipeError, dump_recipe, refuse_recipe
 from finetune.data.collate import Collator
 from finetune.data.images import DataError
 from finetune.data.skipping import SkippingDataset, SkipReportingCollate

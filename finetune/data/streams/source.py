@@ -120,11 +120,13 @@ def check_stream_shards(spec: SourceSpec | dict | str, world_size: int = 1,
     Returns:
         the number of shard files (None for a hub stream, whose files ``datasets`` resolves when opening it).
     Raises:
-        DataError: unknown options, missing shard files, a ``pipe:`` command that ``policy`` does not allow.
+        DataError: unknown options, missing shard files, a ``pipe:`` command that ``policy`` does not allow (with no
+            ``policy`` the commands are not judged here: nothing is run to list the shards).
     """
     spec = SourceSpec.parse(spec)
     _check_entry(spec)
-    check_commands(spec, policy or ReadPolicy())
+    if policy is not None:
+        check_commands(spec, policy)
     if spec.name not in ("webdataset", "parquet"):
         return None
     return len(stream_shards(spec)[1])
