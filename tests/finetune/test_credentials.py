@@ -176,3 +176,17 @@ def test_a_run_on_s3_with_credentials_in_the_recipe_writes_them_nowhere(tmp_path
         assert KEY_ID.encode() not in data and SECRET.encode() not in data, path
     assert "key: '***'" in (tmp_path / "run" / "recipe.yaml").read_text()
     assert KEY_ID not in caplog.text and SECRET not in caplog.text
+
+
+def test_xlipkit_validate_never_prints_a_url_credential(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The preflight reads the recipe's values as given (a masked URL is refused as masked) and every line it prints
+    masks them: the needs listed, the error, the command it repeats."""
+    from finetune.cli.validate import main
+
+    path = tmp_path / "r.yaml"
+    path.write_text("# r\ntrain: {max_steps: 2}\neval: {sets: []}\n", encoding="utf-8")
+    urls = f"data.train={{name: webdataset, urls: '{tmp_path}/missing-{{0..1}}.tar?token={SIGNATURE}'}}"
+    assert main([str(path), urls, f"data.train.options.storage_options.password={URL_PASSWORD}"]) == 2
+    out = "".join(capsys.readouterr())
+    assert SIGNATURE not in out and URL_PASSWORD not in out, out
+    assert "missing-0.tar?token=***" in out and "do not exist" in out
