@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import io
 import json
 import os
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -444,7 +442,7 @@ def masking_hostile_text(tmp):
     return f"{err or 'masked'} in {time.monotonic() - started:.1f} s", err is None
 
 
-# ------------------------------------------------------------------------------------------------- resume after the data changed
+# ---------------------------------------------------------------------------------------- resume after the data changed
 
 
 def _index(tmp: Path, urls: Any) -> tuple[Any, dict]:

@@ -6,8 +6,8 @@
 ``NAME`` is a recipe of ``recipes/`` (``xlipkit recipes`` lists them), with or without ``.yaml``; ``DEST`` a file
 or an existing folder (default ``./NAME.yaml``). An existing file (or symbolic link) is kept unless ``--force``,
 which replaces it (a link itself, never what it points to). ``NAME`` is never a path: only the recipes of
-``recipes/`` are copied. The copy is the file as shipped, comments and all; relative paths in it (``model.init_from``, ``output.dir``, datasets) are read
-from the folder a run starts in, as the shipped recipe's are.
+``recipes/`` are copied. The copy is the file as shipped, comments and all; relative paths in it
+(``model.init_from``, ``output.dir``, datasets) are read from the folder a run starts in, as the shipped recipe's are.
 """
 
 from __future__ import annotations

@@ -242,7 +242,8 @@ class PipeReader:
         status = self.proc.returncode
         err = bytes(self._stderr).decode("utf-8", "replace").strip()
         if check and status != 0:
-            raise OSError(f"pipe:{self.command} exited with status {status}" + (f": {err[-_ERROR_TAIL:]}" if err else ""))
+            tail = f": {err[-_ERROR_TAIL:]}" if err else ""
+            raise OSError(f"pipe:{self.command} exited with status {status}{tail}")
 
 
 def _chain(error: BaseException) -> list[BaseException]:

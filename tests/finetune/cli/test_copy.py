@@ -5,9 +5,6 @@ that cannot be written is an error with exit status 2, not a traceback."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
-import pytest
 
 from finetune.cli import copy as copy_command
 from finetune.cli.train import RECIPES_DIR
