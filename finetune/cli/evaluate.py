@@ -281,6 +281,25 @@ def _claim_output(out: Path | None, run_dir: Path | None) -> Any:
         raise _UsageError(f"{exc} (nothing was evaluated)") from None
 
 
+def _check_finite_weights(model: Any, name: str) -> None:
+    """Refuse a model whose weights hold NaN or inf (one pass over its parameters, and its buffers for NaN: an
+    attention mask holds -inf by design; before any image is encoded): every embedding it makes would be NaN, and
+    Recall@K meaningless.
+
+    Raises:
+        _UsageError: naming the model, the first bad tensor and how many there are.
+    """
+    import torch
+
+    bad = [n for n, t in model.named_parameters() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad += [n for n, t in model.named_buffers() if t.is_floating_point() and bool(torch.isnan(t).any())]  # masks: -inf
+    if bad:
+        more = f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""
+        raise _UsageError(f"cannot evaluate {name}: its weights hold NaN or inf ({bad[0]}{more}): the model is broken "
+                          "(a run that diverged, a damaged save). Evaluate another checkpoint, or train again "
+                          "(train.on_nonfinite: raise stops a run at its first non-finite step)")
+
+
 def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out: Path | None, sets: list,
                         options: RetrievalOptions) -> int:
     """Load the model, evaluate it (and classify zero-shot), print the table and write ``out``."""
@@ -303,6 +322,7 @@ def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out
             model = load_model(args.model_or_run, max_text_len=args.max_text_len)
     except (OSError, ValueError, KeyError) as exc:
         raise _UsageError(f"cannot load {args.model_or_run}: {exc}") from None
+    _check_finite_weights(model, args.model_or_run)
     model.to(accelerator.device)
 
     from finetune.data.images import DataError

@@ -105,7 +105,9 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
     spec = recipe.data.train  # a typed SourceSpec since load_recipe
     if spec.is_stream:  # the first n examples of the stream, with the per-example work
         term.check_stream()
-        stream = ExampleStream(open_stream(spec), spec, on_error=recipe.data.on_error,
+        from finetune.training.inputs import read_policy
+
+        stream = ExampleStream(open_stream(spec, policy=read_policy(recipe)), spec, on_error=recipe.data.on_error,
                                transform=lambda example: term.stream_map(example, model))
         dataset, name = list(itertools.islice(stream, n)), stream.spec.name
     else:

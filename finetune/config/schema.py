@@ -180,6 +180,9 @@ class DataConfig:
     validate: Annotated[Literal["header", "full"], _doc(
         "how images are checked before training: `header` (fast: format, size, JPEG end marker) or "
         "`full` (decode every image once)")] = "header"
+    read_timeout_s: Annotated[_float(gt=0.0, le=86_400.0), _doc(
+        "the longest a read of a remote shard (s3://, https://, a pipe: command) may wait for data; then the run "
+        "stops, naming the shard and why")] = 60.0
 
 
 def _check_scorer(value: str) -> str:

@@ -128,6 +128,9 @@ class Term(nn.Module):
     #: the run's planned shapes (:meth:`Objective.set_shapes`), whose capacities ``collate`` pads rows to; None: each
     #: batch its own
     shapes: BatchShapes | None = None
+    #: the loss contrasts each example with the other examples of its batch (in-batch negatives, over every
+    #: process): a batch of one example has none, and its loss is exactly 0 (InfoNCE) or holds no negative pair
+    contrastive: bool = False
 
     def prepare_model(self, model: Any) -> None:
         """Add what the term needs to ``model`` (a head in ``model.inference_modules``, a model option), once,
@@ -380,6 +383,25 @@ class Objective(nn.Module):
         """:meth:`Term.check_stream` of every term (``ValueError`` naming the option to change)."""
         for t in self.all_terms:
             t.check_stream()
+
+    def check_batch(self, batch_size: int, accumulation_steps: int = 1) -> None:
+        """Refuse a batch that a contrastive term (:attr:`Term.contrastive`) cannot learn from: each loss sees
+        ``batch_size // accumulation_steps`` examples (gathered over the processes), and one example has no
+        negative: InfoNCE of a batch of one is exactly 0 at every step.
+
+        Raises:
+            ValueError: naming ``train.batch_size`` (and ``train.accumulation_steps``) and the terms.
+        """
+        terms = [t.name for t in self.all_terms if t.contrastive]
+        per_loss = batch_size // max(1, accumulation_steps)
+        if not terms or per_loss >= 2:
+            return
+        split = f" / train.accumulation_steps={accumulation_steps}" if accumulation_steps > 1 else ""
+        raise ValueError(
+            f"train.batch_size={batch_size}{split} gives each loss {per_loss} example(s): the contrastive term(s) "
+            f"{', '.join(terms)} contrast every example with the others of its batch, so a batch of one trains on "
+            f"a loss of exactly 0 (no negative pair). Set train.batch_size to at least {2 * max(1, accumulation_steps)}"
+            " (tens to thousands is usual)")
 
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
         """Every term's ``prepare`` fields in one dict; two terms returning one field is an error."""

@@ -68,6 +68,7 @@ class ClipTerm(Term):
     """
 
     name = "clip"
+    contrastive = True
     requests = frozenset({"image", "text"})
 
     def __init__(self, label_smoothing: float = 0.0) -> None:
@@ -89,6 +90,7 @@ class SiglipTerm(Term):
     """Pairwise sigmoid loss (SigLIP): ``-sum log sigmoid(y (s cos + b)) / B``."""
 
     name = "siglip"
+    contrastive = True
     requests = frozenset({"image", "text"})
     uses_logit_bias = True
 
@@ -118,6 +120,7 @@ class LongClipTerm(Term):
     first sentence against the PCA-32 reconstruction of the image batch, both with label smoothing 0.1."""
 
     name = "longclip"
+    contrastive = True
     needs = frozenset({"short_caption"})
     produces = frozenset({"short_caption", "short_input_ids", "short_attention_mask"})
     requests = frozenset({"image", "text", "short_text"})

@@ -109,6 +109,7 @@ class FCastTerm(Term):
     """F-CAST's ``L_part + L_whole`` (see the module docstring)."""
 
     name = TERM_NAME
+    contrastive = True
     produces = frozenset({"fcast_subcaptions", "fcast_sub_ids", "fcast_sub_mask"})
     features = frozenset({"fcast_fine", "fcast_coarse", "fcast_sub", "fcast_long"})
     uses_logit_bias = True

@@ -189,6 +189,7 @@ class FlairTerm(Term):
     """
 
     name = "flair"
+    contrastive = True
     needs = frozenset({FIELD_SUBCAPTIONS})
     produces = frozenset({FIELD_SUBCAPTIONS, FIELD_IDS, FIELD_MASK})
     requests = frozenset({"image", FEATURE})

@@ -224,6 +224,7 @@ class GRMTerm(Term):
     needs = frozenset({"grm_image_key"})
     produces = frozenset({"grm_image_key"})
     requests = frozenset({"image", "text"})
+    contrastive = True
     features = frozenset({"grm_image_key"})
 
     def __init__(self, options: GRMOptions | None = None) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config import recipe_to_dict
+from finetune.credentials import mask_text
 from finetune.extras import EXTRAS, has_extra
 
 __all__ = ["PROBE_TIMEOUT_S", "Need", "asset_needs", "fetch_need", "fetchable", "hub_offline", "model_need",
@@ -75,6 +76,10 @@ class Need:
     how: str
     fetch: tuple[Any, ...] | None = field(default=None, compare=False)
     blocked: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:  # what is shown never holds a credential (a URL's password, a signature)
+        object.__setattr__(self, "what", mask_text(self.what))
+        object.__setattr__(self, "how", mask_text(self.how))
 
     def line(self) -> str:
         """One line for a listing: ``[state] key: what (how)``."""
@@ -357,7 +362,7 @@ def asset_needs(recipe: Any, recipe_ref: str | None = None) -> list[Need]:
         the needs, in recipe order.
     """
     ref = recipe_ref or (str(recipe.source) if recipe.source else "RECIPE")
-    d = recipe_to_dict(recipe)
+    d = recipe_to_dict(recipe, keep_secrets=True)  # the values as given (read, never shown: Need masks them)
     needs: list[Need] = []
     model = d["model"]
     if not model.get("init_from"):  # with init_from the start is that run's final/, name_or_path is not loaded

@@ -7,8 +7,9 @@ It checks, and reports together in one message, before anything slow starts:
 
 - the commands the recipe names: a ``pipe:`` shard command runs only when the user allowed the recipe's code
   (``--trust-recipe-code``, ``Recipe.trust_code``; an ``objective.import`` module is refused as the recipe loads);
-- the objective, built once (the run trains this very object), and whether it can train on a streamed
-  ``data.train`` (:func:`check_stream_recipe`);
+- the objective, built once (the run trains this very object), whether its contrastive terms get batches of more
+  than one example (:func:`check_contrastive_batch`), and whether it can train on a streamed ``data.train``
+  (:func:`check_stream_recipe`);
 - every asset the recipe needs (:mod:`finetune.training.assets`: models, checkpoint files, datasets, stream shards,
   extras) and the upstream runs it builds on (:mod:`finetune.training.upstream`), followed into the recipes of those
   that are trained first (their assets, objective and stream);
@@ -41,8 +42,8 @@ from finetune.runs.lock import OWNER_NAME, RunLock
 from finetune.training.assets import Need, asset_needs, planning
 from finetune.training.upstream import upstream_needs
 
-__all__ = ["Preflight", "check_stream_recipe", "command_ref", "missing_message", "output_action", "preflight",
-           "recipe_needs", "untrusted_commands"]
+__all__ = ["Preflight", "check_contrastive_batch", "check_stream_recipe", "command_ref", "missing_message",
+           "output_action", "preflight", "recipe_needs", "untrusted_commands"]
 
 
 @dataclass
@@ -165,19 +166,35 @@ def _merged(needs: list[Need]) -> list[Need]:
 
 
 def _objective(recipe: Recipe, listed: set[str]) -> tuple[Objective | None, list[RecipeError]]:
-    """The recipe's objective and, for a stream, :func:`check_stream_recipe`; an error about a key whose need is
-    listed as missing (a FastSAM file, the extra it needs) is left to that need's line."""
+    """The recipe's objective, its batch (:func:`check_contrastive_batch`) and, for a stream,
+    :func:`check_stream_recipe`; an error about a key whose need is listed as missing (a FastSAM file, the extra it
+    needs) is left to that need's line."""
     try:
         objective = build_objective(recipe.objective)
     except (ValueError, OSError) as exc:  # a term's options that cannot work together, nothing to optimise, ...
         if any(key in str(exc) for key in listed):
             return None, []
         return None, [exc if isinstance(exc, RecipeError) else RecipeError(str(exc), key="objective")]
+    errors = []
+    for check in (check_contrastive_batch, check_stream_recipe):
+        try:
+            check(recipe, objective)
+        except RecipeError as exc:
+            errors.append(exc)
+    return objective, errors
+
+
+def check_contrastive_batch(recipe: Recipe, objective: Objective) -> None:
+    """A ``train.batch_size`` that gives a contrastive term (``clip``, ``siglip``, ...) batches of one example, whose
+    loss is exactly 0 at every step (:meth:`~finetune.objectives.Objective.check_batch`).
+
+    Raises:
+        RecipeError: naming ``train.batch_size``.
+    """
     try:
-        check_stream_recipe(recipe, objective)
-    except RecipeError as exc:
-        return objective, [exc]
-    return objective, []
+        objective.check_batch(recipe.train.batch_size, recipe.train.accumulation_steps)
+    except ValueError as exc:
+        raise RecipeError(str(exc), key="train.batch_size") from None
 
 
 def untrusted_commands(recipe: Recipe) -> list[RecipeError]:

@@ -21,7 +21,7 @@ import logging
 
 from accelerate.utils import set_seed
 
-from finetune.config import Recipe, dump_recipe, refuse_recipe
+from finetune.config import Recipe, RecipeError, dump_recipe, refuse_recipe
 from finetune.data.collate import Collator
 from finetune.data.images import DataError
 from finetune.data.skipping import SkippingDataset, SkipReportingCollate
@@ -224,7 +224,8 @@ class FinetuneRecipe:
             self.setup_eval()
             self.train()
             return self.finish()
-        except (ModelNotFoundError, RunFolderError, DamagedWeightsError) as exc:  # unknown model, no room, bad weights
+        except (ModelNotFoundError, RunFolderError, DamagedWeightsError, RecipeError) as exc:  # no model, no room,
+            # bad weights, a value the model cannot take (model.max_text_len)
             if ctx.action == "new" and ctx.accelerator.is_main_process:  # leave no half-started run behind
                 clear_previous_run(ctx.out_dir)
                 if ctx.out_dir.is_dir() and not any(ctx.out_dir.iterdir()):
