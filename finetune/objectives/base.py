@@ -23,7 +23,6 @@ them per micro-batch and concatenate them: every tensor is concatenated along di
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -588,38 +587,6 @@ def check_declarations(terms: list[Term]) -> None:
             shared = (earlier.features & (later.requests | later.features)) | (later.features & earlier.requests)
             for key in sorted(shared):
                 raise _collision(earlier.name, later.name, "feature key", key, "extra_features")
-
-
-def merge_features(parts: list[Features]) -> Features:
-    """Concatenate the features of micro-batches as if they were encoded from one batch.
-
-    Every tensor is concatenated along dim 0; ``*_owner`` rows are offset by the number of samples of the
-    micro-batches before them; ``n_samples`` is summed; ``image_grid`` is taken from the first part.
-    """
-    if len(parts) == 1:
-        return parts[0]
-    merged: Features = {}
-    offsets = [0]
-    for p in parts[:-1]:
-        offsets.append(offsets[-1] + int(p[N_SAMPLES]))
-    for key in parts[0]:
-        if key == N_SAMPLES:
-            merged[key] = torch.tensor(offsets[-1] + int(parts[-1][N_SAMPLES]))
-        elif key == "image_grid":
-            merged[key] = parts[0][key]
-        elif key.endswith("_owner"):
-            merged[key] = torch.cat([p[key] + off for p, off in zip(parts, offsets)])
-        else:
-            merged[key] = torch.cat([p[key] for p in parts])
-    return merged
-
-
-def all_finite(values: dict[str, Tensor]) -> str | None:
-    """Name of the first non-finite value, or None when all are finite."""
-    for k, v in values.items():
-        if not math.isfinite(float(v.detach())):
-            return k
-    return None
 
 
 @dataclass

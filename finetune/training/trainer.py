@@ -27,7 +27,8 @@ from finetune.data.collate import normalize_pixels
 from finetune.data.prefetch import DevicePrefetcher
 from finetune.data.skipping import SKIPPED_KEY
 from finetune.data.streams import StreamLoader, set_terms_epoch
-from finetune.objectives.base import Features, Objective, merge_features
+from finetune.objectives.base import Features, Objective
+from finetune.objectives.planning import merge_features
 from finetune.objectives.planning import split_batch
 from finetune.runs.checkpoints import list_checkpoints, read_stream_states, rng_problem, rng_state_name
 from finetune.runs.identity import continuation_view
