@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["RunInterrupted", "STOP_SIGNALS", "StopSignals", "StopVote", "TrainingStopped", "ignore_stop_signals",
-           "init_worker", "limit_worker_threads", "stop_signals", "worker_signals"]
+__all__ = ["RunInterrupted", "STOP_SIGNALS", "StopSignals", "StopVote", "TrainingStopped", "graceful_stop",
+           "ignore_stop_signals", "init_worker", "limit_worker_threads", "stop_signals", "worker_signals"]
 
 
 #: the signals a run stops on: Ctrl-C, and what SLURM, Kubernetes and torchrun send before they kill a process
@@ -119,6 +119,19 @@ def stop_signals() -> Iterator[StopSignals]:
     finally:
         if installed:
             stop.uninstall()
+
+
+@contextlib.contextmanager
+def graceful_stop() -> Iterator[StopSignals]:
+    """:func:`stop_signals` for the training loop: inside the block a first signal only sets
+    :attr:`StopSignals.received` (the loop finishes its step, every process votes to stop after the same one, a
+    checkpoint is saved); outside it a signal raises :class:`RunInterrupted` at once, as before the block."""
+    with stop_signals() as stop:
+        graceful, stop.graceful = stop.graceful, True
+        try:
+            yield stop
+        finally:
+            stop.graceful = graceful
 
 
 #: set (in a worker) to the training process's "exiting" event (:func:`worker_signals`)
