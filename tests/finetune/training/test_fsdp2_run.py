@@ -1,4 +1,4 @@
-"""A whole run under accelerate's own FSDP2 path on CPU processes: the Trainer, its checkpoints (accelerate's
+"""A whole run under accelerate's own FSDP2 path on CPU processes: the loop, its checkpoints (accelerate's
 ``save_fsdp_model``), the final gathering and a resume on another number of processes.
 
 accelerate gives FSDP only to GPU process types (CPU processes are MULTI_CPU), so the launched script switches the
