@@ -23,7 +23,6 @@ from torch import nn
 from finetune.training.batches import Batches, collate_stack, open_batches
 from finetune.training.checkpoint import Checkpoints, TrainState
 from finetune.training.distributed import deepspeed_objects, fsdp2_scalars, gathered_model, sharded
-from finetune.training.meter import StepMeter
 from finetune.training.optim import build_optimizer, build_scheduler
 from finetune.training.progress import Progress
 from finetune.training.step import TrainModule, TrainStep
@@ -143,7 +142,7 @@ def build_loop(accelerator: Any, module: TrainModule, rows: Any, cfg: Any, run_d
     """Build the loop of a run, every part in order: the step's set-up (the objective's shapes planned from the
     training set, the attention backend, compiled blocks), the collate stack and the loader, the optimiser and its
     schedule, ``accelerator.prepare`` of everything that trains (the module under DDP, FSDP or DeepSpeed, the
-    optimiser, the schedule), the meter, the reads, the checkpoints and the stop vote's group.
+    optimiser, the schedule), the step (with its meter), the reads, the checkpoints and the stop vote's group.
 
     Args:
         accelerator: an ``accelerate.Accelerator`` (mixed precision and trackers already configured).
@@ -179,14 +178,10 @@ def build_loop(accelerator: Any, module: TrainModule, rows: Any, cfg: Any, run_d
     replicated = fsdp2_scalars(accelerator, module)  # 0-dim parameters FSDP2 leaves out: averaged by the step
     skeleton = copy.deepcopy(module.model).cpu() if sharded(accelerator) else None
     wrapped, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    meter = StepMeter(accelerator.device, reduce=accelerator.reduce if world > 1 else None,
-                      sticky=cfg.on_nonfinite == "raise", optimizer=inner, scaler=getattr(optimizer, "scaler", None))
-    step = TrainStep(accelerator, wrapped, optimizer, scheduler, cfg, meter=meter, setup=setup, state=state,
-                     replicated=replicated)
-    progress = Progress(accelerator, cfg, state, meter, scheduler=scheduler, model=step.model,
-                        trainable=[p for p in module.parameters() if p.requires_grad],
+    step = TrainStep(accelerator, wrapped, optimizer, scheduler, cfg, setup=setup, state=state, replicated=replicated)
+    progress = Progress(accelerator, cfg, state, step, trainable=[p for p in module.parameters() if p.requires_grad],
                         ckpt_dir=Path(run_dir) / "checkpoints", epoch_at=batches.epoch_at)
+    inner = getattr(optimizer, "optimizer", optimizer)
     checkpoints = Checkpoints(accelerator, run_dir, state, cfg, stream=batches.stream,
                               sized=lambda: _checkpoint_tensors(module, inner))
     vote_group = None  # a gloo group for the per-step stop flag of several processes (StopVote)

@@ -50,19 +50,19 @@ class Progress:
         accelerator: the run's ``accelerate.Accelerator`` (trackers, the main process's bar, several processes).
         cfg: the recipe's ``train`` section (``batch_size``, ``on_nonfinite``).
         state: the loop's state, which the reads fill.
-        meter: the step's device-side accounting.
-        scheduler: the learning-rate schedule (the logged ``lr``); ``model``: the model as it trains (its logit
-            scale); ``trainable``: the weights an update can change (the divergence check).
+        step: the step (:class:`~finetune.training.step.TrainStep`): its meter (the device-side accounting), its
+            schedule (the logged ``lr``) and its model (the logged logit scale).
+        trainable: the weights an update can change (the divergence check).
         ckpt_dir: where the checkpoints are (named when the weights diverge); ``epoch_at``: the global epoch after
             a step (:meth:`finetune.training.batches.Batches.epoch_at`).
     """
 
-    def __init__(self, accelerator: Any, cfg: Any, state: TrainState, meter: StepMeter, *, scheduler: Any,
-                 model: Any, trainable: list[torch.nn.Parameter], ckpt_dir: Path,
-                 epoch_at: Callable[[int], float]) -> None:
-        self.accelerator, self.cfg, self.state, self.meter = accelerator, cfg, state, meter
-        self.scheduler, self.model, self.trainable, self.ckpt_dir, self.epoch_at = (scheduler, model, trainable,
-                                                                                     ckpt_dir, epoch_at)
+    def __init__(self, accelerator: Any, cfg: Any, state: TrainState, step: Any, *,
+                 trainable: list[torch.nn.Parameter], ckpt_dir: Path, epoch_at: Callable[[int], float]) -> None:
+        self.accelerator, self.cfg, self.state = accelerator, cfg, state
+        self.meter: StepMeter = step.meter
+        self.scheduler, self.model = step.scheduler, step.model
+        self.trainable, self.ckpt_dir, self.epoch_at = trainable, ckpt_dir, epoch_at
         self.clock = LoopClock()
         self.truncated = 0
         self._last_read_step = 0

@@ -73,18 +73,26 @@ class TrainStep:
     Args:
         accelerator: the run's ``accelerate.Accelerator``.
         wrapped: the prepared :class:`TrainModule`; ``optimizer``, ``scheduler``: prepared too.
-        cfg: the recipe's ``train`` section (``accumulation_steps``, ``grad_clip``, ``logit_scale_max``).
-        meter: where the loss terms and the non-finite check stay on the device (:class:`StepMeter`).
+        cfg: the recipe's ``train`` section (``accumulation_steps``, ``grad_clip``, ``logit_scale_max``,
+            ``on_nonfinite``).
         setup: the step's attention backend, compiled blocks and warm-up (:class:`StepSetup`).
         state: the loop's state (``flops_per_step`` is counted at step 1).
         replicated: 0-dim parameters FSDP2 leaves out, whose gradients are averaged here.
+
+    Attributes:
+        meter: where the loss terms and the non-finite check stay on the device between the loop's reads
+            (:class:`StepMeter`; a non-finite step is not applied).
+        model: the model as it trains, out of accelerate's wrapper (its logit scale is clamped here).
     """
 
     def __init__(self, accelerator: Any, wrapped: nn.Module, optimizer: Any, scheduler: Any, cfg: Any, *,
-                 meter: StepMeter, setup: StepSetup, state: TrainState, replicated: list[nn.Parameter]) -> None:
+                 setup: StepSetup, state: TrainState, replicated: list[nn.Parameter]) -> None:
         self.accelerator, self.wrapped, self.optimizer, self.scheduler = accelerator, wrapped, optimizer, scheduler
-        self.cfg, self.meter, self.setup, self.state, self.replicated = cfg, meter, setup, state, replicated
-        #: the model as it trains (for the logit scale's clamp)
+        self.cfg, self.setup, self.state, self.replicated = cfg, setup, state, replicated
+        world = accelerator.num_processes
+        self.meter = StepMeter(accelerator.device, reduce=accelerator.reduce if world > 1 else None,
+                               sticky=cfg.on_nonfinite == "raise", optimizer=getattr(optimizer, "optimizer", optimizer),
+                               scaler=getattr(optimizer, "scaler", None))
         self.model = accelerator.unwrap_model(wrapped).model
 
     def __call__(self, batch: dict[str, Any], step: int) -> None:
