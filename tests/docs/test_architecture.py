@@ -115,5 +115,5 @@ def test_the_check_finds_a_module_left_out_and_one_named_under_another_package()
     assert without != page and unnamed_modules(without) == ["finetune/data/prefetch.py"]
     moved = page.replace("streams/ (urls, remote,", "streams/ (urls,", 1).replace("bad_rows.py", "bad_rows.py, remote", 1)
     assert "finetune/data/streams/remote.py" in unnamed_modules(moved)  # named under data/, not under streams/
-    renamed = page.replace("step.py (TrainStep", "trainer.py (TrainStep", 1)
-    assert stale_modules(renamed) == ["finetune/training/trainer.py"]
+    renamed = page.replace("step.py (TrainStep", "stepper.py (TrainStep", 1)
+    assert stale_modules(renamed) == ["finetune/training/stepper.py"]
