@@ -296,8 +296,9 @@ class TrainConfig:
     attention: Annotated[Literal["auto", "torch", "flash", "efficient", "cudnn", "math"], _doc(
         "the attention backend of the training step: auto (CUDA: flash, then efficient for masked calls, then cudnn, "
         "then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend tried first")] = "auto"
-    process_group_timeout_s: Annotated[_int(ge=1), _doc("seconds a process waits for the others at a collective (a "
-        "first download or preprocessing included) before the launch fails; NCCL's default is 600")] = 7200
+    process_group_timeout_s: Annotated[_int(ge=1, le=2_592_000), _doc(
+        "seconds a process waits for the others at a collective or the rendezvous (a first download or preprocessing "
+        "included) before the run fails; NCCL's default is 600; at most 30 days")] = 7200
 
 
 @_section(("output",))

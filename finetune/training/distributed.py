@@ -21,7 +21,6 @@ loads under ZeRO-3.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 from typing import Any
@@ -32,8 +31,8 @@ from finetune.config import RecipeError
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["UNUSABLE_DEEPSPEED", "average_gradients", "check_engine", "deepspeed_objects", "fsdp2_scalars",
-           "gathered_model", "layer_classes", "load_whole_under_zero3", "local_shards", "process_group_kwargs",
+__all__ = ["UNUSABLE_DEEPSPEED", "average_gradients", "check_engine", "deepspeed_objects", "engine_record",
+           "fsdp2_scalars", "gathered_model", "layer_classes", "load_whole_under_zero3", "local_shards",
            "resolve_deepspeed", "sharded", "slurm_environment"]
 
 #: DeepSpeed releases that cannot start a model with a 0-dim parameter (CLIP's ``logit_scale``, SigLIP's
@@ -43,16 +42,6 @@ UNUSABLE_DEEPSPEED = {
               "DeepSpeedEngine._broadcast_model), which torch refuses for a 0-dim parameter such as CLIP's "
               "logit_scale (\"self.dim() cannot be 0 to view BFloat16 as Byte\")",
 }
-
-
-def process_group_kwargs(recipe: Any) -> list[Any]:
-    """accelerate's ``InitProcessGroupKwargs`` with ``train.process_group_timeout_s``: how long a process waits for
-    the others at a collective (the main process downloading or preprocessing first, under ``main_process_first``,
-    included) before the launch fails."""
-    from accelerate.utils import InitProcessGroupKwargs
-
-    seconds = int(getattr(recipe.train, "process_group_timeout_s", 7200))
-    return [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=seconds))]
 
 
 def slurm_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -82,6 +71,25 @@ def slurm_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
               "LOCAL_WORLD_SIZE": per_node}
     env.update(values)
     return values
+
+
+def engine_record(accelerator: Any) -> dict[str, Any]:
+    """What trained, for ``metrics.json``: accelerate's distributed type, the processes and their backend, and the
+    engine's own settings (FSDP's version and state-dict type, DeepSpeed's ZeRO stage)."""
+    import torch
+
+    record: dict[str, Any] = {"distributed_type": str(accelerator.distributed_type).split(".")[-1],
+                              "num_processes": accelerator.num_processes, "device": accelerator.device.type}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        record["backend"] = str(torch.distributed.get_backend())
+    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
+    if record["distributed_type"] == "FSDP" and fsdp is not None:
+        record.update(fsdp_version=getattr(fsdp, "fsdp_version", 1),
+                      state_dict_type=str(fsdp.state_dict_type).split(".")[-1])
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
+    if record["distributed_type"] == "DEEPSPEED" and deepspeed is not None:
+        record["zero_stage"] = deepspeed.zero_stage
+    return record
 
 
 def sharded(accelerator: Any) -> bool:

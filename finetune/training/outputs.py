@@ -22,6 +22,7 @@ from finetune.models.finetuned import save_finetuned
 from finetune.runs.checkpoints import list_checkpoints
 from finetune.training.checkpoint import SaveFailedError, describe_save_failure
 from finetune.training.context import RunContext
+from finetune.training.distributed import engine_record
 from finetune.training.inputs import stream_report
 
 log = logging.getLogger("xlipkit")
@@ -168,6 +169,7 @@ def _metrics(ctx: RunContext, done: AfterTraining) -> dict[str, Any]:
         "samples_per_s": result.samples_per_s,
         "throughput": result.throughput,  # steady samples/s, data-wait share, FLOPs, TFLOP/s, MFU
         "num_processes": ctx.accelerator.num_processes,
+        "engine": engine_record(ctx.accelerator),  # what trained: DDP, FSDP (version, state dict), ZeRO stage
         "trainable_parameters": ctx.parameters[0],
         "total_parameters": ctx.parameters[1],
         "history": result.history,

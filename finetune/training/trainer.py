@@ -9,6 +9,7 @@ does, feature by feature: :mod:`finetune.training`.
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
 import logging
 import math
@@ -170,7 +171,8 @@ class Trainer:
         #: a gloo group for the per-step stop flag of several processes (:class:`StopVote`)
         self._vote_group = None
         if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            self._vote_group = torch.distributed.new_group(backend="gloo")
+            self._vote_group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(
+                seconds=cfg.process_group_timeout_s))  # a process that stops answering ends the run in that time
         self.meter = StepMeter(accelerator.device, reduce=accelerator.reduce if world > 1 else None,
                                sticky=cfg.on_nonfinite == "raise",
                                optimizer=getattr(self.optimizer, "optimizer", self.optimizer),
@@ -411,7 +413,7 @@ class Trainer:
 
         SIGINT / SIGTERM (:class:`StopSignals`, installed here unless the caller did): the step in progress is
         finished, every process stops after the same step (:class:`StopVote`), a checkpoint is saved and
-        :class:`TrainingStopped` raised; a second signal exits at once.
+        :class:`TrainingStopped` raised; a person's second Ctrl-C exits at once (a repeated SIGTERM does not).
 
         Raises:
             TrainingStopped: a signal stopped the run (after saving a checkpoint).
