@@ -24,6 +24,7 @@ from finetune.runs.checkpoints import read_stream_index
 from finetune.runs.errors import CheckpointError
 from finetune.runs.resume import find_checkpoint
 from finetune.training.context import RunData, TrainingSet
+from finetune.training.distributed import resume_problem
 
 log = logging.getLogger("xlipkit")
 
@@ -131,7 +132,8 @@ def find_resume(recipe: Recipe, accelerator: Any) -> Path | None:
     files are read once.
 
     Raises:
-        CheckpointError: on every process, naming the file.
+        CheckpointError: on every process, naming the file; or the checkpoint is another engine's, or DeepSpeed's
+            from another number of processes (:func:`~finetune.training.distributed.resume_problem`).
     """
     t = recipe.train
     found, error = None, None
@@ -142,6 +144,8 @@ def find_resume(recipe: Recipe, accelerator: Any) -> Path | None:
                                     ignore_rng=bool(getattr(t, "resume_ignore_rng", False)))
         except CheckpointError as exc:
             error = str(exc)
+        if found is not None:  # the engine that wrote it, and DeepSpeed's process count
+            error = resume_problem(found, accelerator)
     if accelerator.num_processes > 1:
         found, error = broadcast_object_list([found, error])
     if error:

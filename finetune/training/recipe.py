@@ -36,7 +36,7 @@ from finetune.runs.lock import RunLock, lock_on_main_process
 from finetune.training.checkpoint import is_write_error
 from finetune.training.checks import check_batch, check_room, check_stream_recipe, check_warmup
 from finetune.training.context import RunContext
-from finetune.training.distributed import check_engine, load_whole_under_zero3
+from finetune.training.distributed import check_engine, load_whole_under_fsdp, load_whole_under_zero3
 from finetune.training.ending import stopped_or_failed
 from finetune.training.environment import (cpu_threads, flat_scalars, launched_as_main, make_accelerator,
                                            setup_logging)
@@ -102,6 +102,7 @@ class FinetuneRecipe:
         ctx.accelerator = make_accelerator(recipe)
         check_engine(ctx.accelerator)  # a DeepSpeed release that cannot start these models: before anything loads
         load_whole_under_zero3(ctx.accelerator)
+        load_whole_under_fsdp(ctx.accelerator)
         setup_logging(ctx.accelerator.is_main_process)
         cpu_threads(ctx.accelerator)
         set_seed(recipe.train.seed)
