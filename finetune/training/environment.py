@@ -15,7 +15,7 @@ from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs,
 
 from finetune.threads import thread_settings
 from finetune.training.distributed import slurm_environment
-from finetune.training.processes import fsdp_on_cpu, group_kwargs
+from finetune.training.processes import fsdp_on_cpu, group_timeout
 
 __all__ = ["cpu_threads", "flat_scalars", "launched_as_main", "make_accelerator", "setup_logging"]
 
@@ -25,8 +25,8 @@ def make_accelerator(recipe: Any) -> Accelerator:
     ``output.dir/logs``, loaders that split each global batch over the processes (``split_batches``),
     ``train.accumulation_steps`` micro-batches per optimiser step (accelerate's ``accumulate`` counts them, so that the
     optimiser, DeepSpeed's engine included, steps once per accumulated batch), the process group's timeout
-    (``train.process_group_timeout_s``) and backend (:func:`~finetune.training.processes.group_kwargs`: the group
-    itself is made first, by :func:`~finetune.training.processes.start_processes`), under ``srun`` without a launcher
+    (``train.process_group_timeout_s``; a launch's group itself, with its backend, is made first by
+    :func:`~finetune.training.processes.start_processes`), under ``srun`` without a launcher
     SLURM's variables (:func:`~finetune.training.distributed.slurm_environment`), and FSDP version 2 on CPU processes
     that asked for it (:func:`~finetune.training.processes.fsdp_on_cpu`)."""
     slurm_environment()
@@ -39,7 +39,7 @@ def make_accelerator(recipe: Any) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),  # pinned batches overlap
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=recipe.train.accumulation_steps,
                                                                 sync_with_dataloader=False),
-        kwargs_handlers=[InitProcessGroupKwargs(**group_kwargs(recipe))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=group_timeout(recipe))],
     )
     fsdp_on_cpu(accelerator)
     return accelerator

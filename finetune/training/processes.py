@@ -196,16 +196,20 @@ def start_processes(recipe: Any, environ: dict[str, str] | None = None) -> None:
     _set_default_timeout(kwargs["timeout"])
     seconds = int(kwargs["timeout"].total_seconds())
     where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    # CPU processes are accelerate's MULTI_CPU (DDP over gloo) even without --cpu: else it leaves them without a
+    # distributed type, and each would train its own copy; DeepSpeed makes its own group (over gloo, named above)
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or (
+        "backend" in kwargs and not _flag(env, "ACCELERATE_USE_DEEPSPEED"))
     try:
         with interruptible(f"waiting for the run's {world} processes to join at {where}"):
-            state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **kwargs)
+            state = PartialState(cpu=cpu, **kwargs)
     except RuntimeError as exc:  # torch's DistError, DistStoreError, DistNetworkError are RuntimeErrors
         raise LaunchError(
             f"process {rank} of {world}: the other processes did not join within {seconds} s "
             f"(train.process_group_timeout_s={seconds}) at {where}: {_first_line(exc)}. Check that every process "
             "was started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and that none failed before it "
             "got there (its output says why); raise train.process_group_timeout_s if they start slowly") from None
-    if state.num_processes != world:
+    if state.num_processes != world or (world > 1 and str(state.distributed_type).endswith("NO")):
         raise LaunchError(
             f"the launcher started {world} processes, but accelerate made a group of {state.num_processes} "
             f"(distributed type {state.distributed_type}): they would train as {world} separate runs into one "
