@@ -195,11 +195,13 @@ def open_train_stream(recipe: Recipe, objective: Objective, model: Any, accelera
                          transform=functools.partial(objective.stream_map, model=model))
 
 
-def stream_report(loader: Any, accelerator: Any) -> dict:
+def stream_report(loader: Any, accelerator: Any, epoch: int | None = None) -> dict:
     """The streams' counts summed over processes and their data-loader workers: examples ``read``, ``used``,
     ``skipped`` (and the first skipped ones), broken webdataset shards whose rest was skipped
-    (``skipped_shard_count``, each time; ``skipped_shards``, the first few with why), the global ``epoch`` (epochs
-    every reader of every process finished), ``num_processes``, ``num_workers`` (of process 0)."""
+    (``skipped_shard_count``, each time; ``skipped_shards``, the first few with why), the global ``epoch`` (the epochs
+    read whole: ``epoch`` when given, the progress bar's epoch rounded down; else the epochs every reader of every
+    process moved past, which lags by one when the run stopped just at an epoch's end), ``num_processes``,
+    ``num_workers`` (of process 0)."""
     reports = gather_object([loader.report()]) if accelerator.num_processes > 1 else [loader.report()]
     skipped_examples = [e for r in reports for e in r["skipped_examples"]][:5]
     skipped = sum(r["skipped"] for r in reports)
@@ -207,7 +209,8 @@ def stream_report(loader: Any, accelerator: Any) -> dict:
         log.warning("train stream %s: skipped %d unreadable examples (first: %s)", loader.spec.name, skipped,
                     ", ".join(str(e["id"]) for e in skipped_examples))
     shards = list({e["shard"]: e for r in reports for e in r.get("skipped_shards", [])}.values())[:5]
-    epoch = min(r["epoch"] for r in reports)  # epochs every reader of every process finished
+    if epoch is None:
+        epoch = min(r["epoch"] for r in reports)  # epochs every reader of every process moved past
     broken = sum(r.get("skipped_shard_count", 0) for r in reports)
     if broken:
         log.warning("train stream %s: skipped the rest of %d broken shard(s) %d time(s) in all: %s", loader.spec.name,

@@ -35,6 +35,7 @@ from finetune.runs.identity import continuation_view
 from finetune.runs.resume import check_continuation, find_checkpoint
 from finetune.training.distributed import (average_gradients, deepspeed_objects, fsdp2_scalars, gathered_model,
                                           layer_classes, local_shards, sharded)
+from finetune.training.epochs import EpochLedger, count_batch
 from finetune.training.checkpoint import SaveFailedError, TrainState, save_checkpoint
 from finetune.training.loaders import map_loader
 from finetune.training.meter import StepMeter
@@ -117,6 +118,8 @@ class TrainResult:
     #: this run part's steady throughput (:meth:`Trainer._throughput`): ``steady_samples_per_s``,
     #: ``data_wait_share``, ``flops_per_sample``, ``tflops_per_device``, ``mfu``, ...
     throughput: dict[str, Any] = field(default_factory=dict)
+    #: what each epoch read, every process and resumed part together (:class:`~finetune.training.epochs.EpochLedger`)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
 
 
 
@@ -165,7 +168,7 @@ class Trainer:
         loader = self._loader(dataset, self._planned(collate_fn, module, cfg, dataset), num_workers)
         optimizer = build_optimizer(module, cfg, extra_no_decay)
         self._prepare(optimizer, build_scheduler(optimizer, cfg, self.total_steps), loader)
-        self.state = TrainState()
+        self.state, self.epochs = TrainState(), EpochLedger()
         #: what the divergence check reads at each logging step (the weights an update can change)
         self._trainable = [p for p in module.parameters() if p.requires_grad]
         #: a gloo group for the per-step stop flag of several processes (:class:`StopVote`)
@@ -280,6 +283,8 @@ class Trainer:
                         "train.seed and step %d", rng_missing, self.acc.process_index, saved.step)
         self.state = saved
         self.state.recipe = view if view is not None else saved.recipe
+        if self.acc.is_main_process:  # the run's epochs so far (merged sums every process's)
+            self.epochs.load(saved.epochs)
         if self.stream is not None:
             self.stream.load_states(read_stream_states(path))
         log.info("resumed from %s at step %d", path, self.state.step)
@@ -437,6 +442,7 @@ class Trainer:
         """A checkpoint of the current step (time spent saving left out of the throughput)."""
         saving = time.perf_counter()
         self.state.train_time_s = self._time_before + clock.elapsed() - clock.excluded_s
+        self.state.epochs = self.epochs.merged(self.acc)
         stream_state = self.stream.state_dict() if self.stream is not None else None
         index = self.stream.stream.source.index.to_json() if self.stream is not None else None
         path = save_checkpoint(self.acc, self.ckpt_dir, self.state, self.cfg.keep_checkpoints, stream_state,
@@ -473,7 +479,7 @@ class Trainer:
                     batches = iter(DevicePrefetcher(self._batches(), self.acc.device))
                     continue
                 clock.wait_s += time.perf_counter() - waited
-                self._note_skipped(batch)
+                self._note_skipped(batch, count_batch(self.epochs, batch, self.state.step, self.steps_per_epoch))
                 step = self.state.step + 1
                 if step == 1:  # FLOPs of the first step from the shapes (finetune.training.throughput); only in a
                     # fresh run: ops under a dispatch mode may round differently, and a resumed run must match
@@ -552,6 +558,7 @@ class Trainer:
             truncated_captions=self._truncated,
             skipped_examples=self._all_skipped(),
             throughput=throughput,
+            epochs=self.epochs.merged(self.acc),
         )
 
     def _batches(self) -> Iterator[dict[str, Any]]:
@@ -587,9 +594,10 @@ class Trainer:
         """A batch of :attr:`loader` (on the host) on the training device, as the loop moves it."""
         return next(iter(DevicePrefetcher([batch], self.acc.device)))
 
-    def _note_skipped(self, batch: dict[str, Any]) -> None:
+    def _note_skipped(self, batch: dict[str, Any], epoch: int) -> None:
         """Record the examples the data loader passed over (unreadable images, ``data.on_error: skip``)."""
         known = {e["id"] for e in self.state.skipped_examples}
+        self.epochs.skip([e["id"] for e in batch.get(SKIPPED_KEY) or ()], epoch)
         for entry in batch.pop(SKIPPED_KEY, None) or ():
             if entry["id"] not in known:
                 known.add(entry["id"])

@@ -93,7 +93,16 @@ def plain(tmp_path_factory) -> Path:
            f"output.dir={out}"]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _metrics(out)["engine"]["distributed_type"] == "NO"
+    metrics = _metrics(out)
+    assert metrics["engine"]["distributed_type"] == "NO"
+    # 4 steps of 8 of 16 samples: two epochs, each every sample once, as the progress bar says
+    from finetune.data.sources import load_source
+    from finetune.training.epochs import ids_digest
+
+    source = load_source({"name": "synthetic", "split": "train", "size": 16, "seed": 0})
+    every = ids_digest(source.dataset[i]["id"] for i in range(16))
+    assert metrics["epochs"] == [{"epoch": e, "read": 16, "ids_digest": every, "skipped_ids": []} for e in (0, 1)]
+    assert metrics["epoch"] == 2.0
     return out
 
 
@@ -125,6 +134,7 @@ def test_engine_trains_checkpoints_resumes_and_its_final_loads_on_two_cpu_proces
         assert used["zero_stage"] == int(engine[-1])
     assert len(_shards(engine, run / "checkpoints" / "step-2")) == 2  # one shard per process
     assert _losses(metrics) == pytest.approx(_losses(reference), abs=1e-4)  # the plain run's training
+    assert metrics["epochs"] == reference["epochs"]  # the same samples in each epoch, over both processes
 
     # final/: the whole trained weights (gathered under FSDP and ZeRO-3), loaded as a user loads them, evaluated
     final, whole = _final(run), _final(plain)
@@ -141,6 +151,7 @@ def test_engine_trains_checkpoints_resumes_and_its_final_loads_on_two_cpu_proces
     assert _metrics(same)["num_processes"] == 2
     assert f"resumed from {same / 'checkpoints' / 'step-2'} at step 2" in proc.stderr
     assert _losses(_metrics(same)) == pytest.approx(_losses(metrics), abs=1e-5)
+    assert _metrics(same)["epochs"] == metrics["epochs"]  # the checkpoint's epochs and the resumed part's
     resumed = _final(same)
     for key in final:
         torch.testing.assert_close(resumed[key], final[key], atol=1e-5, rtol=1e-4, msg=key)
@@ -152,6 +163,7 @@ def test_engine_trains_checkpoints_resumes_and_its_final_loads_on_two_cpu_proces
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert _metrics(other)["num_processes"] == 1 and _metrics(other)["engine"]["distributed_type"] == "FSDP"
         assert _losses(_metrics(other)) == pytest.approx(_losses(metrics), abs=1e-5)
+        assert _metrics(other)["epochs"] == metrics["epochs"]
         resumed = _final(other)
         for key in final:
             torch.testing.assert_close(resumed[key], final[key], atol=1e-5, rtol=1e-4, msg=key)
