@@ -88,6 +88,8 @@ class Case:
     attention: str | None = None  # train.attention; None: the recipe's
     estimate_s: float | None = None  # seconds --budget counts for it on a GPU (None: --case-s / --compile-s)
     note: str = ""
+    captions: str | None = None  # the captions' lengths: None (the scenes' own, ~97 CLIP tokens), docci or coco
+    buckets: list[int] | None = None  # train.text_buckets (None: the default buckets)
 
 
 def _set(recipe: dict, path: str, value: Any) -> None:
@@ -133,6 +135,10 @@ def _fcast(r: dict) -> None:
     _set(r, "objective.terms.fcast.long_fields", None)
 
 
+def _registry_towers(r: dict) -> None:  # the vision_text family from a registry config, not two hub towers
+    r["model"].pop("options", None)
+
+
 _B16, _TINY = "random:clip-vit-base-patch16", "random:tiny-clip"
 CASES = [
     Case("clip-248", "longclip_docci.yaml", _B16, _TINY, clip=True,
@@ -147,10 +153,12 @@ CASES = [
          note="the recipe's LoRA adapter, clip loss, 248 tokens"),
     Case("dora", "structxlip_dora_docci.yaml", _B16, _TINY, _clip_only,
          note="the recipe's DoRA adapter, clip loss, 248 tokens"),
-    Case("structxlip-pool", "structxlip_docci.yaml", _B16, _TINY, _structxlip("pool")),
+    Case("structxlip-pool", "structxlip_docci.yaml", _B16, _TINY, _structxlip("pool"), batch=128, estimate_s=60,
+         note="batch 128: half the rows to preprocess (edge maps, regions), which took most of its 116 s before"),
     Case("structxlip-crop", "structxlip_docci.yaml", _B16, _TINY, _structxlip("crop"), batch=128,
          note="2B + 3B images per step (crops of the edge maps)"),
-    Case("fastgoal", "fastgoal_docci.yaml", _B16, _TINY, _fastgoal),
+    Case("fastgoal", "fastgoal_docci.yaml", _B16, _TINY, _fastgoal, batch=128, estimate_s=55,
+         note="batch 128: 1 + 3 crops per image, half the rows to match (FLISM's crop embeddings) and to train"),
     Case("grm", "grm_clip_lora_docci.yaml", _B16, _TINY),
     Case("flair", "flair_cc3m_recap.yaml", "random:flair-vit-b-16", "random:tiny-flair", _flair, batch=128,
          note="K = 8 sub-captions of 77 tokens per image; the recipe's 128 per GPU"),
@@ -158,7 +166,18 @@ CASES = [
          note="superpixels (SFCN, random weights) computed in the workers: every batch computes them"),
     Case("clip-248-torch-attention", "longclip_docci.yaml", _B16, _TINY, attention="torch",
          note="clip-248 with train.attention: torch (PyTorch's own SDPA choice: cuDNN first on sm90, cuDNN > 9.15)"),
+    Case("grm-coco", "grm_coco.yaml", "random:vision-text-vit-b16-bert-base", "random:tiny-vision-text-vit",
+         _registry_towers, batch=128, captions="coco",
+         note="GRM's own setting: ViT-B/16 + BERT-base (512 positions), GRM's loss alone, COCO-length captions, "
+              "the recipe's batch 128"),
+    Case("clip-docci", "longclip_docci.yaml", _B16, _TINY, captions="docci",
+         note="CLIP ViT-B/16, clip loss, DOCCI-length captions (bench/buckets.py), length buckets"),
+    Case("clip-docci-248", "longclip_docci.yaml", _B16, _TINY, captions="docci", buckets=[248],
+         note="clip-docci padded to 248 (train.text_buckets: [248]): the baseline of the buckets' >= 1.25x goal"),
 ]
+#: the cases no GPU has measured since the fixed shapes (issue 37 item 4): the prepared command runs them first
+NEVER_MEASURED = ["lora", "structxlip-pool", "fastgoal", "grm", "flair", "fcast", "grm-coco", "clip-docci",
+                  "clip-docci-248"]
 
 
 # -- data -----------------------------------------------------------------------------------------------------
@@ -226,6 +245,8 @@ def case_recipe(case: Case, spec: dict[str, Any], work: Path) -> Any:
                          "mixed_precision": "bf16" if spec["device"] == "cuda" else "no"})
     if case.attention is not None:
         raw["train"]["attention"] = case.attention
+    if case.buckets is not None:
+        raw["train"]["text_buckets"] = case.buckets
     if case.name == "fcast":  # the recipe's SFCN superpixels, with random weights written here
         _set(raw, "objective.terms.fcast.superpixels", {"method": "sfcn", "n_segments": 36 if spec["tiny"] else 196,
                                                         "checkpoint": _sfcn_weights(work)})
@@ -296,7 +317,8 @@ def accelerator(device: str, mixed: str) -> Any:
 def case_spec(case: Case, settings: dict[str, Any], data: Path, root: Path) -> dict[str, Any]:
     """What the case's process is told (``bench/loop_case.py``)."""
     work = root / case.name
-    return {"case": case.name, "device": settings["device"], "tiny": settings["tiny"], "data": str(data),
+    return {"case": case.name, "device": settings["device"], "tiny": settings["tiny"],
+            "data": str(case_data(case, settings, data)),
             "workers": settings["workers"], "batch": case_batch(case, settings),
             "compile": case_compiled(case, settings),
             "warmup": settings["warmup"], "steady": settings["steady"], "bare_warmup": settings["bare_warmup"],
@@ -324,8 +346,34 @@ def run_in_fresh_process(spec: dict[str, Any], timeout: float | None) -> tuple[d
 
 def rows_needed(cases: list[Case], settings: dict[str, Any]) -> int:
     """Rows for the largest case: loop, bare warm-up, bare and two probe steps, each on batches of new rows."""
+    return max(case_rows(c, settings) for c in cases)
+
+
+def case_rows(case: Case, settings: dict[str, Any]) -> int:
+    """The rows one case reads: loop, bare warm-up, bare and two probe steps, each on a batch of new rows."""
     steps = settings["warmup"] + settings["bare_warmup"] + 2 * settings["steady"] + 2
-    return steps * max(case_batch(c, settings) for c in cases)
+    return steps * case_batch(case, settings)
+
+
+def case_data(case: Case, settings: dict[str, Any], data: Path) -> Path:
+    """The case's own training file next to ``data``'s ``train.jsonl``: its first :func:`case_rows` rows (the case
+    preprocesses only the rows it reads), with DOCCI- or COCO-length captions for the cases that ask
+    (``bench/buckets.py`` writes them; the images stay the scenes')."""
+    from buckets import caption_of, coco_words, docci_words
+
+    n = case_rows(case, settings)
+    out = data / f"{case.name}.jsonl"
+    rng = __import__("random").Random(0)
+    words = {"docci": docci_words, "coco": coco_words}.get(case.captions or "")
+    with open(data / "train.jsonl", encoding="utf-8") as src, open(out, "w", encoding="utf-8") as dst:
+        for i, line in zip(range(n), src):
+            if words is not None:
+                row = json.loads(line)
+                row["caption"] = caption_of(words(rng), rng)
+                row.pop("sentences", None)
+                line = json.dumps(row) + "\n"
+            dst.write(line)
+    return out
 
 
 # -- the CPU figures --------------------------------------------------------------------------------------------
@@ -597,7 +645,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out = {**_environment(args.device), "partial": partial, "settings": settings,
                "method": "each case in a fresh process (bench/loop_case.py); loop and bare each over the steady "
                          "steps; bare batches hold rows neither the loop nor the bare step saw",
-               "targets": {"loop_vs_bare": 0.9, "bare_clip_compiled_mfu": 0.35, "clip_248_vs_siglip2": 1.0},
+               "targets": {"loop_vs_bare": 0.9, "bare_clip_compiled_mfu": 0.35, "clip_248_vs_siglip2": 1.0,
+                           "docci_buckets_vs_padded": 1.25},
                "cases": results, "skipped": skipped, "summary": summarize(results),
                "total_s": time.perf_counter() - start}
         write_json_atomic(Path(args.out), out)  # what ran so far, should the run be cut off
@@ -648,7 +697,10 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             "torch_vs_auto_attention_bare_clip_248": ratio("clip-248-torch-attention", "clip-248",
                                                            "bare_samples_per_s"),
             "clip_248_vs_77_bare": ratio("clip-248", "clip-77", "bare_samples_per_s"),
-            "bare_mfu_clip_248_compiled": by.get("clip-248-compiled", {}).get("bare_mfu")}
+            "bare_mfu_clip_248_compiled": by.get("clip-248-compiled", {}).get("bare_mfu"),
+            "docci_buckets_vs_padded_bare": ratio("clip-docci", "clip-docci-248", "bare_samples_per_s"),
+            "docci_buckets_vs_padded_loop": ratio("clip-docci", "clip-docci-248", "loop_samples_per_s"),
+            "bare_mfu_real_tokens": {r["case"]: r.get("bare_mfu_real_tokens") for r in results}}
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -659,7 +711,9 @@ def _line(r: dict[str, Any]) -> str:
             f"new attention shapes/step "
             f"{_fmt(s['new_attention_shapes_per_step'], '.2f')}; recompiles after warm-up "
             f"{'-' if rc is None else rc['loop_after_warmup'] + rc['bare_timed']}; bare "
-            f"{_fmt(r['bare_tflops'], '.2f')} TFLOP/s MFU {_fmt(r['bare_mfu'], '.1%')}; peak "
+            f"{_fmt(r['bare_tflops'], '.2f')} TFLOP/s MFU {_fmt(r['bare_mfu'], '.1%')} computed / "
+            f"{_fmt(r.get('bare_mfu_real_tokens'), '.1%')} real tokens (text padding "
+            f"{_fmt((r.get('text_tokens') or {}).get('bare_padding_share'), '.0%')}); peak "
             f"{_fmt(r['peak_memory_gib'] if r['peak_memory_gib'] is not None else r['peak_rss_gib'], '.1f')} GiB")
 
 

@@ -9,14 +9,17 @@ batch holds rows neither the loop nor the bare step has seen), move them all to 
 checked: a bare batch that repeats a loop row, or a bare batch used twice, stops the case with an error.
 
 Per step it records, at no cost to the timing: the batch's tensor shapes as the loader gives them (the step pads texts
-to the run's fixed shapes on the device, so these may change from step to step where the attention's do not), and
-(eager runs only, where a Python-level
-call is not traced by dynamo) every ``scaled_dot_product_attention`` call's query / key / mask shapes, from which the
-new shapes per steady step follow. Compiled runs report dynamo's graph count after the warm-up and after each timed
-window (a recompilation adds a graph). After the timed windows, two more fresh batches: one step under
-``torch.profiler`` (the SDPA aten op and, on CUDA, the attention kernels that ran, e.g. ``flash`` / ``fmha`` /
-``cudnn`` in their names) and one under ``torch.utils.flop_counter`` (FLOPs of a steady step on its padded shapes,
-checked against the loop's first step, which gives the MFU).
+to the run's planned bucket lengths, so these change from step to step where the attention's repeat the planned
+ones), the real and the computed text tokens of its text plan (chosen where the batch was collated), and (eager runs
+only, where a Python-level call is not traced by dynamo) every ``scaled_dot_product_attention`` call's query / key /
+mask shapes, from which the new shapes per steady step follow. Compiled runs report dynamo's graph count after the
+warm-up and after each timed window (a recompilation adds a graph). After the timed windows, two more fresh batches:
+one step under ``torch.profiler`` (the SDPA aten op and, on CUDA, the attention kernels that ran, e.g. ``flash`` /
+``fmha`` / ``cudnn`` in their names) and one under ``torch.utils.flop_counter`` twice: at its text plan and with every
+text pass at half its length, which gives the FLOPs per computed text token. A step's FLOPs are then the probe's plus
+that rate times the step's computed text tokens beyond the probe's (linear in the tokens: attention's L^2 part is a
+few per cent of a text block at these widths), and the MFU is given twice: on the computed tokens (padding counted
+as work) and on the real tokens (padding's FLOPs taken out).
 """
 
 from __future__ import annotations
@@ -96,8 +99,11 @@ class StepRecorder:
         self.phase, self.step = "setup", 0
         self.ids: dict[str, list[list[str]]] = {"loop": [], "bare": []}
         self.batches: dict[str, list[tuple]] = {"loop": [], "bare": []}
-        self.attention: dict[str, list[set]] = {"loop": [], "bare": []}
-        self.sdpa_calls: dict[str, list[int]] = {"loop": [], "bare": []}
+        #: the attention shapes of each step, and of the warm-up (every planned text length, before step 1)
+        self.attention: dict[str, list[set]] = {"loop": [], "bare": [], "warmup": [set()]}
+        self.sdpa_calls: dict[str, list[int]] = {"loop": [], "bare": [], "warmup": [0]}
+        #: per step, the (real, computed) text tokens of its text plan
+        self.tokens: dict[str, list[tuple[int, int]]] = {"loop": [], "bare": []}
         self._original = None
         self.sdpa = sdpa
         if sdpa:
@@ -129,14 +135,17 @@ class StepRecorder:
         self.batches[phase].append(batch_signature({k: v for k, v in batch.items() if k != "ids"}))
         self.attention[phase].append(set())
         self.sdpa_calls[phase].append(0)
+        plan = batch.get("_text_plan")
+        self.tokens[phase].append((int(getattr(plan, "real_tokens", 0)), int(getattr(plan, "computed_tokens", 0))))
 
     def new_per_step(self, phase: str, first: int, last: int) -> dict[str, Any]:
         """New input (batch tensor) shapes and new attention shapes per step over steps ``first..last`` (1-based,
-        inclusive) of ``phase``, new meaning seen in no earlier step of the loop or of the bare step."""
+        inclusive) of ``phase``, new meaning seen in no earlier step of the loop or of the bare step, nor in the
+        warm-up."""
         order = [("loop", i) for i in range(len(self.batches["loop"]))] + \
                 [("bare", i) for i in range(len(self.batches["bare"]))]
         seen_b: set = set()
-        seen_a: set = set()
+        seen_a: set = set(self.attention["warmup"][0])
         new_b = new_a = 0
         for ph, i in order:
             window = ph == phase and first - 1 <= i <= last - 1
@@ -218,6 +227,23 @@ def _device_batches(trainer: Any, start: int, n: int) -> list[dict]:
     return out
 
 
+def text_flops(trainer: Any, batch: dict[str, Any]) -> tuple[float | None, int, int]:
+    """``(FLOPs per computed text token, FLOPs of a step on batch, its computed text tokens)``: one step counted at
+    the batch's text plan and one with every text pass at half its length (a warm-up plan: rows cut, values not
+    used); the difference over the tokens' difference. None for the rate where the batch has no planned text."""
+    from dataclasses import replace
+
+    plan = batch.get("_text_plan")
+    _, flops_a = count_flops(lambda: trainer.train_step(batch, 200_002))
+    if plan is None or not plan.lengths or not plan.rows:
+        return None, flops_a, 0
+    half = {k: max(1, n // 2) for k, n in plan.lengths.items()}
+    _, flops_b = count_flops(lambda: trainer.train_step(
+        {**batch, "_text_plan": replace(plan, lengths=half, warmup=True)}, 200_003))
+    fewer = plan.computed_tokens - sum(plan.rows[k] * half[k] for k in plan.rows)
+    return ((flops_a - flops_b) / fewer if fewer else None), flops_a, plan.computed_tokens
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Build and measure one case (the module docstring); ``spec`` is what the parent wrote (``loop.case_spec``)."""
     import loop
@@ -230,6 +256,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     recipe = loop.case_recipe(case, spec, work)
     acc = loop.accelerator(device, recipe.train.mixed_precision)
     trainer = loop.build_trainer(recipe, acc)
+    trainer.step_setup.warm_up_always = True  # a CPU dry run takes the GPU's path: every planned length warmed up
     model = trainer._model
     compiled = bool(recipe.train.compile)
     built = time.perf_counter() - t0
@@ -246,6 +273,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         step_fn(batch, step)
 
     trainer.train_step = loop_step  # the loop calls it through the instance: every step is recorded
+    warm_up = trainer._warm_up
+
+    def recorded_warm_up(batch: dict[str, Any]) -> None:
+        rec.phase = "warmup"
+        warm_up(batch)
+
+    trainer._warm_up = recorded_warm_up
     t1 = time.perf_counter()
     result = trainer.train()
     loop_s = time.perf_counter() - t1
@@ -278,7 +312,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     graphs["after_bare"] = _graphs()
     rec.phase = "probe"
     kernels = attention_kernels(lambda: trainer.train_step(probes[0], 200_001), device)
-    _, probe_flops = count_flops(lambda: trainer.train_step(probes[1], 200_002))
+    per_token, probe_flops, probe_computed = text_flops(trainer, probes[1])
     probe_s = time.perf_counter() - t2 - bare_s
     rec.close()
 
@@ -289,17 +323,30 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                            f"has too few rows for {warmup + steady} loop and {bare_warmup + steady} bare steps")
     bare = batch_size * steady / bare_s
     loop_rate = window["samples_per_s"]
-    flops = result.throughput["flops_per_sample"]
-    flops_step = flops * batch_size if flops else None
     peak = peak_tflops(acc.device)
+    windows = {"loop": rec.tokens["loop"][warmup:warmup + steady], "bare": rec.tokens["bare"][bare_warmup:]}
 
-    def tflops(rate: float | None) -> float | None:
-        return flops * rate / 1e12 if flops and rate else None
+    def step_flops(tokens: list[tuple[int, int]], real: bool) -> float | None:
+        """Mean FLOPs of the window's steps (module docstring): on the computed text tokens, or the real ones."""
+        if not probe_flops or not tokens:
+            return None
+        rate = per_token or 0.0
+        return sum(probe_flops + rate * ((r if real else c) - probe_computed) for r, c in tokens) / len(tokens)
 
-    def mfu(rate: float | None) -> float | None:
-        t = tflops(rate)
+    def tflops(phase: str, rate: float | None, real: bool = False) -> float | None:
+        f = step_flops(windows[phase], real)
+        return f * rate / batch_size / 1e12 if f and rate else None
+
+    def mfu(phase: str, rate: float | None, real: bool = False) -> float | None:
+        t = tflops(phase, rate, real)
         return t / peak if t and peak else None
 
+    def share(phase: str) -> float | None:
+        real, computed = sum(r for r, _ in windows[phase]), sum(c for _, c in windows[phase])
+        return 1 - real / computed if computed else None
+
+    flops = result.throughput["flops_per_sample"]
+    flops_step = flops * batch_size if flops else None
     attention = thr.get("attention") or {}
     out = {
         "case": case.name, "recipe": case.recipe, "model": recipe.model.name_or_path, "note": case.note,
@@ -321,12 +368,20 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "recompiles": ({"graphs": graphs,
                         "loop_after_warmup": graphs["after_loop"] - graphs["after_loop_warmup"],
                         "bare_timed": graphs["after_bare"] - graphs["after_bare_warmup"]} if compiled else None),
-        "flops": {"per_step_first": flops_step, "per_step_steady": probe_flops,
-                  "same_every_step": flops_step == probe_flops if flops_step else None,
-                  "per_sample_g": flops / 1e9 if flops else None,
-                  "counted": "torch.utils.flop_counter on the padded shapes that ran (matmul, conv, SDPA fwd+bwd)"},
-        "loop_tflops": tflops(loop_rate), "bare_tflops": tflops(bare), "loop_mfu": mfu(loop_rate),
-        "bare_mfu": mfu(bare), "peak_tflops": peak,
+        "flops": {"per_step_first": flops_step, "per_step_probe": probe_flops,
+                  "per_computed_text_token": per_token,
+                  "per_step_bare": step_flops(windows["bare"], False),
+                  "per_step_bare_real_tokens": step_flops(windows["bare"], True),
+                  "counted": "torch.utils.flop_counter on the shapes that ran (matmul, conv, SDPA fwd+bwd), a probe "
+                             "step at its text plan and at half its text lengths; the steps' FLOPs from their text "
+                             "tokens (module docstring)"},
+        "text_tokens": {"loop_padding_share": share("loop"), "bare_padding_share": share("bare"),
+                        "bare_real_per_step": sum(r for r, _ in windows["bare"]) / max(1, len(windows["bare"])),
+                        "bare_computed_per_step": sum(c for _, c in windows["bare"]) / max(1, len(windows["bare"]))},
+        "loop_tflops": tflops("loop", loop_rate), "bare_tflops": tflops("bare", bare),
+        "loop_mfu": mfu("loop", loop_rate), "bare_mfu": mfu("bare", bare),
+        "loop_mfu_real_tokens": mfu("loop", loop_rate, True), "bare_mfu_real_tokens": mfu("bare", bare, True),
+        "peak_tflops": peak,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "host_syncs_per_bare_step": len(syncs) / steady if device == "cuda" else None,

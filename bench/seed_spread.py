@@ -71,7 +71,7 @@ def run_seeded(path: Path) -> tuple[dict[str, Any], str]:
     """The finished run of the seeded recipe at ``path``: reused when current, else trained now by a
     ``finetune/run.py`` process. Returns its ``metrics.json`` (with ``trained_with``: the commit, thread
     setting and load average it was trained with, when this sweep trained it) and ``reused`` / ``trained``."""
-    from finetune.training.prerequisites import ensure
+    from finetune.training.upstream import ensure
 
     def launch(recipe: Any, chain: tuple[str, ...] = ()) -> int:
         cmd = [sys.executable, str(ROOT / "finetune" / "run.py"), str(path)]

@@ -123,14 +123,18 @@ def give_user_permissions(path: str | os.PathLike) -> None:
 
 
 def replace_dir(src: Path, target: Path) -> None:
-    """Move the finished folder ``src`` to ``target``, replacing any old one, with ``os.replace``."""
+    """Move the finished folder ``src`` to ``target``, replacing any old one, with ``os.replace``. A symbolic link at
+    ``target`` is replaced itself (what it points to is left as it is), and leaves nothing behind."""
     old = None
-    if target.exists():
+    if target.exists() or target.is_symlink():
         old = target.parent / f".{target.name}.old-{process_tag()}.{uuid.uuid4().hex[:8]}"
         os.replace(target, old)
     os.replace(src, target)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def save_png_atomic(fig: Any, path: str | Path, *, dpi: int = 110) -> Path:

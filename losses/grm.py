@@ -190,6 +190,7 @@ def gumbel_gate(
     generator: torch.Generator | None = None,
     mask: Tensor | None = None,
     min_keep: float | None = None,
+    noise_length: int | None = None,
 ) -> Tensor:
     """Column 1 of the Gumbel-softmax of 2-way logits: ``A = f_g(D, tau)[:, 1]`` (GRM eq. 1).
 
@@ -209,6 +210,10 @@ def gumbel_gate(
             1, gradient the soft sample's), those whose sampled keep-minus-drop logit is highest.
             None: no floor (eq. 1 alone; a row may keep nothing). A soft gate is never 0, so the
             floor does not apply to it.
+        noise_length: with ``(B, L, 2)`` logits, draw the Gumbel noise for ``max(L, noise_length)``
+            positions and keep the first ``L`` (ours): the noise of a token then does not depend on how
+            far the batch is padded (a text padded to any length up to ``noise_length``, e.g. the
+            model's ``max_text_len``, gets the same gates). None: noise of the logits' shape.
 
     Returns:
         ``(...)`` the gate A in [0, 1].
@@ -221,8 +226,14 @@ def gumbel_gate(
     _check_min_keep("gumbel_gate", min_keep)
     if (mask is not None or min_keep is not None) and logits.dim() != 3:
         raise ValueError(f"gumbel_gate: with mask or min_keep, logits must be (B, L, 2), got {tuple(logits.shape)}")
+    if noise_length is not None and logits.dim() != 3:
+        raise ValueError(f"gumbel_gate: with noise_length, logits must be (B, L, 2), got {tuple(logits.shape)}")
     if stochastic:
-        exponential = torch.empty_like(logits).exponential_(generator=generator)
+        if noise_length is not None and noise_length > logits.shape[1]:
+            b, n, two = logits.shape
+            exponential = logits.new_empty(b, int(noise_length), two).exponential_(generator=generator)[:, :n]
+        else:
+            exponential = torch.empty_like(logits).exponential_(generator=generator)
         gumbel = -exponential.clamp_min(torch.finfo(logits.dtype).tiny).log()
         noisy = logits + gumbel
     else:
@@ -467,13 +478,13 @@ class GRMHead(nn.Module):
             raise ValueError(f"GRMHead(dim={self.dim}): {name} has width {tokens.shape[-1]}")
 
     def _gated(self, side: str, adapter: nn.Module, tokens: Tensor, mask: Tensor | None, stochastic: bool,
-               generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+               generator: torch.Generator | None, noise_length: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Eq. 1 on one side: the checked mask, the adapter's logits D and the gate A (0 on padding)."""
         self._check_dim(f"{side} tokens", tokens)
         mask = _token_mask(f"{side} mask", mask, tokens)
         logits = adapter(tokens)
         gate = gumbel_gate(logits, tau=self.tau, hard=self.hard, stochastic=stochastic, generator=generator,
-                           mask=mask, min_keep=self.min_keep)
+                           mask=mask, min_keep=self.min_keep, noise_length=noise_length)
         return mask, logits, gate
 
     def encode_text(
@@ -483,6 +494,7 @@ class GRMHead(nn.Module):
         *,
         stochastic: bool | None = None,
         generator: torch.Generator | None = None,
+        noise_length: int | None = None,
     ) -> GRMTextOutput:
         """Granularity-aware adapter on text tokens (eq. 1).
 
@@ -491,12 +503,15 @@ class GRMHead(nn.Module):
             mask: ``(B, Lt)`` bool or 0/1 attention mask; None: no padding.
             stochastic: Gumbel noise on/off; None follows ``self.training``.
             generator: RNG of the Gumbel noise.
+            noise_length: draw the Gumbel noise for this many positions (at least ``Lt``) and keep the
+                first ``Lt`` (:func:`gumbel_gate`): the text's padding then does not decide its gates
+                (the training step passes the model's ``max_text_len``). None: ``Lt``.
 
         Returns:
             :class:`GRMTextOutput` (gate 0 on padding).
         """
         mask, logits, gate = self._gated("text", self.text_adapter, tokens, mask, self._stochastic(stochastic),
-                                         generator)
+                                         generator, noise_length)
         return GRMTextOutput(tokens, mask, logits, gate, tokens * gate[..., None])
 
     def encode_image(

@@ -121,7 +121,7 @@ def test_a_recipe_that_needs_the_extra_stops_before_anything_slow():
         runpy.run_path("finetune/run.py", run_name="__main__")
     """, "recipes/structxlip_docci.yaml", f"output.dir={out_dir}", timeout=120)
     assert run.returncode == 2, run.stderr
-    error = run.stderr[run.stderr.index("recipe error:"):]  # every missing thing at once (training/needs.py)
+    error = run.stderr[run.stderr.index("recipe error:"):]  # every missing thing at once (training/preflight.py)
     assert 'pip install "xlipkit[regions]"' in error, run.stderr
     assert "Traceback" not in run.stderr
     assert not out_dir.exists()

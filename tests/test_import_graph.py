@@ -31,7 +31,8 @@ PACKAGES = ("finetune", "losses")
 #: modules) or a module.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("losses", ("losses",)),
-    ("ground", ("finetune.plugins", "finetune.files", "finetune.extras", "finetune.threads")),
+    ("ground", ("finetune.plugins", "finetune.files", "finetune.extras", "finetune.threads",
+                "finetune.credentials")),
     ("data", ("finetune.data",)),
     ("config", ("finetune.config",)),
     ("runs", ("finetune.runs",)),

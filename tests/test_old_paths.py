@@ -26,7 +26,12 @@ OLD_PATHS = {
     "finetune.train": "finetune.training (trainer, optim, checkpoint, signals, meter, loaders)",
     "finetune.run (run, main, RECIPES_DIR)": "finetune.training.run_recipe, finetune.cli.train",
     "finetune.throughput": "finetune.training.throughput",
-    "finetune.prerequisites": "finetune.training.prerequisites",
+    "finetune.prerequisites, finetune.training.prerequisites": "finetune.training.upstream",
+    "finetune.training.needs": "finetune.training.assets (Need, model_need, fetch_need; asset_needs), "
+                               "finetune.training.preflight (recipe_needs, missing_message; preflight replaces "
+                               "recipe_problems)",
+    "finetune.training.checks": "finetune.training.size_checks (check_batch, check_room, check_warmup), "
+                                "finetune.training.preflight (check_stream_recipe)",
     "finetune.evaluate (the library)": "finetune.evaluation (retrieval, encode, sets)",
     "finetune.zeroshot": "finetune.evaluation.zeroshot",
     "finetune.report": "finetune.evaluation.report",
@@ -39,7 +44,7 @@ OLD_PATHS = {
     "finetune.preprocess.cache": "finetune.data.cache",
     "finetune.models.frozen": "finetune.preprocess.frozen",
     "finetune.models.atomic": "finetune.files",
-    "finetune.data.streams.check_stream_recipe": "finetune.training.checks.check_stream_recipe",
+    "finetune.data.streams.check_stream_recipe": "finetune.training.preflight.check_stream_recipe",
     "finetune.models.encoder": "finetune.models.core.encoder",
     "finetune.models.tokens": "finetune.models.core.tokens",
     "finetune.models.spans": "finetune.models.core.spans",
@@ -73,6 +78,7 @@ _PATTERNS = [
     r"finetune[./]train\b(?!ing)",
     r"(?<!-m )(?<!\"-m\", \")finetune\.run\b(?!\.py)",
     r"(?<!training[./])finetune[./](throughput|prerequisites)\b",
+    r"finetune[./]training[./](needs|prerequisites|checks)\b",
     r"(?<!-m )(?<!\"-m\", \")finetune\.evaluate\b",
     r"finetune/evaluate\.py",
     r"finetune[./](zeroshot|report|model_card|scorers_flair)\b",
@@ -133,16 +139,18 @@ def test_the_pattern_finds_old_paths_and_leaves_the_commands():
                 "from finetune.training.checkpoint import SaveFailedError, list_checkpoints",
                 "checkpoint.resolve_resume(x)", "from finetune.training.launch import resume_command",
                 "finetune/training/failures.py", "from finetune.models.registry import REGISTRY, build_model",
-                "registry.FAMILY_CONFIGS"):
+                "registry.FAMILY_CONFIGS", "from finetune.training.needs import recipe_needs",
+                "finetune/training/prerequisites.py", "finetune.training.checks.check_room"):
         assert OLD.search(old), old
     for new in ("python -m finetune.evaluate runs/x", '[sys.executable, "-m", "finetune.evaluate", "--help"]',
                 "accelerate launch finetune/run.py r.yaml",
                 "python -m finetune.preview r.yaml", "from finetune.training import Trainer",
                 "finetune.evaluation.scorers.Scorer", "finetune/evaluation/scorers/grm.py",
-                "from finetune.runs.lock import RunLock", "finetune.training.prerequisites",
+                "from finetune.runs.lock import RunLock", "finetune.training.upstream",
                 "from finetune.runs.resume import find_checkpoint", "finetune/runs/space.py",
                 "from finetune.training.checkpoint import SaveFailedError, save_checkpoint",
                 "from finetune.training.ending import stopped_or_failed",
+                "finetune.training.preflight", "finetune/training/size_checks.py", "finetune.training.assets",
                 "python -m finetune.hub push runs/x", "finetune.models.families.flair"):
         assert not OLD.search(new), new
 
@@ -170,7 +178,7 @@ def test_the_top_of_finetune_holds_only_entry_points():
     """No forwarding, run-folder, resume or checkpoint module is left at the top of ``finetune/``."""
     top = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "finetune").glob("*.py"))
     ground = {"finetune/__init__.py", "finetune/plugins.py", "finetune/files.py", "finetune/extras.py",
-              "finetune/threads.py"}
+              "finetune/threads.py", "finetune/credentials.py"}
     assert set(top) == ground | set(ENTRY_POINTS), top
 
 

@@ -2,13 +2,15 @@
 download`` does, so that the run itself can go offline (``HF_HUB_OFFLINE=1``).
 
     xlipkit download recipes/structxlip_docci.yaml
-    xlipkit download recipes/structxlip_docci.yaml --dry-run
+    xlipkit download recipes/structxlip_docci.yaml --dry-run model.name_or_path=openai/clip-vit-large-patch14
 
 Hub models go through ``huggingface_hub.snapshot_download`` (its cache, its token), the benchmarks' official files
 through :mod:`finetune.data.download` (the same cache and checks as a run's first use), ultralytics checkpoints
 through ultralytics' ``attempt_download_asset``. What no command can fetch (DCI behind the SA-1B licence, a local
-dataset, a run folder) is listed with what to do. With ``--dry-run``, or offline (``HF_HUB_OFFLINE`` /
-``HF_DATASETS_OFFLINE``), it only says what it would fetch.
+dataset, a run folder) is listed with what to do, and so is what sits on a host that does not answer (the same
+probe, and the same answer, as ``xlipkit validate``'s). With ``--dry-run``, or offline (``HF_HUB_OFFLINE`` /
+``HF_DATASETS_OFFLINE``: then no host is asked), it only says what it would fetch. A recipe's own code never runs
+here (``objective.import`` modules are not imported).
 
 Exit status: 0 when everything the recipe needs is there afterwards (or, with ``--dry-run``, always after the
 plan), 1 when a download failed or offline flags forbade them, 2 for a bad recipe or for needs that cannot be
@@ -22,7 +24,7 @@ import os
 import sys
 
 from finetune.cli.arguments import ArgumentParser
-from finetune.config import RecipeError, load_recipe
+from finetune.config import RecipeError, load_recipe, refuse_recipe
 
 __all__ = ["main"]
 
@@ -31,7 +33,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p = ArgumentParser(prog=prog, description="Download the models, checkpoints and datasets a recipe needs "
                                               "(hub models with huggingface_hub.snapshot_download).")
     p.add_argument("recipe", help="path to a recipe YAML")
-    p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value")
+    p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value (before or after the options)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be downloaded")
     return p
 
@@ -43,16 +45,17 @@ def _offline_flags() -> list[str]:
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     """The command line; returns the exit status (module docstring)."""
-    args = _parser(prog or "python -m finetune.cli.download").parse_args(argv)
+    # `RECIPE --dry-run key=value`: overrides after the options too
+    args = _parser(prog or "python -m finetune.cli.download").parse_intermixed_args(argv)
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, trust_imports=False)  # never runs the recipe's code
     except RecipeError as exc:
-        print(f"recipe error: {exc}", file=sys.stderr)
-        return 2
-    from finetune.training.needs import fetch_need, fetchable, recipe_needs
+        return refuse_recipe(str(exc))
+    from finetune.training.assets import fetch_need, fetchable
+    from finetune.training.preflight import command_ref, recipe_needs
 
-    offline = _offline_flags()
-    needs = recipe_needs(recipe, recipe_ref=args.recipe, plan_only=args.dry_run or bool(offline))
+    offline = _offline_flags()  # then no host is asked: the plan, as where the network can be reached
+    needs = recipe_needs(recipe, recipe_ref=args.recipe, plan_only=bool(offline))
     todo = [n for n in needs if fetchable(n)]
     cannot = [n for n in needs if n.state == "missing" and not fetchable(n)]
     for need in needs:
@@ -64,8 +67,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     failed = 0
     if offline and todo and not args.dry_run:
         print(f"error: {' and '.join(offline)} {'is' if len(offline) == 1 else 'are'} set: nothing was downloaded; "
-              f"run `xlipkit download {args.recipe}` where the network can be reached (without those variables), "
-              "then train offline with the same caches", file=sys.stderr)
+              f"run `xlipkit download {command_ref(recipe, args.recipe)}` where the network can be reached (without "
+              "those variables), then train offline with the same caches", file=sys.stderr)
         failed = 1
     elif not args.dry_run:
         for need in todo:

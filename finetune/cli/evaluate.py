@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetune.cli.arguments import add_trust_option
+
 if TYPE_CHECKING:
     from finetune.evaluation import RetrievalOptions
     from finetune.evaluation.scorers import Scorer
@@ -70,9 +72,7 @@ def _parser(prog: str = "python -m finetune.evaluate") -> argparse.ArgumentParse
                    help="zero-shot prompt templates: seven (CLIP's 7 ImageNet templates, FLAIR's; default), openai "
                         "(CLIP's 80), simple, or a text file with one template per line holding {}")
     p.add_argument("--out", help="write the metrics JSON here (default for a run: RUN/metrics_eval.json)")
-    p.add_argument("--trust-recipe-imports", action="store_true",
-                   help="import the modules that the run folder's recipe.yaml lists under objective.import (this "
-                        "runs their code: only for a run folder you trust; off by default)")
+    add_trust_option(p, "the run folder's recipe.yaml")
     return p
 
 
@@ -185,11 +185,9 @@ def _main(args: argparse.Namespace) -> int:
         if args.max_text_len is not None:
             raise _UsageError("--max-text-len applies to models, not run folders (a run keeps its own length)")
         try:  # a run folder may come from anyone: its objective.import runs code only when the user says so
-            recipe = load_recipe(target / "recipe.yaml", trust_imports=args.trust_recipe_imports)
-        except RecipeError as exc:
-            hint = ("; pass --trust-recipe-imports to import them if you trust this run folder"
-                    if (exc.key or "").startswith("objective.import") and not args.trust_recipe_imports else "")
-            raise _UsageError(f"cannot read the run's recipe: {exc}{hint}") from None
+            recipe = load_recipe(target / "recipe.yaml", trust_imports=args.trust_recipe_code)
+        except RecipeError as exc:  # an objective.import refused names --trust-recipe-code
+            raise _UsageError(f"cannot read the run's recipe: {exc}") from None
     if args.batch_size is not None and args.batch_size < 1:
         raise _UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.sets:
@@ -283,6 +281,25 @@ def _claim_output(out: Path | None, run_dir: Path | None) -> Any:
         raise _UsageError(f"{exc} (nothing was evaluated)") from None
 
 
+def _check_finite_weights(model: Any, name: str) -> None:
+    """Refuse a model whose weights hold NaN or inf (one pass over its parameters, and its buffers for NaN: an
+    attention mask holds -inf by design; before any image is encoded): every embedding it makes would be NaN, and
+    Recall@K meaningless.
+
+    Raises:
+        _UsageError: naming the model, the first bad tensor and how many there are.
+    """
+    import torch
+
+    bad = [n for n, t in model.named_parameters() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad += [n for n, t in model.named_buffers() if t.is_floating_point() and bool(torch.isnan(t).any())]  # masks: -inf
+    if bad:
+        more = f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""
+        raise _UsageError(f"cannot evaluate {name}: its weights hold NaN or inf ({bad[0]}{more}): the model is broken "
+                          "(a run that diverged, a damaged save). Evaluate another checkpoint, or train again "
+                          "(train.on_nonfinite: raise stops a run at its first non-finite step)")
+
+
 def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out: Path | None, sets: list,
                         options: RetrievalOptions) -> int:
     """Load the model, evaluate it (and classify zero-shot), print the table and write ``out``."""
@@ -297,7 +314,7 @@ def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out
         if recipe is not None:
             model = load_finetuned(str(target / "final"))
         else:
-            from finetune.training.needs import model_need
+            from finetune.training.assets import model_need
 
             need = model_need(args.model_or_run, key="MODEL_OR_RUN")
             if need is not None and need.state == "missing":  # in seconds, not after the hub's retries
@@ -305,6 +322,7 @@ def _evaluate_and_write(args: argparse.Namespace, target: Path, recipe: Any, out
             model = load_model(args.model_or_run, max_text_len=args.max_text_len)
     except (OSError, ValueError, KeyError) as exc:
         raise _UsageError(f"cannot load {args.model_or_run}: {exc}") from None
+    _check_finite_weights(model, args.model_or_run)
     model.to(accelerator.device)
 
     from finetune.data.images import DataError

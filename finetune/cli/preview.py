@@ -12,6 +12,10 @@ image; its edge map I' with the region boxes (the ones encoded for the local los
 the structure-centric caption T', and each chunk with its positive regions. A recipe without a
 ``structxlip`` term is previewed with the term's default options. The run report embeds the same picture
 (``StructXLIPTerm.report_sections``).
+
+The recipe goes through the check ``xlipkit train`` makes before anything slow
+(:func:`finetune.training.preflight.preflight`, less ``output.dir``: a preview writes no run folder) and the preview
+uses the objective it built; the recipe's own code runs only with ``--trust-recipe-code``.
 """
 
 from __future__ import annotations
@@ -20,12 +24,11 @@ import argparse
 import dataclasses
 import itertools
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
-from finetune.cli.arguments import ArgumentParser
-from finetune.config import RecipeError, load_recipe
+from finetune.cli.arguments import ArgumentParser, add_trust_option
+from finetune.config import RecipeError, load_recipe, refuse_recipe
 
 __all__ = ["main", "preview_recipe"]
 
@@ -40,7 +43,7 @@ def render_preview(items: list[dict], out: str | Path, **kwargs: Any) -> Path:
     return draw(items, out, **kwargs)
 
 
-def _preview_model(m: Any) -> Any:
+def _preview_model(m: Any, trust: bool = False) -> Any:
     """The model the preprocessing runs under: the one training would start from. With ``model.init_from``, its
     run's ``final/`` when that run is trained and current; before then the architecture of ``model.name_or_path``
     with random weights, said as INFO (only the similarity-based choice of each chunk's top-K regions depends on
@@ -49,11 +52,11 @@ def _preview_model(m: Any) -> Any:
     from finetune.models.finetuned import load_model
     from finetune.models.registry import RANDOM_PREFIX, random_config
     from finetune.training.model import load_start_model
-    from finetune.training.prerequisites import find_current
+    from finetune.training.upstream import find_current
 
     name, kps = m.name_or_path, dict(vars(m.kps)) if m.kps is not None else None
     if m.init_from:
-        init = find_current(m.init_from, "model.init_from")
+        init = find_current(m.init_from, "model.init_from", trust=trust)
         if init is not None:
             return load_start_model(m, init).eval()
         log.info("model.init_from: %s is not trained yet (training this recipe trains it first); the preview "
@@ -64,26 +67,29 @@ def _preview_model(m: Any) -> Any:
                       trust_remote_code=m.trust_remote_code, kps=kps)
 
 
-def _structxlip_term(recipe: Any) -> Any:
+def _structxlip_term(recipe: Any, objective: Any = None) -> Any:
     from finetune.objectives import TERM_BUILDERS, build_objective
     from finetune.objectives.structxlip import StructXLIPTerm, build_structxlip
 
     if "structxlip" not in TERM_BUILDERS:
         raise RuntimeError("the structxlip objective term is not registered")
-    for term in build_objective(recipe.objective).all_terms:
+    objective = objective if objective is not None else build_objective(recipe.objective)
+    for term in objective.all_terms:
         if isinstance(term, StructXLIPTerm):
             return term
     log.info("the recipe's objective has no structxlip term: previewing with its default options")
     return build_structxlip(None)[0]
 
 
-def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_preview.png") -> Path:
+def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_preview.png",
+                   objective: Any = None) -> Path:
     """Preprocess the first ``n`` training examples of ``recipe`` as a StructXLIP run would and draw them.
 
     Args:
         recipe: a :class:`finetune.config.Recipe` (``finetune.config.load_recipe``).
         n: examples (rows).
         out: the PNG to write.
+        objective: the recipe's objective when the caller built it (the preflight did); built here otherwise.
 
     Returns:
         the PNG path.
@@ -94,12 +100,14 @@ def preview_recipe(recipe: Any, *, n: int = 8, out: str | Path = "structxlip_pre
 
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
-    term = _structxlip_term(recipe)
-    model = _preview_model(recipe.model)
+    term = _structxlip_term(recipe, objective)
+    model = _preview_model(recipe.model, recipe.trust_code)
     spec = recipe.data.train  # a typed SourceSpec since load_recipe
     if spec.is_stream:  # the first n examples of the stream, with the per-example work
         term.check_stream()
-        stream = ExampleStream(open_stream(spec), spec, on_error=recipe.data.on_error,
+        from finetune.training.inputs import read_policy
+
+        stream = ExampleStream(open_stream(spec, policy=read_policy(recipe)), spec, on_error=recipe.data.on_error,
                                transform=lambda example: term.stream_map(example, model))
         dataset, name = list(itertools.islice(stream, n)), stream.spec.name
     else:
@@ -122,6 +130,7 @@ def _parser(prog: str = "python -m finetune.preview") -> argparse.ArgumentParser
     )
     p.add_argument("recipe", help="path to a recipe YAML")
     p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value (before or after the options)")
+    add_trust_option(p)
     p.add_argument("--n", type=int, default=8, help="number of examples (default 8)")
     p.add_argument("--out", default="structxlip_preview.png", help="PNG to write (default structxlip_preview.png)")
     return p
@@ -134,21 +143,18 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     if not logging.getLogger("xlipkit").handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, trust_imports=args.trust_recipe_code)
     except RecipeError as exc:
-        print(f"recipe error: {exc}", file=sys.stderr)
-        return 2
-    from finetune.training.needs import missing_message, recipe_needs
-    from finetune.training.prerequisites import PrerequisiteError
+        return refuse_recipe(str(exc))
+    from finetune.training.preflight import preflight
+    from finetune.training.upstream import PrerequisiteError
 
-    missing = missing_message(recipe_needs(recipe, recipe_ref=args.recipe), args.recipe)
-    if missing is not None:  # all at once, before the model loads
-        print(f"recipe error: {missing}", file=sys.stderr)
-        return 2
+    checked = preflight(recipe, args.recipe, output=False)  # a preview writes no run folder
+    if not checked.ok:  # all at once, before the model loads
+        return refuse_recipe(checked.message())
     try:
-        path = preview_recipe(recipe, n=args.n, out=args.out)
+        path = preview_recipe(recipe, n=args.n, out=args.out, objective=checked.objective)
     except PrerequisiteError as exc:  # a model.init_from that names nothing usable
-        print(f"recipe error: {exc}", file=sys.stderr)
-        return 2
+        return refuse_recipe(str(exc))
     print(f"wrote {path}")
     return 0

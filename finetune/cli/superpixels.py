@@ -16,8 +16,12 @@ other settings stops the run with an error naming both.
 SFCN (F-CAST's method) runs in batches of ``--batch-size`` on ``--device`` (a GPU); SLIC and SEEDS are CPU
 algorithms, one image at a time. ``--workers`` processes each write whole shards. A shard is written to a temporary
 file and renamed when complete, so an interrupted run is continued by running the command again (written shards are
-kept when ``OUT/superpixels.json`` records the same settings). Samples whose image does not decode are copied
-without an entry (the stream skips them as bad examples, as it would have).
+kept when ``OUT/superpixels.json``, written before the first shard, records the same settings). Samples whose image
+does not decode are copied without an entry (the stream skips them as bad examples, as it would have).
+
+``OUT`` is checked before anything slow: it may not be a file, nor a folder that cannot be written, nor the folder of
+an input shard (its shards would be written over), nor hold a shard this command did not write (no
+``superpixels.json``): such a file is never kept as if it were a copy, nor replaced by ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -55,19 +59,29 @@ def resolve_settings(recipe: Any) -> tuple[Any, int]:
     """
     from finetune.models.finetuned import load_model
     from finetune.models.families import recipe_family
-    from finetune.objectives import build_objective
-    from finetune.objectives.fcast import FCastTerm
 
-    objective = build_objective(recipe.objective)
-    terms = [t for t in objective.all_terms if isinstance(t, FCastTerm)]
-    if not terms:
-        raise ValueError("xlipkit superpixels is for F-CAST recipes: the recipe's objective has no fcast term "
-                         "(objective.terms.fcast)")
+    terms = _fcast_terms(recipe)
     m = recipe.model
     model = load_model(m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len,
                        trust_remote_code=m.trust_remote_code)
     terms[0].prepare_model(model)  # the term's superpixel overrides, checked against the model
     return model.superpixels, int(model.image_size)
+
+
+def _fcast_terms(recipe: Any) -> list[Any]:
+    """The recipe's ``fcast`` terms (its objective built, no model loaded).
+
+    Raises:
+        ValueError: there is none.
+    """
+    from finetune.objectives import build_objective
+    from finetune.objectives.fcast import FCastTerm
+
+    terms = [t for t in build_objective(recipe.objective).all_terms if isinstance(t, FCastTerm)]
+    if not terms:
+        raise ValueError("xlipkit superpixels is for F-CAST recipes: the recipe's objective has no fcast term "
+                         "(objective.terms.fcast)")
+    return terms
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,9 @@ class ShardJob:
         device: where SFCN runs (None: the CPU).
         batch_size: images per SFCN forward.
         max_image_pixels: ``data.max_image_pixels``.
+        options: ``data.train.options.storage_options`` (fsspec's keyword arguments for a remote shard).
+        policy: how the shard may be read (:class:`~finetune.data.streams.urls.ReadPolicy`: ``pipe:`` commands, the
+            timeout of a remote read).
     """
 
     source: str
@@ -95,6 +112,8 @@ class ShardJob:
     device: str | None = None
     batch_size: int = 64
     max_image_pixels: int | None = None
+    options: dict | None = None
+    policy: Any = None
 
 
 def _samples(fileobj: Any) -> Any:
@@ -137,9 +156,8 @@ def write_shard(job: ShardJob) -> dict[str, int]:
     Raises:
         OSError / tarfile.TarError: the input cannot be read (the partial output is removed).
     """
-    import fsspec
-
     from finetune.data.images import ImageReadError, read_image, set_max_image_pixels
+    from finetune.data.streams.urls import open_shard
     from finetune.preprocess.superpixels import (ENTRY, compute_superpixels_batch, encode_entry, encoder_view,
                                                  settings_from)
 
@@ -168,7 +186,7 @@ def write_shard(job: ShardJob) -> dict[str, int]:
         queued[0] = 0
 
     try:
-        with fsspec.open(job.source, "rb") as src, tarfile.open(tmp, "w") as out:
+        with open_shard(job.source, job.options, job.policy) as src, tarfile.open(tmp, "w") as out:
             for key, members in _samples(src):
                 if key is None:
                     pending.append((None, members, None))
@@ -221,8 +239,10 @@ def precompute(recipe: Any, out: str | os.PathLike, *, workers: int = 1, device:
         ValueError: ``data.train`` is not webdataset shards, two shards share a file name, a method that cannot run
             on ``device``, or ``out`` holds shards of other settings (without ``overwrite``).
     """
-    from finetune.data.streams import expand_urls
+    from finetune.data.images import DataError
+    from finetune.data.streams.urls import check_commands, shard_urls, storage_options
     from finetune.preprocess.superpixels import settings_stamp
+    from finetune.training.inputs import read_policy
 
     spec = recipe.data.train
     if spec.name != "webdataset":
@@ -232,30 +252,57 @@ def precompute(recipe: Any, out: str | os.PathLike, *, workers: int = 1, device:
             "computed once); convert other streams to webdataset shards first")
     if workers < 1 or batch_size < 1:
         raise ValueError(f"--workers and --batch-size must be >= 1, got {workers} and {batch_size}")
+    _fcast_terms(recipe)
+    policy = read_policy(recipe)
+    try:
+        check_commands(spec, policy)
+        sources = shard_urls(spec, ".tar")  # local shards checked to exist
+        options = storage_options(spec)
+    except DataError as error:
+        raise ValueError(str(error)) from None
+    names = [Path(s.split("?", 1)[0].rstrip("/")).name for s in sources]
+    if len(set(names)) != len(names):
+        raise ValueError("data.train.urls names shards with the same file name in different folders: their copies "
+                         f"would collide in {out}; write them into separate OUT folders")
+    folder = _check_out(Path(out).expanduser(), sources, names)
     settings, image_size = resolve_settings(recipe)
     if device is not None and settings.method != "sfcn" and not device.startswith("cpu"):
         raise ValueError(f"--device {device}: superpixels.method {settings.method} runs on the CPU (scikit-image / "
                          "OpenCV); only sfcn runs on a GPU. Leave --device out and raise --workers")
-    sources = expand_urls(spec.urls)
-    names = [Path(s.rstrip("/")).name for s in sources]
-    if len(set(names)) != len(names):
-        raise ValueError("data.train.urls names shards with the same file name in different folders: their copies "
-                         f"would collide in {out}; write them into separate OUT folders")
-    folder = Path(out).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
     stamp = settings_stamp(settings, image_size)
     manifest_path = folder / MANIFEST
     if manifest_path.is_file() and not overwrite:
-        previous = json.loads(manifest_path.read_text(encoding="utf-8")).get("stamp")
+        previous = _read_manifest(manifest_path).get("stamp")
         if previous != stamp:
             raise ValueError(f"{folder} holds shards written with other settings ({previous}; now {stamp}): choose "
                              "another OUT folder, or pass --overwrite to write every shard again")
+    _write_manifest(manifest_path, {"stamp": stamp, "settings": asdict(settings), "image_size": image_size,
+                                    "source_urls": spec.urls, "finished": False})  # before the first shard
     jobs = [ShardJob(src, str(folder / name), asdict(settings), image_size, stamp, spec.image_column, device,
-                     batch_size, getattr(recipe.data, "max_image_pixels", None))
+                     batch_size, getattr(recipe.data, "max_image_pixels", None), options, policy)
             for src, name in zip(sources, names)]
     todo = [j for j in jobs if overwrite or not Path(j.target).is_file()]
-    counts = {"samples": 0, "with_superpixels": 0, "unreadable": 0}
     start = time.perf_counter()
+    counts = _run_jobs(todo, workers)
+    seconds = time.perf_counter() - start
+    urls = spec.urls
+    pattern = urls if isinstance(urls, str) else None
+    manifest = {
+        "settings": asdict(settings), "image_size": image_size, "stamp": stamp, "entry": "superpixels.png",
+        "source_urls": urls, "shards": len(jobs), "written": len(todo), "kept": len(jobs) - len(todo), **counts,
+        "seconds": round(seconds, 3),
+        "images_per_s": round(counts["with_superpixels"] / seconds, 2) if seconds else None,
+        "workers": workers, "device": device or "cpu", "batch_size": batch_size,
+        "urls": str(folder / Path(pattern).name) if pattern else [str(folder / n) for n in names],
+        "finished": True,
+    }
+    _write_manifest(manifest_path, manifest)
+    return manifest
+
+
+def _run_jobs(todo: list[ShardJob], workers: int) -> dict[str, int]:
+    """Write the shards of ``todo`` (in this process, or in ``workers`` spawned processes); their summed counts."""
+    counts = {"samples": 0, "with_superpixels": 0, "unreadable": 0}
     if workers == 1:
         results = (_run_job(j) for j in todo)
     else:
@@ -273,21 +320,56 @@ def precompute(recipe: Any, out: str | os.PathLike, *, workers: int = 1, device:
         if workers > 1:
             pool.close()
             pool.join()
-    seconds = time.perf_counter() - start
-    urls = spec.urls
-    pattern = urls if isinstance(urls, str) else None
-    manifest = {
-        "settings": asdict(settings), "image_size": image_size, "stamp": stamp, "entry": "superpixels.png",
-        "source_urls": urls, "shards": len(jobs), "written": len(todo), "kept": len(jobs) - len(todo), **counts,
-        "seconds": round(seconds, 3),
-        "images_per_s": round(counts["with_superpixels"] / seconds, 2) if seconds else None,
-        "workers": workers, "device": device or "cpu", "batch_size": batch_size,
-        "urls": str(folder / Path(pattern).name) if pattern else [str(folder / n) for n in names],
-    }
-    tmp = manifest_path.with_name(MANIFEST + ".tmp")
+    return counts
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{path} is not a manifest this command wrote ({error}): choose another OUT folder") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a manifest this command wrote: choose another OUT folder")
+    return data
+
+
+def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    tmp = path.with_name(MANIFEST + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, manifest_path)
-    return manifest
+    os.replace(tmp, path)
+
+
+def _check_out(folder: Path, sources: list[str], names: list[str]) -> Path:
+    """``OUT``, created, checked before anything slow (see the module): not a file, writable, not the folder of an
+    input shard, and holding no shard that this command did not write.
+
+    Raises:
+        ValueError: naming ``OUT`` and what to do.
+    """
+    from finetune.data.streams.urls import is_remote
+
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"OUT {folder} is a file: give a folder for the new shards")
+    inputs = {Path(s).resolve().parent for s in sources if not is_remote(s)}
+    where = folder.resolve()
+    if where in inputs:
+        raise ValueError(f"OUT {folder} is the folder of the input shards (data.train.urls): the copies would be "
+                         f"written over them; give another folder (e.g. {folder.name}_superpixels)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"cannot create OUT {folder}: {error.strerror or error}; give a folder you can write") \
+            from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"OUT {folder} cannot be written (permission denied); give a folder you can write")
+    if not (folder / MANIFEST).is_file():
+        foreign = [n for n in names if (folder / n).exists() or (folder / n).is_symlink()]
+        if foreign:
+            raise ValueError(
+                f"OUT {folder} holds {foreign[0]}{f' and {len(foreign) - 1} more shard(s)' if len(foreign) > 1 else ''}"
+                f" that xlipkit superpixels did not write (no {MANIFEST}): they would be kept as if they were copies "
+                "with superpixels (or, with --overwrite, replaced); choose an empty OUT folder, or move them away")
+    return folder
 
 
 def _parser(prog: str = "python -m finetune.cli.superpixels") -> argparse.ArgumentParser:
@@ -299,7 +381,8 @@ def _parser(prog: str = "python -m finetune.cli.superpixels") -> argparse.Argume
         epilog="then: xlipkit train RECIPE data.train.urls=OUT/... (the command prints the value)")
     p.add_argument("recipe", metavar="RECIPE", help="an F-CAST recipe whose data.train is webdataset shards")
     p.add_argument("out", metavar="OUT", help="folder for the new shards (and superpixels.json)")
-    p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value, as given to xlipkit train")
+    p.add_argument("overrides", nargs="*", help="recipe overrides as key.sub=value, as given to xlipkit train (before "
+                   "or after the options)")
     p.add_argument("--workers", type=int, default=1, help="processes writing shards in parallel (default 1)")
     p.add_argument("--device", default=None, help="where SFCN runs, e.g. cuda (default: the CPU)")
     p.add_argument("--batch-size", type=int, default=64, help="images per SFCN forward (default 64)")
@@ -309,7 +392,7 @@ def _parser(prog: str = "python -m finetune.cli.superpixels") -> argparse.Argume
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     """Command line entry point; returns the exit status (2 for a recipe or usage error)."""
-    args = (_parser(prog) if prog else _parser()).parse_args(argv)
+    args = (_parser(prog) if prog else _parser()).parse_intermixed_args(argv)  # overrides after options too
     from finetune.config import RecipeError, load_recipe
 
     if not logging.getLogger("xlipkit").handlers:
@@ -321,6 +404,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     except (RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a shard that cannot be read or written (disk full, permissions): named, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     urls = manifest["urls"]
     value = urls if isinstance(urls, str) else "[" + ",".join(urls) + "]"
     print(f"wrote {manifest['written']} shard(s) ({manifest['kept']} kept) to {args.out}: "

@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from finetune.cli.arguments import ArgumentParser
-from finetune.config import RecipeError, list_recipes, load_recipe, recipe_json_schema
+from finetune.cli.arguments import ArgumentParser, add_trust_option
+from finetune.config import RecipeError, list_recipes, load_recipe, recipe_json_schema, refuse_recipe
 
 __all__ = ["RECIPES_DIR", "main"]
 
@@ -49,6 +49,7 @@ def _parser(prog: str = "finetune/run.py") -> argparse.ArgumentParser:
     p.add_argument("recipe", nargs="?", help="path to a recipe YAML (see --list)")
     p.add_argument("overrides", nargs="*",
                    help="recipe overrides as key.sub=value (typed, validated; before or after the options)")
+    add_trust_option(p)
     p.add_argument("--list", action="store_true", help="list the recipes shipped in recipes/ and exit")
     p.add_argument("--schema", action="store_true",
                    help="print the recipe JSON schema (for editors: `# yaml-language-server: $schema=FILE`) and exit")
@@ -57,7 +58,10 @@ def _parser(prog: str = "finetune/run.py") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     """The command line (``finetune/run.py``, ``xlipkit train``); returns the exit status: 0, 2 on a recipe
-    error (printed as ``recipe error: ...``), else the run's. ``prog`` names the command in usage and help."""
+    error (printed as ``recipe error: ...``), else the run's. ``prog`` names the command in usage and help.
+
+    The recipe goes through :func:`finetune.training.preflight.preflight`, the check ``xlipkit validate`` makes,
+    and the run trains the objective it built; the recipe's own code runs only with ``--trust-recipe-code``."""
     parser = _parser(prog) if prog else _parser()
     args = parser.parse_intermixed_args(argv)  # `RECIPE --opt key=value`: overrides after options too
     if args.schema:
@@ -72,25 +76,17 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         print("error: give a recipe path (see --list)", file=sys.stderr)
         return 2
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, trust_imports=args.trust_recipe_code)
     except RecipeError as exc:
-        print(f"recipe error: {exc}", file=sys.stderr)
-        return 2
+        return refuse_recipe(str(exc))
     # imported once a recipe is loaded: `--help`, `--list` and a bad recipe need none of the training libraries
-    from finetune.objectives import build_objective
-    from finetune.training.needs import recipe_problems
+    from finetune.training.preflight import preflight
     from finetune.training.recipe import run_recipe
 
-    try:  # the run's one objective, checked here and trained by the run
-        objective = build_objective(recipe.objective)
-    except (ValueError, OSError):
-        objective = None  # recipe_problems names what is wrong with it
-    problems = recipe_problems(recipe, args.recipe, objective=objective)
-    if problems is not None:  # every missing model, file and dataset at once, before anything slow starts
-        print(f"recipe error: {problems}", file=sys.stderr)
-        return 2
+    checked = preflight(recipe, args.recipe)
+    if not checked.ok:  # everything that stops it at once, before anything slow starts
+        return refuse_recipe(checked.message())
     try:
-        return run_recipe(recipe, objective=objective)
-    except RecipeError as exc:  # found with the objective (a stream it cannot read), before anything is written
-        print(f"recipe error: {exc}", file=sys.stderr)
-        return 2
+        return run_recipe(recipe, checked=checked)
+    except RecipeError as exc:  # found as the run starts (a DeepSpeed release that cannot train these models, ...)
+        return refuse_recipe(str(exc))

@@ -18,16 +18,18 @@ Every name is importable from ``finetune.config`` as before the package existed.
 
 from __future__ import annotations
 
-from finetune.config.errors import RecipeError, mask_secrets, secret_key
+from finetune.config.errors import RecipeError, mask_secrets, refuse_recipe, secret_key
 from finetune.config.io import (MAX_YAML_VALUES, BoundedSafeLoader, YAMLAliasError, check_aliases, dump_recipe,
                                 list_recipes, recipe_to_dict, safe_load_yaml)
 from finetune.config.schema import (AdapterConfig, DataConfig, EvalConfig, HubConfig, KPSConfig, ModelConfig,
                                     ObjectiveConfig, OutputConfig, Recipe, TrainConfig, load_recipe,
                                     recipe_json_schema)
 from finetune.config.sources import parse_source_shorthand, parse_sources, source_spec_keys
-from finetune.config.terms import register_term_config, registered_term_configs
+from finetune.config.terms import TRUST_FLAG, TRUST_RULE, register_term_config, registered_term_configs
 
 __all__ = [
+    "TRUST_FLAG",
+    "TRUST_RULE",
     "AdapterConfig",
     "DataConfig",
     "EvalConfig",
@@ -46,6 +48,7 @@ __all__ = [
     "parse_sources",
     "recipe_json_schema",
     "recipe_to_dict",
+    "refuse_recipe",
     "register_term_config",
     "registered_term_configs",
     "source_spec_keys",

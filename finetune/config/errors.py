@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import sys
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -50,6 +51,13 @@ class RecipeError(ValueError):
         self.file = file
         self.line = line
         self.key = key
+
+
+def refuse_recipe(message: str) -> int:
+    """Print ``recipe error: MESSAGE`` on standard error and return 2, the exit status of a refused recipe: the one
+    place where the commands and a run say that a recipe cannot be used (its message names the key to change)."""
+    print(f"recipe error: {mask_secrets(message)}", file=sys.stderr, flush=True)
+    return 2
 
 
 def _raise_errors(errors: list[InitErrorDetails], title: str) -> None:

@@ -2,7 +2,7 @@
 keys and values as written, and what YAML aliases expand to) before the document is built
 (:func:`safe_load_yaml`), duplicate keys refused with their lines, and the resolved
 recipe written back as plain YAML that loads to the same recipe (:func:`dump_recipe`, ``recipe.yaml`` in a
-run folder; ``hub.token`` never written)."""
+run folder; ``hub.token`` never written, storage credentials and those inside URLs masked)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,8 @@ import yaml
 from pydantic import BaseModel
 
 from finetune.config.errors import SECTION_TYPES, KeyPath, RecipeError, _alias, _dotted
-from finetune.config.secrets import SECRET_PATHS, mask_secrets, without_secrets
+from finetune.config.secrets import clean_recipe, mask_secrets, secret_values, without_secrets
 from finetune.files import process_tag
-
-#: keys never written out (:func:`recipe_to_dict`)
-_SECRET_KEYS = SECRET_PATHS
 
 
 #: the most values a YAML document may hold once its aliases are expanded (a recipe holds hundreds)
@@ -247,13 +244,13 @@ def recipe_to_dict(recipe: Any, *, keep_secrets: bool = False) -> dict[str, Any]
     """The recipe as plain YAML-able data (sections only, under their YAML keys; tuples become
     lists).
 
-    ``hub.token`` is dropped unless ``keep_secrets`` is true.
+    Unless ``keep_secrets`` is true, ``hub.token`` is dropped and every storage credential
+    (``data.*.options.storage_options``: ``key``, ``secret``, ``token``, headers, ...) and every credential
+    inside a URL is masked as ``***`` (:func:`finetune.config.secrets.clean_recipe`): this is what
+    ``recipe.yaml``, ``metrics.json``, ``final/xlipkit.json`` and the checkpoints hold.
     """
     out = _plain(recipe)
-    if not keep_secrets:
-        for sec, key in _SECRET_KEYS:
-            out[sec].pop(key, None)
-    return out
+    return out if keep_secrets else clean_recipe(out)
 
 
 def dump_recipe(recipe: Any, path: str | os.PathLike[str]) -> Path:
@@ -261,8 +258,9 @@ def dump_recipe(recipe: Any, path: str | os.PathLike[str]) -> Path:
 
     The first line is the recipe's description comment, so the file lists and loads like any
     recipe; ``hub.token`` is never written: overrides that set it are left out of the header, and section
-    overrides are written without it (``hub={repo_id: me/x}`` for ``'hub={token: X, repo_id: me/x}'``).
-    Returns the path written.
+    overrides are written without it (``hub={repo_id: me/x}`` for ``'hub={token: X, repo_id: me/x}'``); so are
+    storage credentials, which the body shows as ``***`` (:func:`recipe_to_dict`), as it does the credentials
+    inside URLs. Returns the path written.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -272,7 +270,8 @@ def dump_recipe(recipe: Any, path: str | os.PathLike[str]) -> Path:
     shown = [o for o in map(without_secrets, recipe.overrides) if o is not None]
     if shown:
         header.append("# overrides: " + " ".join(shown))
-    header = [mask_secrets(line) for line in header]
+    secrets = secret_values(recipe_to_dict(recipe, keep_secrets=True))
+    header = [mask_secrets(line, secrets) for line in header]
     body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True, default_flow_style=None)
     # the writer's PID@HOST in the name: another run's cleanup leaves it alone while this process lives
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{process_tag()}.", suffix=".tmp", dir=target.parent)

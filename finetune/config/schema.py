@@ -45,7 +45,7 @@ from finetune.config.terms import (_TERMS_MARK, _import_objectives, _import_user
 from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_train_source, _no_streams,
                                      _validate_source_list)
 from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas, _doc,
-                                    _float, _int, _positive_ints, _yaml_word)
+                                    _float, _int, _positive_ints, _text_buckets, _yaml_word)
 
 # -- the sections ---------------------------------------------------------------------------------
 _SECTION_CONFIG = ConfigDict(extra="forbid", populate_by_name=True)
@@ -117,7 +117,7 @@ class ModelConfig:
     init_from: Annotated[Str | None, _doc(
         "start from another run's final/: a recipe YAML (its run is reused when its output.dir holds a "
         "finished run of the same resolved recipe, else trained first) or a run folder with final/; "
-        "name_or_path is then not loaded (finetune.training.prerequisites)")] = None
+        "name_or_path is then not loaded (finetune.training.upstream)")] = None
     options: Annotated[Any, BeforeValidator(_validate_model_options), _OPTIONS_MARK, _doc(
         "the model family's own options, validated by the options class the family declares (vision_text: "
         "vision, text, projection_dim); null: its defaults")] = None
@@ -164,7 +164,6 @@ class AdapterConfig:
         dataclasses.field(default_factory=lambda: list(_DEFAULT_TRAIN_EXTRA)))
 
 
-
 @_section(("data",))
 class DataConfig:
     """The training data: a dataset entry (a ``SourceSpec`` mapping) and how to treat bad rows."""
@@ -181,6 +180,9 @@ class DataConfig:
     validate: Annotated[Literal["header", "full"], _doc(
         "how images are checked before training: `header` (fast: format, size, JPEG end marker) or "
         "`full` (decode every image once)")] = "header"
+    read_timeout_s: Annotated[_float(gt=0.0, le=86_400.0), _doc(
+        "the longest a read of a remote shard (s3://, https://, a pipe: command) may wait for data; then the run "
+        "stops, naming the shard and why")] = 60.0
 
 
 def _check_scorer(value: str) -> str:
@@ -296,6 +298,9 @@ class TrainConfig:
     attention: Annotated[Literal["auto", "torch", "flash", "efficient", "cudnn", "math"], _doc(
         "the attention backend of the training step: auto (CUDA: flash, then efficient for masked calls, then cudnn, "
         "then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend tried first")] = "auto"
+    text_buckets: Annotated[list[Int] | None, AfterValidator(_text_buckets), _doc(
+        "lengths a text pass is padded to, the smallest that holds its longest text (model.max_text_len added as the "
+        "last); null: the multiples of 32 below model.max_text_len")] = None
     process_group_timeout_s: Annotated[_int(ge=1, le=2_592_000), _doc(
         "seconds a process waits for the others at a collective or the rendezvous (a first download or preprocessing "
         "included) before the run fails; NCCL's default is 600; at most 30 days")] = 7200
@@ -344,10 +349,8 @@ class Recipe:
     source: SkipJsonSchema[Str | None] = dataclasses.field(default=None, metadata={"meta": True}, compare=False)
     overrides: SkipJsonSchema[tuple[Str, ...]] = dataclasses.field(default=(), metadata={"meta": True},
                                                                    compare=False)
-    #: the user said on the command line that this recipe may run the code it names (``objective.import``
-    #: modules, ``pipe:`` shard commands); never read from the file itself
+    #: the user allowed this recipe's code on the command line (objective.import, pipe: commands); never from the file
     trust_code: SkipJsonSchema[bool] = dataclasses.field(default=False, metadata={"meta": True}, compare=False)
-
 
 
 _SECTION_TYPES = (Recipe, ModelConfig, KPSConfig, AdapterConfig, DataConfig, EvalConfig, ObjectiveConfig,
@@ -377,17 +380,16 @@ def _merge_defaults(data: Any, cls: type) -> Any:
         return data
     defaults = cls()
     out = dict(data)
+    hints = typing.get_type_hints(cls, include_extras=True)  # once: each call evaluates every annotation again
     for key, tp in (_fields_of(cls) or {}).items():
         section = next((a for a in _arms(tp) if a in _SECTION_TYPES), None)
         if key in data:
             if section is not None:
                 out[key] = _merge_defaults(data[key], section)
         else:
-            name = next(f.name for f in dataclasses.fields(cls) if f.name == key or _alias(
-                typing.get_type_hints(cls, include_extras=True)[f.name]) == key)
+            name = next(f.name for f in dataclasses.fields(cls) if f.name == key or _alias(hints[f.name]) == key)
             out[key] = _plain(getattr(defaults, name))
     return out
-
 
 
 def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
@@ -404,6 +406,9 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
         raise origins.error_any([("train", "min_lr"), ("train", "lr")],
                                 f"`train.min_lr` ({t.min_lr:g}) is above `train.lr` ({t.lr:g}); lower it")
     m = recipe.model
+    if t.text_buckets and m.max_text_len is not None and t.text_buckets[-1] > m.max_text_len:
+        raise origins.error_any([("train", "text_buckets"), ("model", "max_text_len")], f"`train.text_buckets` reaches "
+                                f"{t.text_buckets[-1]}, above `model.max_text_len` ({m.max_text_len}); keep it below")
     if m.backend not in ("auto", m.family):
         raise origins.error_any([("model", "backend"), ("model", "family")],
                                 f"`model.backend` ({m.backend}) and `model.family` ({m.family}) disagree; "
@@ -415,7 +420,7 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
 
 
 def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
-                trust_imports: bool = True) -> Recipe:
+                trust_imports: bool = False) -> Recipe:
     """Read, override and validate a recipe.
 
     Args:
@@ -423,9 +428,9 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
         overrides: ``key.sub=value`` strings applied after the file; values are YAML scalars or
             flow collections (``train.lr=1e-5``, ``eval.sets=[docci,urban1k]``,
             ``train.max_steps=null``, ``eval.sets.0.size=128``) and are validated like file values.
-        trust_imports: import the modules of ``objective.import`` (running their code). False for a
-            recipe from a folder that is not the user's own (``python -m finetune.evaluate RUN``): then a
-            module that is not imported yet and not part of xlipkit is a :class:`RecipeError`.
+        trust_imports: the user allowed the recipe's code (``--trust-recipe-code``; ``Recipe.trust_code``): import
+            ``objective.import``, run ``pipe:`` shard commands. Off by default (a recipe may come from anyone): a module
+            not imported yet and not part of xlipkit is then a :class:`RecipeError` naming the flag.
 
     Returns:
         the :class:`Recipe`, every section filled with its defaults where the file is silent.

@@ -18,7 +18,7 @@ import finetune.plugins as plugins
 from finetune.config.errors import _Origins, _prefixed, _raise_errors, _type_name
 from finetune.config.values import _build_options, _is_options_class, _json_schema_of
 
-__all__ = ["register_term_config", "registered_term_configs"]
+__all__ = ["TRUST_FLAG", "TRUST_RULE", "register_term_config", "registered_term_configs"]
 
 
 class _TermOptions:
@@ -109,12 +109,18 @@ def _term_options(value: Any) -> dict[str, Any]:
 
 #: the packages of xlipkit itself: importing them runs no code from a recipe's folder
 _OWN_PACKAGES = ("finetune", "losses")
+#: the command-line flag with which the user allows a recipe's code to run (``xlipkit train``, ``preview``, ``eval``)
+TRUST_FLAG = "--trust-recipe-code"
+#: the trust rule, as every refusal of a recipe's code says it
+TRUST_RULE = (f"code a recipe names runs only when you allow it on the command line: pass {TRUST_FLAG} to `xlipkit "
+              "train`, `preview` or `eval` if you trust the recipe (`xlipkit validate` and `download` never run it)")
 
 
-def _import_user_modules(tree: dict[str, Any], origins: _Origins, trust: bool = True) -> None:
+def _import_user_modules(tree: dict[str, Any], origins: _Origins, trust: bool = False) -> None:
     """``objective.import: [my_pkg.my_term]``: import the modules (they register terms, scorers or
-    model families) before the rest is validated. Untrusted (``trust=False``), only modules already
-    imported or of xlipkit itself are."""
+    model families) before the rest is validated. Untrusted (``trust=False``, unless the user said otherwise:
+    :data:`TRUST_FLAG`), only modules already imported or of xlipkit itself are; any other is a
+    :class:`RecipeError` that names it and the flag."""
     objective = tree.get("objective")
     if not isinstance(objective, dict) or "import" not in objective:
         return
@@ -129,8 +135,7 @@ def _import_user_modules(tree: dict[str, Any], origins: _Origins, trust: bool = 
     for i, name in enumerate(modules):
         if not trust and name.strip() not in sys.modules and name.strip().split(".")[0] not in _OWN_PACKAGES:
             raise origins.error(("objective", "import", i),
-                                f"would import the module {name.strip()!r}, which runs its code; this recipe is not "
-                                f"trusted to do that (it comes from a folder, not from you)")
+                                f"would import the module {name.strip()!r}, which runs its code; {TRUST_RULE}")
         try:
             importlib.import_module(name.strip())
         except ImportError as exc:

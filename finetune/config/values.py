@@ -74,6 +74,20 @@ def _betas(value: tuple[float, float]) -> tuple[float, float]:
     return value
 
 
+def _text_buckets(value: list[int] | None) -> list[int] | None:
+    """``train.text_buckets``: null, or token counts >= 1 in strictly increasing order."""
+    if value is None:
+        return None
+    if not value:
+        raise ValueError("is an empty list; give the lengths text passes are padded to (e.g. [32, 64, 96, 128]) or "
+                         "null for the multiples of 32 up to model.max_text_len")
+    if any(v < 1 for v in value):
+        raise ValueError(f"must hold token counts >= 1, got {list(value)!r}")
+    if any(b <= a for a, b in zip(value, value[1:])):
+        raise ValueError(f"must be strictly increasing, got {list(value)!r}")
+    return list(value)
+
+
 def _positive_ints(value: list[int]) -> list[int]:
     if not value:
         raise ValueError("must list at least one K, e.g. [1, 5, 10]")

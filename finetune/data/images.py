@@ -25,6 +25,8 @@ import numpy as np
 import PIL.Image
 import PIL.ImageOps
 
+from finetune.credentials import mask_text
+
 __all__ = [
     "DataError",
     "ImageReadError",
@@ -59,8 +61,15 @@ class DataError(ValueError):
     """A data problem: an unreadable image, an empty caption, a bad source spec.
 
     Re-exported as ``finetune.data.sources.DataError``; it lives here so that
-    :class:`ImageReadError` can derive from it without a circular import.
+    :class:`ImageReadError` can derive from it without a circular import. Its message never shows a credential: a
+    shard URL's user and password, a signed URL's signature or token, an AWS key id are masked
+    (:func:`finetune.credentials.mask_text`) wherever the message names one.
     """
+
+    def __init__(self, *args: Any) -> None:
+        if args and isinstance(args[0], str):
+            args = (mask_text(args[0]), *args[1:])
+        super().__init__(*args)
 
 
 class ImageReadError(DataError):

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from finetune.data.images import DataError, read_image
 from finetune.data.skipping import undecoded
 from finetune.evaluation.scorers import Scorer, concat_payloads, get_scorer, pad_trailing
-from finetune.objectives.shapes import encode_fixed_rows, fixed_text_columns
+from finetune.objectives.shapes import bucketed_text_columns, encode_fixed_rows, encoded_row_chunks
 
 __all__ = ["RetrievalEmbeddings", "encode_for_retrieval"]
 
@@ -252,15 +252,18 @@ def _encode_shard(dual: Any, loader: Any, scorer: Scorer, offset: int, device: t
             row += 1
         if not images:
             continue
-        # fixed shapes (finetune.objectives.shapes): every pass batch_size rows, texts at the fixed length
+        # batch shapes (finetune.objectives.shapes): every pass batch_size rows, each text pass at the smallest
+        # bucket length that holds its longest caption (chosen on the host, from the tokenizer's mask)
         inputs = _to_device(dual.preprocess_images(images), device, dual.dtype)
         names = list(inputs)
         done.image_chunks.append(encode_fixed_rows(lambda *t: scorer.encode_images(dual, dict(zip(names, t))),
                                                    [inputs[k] for k in names], batch_size))
         tokens = dual.tokenize(captions)
-        ids, mask = fixed_text_columns(dual, tokens.input_ids.to(device), tokens.attention_mask.to(device))
-        done.text_chunks.append(encode_fixed_rows(lambda i, m: scorer.encode_texts(dual, i, m), [ids, mask],
-                                                  batch_size))
+        for start in range(0, len(captions), batch_size):
+            ids, mask = bucketed_text_columns(dual, tokens.input_ids[start:start + batch_size],
+                                              tokens.attention_mask[start:start + batch_size])
+            done.text_chunks += encoded_row_chunks(lambda i, m: scorer.encode_texts(dual, i, m),
+                                                   [ids.to(device), mask.to(device)], batch_size)
         done.truncated += int(tokens.truncated.sum())
         done.owners.append(torch.tensor(owner, dtype=torch.long, device=device))
     return done

@@ -23,7 +23,6 @@ recipe, and a push stops before uploading if the token string is still found in 
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -36,7 +35,8 @@ from typing import Any
 
 import yaml
 
-from finetune.config.secrets import mask_secrets, secret_values
+from finetune.config.secrets import clean_recipe, mask_secrets, secret_values
+from finetune.credentials import mask_data
 from finetune.files import apply_umask, process_tag, replace_dir
 from finetune.hub.model_card import hub_model_id, is_local_path, render_model_card
 from finetune.models.adapters import _builtin_kind
@@ -120,19 +120,20 @@ def read_run(path: str | os.PathLike) -> RunFolder:
 
 # -- secrets -----------------------------------------------------------------------------------------
 def _drop_hub_token(recipe: Any) -> tuple[Any, bool]:
-    """A copy of a recipe dict without ``hub.token``, and whether there was one."""
-    if not isinstance(recipe, dict) or not isinstance(recipe.get("hub"), dict) or "token" not in recipe["hub"]:
+    """A copy of a recipe dict as an uploaded file may hold it (:func:`finetune.config.secrets.clean_recipe`: without
+    ``hub.token``, storage credentials and credentials inside URLs masked), and whether that changed it (a run
+    written by an older version may hold them)."""
+    if not isinstance(recipe, dict):
         return recipe, False
-    clean = copy.deepcopy(recipe)
-    clean["hub"].pop("token")
-    return clean, True
+    clean = clean_recipe(recipe)
+    return clean, clean != recipe
 
 
 def _clean_recipe_text(text: str, recipe: dict[str, Any]) -> str:
-    """``recipe.yaml`` without ``hub.token``: the text as written when its recipe has none, else the leading
-    comment lines followed by the recipe dumped again; either way with every secret in it masked by key
-    (:func:`finetune.config.secrets.mask_secrets`): a ``# overrides:`` line written by an older version may hold
-    ``hub.token=...`` or ``'hub={token: ...}'``."""
+    """``recipe.yaml`` without ``hub.token`` and with storage credentials masked: the text as written when its
+    recipe has none, else the leading comment lines followed by the recipe dumped again; either way with every
+    secret in it masked by key (:func:`finetune.config.secrets.mask_secrets`): a ``# overrides:`` line written by
+    an older version may hold ``hub.token=...`` or ``'hub={token: ...}'``."""
     clean, had = _drop_hub_token(recipe)
     if had:
         header = []
@@ -380,8 +381,8 @@ def _build_upload(run: RunFolder, folder: Path, *, repo_id: str, base_model: str
         (folder / RECIPE_NAME).write_text(recipe_text, encoding="utf-8")
     metrics = None
     if run.metrics is not None:
-        metrics = dict(run.metrics)
-        metrics["recipe"] = _drop_hub_token(metrics.get("recipe"))[0]
+        metrics = mask_data(dict(run.metrics))  # the stream's shard urls may hold credentials
+        metrics["recipe"] = _drop_hub_token(run.metrics.get("recipe"))[0]
         _write_json(folder / METRICS_NAME, metrics)
     source_info = {**info, "base_model": base_model or info["base_model"]}
     card = render_model_card(uploaded, repo_id=repo_id, recipe=recipe, recipe_text=recipe_text, metrics=metrics,

@@ -208,6 +208,10 @@ class GraphPool(nn.Module):
     ``c_m = Σ_n A_nm f(x_n) / Σ_n A_nm`` with ``f = Dropout(GELU(Linear(LN(x))))`` to 4C, then
     ``x'_m = g(c_m) + x_idx[m]`` with ``g = Linear(LN(·))`` back to C; the class token becomes
     ``g(f(cls)) + cls``.
+
+    ``f``'s dropout on the N tokens is drawn at ``max(N, noise_tokens)`` tokens and sliced (ours), so that the
+    padded segment slots of a batch (``N`` is the planned capacity or the batch's own count) do not decide which
+    random numbers land on the real segments: a batch gives the same values at any padding up to ``noise_tokens``.
     """
 
     def __init__(self, width: int, heads: int, clusters: int, *, scale: float = 5.0, dropout: float = 0.1) -> None:
@@ -228,8 +232,10 @@ class GraphPool(nn.Module):
         ok = torch.cat([valid.new_ones(valid.shape[0], 1), valid], dim=1)
         return farthest_point_sampling(pts, self.clusters + 1, start=0, valid=ok)[:, 1:] - 1
 
-    def forward(self, x: Tensor, cls: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Pool ``x (B, N, C)`` (``valid (B, N)`` bool) and update ``cls (B, C)``.
+    def forward(self, x: Tensor, cls: Tensor, valid: Tensor, noise_tokens: int | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Pool ``x (B, N, C)`` (``valid (B, N)`` bool) and update ``cls (B, C)``; ``noise_tokens``: the tokens the
+        dropout of ``f`` is drawn at (the class docstring; None: N).
 
         Returns:
             ``(centroids (B, M, C), cls (B, C), assignment (B, N, M), centre indices (B, M))``; padded
@@ -243,10 +249,20 @@ class GraphPool(nn.Module):
         hc = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))
         logits = self.scale * F.normalize(h, dim=-1) @ F.normalize(hc, dim=-1).transpose(1, 2)
         assign = logits.softmax(dim=-1) * w
-        feats = self.fc1(x)
+        feats = self._features(x, noise_tokens)
         cent = assign.transpose(1, 2) @ feats / assign.sum(1)[..., None].clamp(min=1e-6)
         out = self.fc2(cent) + x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
         return out, self.fc2(self.fc1(cls)) + cls, assign, idx
+
+    def _features(self, x: Tensor, noise_tokens: int | None) -> Tensor:
+        """``f(x)`` ``(B, N, 4C)``, its dropout mask drawn at ``(B, max(N, noise_tokens), 4C)`` and sliced."""
+        drop = self.fc1[-1]
+        h = self.fc1[:-1](x)
+        if not (self.training and drop.p > 0):
+            return h
+        n = h.shape[1]
+        keep = h.new_empty(h.shape[0], max(n, int(noise_tokens or 0)), h.shape[2]).bernoulli_(1 - drop.p)
+        return h * keep[:, :n] / (1 - drop.p)
 
 
 @dataclass
@@ -325,9 +341,12 @@ class CastEncoder(nn.Module):
         pos_mean, _ = segment_mean(pos.float(), flat, n_seg, check=check)
         return (tok + pos_mean).to(feats.dtype), counts > 0, labels
 
-    def forward(self, pixel_values: Tensor, superpixels: Tensor, n_segments: int | None = None) -> CastOutput:
+    def forward(self, pixel_values: Tensor, superpixels: Tensor, n_segments: int | None = None, *,
+                noise_tokens: int | None = None) -> CastOutput:
         """Encode ``pixel_values (B, 3, H, W)`` with their ``superpixels (B, H, W)`` int labels; ``n_segments``:
-        their :meth:`segment_count`, counted on the CPU (None: counted here, which reads the labels)."""
+        the segment tokens (their :meth:`segment_count`, or more: a planned capacity), counted on the CPU (None:
+        counted here, which reads the labels); ``noise_tokens``: the segment tokens the first pooling's dropout is
+        drawn at (:class:`GraphPool`; the planned capacity)."""
         x, valid, labels = self.tokens(pixel_values, superpixels, n_segments)
         segment_valid = valid
         cls = self.cls_token.expand(x.shape[0], -1, -1)[:, 0]
@@ -341,7 +360,7 @@ class CastEncoder(nn.Module):
             if s == 1:
                 fine = x
             if s < len(self.pools):
-                x, cls, assign, idx = self.pools[s](x, cls, valid)
+                x, cls, assign, idx = self.pools[s](x, cls, valid, noise_tokens if s == 0 else None)
                 valid = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
                 assignments.append(assign)
                 centres.append(idx)

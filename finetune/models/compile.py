@@ -7,13 +7,14 @@ state-dict names (``nn.Module.compile`` compiles in place), so checkpoints, adap
 are untouched; and the parts between blocks (embeddings, pooling, the last CLIP layer that
 :mod:`finetune.models.backends.pooled_tower` runs for the pooled token only, the losses) stay eager.
 
-The blocks are compiled with static shapes (``dynamic=False``): the run's passes have fixed shapes
-(:mod:`finetune.objectives.shapes`: one image pass, at most two text passes, each the same every step), so each
-block sees a few shapes, all in the first steps, and is compiled once per shape there and never again
-(:func:`compiled_graphs` counts; ``tests/finetune/test_compile.py`` checks). Static shapes are also what CUDA
-graphs need: ``train.compile: reduce-overhead`` records each block's kernels as CUDA graphs (torch's cudagraph
-trees), which cuts the launches of a block to one replay; it pays only on a GPU and only where the shapes do not
-change, which fixed shapes give.
+The blocks are compiled with static shapes (``dynamic=False``): the run's passes take a few planned shapes
+(:mod:`finetune.objectives.shapes`: one image pass, one text pass per kind at one of its planned bucket lengths),
+which the trainer's warm-up runs before the first step, so each block is compiled once per shape there and never
+again (:func:`compiled_graphs` counts; ``tests/finetune/objectives/test_shapes.py`` checks; the step setup raises
+dynamo's recompile limit to the planned shapes). Static shapes are also what CUDA graphs need:
+``train.compile: reduce-overhead`` records each block's kernels as CUDA graphs (torch's cudagraph trees, one per
+shape), which cuts the launches of a block to one replay; it pays only on a GPU and only where the shapes repeat,
+which the planned lengths give.
 """
 
 from __future__ import annotations

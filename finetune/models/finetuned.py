@@ -69,6 +69,11 @@ class ModelNotFoundError(ValueError):
     """No model family could load the model name: the message lists what was tried and the registry names."""
 
 
+class TextLengthError(ValueError):
+    """A ``max_text_len`` the model cannot take: below its original text length, or below positions already
+    stretched (the message says which values work)."""
+
+
 class RandomWeightsNameError(ModelNotFoundError):
     """A bare registry name of a real-size architecture (``clip-vit-base-patch16``): it would build random
     weights where the user most likely meant the pretrained checkpoint; the message names both spellings."""
@@ -279,21 +284,21 @@ def apply_text_length(model: DualEncoder, max_text_len: int, kps: dict[str, Any]
     when it is longer than the model's table, nothing when equal.
 
     Raises:
-        ValueError: below the model's original text length, below a table that was already
-            stretched, or for unknown ``kps`` keys.
+        TextLengthError: below the model's original text length, below a table that was already stretched.
+        ValueError: unknown ``kps`` keys.
     """
     from finetune.models.longclip import DEFAULT_KEEP, apply_kps
 
     if max_text_len < model.base_text_len:
-        raise ValueError(f"max_text_len={max_text_len} is below the original text length {model.base_text_len} of "
-                         f"{model.name_or_path!r}; use a value >= {model.base_text_len} (longer captions are "
-                         f"truncated with the end token kept)")
+        raise TextLengthError(f"max_text_len={max_text_len} is below the original text length {model.base_text_len} "
+                              f"of {model.name_or_path!r}; use a value >= {model.base_text_len} (longer captions "
+                              "are truncated with the end token kept)")
     if max_text_len == model.max_text_len:
         return model
     if max_text_len < model.max_text_len:
-        raise ValueError(f"{model.name_or_path!r} already has {model.max_text_len} text positions (KPS {model.kps}); "
-                         f"max_text_len={max_text_len} cannot shrink them: use {model.max_text_len} or load the "
-                         f"unstretched base model")
+        raise TextLengthError(f"{model.name_or_path!r} already has {model.max_text_len} text positions (KPS "
+                              f"{model.kps}); max_text_len={max_text_len} cannot shrink them: use "
+                              f"{model.max_text_len} or load the unstretched base model")
     settings: dict[str, Any] = {"keep": DEFAULT_KEEP, "ratio": None, "freeze_kept": True}
     unknown = set(kps or {}) - _KPS_KEYS
     if unknown:

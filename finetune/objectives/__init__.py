@@ -20,9 +20,9 @@ from .base import (
     TermCollisionError,
     TextRequest,
     loss_name,
-    merge_features,
 )
 from .contrastive import BASE_TERMS, ClipOptions, ClipTerm, LongClipOptions, LongClipTerm, SiglipOptions, SiglipTerm
+from .planning import merge_features
 from .registry import (
     TERM_BUILDERS,
     TERM_OPTIONS,

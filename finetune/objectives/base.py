@@ -8,11 +8,11 @@ A :class:`Term` is a small ``nn.Module`` that
    form ``stream_map``), ``prepare`` (per example, in the data workers) and ``collate`` (per batch);
 3. asks the :class:`Objective` for the images and texts it wants encoded (``image_inputs`` /
    ``text_inputs``): the objective runs ONE image-tower pass over every image request of the batch
-   (StructXLIP's colour images and edge maps together) and one text-tower pass per text length over every text
-   request (:mod:`finetune.objectives.encoders`); under the run's fixed shapes
-   (:mod:`finetune.objectives.shapes`) that is at most two text passes (captions, short texts), each of a shape
-   every step repeats. Requests of several terms under one feature key (``image``, ``text``) are encoded once,
-   with states if any asks;
+   (StructXLIP's colour images and edge maps together) and one text-tower pass per text kind over every text
+   request (:mod:`finetune.objectives.encoders`); under the run's planned shapes
+   (:mod:`finetune.objectives.shapes`) that is at most two text passes (captions, short texts), each padded to
+   one of a few planned bucket lengths. Requests of several terms under one feature key (``image``, ``text``)
+   are encoded once, with states if any asks;
 4. turns the encoded features into unweighted loss values (``loss``), logged as ``term/value`` (``term``
    alone when the value has the term's name, :func:`loss_name`).
 
@@ -23,14 +23,13 @@ them per micro-batch and concatenate them: every tensor is concatenated along di
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .encoders import TextPlan, encode_images, encode_texts, right_padded
+from .encoders import TextPlan, encode_images, encode_texts, plan_lengths, request_kind, right_padded
 from .shapes import BatchShapes, ShapeScan
 
 Features = dict[str, Tensor]
@@ -88,8 +87,9 @@ class TextRequest:
         input_ids: ``(n, L)``.
         attention_mask: ``(n, L)``.
         states: whether token states are needed too.
-        short: the rows are short texts (sentences, chunks): under fixed shapes they take the run's short length
-            (:attr:`~finetune.objectives.shapes.BatchShapes.short_length`) instead of the captions' length.
+        short: the rows are short texts (sentences, chunks): they go through the tower in a pass of their own (the
+            :data:`~finetune.objectives.shapes.SHORT` kind), padded to the bucket of the longest short text, not
+            to the captions'.
     """
 
     input_ids: Tensor
@@ -124,8 +124,12 @@ class Term(nn.Module):
     features: frozenset[str] = frozenset()
     #: model parameters this term's loss reads directly (e.g. "logit_scale"); see ``detach_params``
     uses_logit_bias: bool = False
-    #: the run's fixed shapes (:meth:`Objective.set_shapes`), which ``collate`` pads to; None: each batch its own
+    #: the run's planned shapes (:meth:`Objective.set_shapes`), whose capacities ``collate`` pads rows to; None: each
+    #: batch its own
     shapes: BatchShapes | None = None
+    #: the loss contrasts each example with the other examples of its batch (in-batch negatives, over every
+    #: process): a batch of one example has none, and its loss is exactly 0 (InfoNCE) or holds no negative pair
+    contrastive: bool = False
 
     def prepare_model(self, model: Any) -> None:
         """Add what the term needs to ``model`` (a head in ``model.inference_modules``, a model option), once,
@@ -154,7 +158,7 @@ class Term(nn.Module):
     def example_fields(self) -> dict[str, str]:
         """Raw example fields the term reads besides ``id``, ``image`` and ``caption``, each with the recipe key
         that names it (``{"raw_caption": "objective.terms.flair.caption_fields"}``): a stream must pass them
-        through (``data.train.options.fields``), which :func:`finetune.training.checks.check_stream_recipe` checks
+        through (``data.train.options.fields``), which :func:`finetune.training.preflight.check_stream_recipe` checks
         before anything runs. The default reads none."""
         return {}
 
@@ -184,11 +188,19 @@ class Term(nn.Module):
         return {}
 
     def shape_scan(self, dataset: Any, model: Any) -> ShapeScan | None:
-        """What the run's fixed shapes (:func:`~finetune.objectives.shapes.plan_shapes`) need from this term, before
-        training: the texts of its short requests over ``dataset`` (the preprocessed map-style training set, or None
-        for a stream) and the most rows per sample of its requests whose count varies. None (the default): its
-        requests have fixed rows and no short texts."""
+        """What the run's planned shapes (:func:`~finetune.objectives.shapes.plan_shapes`) need from this term,
+        before training: the texts its requests will tokenise over ``dataset`` (the preprocessed map-style training
+        set, or None for a stream), per example and kind, beyond the captions (which are scanned for every run), the
+        kinds whose texts are drawn during training, and the most rows per sample of its requests whose count varies.
+        None (the default): its requests are the captions, with fixed rows."""
         return None
+
+    def text_masks(self, batch: Batch) -> dict[str, Tensor]:
+        """``{kind: (n, L) attention mask}`` of the texts this term encodes itself, outside :meth:`text_inputs`
+        (F-CAST's chunks through its own encoder): the batch's :class:`~finetune.objectives.encoders.TextPlan` plans
+        their length like the requests' (:meth:`Objective.plan`); the term reads it from ``batch[TEXT_PLAN]``. The
+        default: none."""
+        return {}
 
     def plan(self, model: Any, batch: Batch) -> Any:
         """Host values the step needs from a collated (micro-)batch: sizes and counts as Python numbers, computed
@@ -303,7 +315,7 @@ class Objective(nn.Module):
             raise ValueError("objective: nothing to optimise: no base term (objective.base: none) and no added "
                              "terms; set objective.base (e.g. clip) or add a term under objective.terms")
         check_declarations(self.all_terms)
-        #: the run's fixed shapes (:meth:`set_shapes`); None: every batch keeps its own
+        #: the run's planned shapes (:meth:`set_shapes`); None: every batch keeps its own
         self.shapes: BatchShapes | None = None
 
     @property
@@ -331,9 +343,10 @@ class Objective(nn.Module):
         return any(type(t).prepare is not Term.prepare for t in self.all_terms)
 
     def set_shapes(self, shapes: BatchShapes | None) -> None:
-        """Fix the shapes every batch is padded to (:func:`~finetune.objectives.shapes.plan_shapes`): the terms'
-        ``collate`` pads per-sample rows to its capacities and :meth:`encode` pads texts to its lengths. Call it
-        before the data-loader workers start (they copy the terms)."""
+        """Set the shapes batches are padded to (:func:`~finetune.objectives.shapes.plan_shapes`): the terms'
+        ``collate`` pads per-sample rows to its capacities, :meth:`plan` chooses each text pass's length among its
+        planned lengths and :meth:`encode` pads texts to it. Call it before the data-loader workers start (they copy
+        the terms)."""
         self.shapes = shapes
         for t in self.all_terms:
             t.shapes = shapes
@@ -369,6 +382,25 @@ class Objective(nn.Module):
         """:meth:`Term.check_stream` of every term (``ValueError`` naming the option to change)."""
         for t in self.all_terms:
             t.check_stream()
+
+    def check_batch(self, batch_size: int, accumulation_steps: int = 1) -> None:
+        """Refuse a batch that a contrastive term (:attr:`Term.contrastive`) cannot learn from: each loss sees
+        ``batch_size // accumulation_steps`` examples (gathered over the processes), and one example has no
+        negative: InfoNCE of a batch of one is exactly 0 at every step.
+
+        Raises:
+            ValueError: naming ``train.batch_size`` (and ``train.accumulation_steps``) and the terms.
+        """
+        terms = [t.name for t in self.all_terms if t.contrastive]
+        per_loss = batch_size // max(1, accumulation_steps)
+        if not terms or per_loss >= 2:
+            return
+        split = f" / train.accumulation_steps={accumulation_steps}" if accumulation_steps > 1 else ""
+        raise ValueError(
+            f"train.batch_size={batch_size}{split} gives each loss {per_loss} example(s): the contrastive term(s) "
+            f"{', '.join(terms)} contrast every example with the others of its batch, so a batch of one trains on "
+            f"a loss of exactly 0 (no negative pair). Set train.batch_size to at least {2 * max(1, accumulation_steps)}"
+            " (tens to thousands is usual)")
 
     def prepare(self, example: dict[str, Any]) -> dict[str, Any]:
         """Every term's ``prepare`` fields in one dict; two terms returning one field is an error."""
@@ -436,8 +468,9 @@ class Objective(nn.Module):
         """Run the encoders once for every term's requests and return the merged feature dict.
 
         All image requests go through ONE ``encode_image`` call (concatenated along the batch); text requests
-        through one pass per text length (:func:`~finetune.objectives.encoders.encode_texts`: at most two under
-        :attr:`shapes`). A key asked for by several terms is encoded once (:meth:`requests`).
+        through one pass per text kind (:func:`~finetune.objectives.encoders.encode_texts`: at most two under
+        :attr:`shapes`, at the lengths the batch's plan chose). A key asked for by several terms is encoded once
+        (:meth:`requests`).
         """
         image_reqs, text_reqs, owners = self.requests(batch)
         feats: Features = {N_SAMPLES: torch.tensor(len(batch["input_ids"]))}
@@ -463,11 +496,20 @@ class Objective(nn.Module):
         return feats
 
     def plan(self, model: Any, batch: Batch) -> TextPlan:
-        """The :class:`~finetune.objectives.encoders.TextPlan` of ``batch`` (collated on the CPU): whether its text
-        requests are right-padded, checked where the batch is collated so that the step reads no mask from the
-        device."""
+        """The :class:`~finetune.objectives.encoders.TextPlan` of ``batch`` (collated on the CPU), decided where the
+        batch is collated so that the step reads no mask from the device: whether its text requests are right-padded,
+        the length of each text kind's pass (under :attr:`shapes` the smallest planned bucket that holds its longest
+        row, else that row's length; the kinds of the terms' own texts, :meth:`Term.text_masks`, too) and the real
+        and computed text tokens."""
         _, text_reqs, _ = self.requests(batch)
-        return TextPlan(right_padded=right_padded([r.attention_mask for r in text_reqs.values()]))
+        padded = right_padded([r.attention_mask for r in text_reqs.values()])
+        masks: dict[str, list[Tensor]] = {}
+        for req in text_reqs.values():
+            masks.setdefault(request_kind(req), []).append(req.attention_mask)
+        for t in self.all_terms:
+            for kind, mask in t.text_masks(batch).items():
+                masks.setdefault(kind, []).append(mask)
+        return replace(plan_lengths(self.shapes, masks), right_padded=padded)
 
     def term_plans(self, model: Any, batch: Batch) -> dict[str, Any] | None:
         """``{term name: plan}`` of the terms that plan ``batch`` (:meth:`Term.plan`, on the CPU), or None when none
@@ -545,38 +587,6 @@ def check_declarations(terms: list[Term]) -> None:
             shared = (earlier.features & (later.requests | later.features)) | (later.features & earlier.requests)
             for key in sorted(shared):
                 raise _collision(earlier.name, later.name, "feature key", key, "extra_features")
-
-
-def merge_features(parts: list[Features]) -> Features:
-    """Concatenate the features of micro-batches as if they were encoded from one batch.
-
-    Every tensor is concatenated along dim 0; ``*_owner`` rows are offset by the number of samples of the
-    micro-batches before them; ``n_samples`` is summed; ``image_grid`` is taken from the first part.
-    """
-    if len(parts) == 1:
-        return parts[0]
-    merged: Features = {}
-    offsets = [0]
-    for p in parts[:-1]:
-        offsets.append(offsets[-1] + int(p[N_SAMPLES]))
-    for key in parts[0]:
-        if key == N_SAMPLES:
-            merged[key] = torch.tensor(offsets[-1] + int(parts[-1][N_SAMPLES]))
-        elif key == "image_grid":
-            merged[key] = parts[0][key]
-        elif key.endswith("_owner"):
-            merged[key] = torch.cat([p[key] + off for p, off in zip(parts, offsets)])
-        else:
-            merged[key] = torch.cat([p[key] for p in parts])
-    return merged
-
-
-def all_finite(values: dict[str, Tensor]) -> str | None:
-    """Name of the first non-finite value, or None when all are finite."""
-    for k, v in values.items():
-        if not math.isfinite(float(v.detach())):
-            return k
-    return None
 
 
 @dataclass

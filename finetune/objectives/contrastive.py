@@ -68,6 +68,7 @@ class ClipTerm(Term):
     """
 
     name = "clip"
+    contrastive = True
     requests = frozenset({"image", "text"})
 
     def __init__(self, label_smoothing: float = 0.0) -> None:
@@ -89,6 +90,7 @@ class SiglipTerm(Term):
     """Pairwise sigmoid loss (SigLIP): ``-sum log sigmoid(y (s cos + b)) / B``."""
 
     name = "siglip"
+    contrastive = True
     requests = frozenset({"image", "text"})
     uses_logit_bias = True
 
@@ -118,6 +120,7 @@ class LongClipTerm(Term):
     first sentence against the PCA-32 reconstruction of the image batch, both with label smoothing 0.1."""
 
     name = "longclip"
+    contrastive = True
     needs = frozenset({"short_caption"})
     produces = frozenset({"short_caption", "short_input_ids", "short_attention_mask"})
     requests = frozenset({"image", "text", "short_text"})
@@ -146,13 +149,13 @@ class LongClipTerm(Term):
         }
 
     def shape_scan(self, dataset: Any, model: Any) -> Any:
-        """The first sentences of the training set's captions (the run's short text length is their longest)."""
+        """The first sentence of each training caption (the short texts, whose lengths plan the short passes)."""
         from finetune.data.text import first_sentence
 
-        from .shapes import ShapeScan, dataset_columns
+        from .shapes import SHORT, ShapeScan, dataset_columns
 
         cols = dataset_columns(dataset, ["caption"])
-        return None if cols is None else ShapeScan(short_texts=tuple(first_sentence(c or "") for c in cols["caption"]))
+        return None if cols is None else ShapeScan(texts={SHORT: [[first_sentence(c or "")] for c in cols["caption"]]})
 
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
         s = scale_of(model.logit_scale, detach_params)

@@ -334,11 +334,11 @@ class FastGoalTerm(Term):
                          "path: OUT}, regions.method: pairs)")
 
     def shape_scan(self, dataset: Any, model: Any) -> Any:
-        """The pairs' sentences over the training set (the run's short text length is their longest), from the
+        """Each example's pair sentences (the short texts, whose lengths plan the short passes), from the
         preprocessed columns, as :meth:`prepare` picks them."""
         from finetune.data.text import split_sentences
 
-        from .shapes import ShapeScan, dataset_columns
+        from .shapes import SHORT, ShapeScan, dataset_columns
 
         cols = dataset_columns(dataset, ["caption", "flism_num_pairs", "flism_pair_sentence"])
         if cols is None:
@@ -347,8 +347,8 @@ class FastGoalTerm(Term):
         for caption, m, index in zip(cols["caption"], cols["flism_num_pairs"], cols["flism_pair_sentence"]):
             sentences = split_sentences(caption or "")
             picked = [0] * self.k if int(m) == 0 else [int(i) for i in index[: self.k]]  # as _pairs_of
-            texts += [sentences[i] for i in picked if 0 <= i < len(sentences)]
-        return ShapeScan(short_texts=tuple(texts) or ("",))
+            texts.append([sentences[i] for i in picked if 0 <= i < len(sentences)] or [""])
+        return ShapeScan(texts={SHORT: texts})
 
     # -- data workers ----------------------------------------------------------------------------
     def _pairs_of(self, example: dict[str, Any]) -> tuple[list[list[float]], list[int], list[bool], list[float]]:
@@ -509,7 +509,7 @@ class FastGoalTerm(Term):
 
     def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
         """``text`` (the captions, with token states; merged with the base term's request) and
-        ``fastgoal_sentence`` (the ``B * k`` sentences alone, short texts: the run's short length)."""
+        ``fastgoal_sentence`` (the ``B * k`` sentences alone, short texts: a pass of their own, at their bucket)."""
         fg = batch["fastgoal"]
         return {"text": TextRequest(batch["input_ids"], batch["attention_mask"], states=True),
                 "fastgoal_sentence": TextRequest(_flat(fg["sentence_input_ids"]), _flat(fg["sentence_attention_mask"]),

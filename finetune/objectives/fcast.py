@@ -42,12 +42,14 @@ from torch import Tensor
 
 from losses import fcast_loss, flair_draw_seed
 
-from .base import Batch, Features, Term, scale_of, term_plan
+from .base import TEXT_PLAN, Batch, Features, Term, scale_of, term_plan
 from .flair import DrawCounter
 from .registry import Citation, register_term
 
 TERM_NAME = "fcast"
-#: the CAST encoder's segment tokens per image under fixed shapes: the superpixels' target count times this,
+#: the text kind of the sub-captions, which the term encodes itself (the chunk encoder): planned like the requests
+CHUNK_KIND = f"{TERM_NAME}/chunks"
+#: the CAST encoder's segment tokens per image under planned shapes: the superpixels' target count times this,
 #: rounded up to a multiple of SEGMENT_ALIGN (SLIC gives about its target, sometimes a little more)
 SEGMENT_MARGIN = 1.25
 SEGMENT_ALIGN = 16
@@ -107,6 +109,7 @@ class FCastTerm(Term):
     """F-CAST's ``L_part + L_whole`` (see the module docstring)."""
 
     name = TERM_NAME
+    contrastive = True
     produces = frozenset({"fcast_subcaptions", "fcast_sub_ids", "fcast_sub_mask"})
     features = frozenset({"fcast_fine", "fcast_coarse", "fcast_sub", "fcast_long"})
     uses_logit_bias = True
@@ -123,6 +126,8 @@ class FCastTerm(Term):
         self.options = options
         self.epoch = 0
         self.draws = DrawCounter()
+        #: (micro-)batches whose superpixels had more segments than the planned capacity (each ran at a new shape)
+        self.over_capacity = 0
         if options.superpixels is not None:
             from finetune.preprocess.superpixels import SuperpixelSettings
 
@@ -255,56 +260,81 @@ class FCastTerm(Term):
 
     # -- model --------------------------------------------------------------------------------------
     def shape_scan(self, dataset: Any, model: Any) -> Any:
-        """The segment tokens per image of the CAST encoder's first stage, fixed before training
-        (:data:`SEGMENT_MARGIN` over the superpixels' target count, rounded up to :data:`SEGMENT_ALIGN`): the
-        superpixels are computed in the data workers, so their count is not known before; a batch with more
-        segments takes the next multiple of :data:`SEGMENT_ALIGN` (a new shape, logged by the worker)."""
-        from .shapes import ShapeScan, round_up
+        """What the run plans before training: the segment tokens per image of the CAST encoder's first stage
+        (:data:`SEGMENT_MARGIN` over the superpixels' target count, rounded up to :data:`SEGMENT_ALIGN`; the
+        superpixels are computed in the data workers, so their count is not known before; a batch with more segments
+        takes the next multiple of :data:`SEGMENT_ALIGN`, a new shape, warned once and counted in
+        :meth:`summary`), and the sub-captions' kind (:data:`CHUNK_KIND`), drawn every epoch: every bucket length
+        of the chunk encoder's 77 is planned for it."""
+        from .shapes import ShapeScan
+
+        return ShapeScan(open_kinds=frozenset({CHUNK_KIND}),
+                         capacities={f"{TERM_NAME}/segments": self.segment_capacity(model)})
+
+    def segment_capacity(self, model: Any) -> int:
+        """The segment tokens per image planned for the CAST encoder's first stage: the superpixels' target count
+        times :data:`SEGMENT_MARGIN`, rounded up to :data:`SEGMENT_ALIGN`."""
+        from .shapes import round_up
 
         target = int(self._attach(model).superpixels.n_segments)
-        return ShapeScan(capacities={f"{TERM_NAME}/segments": round_up(math.ceil(target * SEGMENT_MARGIN),
-                                                                         SEGMENT_ALIGN)})
+        return round_up(math.ceil(target * SEGMENT_MARGIN), SEGMENT_ALIGN)
+
+    def text_masks(self, batch: Batch) -> dict[str, Tensor]:
+        """The sub-captions' mask ``(B * K, 77)``: the batch's text plan gives the chunk encoder's columns (the
+        smallest planned bucket length that holds the longest sub-caption)."""
+        mask = batch.get("fcast_sub_mask")
+        return {} if mask is None else {CHUNK_KIND: mask.reshape(-1, mask.shape[-1])}
 
     def plan(self, model: Any, batch: Batch) -> dict[str, int] | None:
-        """The sizes the step would otherwise read from the device, counted on the CPU where the batch is collated:
-        ``segments``, the CAST segment count of the superpixels (``CastEncoder.segment_count``), and ``longest``,
-        the columns the chunk encoder runs the sub-captions at. Under the run's fixed shapes (:attr:`Term.shapes`)
-        both are fixed: the planned segment capacity (invalid segments are masked in every attention and pooling)
-        and all 77 columns (a causal tower: trailing padding never reaches the end token); else this batch's
-        count and longest real sub-caption."""
+        """The segment count the step would otherwise read from the device, counted on the CPU where the batch is
+        collated (``CastEncoder.segment_count``): under the run's planned shapes (:attr:`Term.shapes`) the planned
+        capacity (invalid segments are masked in every attention and pooling), or, for a batch with more segments,
+        the next multiple of :data:`SEGMENT_ALIGN` (``over_capacity``: the step warns once and counts it); else this
+        batch's count. ``capacity``: the planned capacity (:meth:`segment_capacity` without planned shapes), the
+        tokens GraphPool's dropout is drawn at, so that the segments' padding does not decide the noise."""
         inputs = batch.get("image_inputs") or {}
         if inputs.get("superpixels") is None or "fcast_sub_mask" not in batch:
             return None
-        from finetune.models.families.fcast import ChunkEncoder
-
         from .shapes import round_up
 
-        mask = batch["fcast_sub_mask"]
         count = model.segment_count(inputs["pixel_values"], inputs["superpixels"])
         cap = self.shapes.capacity(f"{TERM_NAME}/segments") if self.shapes is not None else None
         if cap is None:
-            return {"segments": count, "longest": ChunkEncoder.longest(mask.reshape(-1, mask.shape[-1]))}
+            return {"segments": count, "capacity": self.segment_capacity(model)}
         if count > cap:
-            cap = round_up(count, SEGMENT_ALIGN)
-            log.warning("fcast: %d superpixel segments in a batch, more than the %d planned per image: this batch "
-                        "runs at %d segment tokens (a new shape)", count, self.shapes.capacity(
-                            f"{TERM_NAME}/segments"), cap)
-        return {"segments": cap, "longest": int(mask.shape[-1])}
+            return {"segments": round_up(count, SEGMENT_ALIGN), "capacity": cap, "over_capacity": count}
+        return {"segments": cap, "capacity": cap}
 
     def extra_features(self, model: Any, batch: Batch, feats: Features) -> None:
         self._attach(model)
         inputs = batch["image_inputs"]
         plan = term_plan(batch, self.name) or {}  # None: a batch collated without a plan counts on the device
+        text_plan = batch.get(TEXT_PLAN)
+        warmup = bool(getattr(text_plan, "warmup", False))
+        if plan.get("over_capacity") and not warmup:
+            self._note_over_capacity(plan)
         hier = model.encode_image_hierarchy(inputs["pixel_values"], inputs.get("superpixels"),
-                                            n_segments=plan.get("segments"))
+                                            n_segments=plan.get("segments"), noise_tokens=plan.get("capacity"))
         ids, mask = batch["fcast_sub_ids"], batch["fcast_sub_mask"]
         b, k, length = ids.shape
+        columns = getattr(text_plan, "lengths", {}).get(CHUNK_KIND)
         sub = model.encode_subcaptions(ids.reshape(b * k, length), mask.reshape(b * k, length),
-                                       longest=plan.get("longest")).reshape(b, k, -1)
+                                       longest=columns).reshape(b, k, -1)
         feats["fcast_fine"] = hier.fine
         feats["fcast_coarse"] = hier.coarse
         feats["fcast_sub"] = sub
         feats["fcast_long"] = model.encode_long(sub[:, : self.options.n_chunks])
+
+    def _note_over_capacity(self, plan: dict[str, int]) -> None:
+        """Count a (micro-)batch over the planned segment capacity (in ``metrics.json``, :meth:`summary`), and warn
+        the first time."""
+        self.over_capacity += 1
+        if self.over_capacity == 1:
+            log.warning("fcast: %d superpixel segments in a batch, more than the %d planned per image: such batches "
+                        "run at a new shape (here %d segment tokens); counted in metrics.json (terms.fcast."
+                        "over_capacity_batches). Fewer segments (objective.terms.fcast.superpixels.n_segments) or a "
+                        "SLIC compactness that keeps its target avoids them", plan["over_capacity"], plan["capacity"],
+                        plan["segments"])
 
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
         heads = model.model
@@ -336,7 +366,7 @@ class FCastTerm(Term):
     def summary(self) -> dict[str, Any]:
         model = self.__dict__.get("_model")
         info: dict[str, Any] = {"k": self.options.k, "n_chunks": self.options.n_chunks,
-                                "distributed": self.options.distributed}
+                                "distributed": self.options.distributed, "over_capacity_batches": self.over_capacity}
         if model is not None:
             info.update(superpixels=model.superpixels.method, n_segments=model.superpixels.n_segments,
                         part_scale=float(model.model.part_logit_scale.detach().exp()),

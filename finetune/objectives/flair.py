@@ -189,6 +189,7 @@ class FlairTerm(Term):
     """
 
     name = "flair"
+    contrastive = True
     needs = frozenset({FIELD_SUBCAPTIONS})
     produces = frozenset({FIELD_SUBCAPTIONS, FIELD_IDS, FIELD_MASK})
     requests = frozenset({"image", FEATURE})
@@ -264,6 +265,13 @@ class FlairTerm(Term):
 
     def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
         return {FEATURE: TextRequest(batch[FIELD_IDS], batch[FIELD_MASK])}
+
+    def shape_scan(self, dataset: Any, model: Any) -> Any:
+        """The sub-captions are drawn every epoch (:meth:`prepare`), so their lengths cannot be listed before
+        training: the caption kind plans every bucket length."""
+        from .shapes import TEXT, ShapeScan
+
+        return ShapeScan(open_kinds=frozenset({TEXT}))
 
     # -- loss ---------------------------------------------------------------------------------------
     def draw_seed(self) -> int:

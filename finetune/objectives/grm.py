@@ -224,6 +224,7 @@ class GRMTerm(Term):
     needs = frozenset({"grm_image_key"})
     produces = frozenset({"grm_image_key"})
     requests = frozenset({"image", "text"})
+    contrastive = True
     features = frozenset({"grm_image_key"})
 
     def __init__(self, options: GRMOptions | None = None) -> None:
@@ -301,7 +302,9 @@ class GRMTerm(Term):
         image_tokens = model.project_image_states(feats["image_states"])
         text_tokens = model.project_text_states(feats["text_states"])
         image = head.encode_image(image_tokens)
-        text = head.encode_text(text_tokens, feats["text_mask"])
+        # the Gumbel noise of the text gates drawn for max_text_len positions: the bucket a batch is padded to does
+        # not decide which noise lands on its tokens
+        text = head.encode_text(text_tokens, feats["text_mask"], noise_length=int(model.max_text_len))
         keys = feats["grm_image_key"]
         all_keys = _all_keys(keys)
         positives = keys[:, None] == all_keys[None, :]

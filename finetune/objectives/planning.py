@@ -12,13 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 from finetune.data.collate import EPOCH_KEY
 
-from .base import TERM_PLANS, TEXT_PLAN
+from .base import N_SAMPLES, TERM_PLANS, TEXT_PLAN, Features
 
-__all__ = ["MicroPlans", "PlannedCollate", "split_batch"]
+__all__ = ["MicroPlans", "PlannedCollate", "merge_features", "split_batch"]
 
 
 @dataclass
@@ -98,3 +99,27 @@ def _slice(obj: Any, sl: slice, size: int) -> Any:
     if isinstance(obj, (Tensor, list)) and len(obj) == size:
         return obj[sl]
     return obj
+
+
+def merge_features(parts: list[Features]) -> Features:
+    """Concatenate the features of micro-batches as if they were encoded from one batch.
+
+    Every tensor is concatenated along dim 0; ``*_owner`` rows are offset by the number of samples of the
+    micro-batches before them; ``n_samples`` is summed; ``image_grid`` is taken from the first part.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    merged: Features = {}
+    offsets = [0]
+    for p in parts[:-1]:
+        offsets.append(offsets[-1] + int(p[N_SAMPLES]))
+    for key in parts[0]:
+        if key == N_SAMPLES:
+            merged[key] = torch.tensor(offsets[-1] + int(parts[-1][N_SAMPLES]))
+        elif key == "image_grid":
+            merged[key] = parts[0][key]
+        elif key.endswith("_owner"):
+            merged[key] = torch.cat([p[key] + off for p, off in zip(parts, offsets)])
+        else:
+            merged[key] = torch.cat([p[key] for p in parts])
+    return merged

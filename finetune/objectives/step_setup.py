@@ -1,16 +1,19 @@
-"""What a training run fixes about its step before the first batch (issue 29 items 1-2), in one place the trainer
-calls: the batch shapes (:mod:`finetune.objectives.shapes`), the attention backend (``train.attention``,
-:mod:`finetune.models.backends.attention`) and ``train.compile`` (:mod:`finetune.models.compile`).
+"""What a training run fixes about its step before the first batch (issues 29 and 37), in one place the trainer
+calls: the batch shapes and their planned text lengths (:mod:`finetune.objectives.shapes`), the attention backend
+(``train.attention``, :mod:`finetune.models.backends.attention`) and ``train.compile``
+(:mod:`finetune.models.compile`).
 
 The trainer calls :func:`setup_step` once, wraps its collate function with :meth:`StepSetup.collate`, runs every
-step inside :meth:`StepSetup.attention`, its first step through :meth:`StepSetup.observed` (which SDPA kernels ran,
-at which shapes) and records :meth:`StepSetup.summary` in the run's log and ``metrics.json``.
+step inside :meth:`StepSetup.attention_context`, before its first step :meth:`StepSetup.warm_up` (on a GPU or with
+compiled blocks every planned text length once, so that no later step meets a new shape), its first step through :meth:`StepSetup.observed`
+(which SDPA kernels ran, at which shapes) and records :meth:`StepSetup.summary` in the run's log and
+``metrics.json``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -18,6 +21,7 @@ import torch
 from finetune.models.backends.attention import SdpaCalls, attention_context, describe_attention
 from finetune.models.compile import compile_blocks, compile_options, compiled_graphs
 
+from .base import TEXT_PLAN
 from .planning import PlannedCollate
 from .shapes import BatchShapes, plan_shapes
 
@@ -33,7 +37,7 @@ class StepSetup:
     Attributes:
         objective: the run's objective (its terms hold :attr:`shapes`).
         model: the model being trained.
-        shapes: the batch shapes every batch is padded to.
+        shapes: the planned batch shapes (text bucket lengths, row capacities).
         attention: ``train.attention``; ``device``: where the step runs.
         compile: the ``torch.compile`` keywords of ``train.compile`` (None: off) and ``blocks`` compiled.
         micro_batches: ``train.accumulation_steps``.
@@ -50,6 +54,11 @@ class StepSetup:
     #: the fused SDPA kernels the observed (first) step ran, by backend, and at how many distinct shapes
     first_step_kernels: dict[str, int] = field(default_factory=dict)
     first_step_shapes: int = 0
+    #: warm-up passes run before the first step (:meth:`warm_up`), and the recompile limit set for compiled blocks
+    warmup_passes: int = 0
+    recompile_limit: int | None = None
+    #: run :meth:`warm_up` on any device (a CPU dry run of a GPU benchmark); False: where it pays (:attr:`warms_up`)
+    warm_up_always: bool = False
 
     def collate(self, collate_fn: Callable[[list[dict]], dict[str, Any]]) -> PlannedCollate:
         """``collate_fn`` planned for the step (:class:`~finetune.objectives.planning.PlannedCollate`)."""
@@ -67,6 +76,43 @@ class StepSetup:
         self.first_step_shapes = len(set(calls.shapes))
         return out
 
+    @property
+    def warms_up(self) -> bool:
+        """Whether :meth:`warm_up` runs: on a GPU (a new shape builds attention graphs: cuDNN's, CUDA graphs) and
+        wherever blocks are compiled (a new shape recompiles them); on a CPU without compiled blocks a new shape
+        costs nothing, and the first steps meet the lengths as they come (unless :attr:`warm_up_always`)."""
+        return self.warm_up_always or self.device.type == "cuda" or self.compile is not None
+
+    def warm_up(self, run: Callable[[dict[str, Any]], Any], batch: dict[str, Any]) -> int:
+        """Run ``run`` (the step's forward and backward, no update) on ``batch`` at every planned text length
+        (:func:`warmup_lengths`), so that every (kind, length) shape of the run has run before the first step:
+        attention graphs (cuDNN) and compiled blocks are built here (in the step's attention context), never later.
+        The batch's rows
+        are cut or padded to each length (a warm-up plan: its values are not used). The RNG state is restored
+        after, so that the run trains as it would without the warm-up. Nothing to run (0) where it does not pay
+        (:attr:`warms_up`) and where every kind has one planned length and no block is compiled: the first step runs
+        that shape. Returns the passes run.
+
+        Args:
+            run: one forward and backward on a batch on the device, its gradients discarded by the caller.
+            batch: the first batch of the run (on the device), with its :class:`TextPlan`.
+        """
+        plan = batch.get(TEXT_PLAN)
+        if plan is None or not plan.lengths or not self.warms_up:
+            return 0
+        todo = warmup_lengths(self.shapes, list(plan.lengths))
+        if len(todo) == 1 and self.compile is None:  # one length per kind: the first step is that shape
+            return 0
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), self.attention_context():
+            for lengths in todo:
+                run({**batch, TEXT_PLAN: replace(plan, lengths=lengths, warmup=True)})
+        self.warmup_passes += len(todo)
+        if todo:
+            done = "; ".join(", ".join(f"{k} {v}" for k, v in sorted(t.items())) for t in todo)
+            log.info("warm-up: %d forward+backward pass(es) ran every planned text length (%s)", len(todo), done)
+        return len(todo)
+
     def summary(self) -> dict[str, Any]:
         """What ``metrics.json`` records: the shapes, the attention setting and the kernels of the first step, the
         compile mode and how many graphs were compiled so far in this process."""
@@ -75,8 +121,20 @@ class StepSetup:
                      "first_step_shapes": self.first_step_shapes}
         compiled = None
         if self.compile is not None:
-            compiled = {**self.compile, "blocks": self.blocks, "graphs_compiled": compiled_graphs()}
-        return {"shapes": self.shapes.summary(), "attention": attention, "compile": compiled}
+            compiled = {**self.compile, "blocks": self.blocks, "graphs_compiled": compiled_graphs(),
+                        "recompile_limit": self.recompile_limit}
+        return {"shapes": {**self.shapes.summary(), "warmup_passes": self.warmup_passes}, "attention": attention,
+                "compile": compiled}
+
+
+def warmup_lengths(shapes: BatchShapes, kinds: Any) -> list[dict[str, int]]:
+    """The text lengths of the warm-up passes, so that every planned (kind, length) pair of ``kinds`` (a batch's
+    :attr:`TextPlan.lengths`) runs once: as many passes as the kind with the most planned lengths, the i-th pass
+    each kind at its i-th length (its last when it has fewer). The first batch's own lengths are run too: the first
+    step runs under the FLOP counter's dispatch mode, which compiled blocks do not compile under."""
+    planned = {kind: shapes.lengths(kind) for kind in kinds}
+    count = max((len(v) for v in planned.values()), default=0)
+    return [{kind: v[min(i, len(v) - 1)] for kind, v in planned.items()} for i in range(count)]
 
 
 def setup_step(module: Any, cfg: Any, dataset: Any, device: torch.device | str) -> StepSetup:
@@ -85,25 +143,45 @@ def setup_step(module: Any, cfg: Any, dataset: Any, device: torch.device | str) 
 
     Args:
         module: the ``TrainModule`` (``.model``, ``.objective``).
-        cfg: the recipe's ``train`` section (``attention``, ``compile``, ``accumulation_steps``).
+        cfg: the recipe's ``train`` section (``attention``, ``compile``, ``accumulation_steps``, ``text_buckets``).
         dataset: the preprocessed training set, or a stream (nothing is scanned then).
         device: the training device.
+
+    Raises:
+        ValueError: a ``train.text_buckets`` list the model cannot take
+            (:func:`~finetune.objectives.shapes.run_buckets`).
     """
     model, objective = module.model, module.objective
-    shapes = plan_shapes(objective, model, dataset)
+    shapes = plan_shapes(objective, model, dataset, getattr(cfg, "text_buckets", None))
     objective.set_shapes(shapes)
     caps = ", ".join(f"{k} {v}" for k, v in sorted(shapes.capacities.items()))
-    log.info("fixed shapes: texts padded to %d tokens, short texts to %d%s", shapes.text_length,
-             shapes.short_length, f"; rows per sample: {caps}" if caps else "")
+    log.info("batch shapes: text passes padded to the smallest planned length that holds their longest row (%s)%s",
+             "; ".join(f"{k} {list(v)}" for k, v in sorted(shapes.planned.items())),
+             f"; rows per sample: {caps}" if caps else "")
     attention = str(getattr(cfg, "attention", "auto"))
     info = describe_attention(attention, device)
     log.info("train.attention: %s on %s (%s)", attention, info["device"],
              info["order"] if isinstance(info["order"], str) else "backends in order: " + ", ".join(info["order"]))
     options = compile_options(getattr(cfg, "compile", False))
-    blocks = 0
+    blocks, limit = 0, None
     if options is not None:
         blocks = compile_blocks(model, **options)
-        log.info("train.compile: %d transformer blocks compiled with torch.compile(%s)", blocks,
-                 ", ".join(f"{k}={v}" for k, v in options.items()))
-    return StepSetup(objective, model, shapes, attention, torch.device(device), options, blocks,
-                     int(getattr(cfg, "accumulation_steps", 1)))
+        limit = allow_recompiles(shapes)
+        log.info("train.compile: %d transformer blocks compiled with torch.compile(%s); up to %d graphs per block "
+                 "(one per planned shape)", blocks, ", ".join(f"{k}={v}" for k, v in options.items()), limit)
+    setup = StepSetup(objective, model, shapes, attention, torch.device(device), options, blocks,
+                      int(getattr(cfg, "accumulation_steps", 1)))
+    setup.recompile_limit = limit
+    return setup
+
+
+def allow_recompiles(shapes: BatchShapes) -> int:
+    """Raise dynamo's per-frame recompile limit (``torch._dynamo.config.recompile_limit``, 8 by default) to what the
+    planned shapes need: a block's code serves the image pass and every planned text (kind, length), in training
+    and again under evaluation's ``no_grad``, so that no planned shape falls back to eager. Returns the limit."""
+    import torch._dynamo.config as dynamo
+
+    need = 2 * (shapes.planned_pairs() + 4)
+    limit = max(int(dynamo.recompile_limit), need)
+    dynamo.recompile_limit = limit
+    return limit

@@ -8,12 +8,16 @@
 - :mod:`~finetune.training.loaders`: per-epoch seeded shuffles over one pass of persistent workers;
 - :mod:`~finetune.training.throughput`: steady samples/s, data-wait share, FLOPs, MFU;
 - :mod:`~finetune.training.trainer`: the loop (:class:`Trainer`, :class:`TrainModule`);
+- :mod:`~finetune.training.preflight`: the one check before a run, what ``xlipkit validate``, ``preview`` and ``train``
+  all call (the recipe's code, its objective built once, its stream, the ``assets`` it needs from outside and the
+  ``upstream`` runs it builds on, ``output.dir``);
 - :mod:`~finetune.training.recipe`: a run end to end (:class:`FinetuneRecipe`, :func:`run_recipe`): ``setup``,
   ``setup_data``, ``setup_model``, ``setup_eval``, ``train``, ``finish`` over one typed
-  :class:`~finetune.training.context.RunContext`, with the helpers of each stage: ``checks`` (before anything
-  slow), ``inputs`` (the sets, the rows, the stream), ``model`` (the start model, made ready), ``outputs`` (after
-  training), ``prerequisites`` (``model.init_from``, ``eval.compare_with``), ``environment`` (the accelerator, the
-  logging, the threads), ``ending`` (how a stopped or failed run ends, and the command that continues it).
+  :class:`~finetune.training.context.RunContext`, with the helpers of each stage: ``size_checks`` (the batch, the
+  disk, the warm-up, once the data and model are loaded), ``inputs`` (the sets, the rows, the stream), ``model`` (the
+  start model, made ready), ``outputs`` (after training), ``upstream`` (``model.init_from``, ``eval.compare_with``
+  reused or trained first), ``environment`` (the accelerator, the logging, the threads), ``ending`` (how a stopped
+  or failed run ends, and the command that continues it).
 
 Features:
 - one process, DDP, FSDP or DeepSpeed, from ``accelerate config`` / ``accelerate launch``; mixed precision

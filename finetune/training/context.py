@@ -12,7 +12,7 @@ from typing import Any
 from finetune.config import Recipe, recipe_to_dict
 from finetune.evaluation import RetrievalOptions
 from finetune.objectives import Objective
-from finetune.training.prerequisites import Prerequisites
+from finetune.training.upstream import Prerequisites
 from finetune.training.trainer import Trainer, TrainResult
 
 __all__ = ["RunContext", "RunData", "TrainingSet"]

@@ -13,11 +13,12 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
+from finetune.config.secrets import mask_secrets
 from finetune.threads import thread_settings
 from finetune.training.distributed import slurm_environment
 from finetune.training.processes import fsdp_on_cpu, group_timeout
 
-__all__ = ["cpu_threads", "flat_scalars", "launched_as_main", "make_accelerator", "setup_logging"]
+__all__ = ["MaskSecrets", "cpu_threads", "flat_scalars", "launched_as_main", "make_accelerator", "setup_logging"]
 
 
 def make_accelerator(recipe: Any) -> Accelerator:
@@ -51,6 +52,18 @@ def launched_as_main() -> bool:
     return all(os.environ.get(v, "0") == "0" for v in ("RANK", "SLURM_PROCID"))
 
 
+class MaskSecrets(logging.Filter):
+    """A log record's message with every secret masked (:func:`finetune.config.secrets.mask_secrets`: tokens,
+    storage credentials, credentials inside shard URLs), whatever module logged it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = mask_secrets(message)
+        if masked != message:
+            record.msg, record.args = masked, ()
+        return True
+
+
 class _CurrentStderr(logging.StreamHandler):
     """A handler that writes to whatever ``sys.stderr`` is when a record is emitted, not the stream it was made with
     (a caller that swaps ``sys.stderr`` for a while, as pytest's capture or a progress bar does, would otherwise
@@ -66,13 +79,15 @@ class _CurrentStderr(logging.StreamHandler):
 
 
 def setup_logging(main: bool) -> None:
-    """The ``xlipkit`` logger on stderr: INFO on the main process, WARNING on the others (once per process)."""
+    """The ``xlipkit`` logger on stderr: INFO on the main process, WARNING on the others (once per process); what it
+    prints never shows a secret (:class:`MaskSecrets`)."""
     level = logging.INFO if main else logging.WARNING
     logger = logging.getLogger("xlipkit")
     logger.setLevel(level)
     if not logger.handlers:
         h = _CurrentStderr()
         h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        h.addFilter(MaskSecrets())
         logger.addHandler(h)
         logger.propagate = False
 

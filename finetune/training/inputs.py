@@ -17,7 +17,9 @@ from finetune.data.skipping import drop_undecodable
 from finetune.data.sources import load_source
 from finetune.data.streams import (ExampleStream, ShardIndex, check_stream_columns, check_stream_shards, open_stream,
                                    shard_layout)
+from finetune.data.streams.index import changed_shards
 from finetune.data.streams.source import stream_shards
+from finetune.data.streams.urls import DEFAULT_READ_TIMEOUT_S, ReadPolicy, storage_options
 from finetune.evaluation import set_label
 from finetune.objectives import Objective, Term
 from finetune.runs.checkpoints import read_stream_index
@@ -28,7 +30,15 @@ from finetune.training.distributed import resume_problem
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["find_resume", "load_data", "open_train_stream", "preprocesses", "stream_report", "training_set"]
+__all__ = ["find_resume", "load_data", "open_train_stream", "preprocesses", "read_policy", "stream_report",
+           "training_set"]
+
+
+def read_policy(recipe: Recipe) -> ReadPolicy:
+    """How the recipe's stream may be read: ``pipe:`` commands only when the user allowed the recipe's code on the
+    command line (``Recipe.trust_code``, never a recipe key), remote reads bounded by ``data.read_timeout_s``."""
+    return ReadPolicy(commands=bool(getattr(recipe, "trust_code", False)),
+                      timeout_s=float(getattr(recipe.data, "read_timeout_s", DEFAULT_READ_TIMEOUT_S)))
 
 
 def load_data(recipe: Recipe, accelerator: Any) -> RunData:
@@ -48,10 +58,11 @@ def load_data(recipe: Recipe, accelerator: Any) -> RunData:
     train, index = None, None
     if recipe.data.train.is_stream:  # a typed SourceSpec since load_recipe
         try:
-            check_stream_shards(recipe.data.train, accelerator.num_processes)
+            policy = read_policy(recipe)
+            check_stream_shards(recipe.data.train, accelerator.num_processes, policy)
             index = stream_index(recipe, accelerator, resume)
             source = open_stream(recipe.data.train, rank=accelerator.process_index,
-                                 world_size=accelerator.num_processes, index=index)
+                                 world_size=accelerator.num_processes, index=index, policy=policy)
             check_stream_columns(recipe.data.train, source=source)
             check_broken_shards(source, recipe.data.on_error)
             readers = accelerator.num_processes * max(1, recipe.data.num_workers)
@@ -82,33 +93,59 @@ def load_data(recipe: Recipe, accelerator: Any) -> RunData:
 
 def stream_index(recipe: Recipe, accelerator: Any, resume: Path | None) -> ShardIndex:
     """The streamed ``data.train``'s shard index (sample counts), the same on every process: the one the resumed
-    checkpoint saved (its positions count on it), else ``options.index``, else counted once by the main process
-    (:func:`finetune.data.streams.build_index`) and told to the others.
+    checkpoint saved (its positions count on it; its shards checked unchanged, :func:`resumed_index`), else
+    ``options.index``, else counted once by the main process (:func:`finetune.data.streams.build_index`) and told to
+    the others.
 
     Raises:
-        DataError: on every process, when the main process could not count (naming the shard).
+        DataError: on every process, when the main process could not count (naming the shard), or a shard changed
+            since the checkpoint was saved.
     """
     spec = recipe.data.train
     found, error = None, None
     if accelerator.is_main_process:
         try:
             saved = read_stream_index(resume) if resume is not None else None
-            kind, urls = stream_shards(spec)
             if saved is not None:
-                found = ShardIndex.from_json(saved, kind, where=f"{resume}/stream_index.json")
-                if not found.matches(urls):
-                    raise DataError(f"train.resume: the checkpoint {resume} was saved reading other shards than "
-                                    "data.train's; resume with the shards it was saved with")
+                found = resumed_index(recipe, saved, resume)
             else:
-                found = open_stream(spec).index
-            found = found.to_json()
+                found = open_stream(spec, policy=read_policy(recipe)).index
         except DataError as exc:
             error = str(exc)
     if accelerator.num_processes > 1:
         found, error = broadcast_object_list([found, error])
     if error:
         raise DataError(error)
-    return ShardIndex.from_json(found, found["kind"], where="the stream index")
+    return found
+
+
+def resumed_index(recipe: Recipe, saved: dict[str, Any], resume: Path) -> ShardIndex:
+    """The shard index a checkpoint saved, over ``data.train``'s shards, after checking that they are the shards it
+    was saved reading: the same urls, and the same content where the index recorded what identifies it (each shard's
+    size and the digest of its first bytes, :func:`~finetune.data.streams.index.fingerprint`). A shard rewritten
+    with the same number of samples would otherwise be read at the saved positions as if it were the old one.
+
+    Raises:
+        DataError: other shards, or a changed shard (naming it) unless ``train.resume_ignore_changes``.
+    """
+    spec = recipe.data.train
+    kind, urls = stream_shards(spec)
+    found = ShardIndex.from_json(saved, kind, where=f"{resume}/stream_index.json")
+    if not found.matches(urls):
+        raise DataError(f"train.resume: the checkpoint {resume} was saved reading other shards than "
+                        "data.train's; resume with the shards it was saved with")
+    found = found.for_urls(urls)
+    changed = changed_shards(found, storage_options(spec), read_policy(recipe), name=spec.name)
+    if changed:
+        listed = "; ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        if not recipe.train.resume_ignore_changes:
+            raise DataError(
+                f"train.resume: {len(changed)} shard(s) of data.train changed since the checkpoint {resume} was saved "
+                f"({listed}): its positions would now read other samples than the run trained on. Resume with the "
+                "shards it was saved with, or set train.resume_ignore_changes: true to continue on the new data")
+        log.warning("train.resume_ignore_changes: %d shard(s) changed since the checkpoint was saved (%s); the run "
+                    "continues at its saved positions in the new data", len(changed), listed)
+    return found
 
 
 def check_broken_shards(source: Any, on_error: str) -> None:
@@ -182,7 +219,7 @@ def open_train_stream(recipe: Recipe, objective: Objective, model: Any, accelera
     shard index), the objective's per-example work (``stream_map``) run on every example."""
     spec = recipe.data.train
     rank, world = accelerator.process_index, accelerator.num_processes
-    raw = open_stream(spec, rank=rank, world_size=world, index=index)
+    raw = open_stream(spec, rank=rank, world_size=world, index=index, policy=read_policy(recipe))
     per_epoch = raw.num_examples / recipe.train.batch_size
     log.info("training on a stream: %s, %s; an epoch is %.1f steps of train.batch_size=%d, %d steps in all",
              spec.name, shard_layout(raw.num_shards, world, recipe.data.num_workers, raw.num_examples), per_epoch,

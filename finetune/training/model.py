@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from finetune.config import Recipe
+from finetune.config import Recipe, RecipeError
 from finetune.config.model_options import family_loader_options
 from finetune.models.adapters import apply_adapter, enable_gradient_checkpointing
 from finetune.models.families import recipe_family
-from finetune.models.finetuned import apply_text_length, load_finetuned, load_model, read_info
+from finetune.models.finetuned import TextLengthError, apply_text_length, load_finetuned, load_model, read_info
 from finetune.objectives import Objective
-from finetune.training.prerequisites import Prerequisite
+from finetune.training.upstream import Prerequisite
 
 log = logging.getLogger("xlipkit")
 
@@ -28,8 +28,17 @@ def load_start_model(m: Any, init: Prerequisite | None) -> Any:
 
     Args:
         m: the recipe's ``model`` section.
-        init: the ``model.init_from`` run (:class:`~finetune.training.prerequisites.Prerequisite`), or None.
+        init: the ``model.init_from`` run (:class:`~finetune.training.upstream.Prerequisite`), or None.
+    Raises:
+        RecipeError: ``model.max_text_len`` below what the model has.
     """
+    try:
+        return _load_start_model(m, init)
+    except TextLengthError as exc:  # a recipe value the model cannot take, not a broken model
+        raise RecipeError(f"model.max_text_len: {exc}", key="model.max_text_len") from None
+
+
+def _load_start_model(m: Any, init: Prerequisite | None) -> Any:
     kps = dict(vars(m.kps)) if m.kps is not None else None
     if init is None:
         return load_model(m.name_or_path, family=recipe_family(m), max_text_len=m.max_text_len, dtype=m.dtype,

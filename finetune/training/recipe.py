@@ -18,23 +18,20 @@ plots/, final/, checkpoints/) -> optional hub push.
 from __future__ import annotations
 
 import logging
-import sys
 
 from accelerate.utils import set_seed
 
-from finetune.config import Recipe, RecipeError, dump_recipe
+from finetune.config import Recipe, RecipeError, dump_recipe, refuse_recipe
 from finetune.data.collate import Collator
 from finetune.data.images import DataError
 from finetune.data.skipping import SkippingDataset, SkipReportingCollate
 from finetune.evaluation import RetrievalOptions, evaluate_sets, format_table
 from finetune.models.finetuned import ModelNotFoundError
 from finetune.models.weight_files import DamagedWeightsError
-from finetune.objectives import Objective, build_objective
 from finetune.runs.errors import RunFolderError
-from finetune.runs.folder import check_run_folder, clean_stale_temporaries, clear_previous_run
+from finetune.runs.folder import clean_stale_temporaries, clear_previous_run
 from finetune.runs.lock import RunLock, lock_on_main_process
 from finetune.training.checkpoint import is_write_error
-from finetune.training.checks import check_batch, check_room, check_stream_recipe, check_warmup
 from finetune.training.context import RunContext
 from finetune.training.distributed import check_engine, load_whole_under_fsdp, load_whole_under_zero3
 from finetune.training.ending import stopped_or_failed
@@ -43,10 +40,12 @@ from finetune.training.environment import (cpu_threads, flat_scalars, launched_a
 from finetune.training.inputs import load_data, training_set
 from finetune.training.model import load_start_model, parameter_counts, prepare_for_training
 from finetune.training.outputs import evaluate_after, final_checkpoint, final_save_failed, write_outputs
-from finetune.training.prerequisites import PrerequisiteError, ensure_all
+from finetune.training.preflight import Preflight, output_action, preflight
 from finetune.training.processes import start_processes
 from finetune.training.signals import RunInterrupted, TrainingStopped, stop_signals
+from finetune.training.size_checks import check_batch, check_room, check_warmup
 from finetune.training.trainer import Trainer, TrainModule
+from finetune.training.upstream import PrerequisiteError, ensure_all
 
 log = logging.getLogger("xlipkit")
 
@@ -56,47 +55,39 @@ __all__ = ["FinetuneRecipe", "run_recipe"]
 class FinetuneRecipe:
     """One run of a recipe, stage by stage, over one :class:`~finetune.training.context.RunContext` (:attr:`ctx`).
 
-    Nothing is written before the whole recipe is checked: the run folder, the objective (and a stream it must
-    read), the runs it builds on, the resume target, the data. ``output.dir`` is locked while the run lasts
+    Nothing is written before the whole recipe is checked: everything :func:`~finetune.training.preflight.preflight`
+    checks (the objective, built there once, and a stream it must read, every asset, the runs it builds on,
+    ``output.dir``), then the resume target and the data. ``output.dir`` is locked while the run lasts
     (:class:`finetune.runs.lock.RunLock`, taken by the main process of a launch): another run into the same folder
     is refused naming this one's PID.
 
     Args:
         recipe: a loaded :class:`finetune.config.Recipe`.
         chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
+        checked: the recipe's :class:`~finetune.training.preflight.Preflight`, when the caller made it (the command
+            line does); made here otherwise.
 
     Raises:
-        RecipeError: the objective cannot be built from ``objective``, or cannot run on a streamed
-            ``data.train``.
+        RecipeError: the recipe cannot run (:meth:`Preflight.raise_if_refused`: every reason in one message).
     """
 
-    def __init__(self, recipe: Recipe, *, chain: tuple[str, ...] = (), objective: Objective | None = None) -> None:
-        try:  # the run's one objective, built (no model, no random draws) before any prerequisite trains
-            objective = objective if objective is not None else build_objective(recipe.objective)
-        except RecipeError:
-            raise
-        except ValueError as exc:  # a term's options that cannot work together, nothing to optimise, ...
-            raise RecipeError(str(exc), key="objective") from None
-        self.ctx = RunContext(recipe=recipe, objective=objective, chain=chain)
+    def __init__(self, recipe: Recipe, *, chain: tuple[str, ...] = (), checked: Preflight | None = None) -> None:
+        checked = checked if checked is not None else preflight(recipe)
+        checked.raise_if_refused()
+        self.ctx = RunContext(recipe=recipe, objective=checked.objective, chain=chain)
 
     # -- the stages ---------------------------------------------------------------------------------
     def setup(self) -> None:
-        """Check the run folder and a streamed ``data.train``, make sure the runs this one builds on exist (training
-        them first when needed), then start the accelerator, the logging and the seed.
+        """Decide what the run does with its folder, now that it holds the folder's lock, make sure the runs this one
+        builds on exist (training them first when needed), then start the accelerator, the logging and the seed.
 
         Raises:
             RunFolderError: the run folder holds another run.
-            RecipeError: the objective cannot train on the stream ``data.train`` names.
             PrerequisiteError: a run this one builds on cannot be used or failed.
         """
         ctx = self.ctx
         recipe = ctx.recipe
-        ctx.action = check_run_folder(ctx.out_dir, ctx.recipe_dict,
-                                      overwrite=bool(getattr(recipe.output, "overwrite", False)),
-                                      resume=recipe.train.resume,
-                                      ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)),
-                                      recipe_file=recipe.source)
-        check_stream_recipe(recipe, ctx.objective)  # before anything slow
+        ctx.action = output_action(recipe)  # the preflight's check again, under the lock: a run may have ended there
         setup_logging(launched_as_main())  # so that a prerequisite trained first is said (INFO) before it trains
         ctx.prerequisites = ensure_all(recipe, run_recipe, ctx.chain)
         ctx.accelerator = make_accelerator(recipe)
@@ -214,7 +205,7 @@ class FinetuneRecipe:
         try:
             lock = lock_on_main_process(lock)
         except RunFolderError as exc:
-            return _refused(str(exc))
+            return refuse_recipe(str(exc))
         try:
             return self._stages()
         finally:
@@ -229,18 +220,19 @@ class FinetuneRecipe:
             self.setup()
             self.setup_data()
         except (RunFolderError, PrerequisiteError, DataError) as exc:
-            return _refused(str(exc))
+            return refuse_recipe(str(exc))
         try:
             self.setup_model()
             self.setup_eval()
             self.train()
             return self.finish()
-        except (ModelNotFoundError, RunFolderError, DamagedWeightsError) as exc:  # unknown model, no room, bad weights
+        except (ModelNotFoundError, RunFolderError, DamagedWeightsError, RecipeError) as exc:  # no model, no room,
+            # bad weights, a value the model cannot take (model.max_text_len)
             if ctx.action == "new" and ctx.accelerator.is_main_process:  # leave no half-started run behind
                 clear_previous_run(ctx.out_dir)
                 if ctx.out_dir.is_dir() and not any(ctx.out_dir.iterdir()):
                     ctx.out_dir.rmdir()
-            return _refused(f"model.name_or_path: {exc}" if isinstance(exc, ModelNotFoundError) else str(exc))
+            return refuse_recipe(f"model.name_or_path: {exc}" if isinstance(exc, ModelNotFoundError) else str(exc))
         finally:
             if ctx.chain:  # a prerequisite: the launch's process group still serves the run that needs it
                 for tracker in ctx.accelerator.trackers:
@@ -249,35 +241,33 @@ class FinetuneRecipe:
                 ctx.accelerator.end_training()
 
 
-def _refused(message: str) -> int:
-    print(f"recipe error: {message}", file=sys.stderr)
-    return 2
-
-
-def run_recipe(recipe: Recipe, *, chain: tuple[str, ...] = (), objective: Objective | None = None) -> int:
+def run_recipe(recipe: Recipe, *, chain: tuple[str, ...] = (), checked: Preflight | None = None) -> int:
     """Run a validated recipe end to end (:class:`FinetuneRecipe`); returns the process exit status.
 
     The runs it builds on (``model.init_from``, ``eval.compare_with``) are reused when current, else trained
     first by this same function in this same process (in a multi-process launch, by every process together:
-    one DDP run, see :mod:`finetune.training.prerequisites`). A signal or a failure the user can act on ends the
+    one DDP run, see :mod:`finetune.training.upstream`). A signal or a failure the user can act on ends the
     run with a message and a status (:func:`finetune.training.ending.stopped_or_failed`), not a traceback.
+
+    Before anything is loaded or written, the recipe goes through :func:`~finetune.training.preflight.preflight`
+    (the same check as ``xlipkit validate``'s), unless the caller passes the one it made (``checked``); a recipe it
+    refuses ends the run as ``recipe error: ...``, status 2, every reason in one message.
 
     Args:
         recipe: a loaded :class:`finetune.config.Recipe`.
         chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
-        objective: the run's objective, when the caller already built it from ``recipe.objective`` (the command
-            line does, for its checks); built here otherwise.
-
-    Raises:
-        RecipeError: the objective cannot be built from ``objective``, or cannot run on a streamed
-            ``data.train`` (checked with the run's one objective before anything is written or loaded).
+        checked: the recipe's :class:`~finetune.training.preflight.Preflight` when the caller made it (the command
+            line does); its objective is the one the run trains.
     """
+    checked = checked if checked is not None else preflight(recipe)
+    if not checked.ok:
+        return refuse_recipe(checked.message())
     if chain:  # a prerequisite: its stops and failures end the run that needs it, which says what to do
-        return FinetuneRecipe(recipe, chain=chain, objective=objective).run()
+        return FinetuneRecipe(recipe, chain=chain, checked=checked).run()
     with stop_signals():
         try:
             start_processes(recipe)  # the launch checked, its first process group made (the rank decides the lock)
-            return FinetuneRecipe(recipe, objective=objective).run()
+            return FinetuneRecipe(recipe, checked=checked).run()
         except BaseException as exc:  # noqa: B036 - a signal's RunInterrupted is a KeyboardInterrupt
             status = stopped_or_failed(exc, recipe)
             if status is None:

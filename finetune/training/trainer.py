@@ -28,7 +28,8 @@ from finetune.data.collate import normalize_pixels
 from finetune.data.prefetch import DevicePrefetcher
 from finetune.data.skipping import SKIPPED_KEY
 from finetune.data.streams import StreamLoader, set_terms_epoch
-from finetune.objectives.base import Features, Objective, merge_features
+from finetune.objectives.base import Features, Objective
+from finetune.objectives.planning import merge_features
 from finetune.objectives.planning import split_batch
 from finetune.runs.checkpoints import list_checkpoints, read_stream_states, rng_problem, rng_state_name
 from finetune.runs.identity import continuation_view
@@ -322,6 +323,14 @@ class Trainer:
                 self.acc.backward(out["loss"] * self.acc.gradient_accumulation_steps)
         return out
 
+    def _warm_up(self, batch: dict[str, Any]) -> None:
+        """Forward and backward of the first batch at every planned text length, gradients dropped, no update
+        (:meth:`~finetune.objectives.step_setup.StepSetup.warm_up`). Not under DeepSpeed, whose backward steps the
+        optimiser: there the first step at each length builds its graphs."""
+        if self.acc.state.deepspeed_plugin is None:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)
+            self.step_setup.warm_up(lambda b: (self._step(b), inner.zero_grad(set_to_none=True)), batch)
+
     def train_step(self, batch: dict[str, Any], step: int) -> None:
         """One optimiser step on a batch already on the device, without reading anything back: forward and
         backward (:meth:`_step`), the loss terms and the non-finite check into :attr:`meter`, clipping, the
@@ -481,6 +490,8 @@ class Trainer:
                 clock.wait_s += time.perf_counter() - waited
                 self._note_skipped(batch, count_batch(self.epochs, batch, self.state.step, self.steps_per_epoch))
                 step = self.state.step + 1
+                if step == first + 1:  # every planned text length runs once before this process's first step
+                    self._warm_up(batch)
                 if step == 1:  # FLOPs of the first step from the shapes (finetune.training.throughput); only in a
                     # fresh run: ops under a dispatch mode may round differently, and a resumed run must match
                     _, self.state.flops_per_step = count_flops(

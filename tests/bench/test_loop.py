@@ -27,11 +27,14 @@ def _check_case(r: dict) -> None:
     assert 0 <= r["data_wait_share"] <= 1
     assert r["loop_steady_steps"] == r["bare_steady_steps"] == STEADY and r["loop_steady_from_step"] == WARMUP
     assert r["batch"] == BATCH
-    f = r["flops"]  # counted on the padded shapes, the same for every step of a fixed-shape run
-    assert f["per_step_steady"] > 0 and f["same_every_step"] is True
-    assert r["bare_tflops"] == pytest.approx(f["per_sample_g"] * 1e9 * r["bare_samples_per_s"] / 1e12)
+    f = r["flops"]  # a probe step counted at its text plan and at half its lengths: FLOPs per text token
+    assert f["per_step_probe"] > 0 and f["per_computed_text_token"] > 0
+    assert f["per_step_bare"] >= f["per_step_bare_real_tokens"] > 0  # padding's FLOPs taken out of the second
+    assert r["bare_tflops"] == pytest.approx(f["per_step_bare"] * r["bare_samples_per_s"] / BATCH / 1e12)
+    assert 0 <= r["text_tokens"]["bare_padding_share"] < 1
+    assert r["bare_mfu"] is None and r["bare_mfu_real_tokens"] is None  # no peak known for a CPU
     assert r["attention"]["ran"] in ("flash", "math") and r["attention"]["setting"] == "auto"
-    assert r["shapes"]["loop"]["new_attention_shapes_per_step"] == 0  # fixed shapes: none new after warm-up
+    assert r["shapes"]["loop"]["new_attention_shapes_per_step"] == 0  # the warm-up ran every planned length
     assert r["shapes"]["bare"]["new_attention_shapes_per_step"] == 0
     assert r["shapes"]["loop"]["attention_calls_per_step"] > 0
     assert r["recompiles"] is None and r["compiled"] is False
@@ -68,7 +71,7 @@ def test_a_compiled_case_counts_its_recompiles(tmp_path):
     assert r["compiled"] is True and r["shapes"]["loop"]["new_attention_shapes_per_step"] is None
     rc = r["recompiles"]
     assert rc["graphs"]["after_loop_warmup"] > rc["graphs"]["after_build"]  # the warm-up compiled the blocks
-    assert rc["loop_after_warmup"] == 0 and rc["bare_timed"] == 0  # fixed shapes: nothing recompiled after it
+    assert rc["loop_after_warmup"] == 0 and rc["bare_timed"] == 0  # every planned length compiled before step 1
 
 
 @pytest.mark.slow
@@ -76,7 +79,7 @@ def test_every_case_runs_on_the_cpu(tmp_path):
     result = loop.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "loop.json")])
     assert [r["case"] for r in result["cases"]] == [c.name for c in loop.CASES] and not result["skipped"]
     for r in result["cases"]:
-        assert r["loop_samples_per_s"] > 0 and r["bare_samples_per_s"] > 0 and r["flops"]["same_every_step"]
+        assert r["loop_samples_per_s"] > 0 and r["bare_samples_per_s"] > 0 and r["flops"]["per_step_probe"] > 0
         assert r["batches"]["bare_rows_seen_before"] == 0
 
 
@@ -110,7 +113,9 @@ def test_the_recorder_counts_attention_shapes_new_after_warm_up():
     original = torch.nn.functional.scaled_dot_product_attention
     rec = loop_case.StepRecorder(sdpa=True)
     try:
-        for phase, lengths in (("loop", [4, 4, 5]), ("loop", [4]), ("loop", [6]), ("bare", [6]), ("bare", [7, 7])):
+        rec.phase = "warmup"  # the warm-up's shapes (8) are not new in any step
+        torch.nn.functional.scaled_dot_product_attention(q(8), q(8), q(8), is_causal=True)
+        for phase, lengths in (("loop", [4, 4, 5]), ("loop", [4]), ("loop", [6]), ("bare", [6, 8]), ("bare", [7, 7])):
             rec.begin(phase, {"ids": ["a"], "input_ids": torch.zeros(1, lengths[0])})
             for n in lengths:
                 torch.nn.functional.scaled_dot_product_attention(q(n), q(n), q(n), is_causal=True)
@@ -121,7 +126,7 @@ def test_the_recorder_counts_attention_shapes_new_after_warm_up():
     assert loop_window["new_attention_shapes_per_step"] == 0.5 and loop_window["attention_calls_per_step"] == 1
     assert loop_window["new_input_shapes_per_step"] == 0.5
     bare_window = rec.new_per_step("bare", 1, 2)  # 6 was seen in the loop; 7 is new
-    assert bare_window["new_attention_shapes_per_step"] == 0.5 and bare_window["attention_calls_per_step"] == 1.5
+    assert bare_window["new_attention_shapes_per_step"] == 0.5 and bare_window["attention_calls_per_step"] == 2
     assert rec.ids["loop"] == [["a"]] * 3
 
 
@@ -136,6 +141,23 @@ def test_rows_suffice_for_unseen_batches_of_the_largest_case():
     settings = {"batch": 256, "batch_fixed": False, "warmup": 10, "steady": 40, "bare_warmup": 2}
     cases = [c for c in loop.CASES if c.name in ("clip-248", "flair")]
     assert loop.rows_needed(cases, settings) == 256 * (10 + 2 + 2 * 40 + 2)
+
+
+def test_each_case_reads_only_its_own_rows_with_its_caption_lengths(tmp_path):
+    """A case's training file holds the rows it reads (its batch times its steps), the scenes' own captions, or
+    captions with COCO's or DOCCI's lengths for the cases that ask for them."""
+    folder = loop.write_scenes(tmp_path / "scenes", 60, image_size=32)
+    settings = {"batch": 4, "batch_fixed": True, "warmup": 2, "steady": 4, "bare_warmup": 1}
+    by = {c.name: c for c in loop.CASES}
+    plain = [json.loads(x) for x in loop.case_data(by["clip-248"], settings, folder).read_text().splitlines()]
+    coco = [json.loads(x) for x in loop.case_data(by["grm-coco"], settings, folder).read_text().splitlines()]
+    docci = [json.loads(x) for x in loop.case_data(by["clip-docci"], settings, folder).read_text().splitlines()]
+    assert len(plain) == len(coco) == len(docci) == loop.case_rows(by["clip-248"], settings) == 4 * (2 + 1 + 8 + 2)
+    scenes = [json.loads(x) for x in (folder / "train.jsonl").read_text().splitlines()]
+    assert plain == scenes[:len(plain)] and [r["image"] for r in coco] == [r["image"] for r in plain]
+    assert all(8 <= len(r["caption"].split()) <= 20 for r in coco)
+    assert all(50 <= len(r["caption"].split()) <= 320 for r in docci)
+    assert by["clip-docci-248"].buckets == [248] and set(loop.NEVER_MEASURED) <= set(by)
 
 
 @pytest.mark.slow

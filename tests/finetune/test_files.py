@@ -1,9 +1,13 @@
-"""Files and folders xlipkit writes through temp names get the user's umask, not mkstemp's 0600 / mkdtemp's 0700."""
+"""finetune/files.py: files and folders xlipkit writes through temp names get the user's umask, not mkstemp's 0600 /
+mkdtemp's 0700; a folder put in place of another (``replace_dir``, what ``export`` / ``push --stage-only
+--overwrite`` and the model saves use)."""
 
 import os
 import stat
 
 import pytest
+
+from finetune.files import replace_dir
 
 
 @pytest.fixture
@@ -75,3 +79,20 @@ def test_saved_weight_files_follow_the_umask(tmp_path, adapter, umask, file_mode
     assert {p.name: _mode(p) for p in folder.rglob("*") if p.is_file()} == {
         p.name: file_mode for p in folder.rglob("*") if p.is_file()}
     assert _mode(folder) == dir_mode
+
+
+def test_replacing_a_symbolic_link_leaves_no_stale_link_and_keeps_what_it_pointed_to(tmp_path):
+    """Issue 40: ``--overwrite`` onto a link left a stale ``.explink.old-*`` link beside the new folder."""
+    pointed = tmp_path / "pointed"
+    pointed.mkdir()
+    (pointed / "kept.txt").write_text("kept")
+    for name, link_to in (("explink", pointed), ("dangling", tmp_path / "nowhere")):
+        link = tmp_path / name
+        link.symlink_to(link_to)
+        new = tmp_path / f"new-{name}"
+        new.mkdir()
+        (new / "written.txt").write_text("new")
+        replace_dir(new, link)
+        assert not link.is_symlink() and (link / "written.txt").read_text() == "new"
+    assert (pointed / "kept.txt").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "explink", "pointed"]

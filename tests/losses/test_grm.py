@@ -126,6 +126,30 @@ def test_keep_floor_keeps_the_preferred_real_tokens_hand_computed() -> None:
         keep_floor(preference, mask, -0.1)
 
 
+def test_gumbel_gate_noise_does_not_depend_on_the_padding() -> None:
+    """With ``noise_length``, the noise of the first L positions is the same whatever L the rows are padded to (up to
+    noise_length): the gates and their gradients of the real tokens do not change with the padding. Without it the
+    noise follows the padded shape."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6, 2)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+
+    def gate(pad: int, noise_length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.cat([logits, torch.zeros(3, pad, 2)], dim=1).requires_grad_(True)
+        m = torch.cat([mask, torch.zeros(3, pad, dtype=torch.bool)], dim=1)
+        torch.manual_seed(7)
+        g = gumbel_gate(x, tau=0.5, mask=m, min_keep=0.2, noise_length=noise_length)
+        (g * torch.arange(g.shape[1])).sum().backward()
+        return g[:, :6], x.grad[:, :6]
+
+    for a, b in zip(gate(0, 32), gate(20, 32)):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(gate(0, None)[1], gate(20, None)[1])
+    with pytest.raises(ValueError, match="with noise_length, logits must be"):
+        gumbel_gate(torch.zeros(4, 2), noise_length=8)
+
+
 def test_gumbel_gate_floor_keeps_tokens_the_logits_would_all_drop() -> None:
     logits = torch.zeros(3, 8, 2, dtype=torch.float64)
     logits[..., 0] = 30.0  # drop wins by 30 on every token, also with Gumbel noise (practically)

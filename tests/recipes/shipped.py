@@ -350,17 +350,17 @@ def cap_steps(monkeypatch: Any, steps: int = STEPS) -> None:
 
 def prerequisites_as_shipped(monkeypatch: Any, project: Project) -> None:
     """The recipes a run builds on (``model.init_from``, ``eval.compare_with``), which the run loads and trains
-    itself (:mod:`finetune.training.prerequisites`), get the same data and model overrides as a recipe run directly."""
-    from finetune.training import prerequisites
+    itself (:mod:`finetune.training.upstream`), get the same data and model overrides as a recipe run directly."""
+    from finetune.training import upstream
     from finetune.config import RecipeError, load_recipe
 
-    def load(ref: str, key: str) -> Any:
+    def load(ref: str, key: str, trust: bool = False) -> Any:
         try:
-            return load_recipe(ref, as_shipped_overrides(Path(ref), project))
+            return load_recipe(ref, as_shipped_overrides(Path(ref), project), trust_imports=trust)
         except RecipeError as exc:
-            raise prerequisites.PrerequisiteError(f"{key}: {ref} is not a valid recipe: {exc}") from exc
+            raise upstream.PrerequisiteError(f"{key}: {ref} is not a valid recipe: {exc}") from exc
 
-    monkeypatch.setattr(prerequisites, "_load", load)
+    monkeypatch.setattr(upstream, "_load", load)
 
 
 def enter(monkeypatch: Any, project: Project) -> None:

@@ -196,7 +196,7 @@ def test_stream_recipe_passes_the_fields_its_terms_read(path):
     """A stream recipe passes every caption field its term reads (issue 23, item 10: fcast_cc3m_recap did not,
     and its first batch raised after the pre-training evaluation); leaving fields out is a RecipeError naming
     the term's key and the fields, from the check that runs before anything slow."""
-    from finetune.training.checks import check_stream_recipe
+    from finetune.training.preflight import check_stream_recipe
 
     recipe = load_recipe(path)
     objective = build_objective(recipe.objective)

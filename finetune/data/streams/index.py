@@ -14,6 +14,7 @@ loads, naming the shard).
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import logging
 import time
@@ -23,16 +24,22 @@ from typing import Any
 
 import torch
 
+from finetune.credentials import mask_text
 from finetune.data.images import DataError
 from finetune.data.streams.tar import ShardEndedEarly, count_samples
-from finetune.data.streams.urls import is_remote, open_shard
+from finetune.data.streams.remote import PipeReader, read_failure
+from finetune.data.streams.urls import ReadPolicy, failure, is_remote, open_shard
 
-__all__ = ["EpochOrder", "ShardIndex", "WIDS_VERSION", "build_index", "parquet_row_groups"]
+__all__ = ["EpochOrder", "HEAD_BYTES", "ShardIndex", "WIDS_VERSION", "build_index", "changed_shards", "fingerprint",
+           "parquet_row_groups"]
 
 logger = logging.getLogger(__name__)
 
 WIDS_VERSION = 1
 _SCAN_THREADS = 16
+#: the bytes at the start of a shard whose digest (with its size) identifies its content: a tar shard's first
+#: headers and first sample, a parquet file's magic and first pages; read once per shard, never the whole of one
+HEAD_BYTES = 64 << 10
 
 
 def parquet_row_groups(handle: Any) -> list[int]:
@@ -52,12 +59,15 @@ class ShardIndex:
         urls: every shard, in the recipe's order.
         counts: the samples of each shard (for a broken tar shard, the whole samples before its break).
         broken: ``{url: reason}`` of the tar shards that end early.
+        fingerprints: what identifies each shard's content (:func:`fingerprint`: its size and the digest of its
+            first :data:`HEAD_BYTES`), when it was counted here; None for an index read from a file without them.
     """
 
     kind: str
     urls: list[str]
     counts: list[int]
     broken: dict[str, str] = field(default_factory=dict)
+    fingerprints: list[dict[str, Any]] | None = None
 
     @property
     def total(self) -> int:
@@ -65,9 +75,13 @@ class ShardIndex:
         return sum(self.counts)
 
     def to_json(self) -> dict[str, Any]:
-        """The index in webdataset's ``wids`` shard-index form (with ``broken`` beside it)."""
-        return {"wids_version": WIDS_VERSION, "kind": self.kind, "broken": self.broken,
-                "shardlist": [{"url": u, "nsamples": n} for u, n in zip(self.urls, self.counts)]}
+        """The index in webdataset's ``wids`` shard-index form (with ``broken`` beside it and each shard's
+        fingerprint in its entry), as a file holds it: the credentials inside its urls masked."""
+        prints = self.fingerprints or [{} for _ in self.urls]
+        return {"wids_version": WIDS_VERSION, "kind": self.kind,
+                "broken": {mask_text(u): why for u, why in self.broken.items()},
+                "shardlist": [{"url": mask_text(u), "nsamples": n, **p}
+                              for u, n, p in zip(self.urls, self.counts, prints)]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], kind: str, *, where: str) -> "ShardIndex":
@@ -81,11 +95,20 @@ class ShardIndex:
                 from None
         if any(n < 0 for n in counts):
             raise DataError(f"{where}: a shard's nsamples is negative")
-        return cls(data.get("kind", kind), urls, counts, dict(data.get("broken") or {}))
+        prints = [{k: s[k] for k in ("bytes", "head_sha256") if k in s} for s in shards]
+        return cls(data.get("kind", kind), urls, counts, dict(data.get("broken") or {}),
+                   prints if all(p.get("head_sha256") for p in prints) else None)
 
     def matches(self, urls: list[str]) -> bool:
-        """Whether the index describes exactly these shards (the same urls in the same order)."""
-        return self.urls == list(urls)
+        """Whether the index describes exactly these shards (the same urls in the same order; the credentials inside
+        them, masked in a saved index and re-signed between runs, are not compared)."""
+        return [mask_text(u) for u in self.urls] == [mask_text(u) for u in urls]
+
+    def for_urls(self, urls: list[str]) -> "ShardIndex":
+        """This index over ``urls``, the shards it :meth:`matches` as the recipe gives them (with their credentials),
+        for reading."""
+        broken = {urls[i]: self.broken[u] for i, u in enumerate(self.urls) if u in self.broken}
+        return ShardIndex(self.kind, list(urls), list(self.counts), broken, self.fingerprints)
 
     def order(self, epoch: int, seed: int, shuffle: bool) -> "EpochOrder":
         """The epoch's shard order: a permutation drawn from ``seed + epoch`` (``shuffle``) or the given order."""
@@ -132,20 +155,122 @@ class EpochOrder:
         return out
 
 
-def _count(url: str, kind: str, options: dict[str, Any]) -> tuple[int, str | None]:
-    """(samples, why the shard ends early or None) of one shard."""
-    with open_shard(url, options) as handle:
+class _Counted:
+    """A file read from its start after its first bytes were taken (``head``): gives them again, then the rest, and
+    counts every byte it passes (the size of a shard read through, e.g. a ``pipe:`` command)."""
+
+    def __init__(self, head: bytes, handle: Any) -> None:
+        self.head, self.handle, self.passed = head, handle, 0
+
+    def read(self, n: int = -1) -> bytes:
+        if self.head:
+            data = self.head if n < 0 or n >= len(self.head) else self.head[:n]
+            self.head = self.head[len(data):]
+            if n < 0:
+                data += self.handle.read()
+        else:
+            data = self.handle.read(n)
+        self.passed += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return False
+
+
+def _head(handle: Any) -> tuple[bytes, int | None]:
+    """The first :data:`HEAD_BYTES` of an open shard and its size (None where the file cannot seek: a ``pipe:``
+    command); a seekable file is left at its start."""
+    chunks, left = [], HEAD_BYTES
+    while left:
+        data = handle.read(left)
+        if not data:
+            break
+        chunks.append(data)
+        left -= len(data)
+    head = b"".join(chunks)
+    if not getattr(handle, "seekable", lambda: False)():
+        return head, None
+    size = handle.seek(0, 2)
+    handle.seek(0)
+    return head, size
+
+
+def _print(head: bytes, size: int | None) -> dict[str, Any]:
+    return {"bytes": size, "head_sha256": hashlib.sha256(head).hexdigest()}
+
+
+def fingerprint(url: str, options: dict[str, Any] | None = None, policy: ReadPolicy | None = None) -> dict[str, Any]:
+    """What identifies a shard's content, read cheaply: ``{"bytes": size (None for a pipe: command),
+    "head_sha256": digest of its first HEAD_BYTES}`` (one ranged read of a remote shard, not the whole of it)."""
+    with open_shard(url, options, policy) as handle:
+        if isinstance(handle, PipeReader):
+            head = handle.read(HEAD_BYTES)
+            while len(head) < HEAD_BYTES and (more := handle.read(HEAD_BYTES - len(head))):
+                head += more
+            if len(head) == HEAD_BYTES:  # the rest of the command's output is not needed
+                handle.close(check=False)
+            return _print(head, None)
+        return _print(*_head(handle))
+
+
+def _count(url: str, kind: str, options: dict[str, Any],
+           policy: ReadPolicy | None) -> tuple[int, str | None, dict[str, Any]]:
+    """(samples, why the shard ends early or None, fingerprint) of one shard."""
+    with open_shard(url, options, policy) as handle:
+        head, size = _head(handle)
+        counted = handle if size is not None else _Counted(head, handle)
         if kind == "parquet":
-            return sum(parquet_row_groups(handle)), None
+            return sum(parquet_row_groups(counted)), None, _print(head, size)
         try:
-            return count_samples(handle), None
+            samples, why = count_samples(counted), None
         except ShardEndedEarly as broken:
-            return broken.samples, broken.reason
+            samples, why = broken.samples, broken.reason
+        if size is None:  # read through: its size is what it gave, once it gave all of it
+            _ = counted.read()
+            size = counted.passed if handle.eof else None
+        return samples, why, _print(head, size)
+
+
+def changed_shards(index: ShardIndex, options: dict[str, Any] | None = None, policy: ReadPolicy | None = None,
+                   *, name: str = "webdataset") -> list[str]:
+    """The shards of ``index`` whose content changed since it was counted: its fingerprint (:func:`fingerprint`)
+    differs, in words (``"s3://b/shard-00003.tar: 1,024,000 bytes, now 1,031,168"``). Empty when the index holds no
+    fingerprints (an index file written elsewhere).
+
+    Raises:
+        DataError: a shard that cannot be read (naming it and why).
+    """
+    if not index.fingerprints:
+        return []
+
+    def one(url: str) -> dict[str, Any]:
+        try:
+            return fingerprint(url, options, policy)
+        except Exception as error:  # OS, fsspec errors: name the shard
+            raise failure(name, url, error, policy) from None
+
+    now = _map(one, index.urls)
+    out = []
+    for url, then, current in zip(index.urls, index.fingerprints, now):
+        if then.get("bytes") is not None and current["bytes"] is not None and then["bytes"] != current["bytes"]:
+            out.append(f"{mask_text(url)}: {then['bytes']:,} bytes, now {current['bytes']:,}")
+        elif then.get("head_sha256") != current["head_sha256"]:
+            out.append(f"{mask_text(url)}: its first {HEAD_BYTES >> 10} KiB differ")
+    return out
+
+
+def _map(fn: Any, urls: list[str]) -> list[Any]:
+    """``fn`` over ``urls``, in threads when a shard is remote."""
+    threads = min(_SCAN_THREADS, len(urls)) if any(is_remote(u) for u in urls) else 1
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(fn, urls))
+    return [fn(u) for u in urls]
 
 
 def build_index(urls: list[str], kind: str, options: dict[str, Any] | None = None, *,
-                name: str = "webdataset") -> ShardIndex:
-    """Count every shard's samples (see the module); threads for remote shards.
+                name: str = "webdataset", policy: ReadPolicy | None = None) -> ShardIndex:
+    """Count every shard's samples and take its fingerprint (see the module); threads for remote shards.
 
     Raises:
         DataError: a shard that cannot be opened or read (naming it and why).
@@ -153,22 +278,15 @@ def build_index(urls: list[str], kind: str, options: dict[str, Any] | None = Non
     options = options or {}
     started = time.perf_counter()
 
-    def one(url: str) -> tuple[int, str | None]:
+    def one(url: str) -> tuple[int, str | None, dict[str, Any]]:
         try:
-            return _count(url, kind, options)
-        except DataError:
-            raise
-        except Exception as error:  # OS, fsspec, pyarrow errors: name the shard
-            raise DataError(f"data source {name!r}: cannot read shard {url}: {type(error).__name__}: {error}") from None
+            return _count(url, kind, options, policy)
+        except Exception as error:  # OS, fsspec, pyarrow errors: name the shard and the cause
+            raise failure(name, url, error, policy) from None
 
-    threads = min(_SCAN_THREADS, len(urls)) if any(is_remote(u) for u in urls) else 1
-    if threads > 1:
-        with ThreadPoolExecutor(threads) as pool:
-            results = list(pool.map(one, urls))
-    else:
-        results = [one(u) for u in urls]
-    index = ShardIndex(kind, list(urls), [n for n, _ in results],
-                       {u: why for u, (_, why) in zip(urls, results) if why})
+    results = _map(one, urls)
+    index = ShardIndex(kind, list(urls), [n for n, _, _ in results],
+                       {u: why for u, (_, why, _) in zip(urls, results) if why}, [p for _, _, p in results])
     seconds = time.perf_counter() - started
     if seconds > 30:
         logger.warning("counted the samples of %d shards in %.0f s; data.train.options.index: FILE (a wids shard "
@@ -176,11 +294,15 @@ def build_index(urls: list[str], kind: str, options: dict[str, Any] | None = Non
     return index
 
 
-def load_index_file(path: str, kind: str, options: dict[str, Any] | None = None) -> ShardIndex:
+def load_index_file(path: str, kind: str, options: dict[str, Any] | None = None,
+                    policy: ReadPolicy | None = None) -> ShardIndex:
     """A ``wids`` shard index from a local path or URL (``data.train.options.index``)."""
     try:
-        with open_shard(path, options) as handle:
+        with open_shard(path, options, policy) as handle:
             data = json.loads(handle.read().decode("utf-8"))
+    except DataError:
+        raise
     except (OSError, ValueError) as error:
-        raise DataError(f"data.train.options.index: cannot read {path}: {error}") from None
+        why = read_failure(error, (policy or ReadPolicy()).timeout_s) if is_remote(path) else str(error)
+        raise DataError(f"data.train.options.index: cannot read {path}: {why}") from None
     return ShardIndex.from_json(data, kind, where=f"data.train.options.index ({path})")

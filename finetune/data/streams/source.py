@@ -10,13 +10,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.credentials import mask_text
 from finetune.data.images import DataError
 from finetune.data.spec import SourceSpec
 from finetune.data.streams.columns import caption_type_problem, check_fields, resolve_columns
 from finetune.data.streams.index import EpochOrder, ShardIndex, build_index, load_index_file
 from finetune.data.streams.plan import Intervals
 from finetune.data.streams.tar import ShardEndedEarly, iter_samples
-from finetune.data.streams.urls import open_shard, shard_urls, storage_options
+from finetune.data.streams.urls import ReadPolicy, check_commands, failure, open_shard, shard_urls, storage_options
 
 __all__ = ["ShardBreak", "ShardSet", "check_stream_columns", "check_stream_shards", "open_stream", "shard_layout",
            "stream_shards"]
@@ -30,7 +31,8 @@ _TEXT_ENTRIES = ("txt", "text")
 
 @dataclass(frozen=True)
 class ShardBreak:
-    """A tar shard that ends early (:class:`~finetune.data.streams.tar.ShardEndedEarly`): its url and why."""
+    """A tar shard that ends early (:class:`~finetune.data.streams.tar.ShardEndedEarly`): its url (as shown: the
+    credentials inside it masked) and why."""
 
     url: str
     reason: str
@@ -111,46 +113,57 @@ def _check_entry(spec: SourceSpec) -> None:
         raise DataError(f"data source {spec.name!r}: {', '.join(unused)} is not used by a stream; remove it")
 
 
-def check_stream_shards(spec: SourceSpec | dict | str, world_size: int = 1) -> int | None:
+def check_stream_shards(spec: SourceSpec | dict | str, world_size: int = 1,
+                        policy: ReadPolicy | None = None) -> int | None:
     """Recipe-time check of a webdataset / parquet stream's shard files (listed, not opened), before the model loads.
 
     Returns:
         the number of shard files (None for a hub stream, whose files ``datasets`` resolves when opening it).
     Raises:
-        DataError: unknown options, missing shard files.
+        DataError: unknown options, missing shard files, a ``pipe:`` command that ``policy`` does not allow (with no
+            ``policy`` the commands are not judged here: nothing is run to list the shards).
     """
     spec = SourceSpec.parse(spec)
     _check_entry(spec)
+    if policy is not None:
+        check_commands(spec, policy)
     if spec.name not in ("webdataset", "parquet"):
         return None
     return len(stream_shards(spec)[1])
 
 
 def open_stream(spec: SourceSpec | dict | str, *, rank: int = 0, world_size: int = 1,
-                index: ShardIndex | None = None) -> "ShardSet":
+                index: ShardIndex | None = None, policy: ReadPolicy | None = None) -> "ShardSet":
     """Open a stream: its shards listed and their samples counted (``index``, when given, is used instead: the one
-    a checkpoint saved or the main process counted), for process ``rank`` of ``world_size``.
+    a checkpoint saved or the main process counted), for process ``rank`` of ``world_size``, read as ``policy``
+    allows (``pipe:`` commands, the timeout of a remote read).
 
     Raises:
-        DataError: not a stream, unknown options, missing shards, a shard that cannot be read, an index that does not
-            describe the shards, a tar shard that ends early under ``on_error: raise`` is left to the reader.
+        DataError: not a stream, unknown options, missing shards, a ``pipe:`` command not allowed, a shard that
+            cannot be read, an index that does not describe the shards; a tar shard that ends early under
+            ``on_error: raise`` is left to the reader.
     """
     spec = SourceSpec.parse(spec)
+    policy = policy or ReadPolicy()
     _check_entry(spec)
+    check_commands(spec, policy)
     kind, urls = stream_shards(spec)
     options = storage_options(spec)
     if index is None and spec.options.get("index"):
-        index = load_index_file(str(spec.options["index"]), kind, options)
+        index = load_index_file(str(spec.options["index"]), kind, options, policy)
     if index is None:
-        index = build_index(urls, kind, options, name=spec.name)
+        index = build_index(urls, kind, options, name=spec.name, policy=policy)
     elif not index.matches(urls):
+        first = next((a for a, b in zip(index.urls, urls) if mask_text(a) != mask_text(b)), "(count)")
         raise DataError(
             f"data source {spec.name!r}: the shard index lists {len(index.urls)} shards that are not data.train's "
-            f"{len(urls)} (first difference: {next((a for a, b in zip(index.urls, urls) if a != b), '(count)')}); "
-            "write the index for these shards, or give the urls it was written for")
+            f"{len(urls)} (first difference: {first}); write the index for these shards, or give the urls it was "
+            "written for")
+    else:
+        index = index.for_urls(urls)
     if index.total == 0:
         raise DataError(f"data source {spec.name!r}: its {len(urls)} shard(s) hold no samples; check data.train.urls")
-    return ShardSet(spec, index, rank=rank, world_size=world_size)
+    return ShardSet(spec, index, rank=rank, world_size=world_size, policy=policy)
 
 
 class ShardSet:
@@ -160,14 +173,20 @@ class ShardSet:
         spec: the stream entry.
         index: the shards and their counts.
         rank, world_size: the process that reads them and the number of processes.
+        policy: how its shards may be read (``pipe:`` commands, the timeout); pickled with the set into every
+            data-loader worker.
     """
 
-    def __init__(self, spec: SourceSpec, index: ShardIndex, *, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: SourceSpec, index: ShardIndex, *, rank: int = 0, world_size: int = 1,
+                 policy: ReadPolicy | None = None) -> None:
         self.spec = spec
         self.index = index
         self.rank = rank
         self.world_size = world_size
+        self.policy = policy or ReadPolicy()
         self.options = storage_options(spec)
+        #: broken shards without a whole sample: no position of an epoch reads them, one reader reports each
+        self._empty = {u for u, n in zip(index.urls, index.counts) if not n and u in index.broken}
 
     @property
     def num_shards(self) -> int:
@@ -191,6 +210,8 @@ class ShardSet:
         Raises:
             DataError: a shard that cannot be opened or read (naming it).
         """
+        for url in self._empty_broken(order, intervals):
+            yield None, ShardBreak(mask_text(url), self.index.broken[url])
         for shard, runs in order.segments(intervals):
             url = self.index.urls[shard]
             base = order.starts[order.perm.index(shard)]
@@ -198,16 +219,30 @@ class ShardSet:
                 yield from self._read_shard(url, base, runs)
             except DataError:
                 raise
-            except Exception as error:  # OS, fsspec, pyarrow, pipe errors: name the shard
-                raise DataError(f"data source {self.spec.name!r}: cannot read shard {url}: {type(error).__name__}: "
-                                f"{error}. Replace or remove the shard") from error
+            except Exception as error:  # OS, fsspec, pyarrow, pipe errors: name the shard and the cause
+                raise DataError(f"{failure(self.spec.name, url, error, self.policy)}. Replace or remove the shard, "
+                                "or check the server") from error
             if url in self.index.broken and runs[-1][1] == self.index.counts[shard]:
-                yield None, ShardBreak(url, self.index.broken[url])
+                yield None, ShardBreak(mask_text(url), self.index.broken[url])
+
+    def _empty_broken(self, order: EpochOrder, intervals: Intervals) -> list[str]:
+        """The broken shards without a whole sample (a 0-byte file, not a tar at all) that a reader of ``intervals``
+        reports: the one whose positions hold the shard's place in the epoch (the last reader for one at the end)."""
+        out = []
+        for k, shard in enumerate(order.perm if self._empty else ()):
+            url = self.index.urls[shard]
+            if url not in self._empty:
+                continue
+            at = order.starts[k]
+            if any(a <= at < b or at == b == order.total for a, b in intervals):
+                out.append(url)
+        return out
 
     def _read_shard(self, url: str, base: int, runs: list[tuple[int, int]]) -> Iterator[tuple[int, Any]]:
         first, stop = runs[0][0], runs[-1][1]
         wanted = (lambda i: True) if len(runs) == 1 else (lambda i: any(a <= i < b for a, b in runs))
-        with open_shard(url, self.options) as handle:
+        shown = mask_text(url)
+        with open_shard(url, self.options, self.policy) as handle:
             if self.index.kind == "parquet":
                 yield from ((base + i, row) for i, row in _parquet_rows(handle, first, stop, wanted))
                 return
@@ -215,19 +250,20 @@ class ShardSet:
             try:
                 for i, key, entries in iter_samples(handle, start=first, stop=stop, keep=wanted):
                     got = i
-                    yield base + i, _raw_sample(key, url, entries)
+                    yield base + i, _raw_sample(key, shown, entries)
                 reason = f"it holds {got + 1} samples, fewer than the {stop} its index says"
             except ShardEndedEarly as broken:
                 reason = broken.reason
             for i in (i for a, b in runs for i in range(max(a, got + 1), b)):  # the positions it could not give
-                yield base + i, ShardBreak(url, reason)
+                yield base + i, ShardBreak(shown, reason)
 
     def first_raw(self) -> tuple[dict[str, Any] | None, str]:
         """The first sample of the first non-empty shard (for the column checks) and its url."""
         shard = next(i for i, n in enumerate(self.index.counts) if n)
         order = EpochOrder(self.index, list(range(self.num_shards)))
-        for _, raw in self.read(order, [(order.starts[shard], order.starts[shard] + 1)]):
-            return (raw if isinstance(raw, dict) else None), self.index.urls[shard]
+        for position, raw in self.read(order, [(order.starts[shard], order.starts[shard] + 1)]):
+            if position is not None:
+                return (raw if isinstance(raw, dict) else None), self.index.urls[shard]
         return None, self.index.urls[shard]
 
 
@@ -285,7 +321,7 @@ def check_stream_columns(spec: SourceSpec | dict | str, *, rank: int = 0, world_
         return  # webdataset entries are bytes; json.FIELD is checked example by example
     import pyarrow.parquet as pq
 
-    with open_shard(url, source.options) as handle:
+    with open_shard(url, source.options, source.policy) as handle:
         schema = pq.ParquetFile(handle).schema_arrow
     problem = caption_type_problem(schema.field(caption).type)
     if problem:

@@ -21,9 +21,9 @@ On the CPU there are two: flash (``_scaled_dot_product_flash_attention_for_cpu``
 ``train.attention``:
 
 - ``auto`` (the default): on CUDA flash, then efficient (the masked calls), then cuDNN, then math; elsewhere
-  PyTorch's own choice. Flash and efficient need no per-shape graph; with the run's fixed shapes cuDNN would pay
-  its graph builds in the first steps only, and whether it is then faster on sm90 is not measured here (no GPU in
-  the session that wrote this; ``bench/loop.py`` is where to measure it);
+  PyTorch's own choice. Flash and efficient need no per-shape graph; with the run's planned shapes cuDNN pays
+  its graph builds in the warm-up before the first step only, and whether it is then faster on sm90 is not
+  measured here (no GPU in the session that wrote this; ``bench/loop.py`` is where to measure it);
 - ``flash`` / ``efficient`` / ``cudnn`` / ``math``: that backend first, then the rest in ``auto``'s order (calls it
   cannot take fall through to the next), ``math`` alone;
 - ``torch``: PyTorch's own choice (no context).

@@ -42,6 +42,8 @@ from finetune.models.registry import register_named_config
 from losses.flair import TextConditionedAttentionPool
 
 CONFIG_NAME = "fcast_config.json"
+#: stage 1 runs rows without a planned length at a multiple of this (at most the context): few shapes
+BUCKET_STEP = 32
 WEIGHTS_NAME = "model.safetensors"
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's normalisation
 STD = (0.26862954, 0.26130258, 0.27577711)
@@ -133,16 +135,23 @@ class ChunkEncoder(nn.Module):
 
     @staticmethod
     def longest(attention_mask: Tensor) -> int:
-        """Columns the rows are cut to: the longest real row (at least 1). It reads the mask: call it where the mask
-        is on the CPU (the data loader's collate) and pass it to :meth:`forward`."""
+        """The longest real row (at least 1). It reads the mask: call it where the mask is on the CPU (the data
+        loader's collate)."""
         return max(int(attention_mask.long().sum(dim=1).max()), 1) if attention_mask.shape[0] else 1
 
+    def columns(self, attention_mask: Tensor) -> int:
+        """Columns the rows are cut to when no plan gave them: the smallest multiple of :data:`BUCKET_STEP` that
+        holds :meth:`longest`, at most the context (77: 32, 64 or 77, the default buckets of a training run, so
+        that evaluation's passes take a few shapes). It reads the mask."""
+        context = self.positional_embedding.shape[0]
+        return min(-(-self.longest(attention_mask) // BUCKET_STEP) * BUCKET_STEP, context)
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor, longest: int | None = None) -> Tensor:
-        """``(n, 77)`` ids -> ``(n, D)``; ``longest``: :meth:`longest` of the mask, counted on the CPU (None: counted
-        here, a read of the mask)."""
-        # causal: trailing padding never reaches the end token, so rows are cut to the longest real one
+        """``(n, 77)`` ids -> ``(n, D)``; ``longest``: the columns to run at, at least the longest real row, chosen
+        on the CPU (a training batch's text plan); None: :meth:`columns`, a read of the mask."""
+        # causal: trailing padding never reaches the end token, so rows are cut to the planned columns
         if longest is None:
-            longest = self.longest(attention_mask)
+            longest = self.columns(attention_mask)
         input_ids, attention_mask = input_ids[:, :longest], attention_mask[:, :longest]
         n, length = input_ids.shape
         x = self.token_embedding(input_ids) + self.positional_embedding[:length]
@@ -279,9 +288,9 @@ class FCastModel(DualEncoder):
         return TokenizedText(tok.input_ids.reshape(b, -1), mask.reshape(b, -1), truncated)
 
     def encode_subcaptions(self, input_ids: Tensor, attention_mask: Tensor, *, longest: int | None = None) -> Tensor:
-        """Stage 1 (eqs. 1-2): ``(n, 77)`` ids -> ``t_sub (n, D)``. ``longest``: the longest real row of the mask,
-        counted where it is on the CPU (``ChunkEncoder.longest``), so that the step does not read it; None counts it
-        here."""
+        """Stage 1 (eqs. 1-2): ``(n, 77)`` ids -> ``t_sub (n, D)``. ``longest``: the columns to run the rows at (at
+        least their longest real row), chosen where the mask is on the CPU (a training batch's text plan), so that
+        the step does not read it; None: ``ChunkEncoder.columns`` of the mask, here."""
         return self.model.text(input_ids, attention_mask, longest)
 
     def encode_long(self, t_sub: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -360,14 +369,16 @@ class FCastModel(DualEncoder):
         return {"pixel_values": pixels, "superpixels": labels}
 
     def encode_image_hierarchy(self, pixel_values: Tensor, superpixels: Tensor | None, *,
-                               n_segments: int | None = None) -> CastOutput:
+                               n_segments: int | None = None, noise_tokens: int | None = None) -> CastOutput:
         """The CAST encoder's full output (``v_fine``, ``v_coarse``, assignments) for ``pixel_values
         (B, 3, S, S)`` and ``superpixels (B, S, S)``. ``n_segments``: the segment count of the superpixels, counted
-        where they are on the CPU (:meth:`segment_count`), so that the step does not read it; None counts it here."""
+        where they are on the CPU (:meth:`segment_count`), so that the step does not read it; None counts it here.
+        ``noise_tokens``: the segment tokens the first pooling's dropout is drawn at (the run's planned capacity;
+        :class:`~finetune.models.cast.GraphPool`)."""
         if superpixels is None:
             raise ValueError("the F-CAST image encoder needs superpixels: pass the `superpixels` that "
                              "FCastModel.preprocess_images returns next to pixel_values")
-        return self.model.visual(pixel_values, superpixels, n_segments)
+        return self.model.visual(pixel_values, superpixels, n_segments, noise_tokens=noise_tokens)
 
     def segment_count(self, pixel_values: Tensor, superpixels: Tensor) -> int:
         """The segment count of ``superpixels`` (``CastEncoder.segment_count``): call it on the CPU."""

@@ -473,6 +473,27 @@ def save_tiny_towers(folder: str | Path, *, seed: int = 0) -> dict[str, Path]:
     return paths
 
 
+def build_vit_b16_bert_base(*, projection_dim: int = 512) -> VisionTextDualEncoder:
+    """GRM's architecture at its real size with random weights, offline: a ViT-B/16 at 224 px (transformers'
+    ``ViTConfig`` defaults) and a 12-layer BERT-base with 512 positions, projections to 512; the tokenizer is the
+    offline WordPiece of :func:`tiny_bert_tokenizer` (a smaller vocabulary than bert-base-uncased's, so a smaller
+    token embedding), for benchmarks that need its compute and its 512 text positions, not its weights."""
+    from transformers import (BertConfig, BertModel, ViTConfig, ViTModel, VisionTextDualEncoderConfig,
+                              VisionTextDualEncoderModel)
+
+    tokenizer = tiny_bert_tokenizer(512)
+    vision, text = ViTModel(ViTConfig()), BertModel(BertConfig(vocab_size=len(tokenizer)))
+    config = VisionTextDualEncoderConfig.from_vision_text_configs(vision.config, text.config,
+                                                                   projection_dim=projection_dim)
+    model = VisionTextDualEncoderModel(config=config, vision_model=vision, text_model=text)
+    return VisionTextDualEncoder(model.eval(), tokenizer, _default_processor(model.config.vision_config),
+                                 name_or_path="vision-text-vit-b16-bert-base")
+
+
+register_named_config("vision-text-vit-b16-bert-base", "vision_text", "clip",
+                      "transformers VisionTextDualEncoder: ViT-B/16 (224 px) + BERT-base (12 layers, 512 positions), "
+                      "projections to 512 (GRM's backbone at size; offline WordPiece vocabulary)",
+                      build_vit_b16_bert_base, real=True)
 register_named_config("tiny-vision-text-vit", "vision_text", "clip",
                       "transformers VisionTextDualEncoder: ViT (2 layers, width 32, 32 px, patch 8) + BERT (2 layers, "
                       "width 32), projections to 16", lambda: build_tiny("vit"))

@@ -4,7 +4,7 @@ chunks and regions at a fixed number of rows per sample.
 
 Chunks and regions vary in number from sample to sample. Every sample gets the same number of rows (the run's
 capacity, :class:`~finetune.objectives.shapes.BatchShapes`, the most of any example of the training set; without
-fixed shapes the batch's most), the padded ones marked invalid in ``chunk_valid`` / ``region_valid``, so that the
+planned shapes the batch's most), the padded ones marked invalid in ``chunk_valid`` / ``region_valid``, so that the
 image and text passes of every step have one shape (issue 29) while the losses see only the real rows: padded
 chunks hold the empty text and have no positive, padded crops repeat the batch's first edge map, padded patch
 masks select nothing, and none of them is a positive or a negative of any chunk.
@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from finetune.objectives.shapes import ShapeScan, dataset_columns, empty_text_row, pad_rows, pad_token_id
+from finetune.objectives.shapes import (SHORT, TEXT, ShapeScan, dataset_columns, empty_text_row, pad_rows,
+                                        pad_token_id)
 from finetune.preprocess.geometry import box_patch_mask, patch_count
 
 #: the capacity keys of :class:`~finetune.objectives.shapes.BatchShapes` (rows per sample)
@@ -131,15 +132,22 @@ def collate_patch_masks(term: Any, examples: list[dict[str, Any]], model: Any, e
 
 
 def shape_scan(term: Any, dataset: Any) -> ShapeScan | None:
-    """What the run's fixed shapes need from the local loss, read from the preprocessed columns before training: the
-    training set's chunks (the short text length is their longest) and the most chunks and kept regions of any example
+    """What the run's planned shapes need from the term, read from the preprocessed columns before training: the
+    filtered captions (encoded with the captions, the :data:`~finetune.objectives.shapes.TEXT` kind) and, with the
+    local loss, each example's chunks (the short texts) and the most chunks and kept regions of any example
     (:data:`CHUNKS`, :data:`REGIONS`). None without the columns (a stream)."""
+    filtered = dataset_columns(dataset, ["filtered_caption"])
+    if filtered is None:
+        return None
+    texts = {TEXT: [[t or ""] for t in filtered["filtered_caption"]]}
+    if not term.use_local:
+        return ShapeScan(texts=texts)
     cols = dataset_columns(dataset, ["chunks", "chunk_topk", "chunk_topk_scores"])
     if cols is None:
-        return None
+        return ShapeScan(texts=texts)
     regions = [len(term.kept_regions({"chunk_topk": t, "chunk_topk_scores": s})) if c else 0
                for c, t, s in zip(cols["chunks"], cols["chunk_topk"], cols["chunk_topk_scores"])]
-    return ShapeScan(short_texts=tuple(t for chunks in cols["chunks"] for t in chunks),
+    return ShapeScan(texts={**texts, SHORT: [list(c or []) for c in cols["chunks"]]},
                      capacities={CHUNKS: max((len(c) for c in cols["chunks"]), default=0),
                                  REGIONS: max(regions, default=0)})
 

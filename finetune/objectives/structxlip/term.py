@@ -34,12 +34,11 @@ Where the work happens:
   ones most often among the chunks' top-K), their edge-map crops (crop mode) or patch masks (pool mode),
   and tokenised filtered captions and chunks. Chunks and regions take a fixed number of rows per sample, the
   most of any example of the training set (:meth:`shape_scan`, before training), padded rows marked invalid in
-  ``chunk_valid`` / ``region_valid`` and left out of every loss, so that every step's passes have one shape.
+  ``chunk_valid`` / ``region_valid`` and left out of every loss, so that every step's passes have fixed rows.
 - :meth:`image_inputs` / :meth:`text_inputs`: the edge maps and (crop mode) the region crops join the base
   term's colour images in ONE pass of the image tower; filtered captions go through the text tower with the
-  captions, and chunks, marked short, in the second pass at the run's short length
-  (:mod:`finetune.objectives.shapes`: the longest chunk of the training set), so that chunks are not padded to
-  caption length.
+  captions, and chunks, marked short, in the second pass, padded to the planned bucket length of their longest
+  (:mod:`finetune.objectives.shapes`), so that chunks are not padded to caption length.
 - ``regions.encode: pool`` (our extension, not in the paper): a region is the mean of the edge map's last
   patch states inside its box (the box mapped through the processor's exact resize and centre crop), then
   the model's own final norm and projection (``DualEncoder.project_image_states``): no extra image forward.
@@ -312,11 +311,11 @@ class StructXLIPTerm(Term):
                 "filter run per example), or use a map-style data.train")
 
     def shape_scan(self, dataset: Any, model: Any) -> Any:
-        """The training set's chunks and most chunks and kept regions per example
-        (:func:`~finetune.objectives.structxlip.batch.shape_scan`)."""
+        """The training set's filtered captions and, with the local loss, its chunks and most chunks and kept regions
+        per example (:func:`~finetune.objectives.structxlip.batch.shape_scan`)."""
         from finetune.objectives.structxlip.batch import shape_scan
 
-        return shape_scan(self, dataset) if self.use_local else None
+        return shape_scan(self, dataset)
 
     # -- data workers ----------------------------------------------------------------------------
     def edge_image(self, example: dict[str, Any]) -> Any:
@@ -369,7 +368,7 @@ class StructXLIPTerm(Term):
         - ``filtered_input_ids`` / ``filtered_attention_mask``: ``(B, L')`` filtered captions;
         - per sample, padded to a fixed number of rows (the run's capacity, :attr:`Term.shapes`, else the batch's
           most) with validity masks: ``chunk_input_ids`` / ``chunk_attention_mask`` ``(B, C, Lc)`` with Lc the
-          longest chunk of the batch (the step pads it to the run's short length), ``chunk_valid`` ``(B, C)``,
+          longest chunk of the batch (the step pads it to its bucket length), ``chunk_valid`` ``(B, C)``,
           ``chunk_topk`` ``(B, C, K)`` region indices (-1 padded), ``region_slot`` ``(B, P)`` the kept regions'
           indices (-2 padded), ``region_valid`` ``(B, P)``, and ``region_inputs`` (crop mode: a dict of
           ``(B, P, ...)`` processor outputs) or ``region_patch_mask`` (pool mode: ``(B, P, N)`` bool).
@@ -394,7 +393,8 @@ class StructXLIPTerm(Term):
 
     def text_inputs(self, batch: Batch) -> dict[str, TextRequest]:
         """``filtered_text`` (B filtered captions, as long as captions) and ``chunk`` (``B * C`` chunk rows, short
-        texts: the objective pads them to the run's short length, not to the captions'; absent when C is 0)."""
+        texts: the objective pads them to the bucket of the longest chunk, not to the captions'; absent when C is
+        0)."""
         sx = batch["structxlip"]
         reqs = {"filtered_text": TextRequest(sx["filtered_input_ids"], sx["filtered_attention_mask"])}
         if self.use_local:

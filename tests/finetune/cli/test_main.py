@@ -18,12 +18,12 @@ REPO = Path(__file__).resolve().parents[3]
 
 # What a user types after `xlipkit CMD`: the options each command's --help must name (its module's own).
 OPTIONS = {
-    "train": ["recipe", "overrides", "--list", "--schema"],
+    "train": ["recipe", "overrides", "--list", "--schema", "--trust-recipe-code"],
     "eval": ["MODEL_OR_RUN", "--sets", "--protocol", "--scorer", "--rerank-top-k", "--zeroshot", "--templates",
-             "--out", "--trust-recipe-imports"],
+             "--out", "--trust-recipe-code", "--trust-recipe-imports"],
     "push": ["run_dir", "--repo-id", "--public", "--revision", "--merge", "--stage-only"],
     "export": ["run_dir", "out_dir", "--format", "--overwrite"],
-    "preview": ["recipe", "overrides", "--n", "--out"],
+    "preview": ["recipe", "overrides", "--n", "--out", "--trust-recipe-code"],
     "pairs": ["IMAGES_AND_CAPTIONS", "OUT", "--model", "--detector", "--method", "--pairs", "--weighting",
               "--no-default"],
     "superpixels": ["RECIPE", "OUT", "overrides", "--workers", "--device", "--batch-size", "--overwrite"],
@@ -188,7 +188,8 @@ def test_overrides_are_accepted_after_options(command, tmp_path, monkeypatch):
     import finetune.cli.preview as preview
 
     seen = []
-    monkeypatch.setattr(preview, "preview_recipe", lambda recipe, n, out: seen.append((recipe, n)) or Path(out))
+    monkeypatch.setattr(preview, "preview_recipe",
+                        lambda recipe, n, out, objective: seen.append((recipe, n)) or Path(out))
     monkeypatch.setattr("finetune.training.recipe.run_recipe", lambda recipe, **kw: seen.append((recipe, None)) or 0)
     recipe = str(REPO / "recipes" / "quickstart.yaml")
     options = ["--n", "3", "--out", str(tmp_path / "p.png")] if command == "preview" else []

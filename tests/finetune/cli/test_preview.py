@@ -40,8 +40,8 @@ def test_preview_of_a_recipe_without_structxlip_uses_the_default_options(tmp_pat
     terms, drawn = [], []
     real_term, real_render = preview._structxlip_term, preview.render_preview
 
-    def spy_term(recipe):
-        terms.append(real_term(recipe))
+    def spy_term(recipe, objective=None):
+        terms.append(real_term(recipe, objective))
         return terms[-1]
 
     def spy_render(items, out, **kwargs):

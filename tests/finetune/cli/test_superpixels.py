@@ -126,6 +126,9 @@ def test_recipes_it_cannot_serve_are_refused_before_any_shard(tmp_path, monkeypa
     assert main(["superpixels", str(tiny), str(tmp_path / "out")]) == 2
     assert "data.train is 'synthetic'" in capsys.readouterr().err
     urls = 'data.train={name: webdataset, urls: "shards/{00000..00001}.tar"}'
+    (tmp_path / "shards").mkdir()
+    for name in ("00000.tar", "00001.tar"):
+        (tmp_path / "shards" / name).write_bytes(b"")
     assert main(["superpixels", str(tiny), str(tmp_path / "out"), urls, "--device", "cuda"]) == 2
     assert "superpixels.method slic runs on the CPU" in capsys.readouterr().err
     assert main(["superpixels", str(ROOT / "recipes" / "flair_cc3m_recap.yaml"), str(tmp_path / "out")]) == 2
@@ -271,3 +274,63 @@ def test_the_model_takes_precomputed_labels_and_computes_only_the_missing_ones(m
     assert torch.equal(out["superpixels"][1], computed[1])
     with pytest.raises(ValueError, match=r"shape \(32, 32\) for a 64 x 64 image.*xlipkit superpixels"):
         model.preprocess_images(images[:1], superpixels=[np.zeros((32, 32), dtype=np.int64)])
+
+
+# --------------------------------------------------------------------------- OUT checked before anything slow (#40)
+
+
+def _input_shards(tmp_path: Path) -> list[Path]:
+    from tests.finetune.data.test_streams import _scenes, write_webdataset
+
+    return write_webdataset(tmp_path / "shards", _scenes(4), 2)
+
+
+def test_out_may_not_be_the_input_folder_a_file_unwritable_or_hold_foreign_shards(tmp_path):
+    """Issue 40: OUT = the input folder wrote superpixels.json into it and, with --overwrite, replaced the input
+    shards; a foreign shard-00000.tar in OUT (no manifest) was kept and recommended for training; OUT a file or
+    unwritable gave a traceback."""
+    from finetune.cli.superpixels import _check_out
+    from tests.finetune.mounts import require_read_only_possible, tmpfs
+
+    shards = _input_shards(tmp_path)
+    sources, names = [str(p) for p in shards], [p.name for p in shards]
+    before = [p.read_bytes() for p in shards]
+    for out, says in [(tmp_path / "shards", "is the folder of the input shards"),
+                      (tmp_path / "shards" / ".." / "shards", "is the folder of the input shards"),
+                      (shards[0], "is a file: give a folder"),
+                      (shards[0] / "sub", "cannot create OUT")]:
+        with pytest.raises(ValueError, match=says):
+            _check_out(out, sources, names)
+    assert [p.read_bytes() for p in shards] == before and not (tmp_path / "shards" / "superpixels.json").exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / names[0]).write_bytes(b"not ours")
+    with pytest.raises(ValueError, match=rf"holds {names[0]} that xlipkit superpixels did not write \(no "
+                                         r"superpixels\.json\).*choose an empty OUT folder"):
+        _check_out(foreign, sources, names)
+    assert _check_out(tmp_path / "new", sources, names).is_dir()
+    with tmpfs(tmp_path / "ro") as folder:
+        require_read_only_possible(folder)
+        folder.read_only()
+        with pytest.raises(ValueError, match=r"cannot create OUT .*/ro/out: Read-only file system"):
+            _check_out(folder.path / "out", sources, names)
+        with pytest.raises(ValueError, match=r"OUT .*/ro cannot be written"):
+            _check_out(folder.path, sources, names)
+
+
+@pytest.mark.slow
+def test_the_command_refuses_such_an_out_with_exit_2_and_takes_overrides_after_options(tmp_path, monkeypatch,
+                                                                                      capsys):
+    from finetune.cli.main import main
+
+    shards = _input_shards(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    tiny = str(ROOT / "recipes" / "fcast_tiny_synthetic.yaml")
+    urls = f'data.train={{name: webdataset, urls: "{tmp_path}/shards/shard-{{00000..00001}}.tar"}}'
+    before = [p.read_bytes() for p in shards]
+    assert main(["superpixels", tiny, "shards", "--workers", "1", urls, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "error: OUT shards is the folder of the input shards" in err and "Traceback" not in err
+    assert [p.read_bytes() for p in shards] == before and not (tmp_path / "shards" / "superpixels.json").exists()
+    assert main(["superpixels", tiny, str(shards[0]), "--workers", "1", urls]) == 2
+    assert "is a file" in capsys.readouterr().err

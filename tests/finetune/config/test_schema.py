@@ -545,7 +545,7 @@ def test_objective_import_registers_a_term_from_a_module(tmp_path, monkeypatch, 
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "my_terms_xyz", raising=False)
     text = "# mine\nobjective:\n  import: [my_terms_xyz]\n  base: mine\n  terms:\n    mine: {weight: 2}\n"
-    recipe = load_recipe(write(tmp_path, text))
+    recipe = load_recipe(write(tmp_path, text), trust_imports=True)
     assert recipe.objective.imports == ["my_terms_xyz"]
     assert recipe.objective.base == "mine"
     assert dataclasses.asdict(recipe.objective.terms["mine"]) == {"weight": 2.0}
@@ -554,7 +554,7 @@ def test_objective_import_registers_a_term_from_a_module(tmp_path, monkeypatch, 
     path = write(tmp_path, "objective:\n  import:\n    - my_terms_xyz\n    - no_such_module_xyz\n")
     with pytest.raises(RecipeError, match=rf"{path}, line 4: `objective.import.1` cannot import module "
                                           r"'no_such_module_xyz'"):
-        load_recipe(path)
+        load_recipe(path, trust_imports=True)
     with pytest.raises(RecipeError, match=r"`objective.import` expected a list of module names"):
         load_recipe(write(tmp_path, "objective:\n  import: {a: 1}\n"))
     with pytest.raises(RecipeError, match=r"`objective.base` is not a registered objective term: "
@@ -682,9 +682,11 @@ def test_untrusted_recipes_import_nothing(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "side_effect_xyz", raising=False)
     path = write(tmp_path, "# r\nobjective:\n  import: [finetune.evaluation.scorers, side_effect_xyz]\n")
-    with pytest.raises(RecipeError, match=rf"{path}, line 3: `objective.import.1` would import the module "
-                                          r"'side_effect_xyz', which runs its code; this recipe is not trusted"):
-        load_recipe(path, trust_imports=False)
+    for untrusted in ({}, {"trust_imports": False}):  # the default: a recipe may come from anyone
+        with pytest.raises(RecipeError, match=rf"{path}, line 3: `objective.import.1` would import the module "
+                                              r"'side_effect_xyz', which runs its code; .* pass --trust-recipe-code"):
+            load_recipe(path, **untrusted)
     assert not marker.exists()
-    assert load_recipe(path).objective.imports == ["finetune.evaluation.scorers", "side_effect_xyz"]
+    recipe = load_recipe(path, trust_imports=True)
+    assert recipe.objective.imports == ["finetune.evaluation.scorers", "side_effect_xyz"] and recipe.trust_code
     assert marker.exists()

@@ -23,6 +23,7 @@ import torch
 from finetune.data.sources import DataError
 from finetune.data.streams import ExampleStream, StreamLoader, open_stream
 from finetune.data.streams.tar import ShardEndedEarly, count_samples, iter_samples
+from finetune.data.streams.urls import ReadPolicy
 from tests.finetune.data.test_streams import _batches, _loader, _scenes, _write_sized, write_webdataset
 
 
@@ -173,8 +174,8 @@ def test_a_resume_reads_only_what_is_left(tmp_path, monkeypatch):
             return getattr(self.handle, name)
 
     @contextlib.contextmanager
-    def counting(url, options=None):
-        with original(url, options) as handle:
+    def counting(url, options=None, policy=None):
+        with original(url, options, policy) as handle:
             yield Counting(handle)
 
     monkeypatch.setattr(source, "open_shard", counting)
@@ -209,12 +210,13 @@ def test_pipe_urls_stream_through_a_command(tmp_path):
     scenes = _scenes(8)
     paths = write_webdataset(tmp_path, scenes, 4)
     spec = {"name": "webdataset", "urls": [f"pipe:cat {p}" for p in paths], "shuffle_buffer": 0}
-    stream = ExampleStream(open_stream(spec, rank=1, world_size=2), spec)  # positions 4-7: the second shard
+    trusted = ReadPolicy(commands=True)  # the user passed --trust-recipe-code
+    stream = ExampleStream(open_stream(spec, rank=1, world_size=2, policy=trusted), spec)  # positions 4-7
     assert [e["id"] for _, e in zip(range(4), stream)] == [s["id"] for s in scenes[4:]]
     failing = {**spec, "urls": [f"pipe:cat {tmp_path / 'missing.tar'}"]}
     with pytest.raises(DataError, match=r"cannot read shard pipe:cat .*missing\.tar: OSError: pipe:cat .* exited with "
                                         r"status 1: cat: .*No such file"):
-        open_stream(failing)
+        open_stream(failing, policy=trusted)
 
 
 @pytest.fixture

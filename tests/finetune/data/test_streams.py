@@ -150,9 +150,9 @@ def test_keys_a_stream_does_not_use_are_refused(tmp_path):
         open_stream({"name": "webdataset", "urls": str(tmp_path / "shard-00000.tar"), "limit": 5})
 
 
-def test_stream_recipe_without_max_steps_is_a_recipe_error(tmp_path, monkeypatch):
+def test_stream_recipe_without_max_steps_is_a_recipe_error(tmp_path, monkeypatch, capsys):
     from finetune.config import RecipeError, load_recipe
-    from finetune.training import run_recipe
+    from finetune.training import FinetuneRecipe, run_recipe
 
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
         "data.train={name: webdataset, urls: 'x.tar'}", "train.max_steps=null", "train.epochs=1",
@@ -163,9 +163,13 @@ def test_stream_recipe_without_max_steps_is_a_recipe_error(tmp_path, monkeypatch
         raise AssertionError("the model must not load before the recipe error")
 
     monkeypatch.setattr("finetune.training.model.load_model", no_model)
+    assert run_recipe(recipe) == 2  # refused by the preflight, as `xlipkit validate` refuses it
+    err = capsys.readouterr().err
+    assert err.startswith("recipe error: data.train is a stream") and "set train.max_steps" in err
     with pytest.raises(RecipeError, match="train.max_steps") as info:
-        run_recipe(recipe)
+        FinetuneRecipe(recipe)
     assert info.value.key == "train.max_steps"
+    assert not (tmp_path / "run").exists()
 
 
 def test_structxlip_local_loss_is_not_streamable_but_edges_and_lexicon_are():
@@ -761,7 +765,8 @@ def test_preview_of_a_stream_recipe(tmp_path):
     heights = []
     for n in (1, 3):
         out = tmp_path / f"preview-{n}.png"
-        assert main(["recipes/quickstart.yaml", f"model.name_or_path={tiny}",
+        # a stream trains train.max_steps steps: the preview checks the recipe as `xlipkit train` would
+        assert main(["recipes/quickstart.yaml", f"model.name_or_path={tiny}", "train.max_steps=10",
                      "objective.terms.structxlip.weights.local=0", f"data.train={{name: webdataset, urls: '{urls}'}}",
                      "--n", str(n), "--out", str(out)]) == 0
         with PIL.Image.open(out) as png:

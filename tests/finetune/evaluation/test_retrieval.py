@@ -583,9 +583,9 @@ def test_a_run_folders_imports_run_only_with_the_flag(tmp_path, monkeypatch, cap
     assert main([str(run)]) == 2
     err = capsys.readouterr().err
     assert "`objective.import.0` would import the module 'planted_xyz', which runs its code" in err
-    assert "pass --trust-recipe-imports to import them if you trust this run folder" in err
+    assert "pass --trust-recipe-code to `xlipkit train`, `preview` or `eval` if you trust the recipe" in err
     assert not marker.exists()
-    assert main([str(run), "--trust-recipe-imports"]) == 2  # imported; then final/ is empty: cannot load
+    assert main([str(run), "--trust-recipe-imports"]) == 2  # the earlier name; imported; final/ is empty: no model
     assert marker.exists() and "cannot load" in capsys.readouterr().err
 
 

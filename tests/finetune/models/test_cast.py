@@ -129,6 +129,24 @@ def test_graph_pool_matches_a_loop_and_ignores_padded_tokens():
     torch.testing.assert_close(out2, out)
 
 
+def test_graph_pool_dropout_does_not_depend_on_the_padded_slots():
+    """In training, f's dropout is drawn for noise_tokens tokens and sliced: the same tokens padded with 3 or 9
+    invalid slots give the same output (and so the same gradients); drawn at each padding's own size (as
+    nn.Dropout does) they would not."""
+    torch.manual_seed(0)
+    pool = GraphPool(8, 2, 3, dropout=0.5).train()
+    x, cls = torch.randn(2, 5, 8), torch.randn(2, 8)
+
+    def padded(extra: int, noise: int | None) -> torch.Tensor:
+        xs = torch.cat([x, torch.zeros(2, extra, 8)], dim=1)
+        valid = torch.arange(5 + extra)[None, :].expand(2, -1) < 5
+        torch.manual_seed(1)
+        return pool(xs, cls, valid, noise)[0]
+
+    torch.testing.assert_close(padded(3, 16), padded(9, 16))
+    assert not torch.allclose(padded(3, None), padded(9, None))
+
+
 def _grid_superpixels(side: int, cells: int) -> torch.Tensor:
     step = side // cells
     r = torch.arange(side) // step

@@ -178,3 +178,48 @@ def test_saving_a_model_draws_no_shard_bar_and_keeps_the_users_setting(name, tmp
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         hf_logging.enable_progress_bar()
+
+
+def _with_nan(folder: Path) -> str:
+    """Write a NaN into the first floating-point 2-D tensor of the folder's weights; returns its name."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    name = next(k for k, t in tensors.items() if t.is_floating_point() and t.ndim == 2)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return name
+
+
+def test_xlipkit_eval_of_weights_holding_nan_is_exit_2_naming_them(copy_of, capsys):
+    """Issue 40: a model whose weights hold NaN gave a traceback (exit 1) from the retrieval."""
+    from finetune.cli.evaluate import main
+
+    folder = copy_of("tiny-clip")
+    _with_nan(folder)
+    assert main([str(folder), "--sets", "synthetic"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot evaluate {folder}: its weights hold NaN or inf (" in err and "the model is broken" in err
+    assert "Traceback" not in err
+
+
+def test_a_max_text_len_below_the_model_is_exit_2_and_leaves_no_run(copy_of, tmp_path, capsys, monkeypatch):
+    """Issue 40: ``model.max_text_len=1`` gave a traceback (exit 1) and left recipe.yaml behind."""
+    import logging
+
+    from finetune.cli.train import main
+
+    monkeypatch.setattr(logging.getLogger("xlipkit"), "handlers", [])
+    folder = copy_of("tiny-clip")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"name_or_path": str(folder), "max_text_len": 1},
+        "data": {"train": {"name": "synthetic", "size": 8, "seed": 0, "options": {"image_size": 32}}},
+        "train": {"batch_size": 4, "max_steps": 1, "trackers": []},
+        "eval": {"sets": []},
+        "output": {"dir": str(tmp_path / "run")},
+    }))
+    assert main([str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "recipe error: model.max_text_len: max_text_len=1 is below the original text length" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -233,7 +233,7 @@ def test_objective_import_loads_a_users_term_and_runs_it(tmp_path, monkeypatch, 
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"objective": {"base": "none", "import": ["user_terms_a"],
                                                   "terms": {"user_nce": {"scale": 2.0}}}}))
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, trust_imports=True)
     assert recipe.objective.imports == ["user_terms_a"]
     objective = build_objective(recipe.objective)
     values = objective.loss(model, objective.encode(model, batch))
@@ -391,3 +391,36 @@ def test_a_run_without_base_names_only_its_terms_on_the_model_card():
     recipe = {"objective": {"base": "none", "terms": {"structxlip": {}}}}
     assert method_keys({}, recipe) == ["structxlip"]
     assert method_keys({}, {"objective": {"base": "clip", "terms": {}}}) == ["clip"]
+
+
+# ------------------------------------------------------------------ a batch a contrastive term cannot learn from (#40)
+
+
+@pytest.mark.parametrize("base", ["clip", "siglip", "longclip"])
+def test_a_batch_of_one_is_refused_for_contrastive_terms(base):
+    """Issue 40: ``train.batch_size=1`` with the clip loss trained on a loss of exactly 0 at every step, exit 0."""
+    objective = build_objective(types.SimpleNamespace(base=base, terms={}, label_smoothing=None, imports=[]))
+    with pytest.raises(ValueError, match=rf"train\.batch_size=1 gives each loss 1 example\(s\): the contrastive "
+                                         rf"term\(s\) {base} .*loss of exactly 0"):
+        objective.check_batch(1)
+    with pytest.raises(ValueError, match=r"train\.batch_size=4 / train\.accumulation_steps=4 .*at least 8"):
+        objective.check_batch(4, 4)
+    objective.check_batch(2)
+    objective.check_batch(8, 4)
+
+
+def test_the_clip_loss_of_a_batch_of_one_is_exactly_zero():
+    """Why: InfoNCE of one pair is log softmax over a single logit."""
+    from losses import clip_loss
+
+    image, text = torch.randn(1, 8, requires_grad=True), torch.randn(1, 8)
+    assert clip_loss(image, text, torch.tensor(10.0)).item() == 0.0
+
+
+def test_xlipkit_train_and_validate_refuse_it_before_anything_slow(tmp_path):
+    from finetune.training.preflight import preflight
+
+    path = tmp_path / "r.yaml"
+    path.write_text("# r\ntrain: {batch_size: 1, max_steps: 2}\neval: {sets: []}\n", encoding="utf-8")
+    problems = preflight(load_recipe(path), str(path), output=False).message()
+    assert problems is not None and "train.batch_size=1 gives each loss 1 example(s)" in problems

@@ -201,15 +201,17 @@ def test_a_resumed_fcast_run_draws_the_negatives_of_the_uninterrupted_run(tmp_pa
 
 @pytest.mark.parametrize("micro_batches,fixed", [(1, False), (2, False), (2, True)])
 def test_the_step_uses_the_segment_count_and_cut_planned_on_the_cpu(model, scenes, micro_batches, fixed):
-    """PlannedCollate counts each micro-batch's CAST segments and longest sub-caption on the CPU (Term.plan): the
-    features are those the step computes when it counts them on the device itself, and encoding a planned batch
-    reads nothing back to the host. Under the run's fixed shapes the plan is the planned segment capacity and all
-    77 columns, and the features agree with the counted ones to 1e-5 (padded segments and columns are masked)."""
+    """PlannedCollate counts each micro-batch's CAST segments (Term.plan) and the sub-captions' columns (the text
+    plan) on the CPU: the features are those the step computes when it counts them on the device itself, and
+    encoding a planned batch reads nothing back to the host. Under the run's planned shapes the plan is the planned
+    segment capacity and the bucket (32, 64 or 77) of the longest sub-caption, and the features agree with the
+    counted ones to 1e-5 (padded segments and columns are masked)."""
     from accelerate.utils import send_to_device
 
     from finetune.data.collate import Collator
     from finetune.models.cast import resize_labels
-    from finetune.objectives.base import TERM_PLANS
+    from finetune.objectives.base import TERM_PLANS, TEXT_PLAN
+    from finetune.objectives.fcast import CHUNK_KIND
     from finetune.objectives.planning import PlannedCollate, split_batch
     from finetune.objectives.shapes import plan_shapes
     from tests.finetune.host_reads import HostReads
@@ -230,7 +232,9 @@ def test_the_step_uses_the_segment_count_and_cut_planned_on_the_cpu(model, scene
         sp = part["image_inputs"]["superpixels"]
         labels = resize_labels(sp, model.model.visual.token_grid(*part["image_inputs"]["pixel_values"].shape[-2:]))
         assert plan["segments"] == (48 if fixed else int(labels.max()) + 1)
-        assert plan["longest"] == (77 if fixed else int(part["fcast_sub_mask"].sum(-1).max()))
+        longest = int(batch["fcast_sub_mask"].sum(-1).max())  # the text plan is the whole batch's, for every part
+        assert part[TEXT_PLAN].lengths == {CHUNK_KIND: (32 if longest <= 32 else 64) if fixed else longest}
+        assert plan["capacity"] == 48  # GraphPool's dropout is drawn for the capacity, planned or not
         with torch.no_grad(), HostReads() as reads:
             planned = objective.encode(model, part)
         assert not reads.events, reads.report()
@@ -239,6 +243,34 @@ def test_the_step_uses_the_segment_count_and_cut_planned_on_the_cpu(model, scene
         for key in ("fcast_fine", "fcast_coarse", "fcast_sub", "fcast_long"):
             torch.testing.assert_close(planned[key], counted[key], atol=1e-5, rtol=1e-5, msg=key)
     model.train()
+
+
+def test_batches_over_the_segment_capacity_warn_once_and_are_counted(model, scenes, caplog):
+    """A batch whose superpixels have more segments than planned runs at the next multiple of 16 (a new shape): the
+    step warns the first time and counts every such batch in the term's summary (metrics.json); a warm-up pass is
+    not counted."""
+    from dataclasses import replace
+
+    from finetune.data.collate import Collator
+    from finetune.objectives.base import TEXT_PLAN
+    from finetune.objectives.planning import PlannedCollate
+    from finetune.objectives.shapes import plan_shapes
+
+    term = _term()
+    objective = Objective(None, [(term, 1.0)])
+    objective.prepare_model(model)
+    shapes = plan_shapes(objective, model, scenes)
+    objective.set_shapes(replace(shapes, capacities={"fcast/segments": 16}))
+    batch = PlannedCollate(Collator(model, objective), objective, model)([dict(e) for e in scenes])
+    plan = batch["_term_plans"]["fcast"]
+    assert plan["over_capacity"] > 16 and plan["segments"] % 16 == 0 and plan["segments"] >= plan["over_capacity"]
+    with torch.no_grad(), caplog.at_level("WARNING", logger="xlipkit"):
+        for _ in range(2):
+            objective.encode(model, batch)
+        objective.encode(model, {**batch, TEXT_PLAN: replace(batch[TEXT_PLAN], warmup=True)})
+    warned = [r for r in caplog.records if "more than the 16 planned per image" in r.getMessage()]
+    assert len(warned) == 1 and term.summary()["over_capacity_batches"] == 2
+    objective.set_shapes(None)
 
 
 def test_segment_count_refuses_negative_labels(model):

@@ -188,7 +188,8 @@ def test_a_recipe_kept_in_its_output_folder_is_never_replaced(tmp_path, tiny_mod
         err = capsys.readouterr().err
         assert f"the recipe being run, '{kept}', is the recipe.yaml of output.dir" in err, err
         assert f"mv {kept} experiment.yaml" in err and "another run" not in err
-        assert kept.read_bytes() == mine and sorted(p.name for p in out.iterdir()) == [".xlipkit.lock", "recipe.yaml"]
+        # refused by the preflight, before the run takes the folder's lock: the folder is as it was
+        assert kept.read_bytes() == mine and sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]
     # through a symbolic link to it: the same file
     link = tmp_path / "link.yaml"
     link.symlink_to(kept)
@@ -231,7 +232,7 @@ def test_second_run_and_failed_run_leave_a_finished_run_intact(tmp_path, tiny_mo
                   f'eval.sets=[{{"name": "jsonl", "path": "{tmp_path / "missing.jsonl"}"}}]')
     assert run(bad) == 2
     err = capsys.readouterr().err
-    assert "evaluation set 'jsonl'" in err and "missing.jsonl" in err and "Traceback" not in err
+    assert "recipe error: eval.sets[0].path: jsonl files" in err and "missing.jsonl" in err and "Traceback" not in err
     assert _snapshot(out) == good
 
     # output.overwrite: the old run's files are replaced, not mixed
@@ -298,7 +299,8 @@ def test_a_bad_training_data_path_is_found_before_the_model_loads(tmp_path, tiny
     recipe = tiny_recipe(tmp_path, tiny_model, out, f'data.train={{"name": "jsonl", "path": "{missing}"}}')
     assert run(recipe) == 2
     err = capsys.readouterr().err
-    assert "training set (data.train) could not be loaded" in err and "nope.jsonl" in err and "Traceback" not in err
+    assert "recipe error: data.train.path: jsonl files" in err and "nope.jsonl does not exist" in err
+    assert "Traceback" not in err
     assert not out.exists()
 
 

@@ -263,15 +263,16 @@ def test_stops_and_failures_end_with_a_status_and_a_message_not_a_traceback(tmp_
 
 
 def test_a_run_builds_its_objective_once(tmp_path, monkeypatch, capsys):
-    """One objective per run (issue 25 item 3): built before the data and the model, checked, counted and
-    trained; the stream check and the batch check reuse it instead of building their own."""
+    """One objective per run (issue 25 item 3, issue 38 item 1): built by the preflight before the data and the
+    model, checked, counted and trained; the stream check and the batch check reuse it instead of building their
+    own."""
     import finetune.objectives as objectives
-    import finetune.training.recipe as recipe_module
+    import finetune.training.preflight as preflight_module
     from finetune.cli.train import main
 
     built = []
     real = objectives.build_objective
-    for module in (objectives, recipe_module):
+    for module in (objectives, preflight_module):
         monkeypatch.setattr(module, "build_objective", lambda cfg: built.append(cfg) or real(cfg))
     recipe = tmp_path / "r.yaml"
     recipe.write_text("# r\nmodel: {name_or_path: random:tiny-clip, max_text_len: null}\n"
@@ -290,7 +291,7 @@ def test_the_stream_check_uses_the_objective_it_is_given(monkeypatch):
     import finetune.data.streams as streams
     import finetune.objectives as objectives
     from finetune.config import RecipeError, load_recipe
-    from finetune.training.checks import check_stream_recipe
+    from finetune.training.preflight import check_stream_recipe
 
     assert not hasattr(streams, "check_stream_recipe")
     assert inspect.signature(check_stream_recipe).parameters["objective"].default is inspect.Parameter.empty

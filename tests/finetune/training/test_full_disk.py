@@ -107,7 +107,7 @@ def _grow(disk, size: str) -> None:
 def no_upfront_check(monkeypatch):
     """The free-space estimate made before training would refuse these small disks: let the run start, as on a
     disk that other writers fill while it trains."""
-    monkeypatch.setattr("finetune.training.checks.check_free_space", lambda *args, **kwargs: None)
+    monkeypatch.setattr("finetune.training.size_checks.check_free_space", lambda *args, **kwargs: None)
 
 
 @pytest.mark.slow

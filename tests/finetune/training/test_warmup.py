@@ -1,7 +1,7 @@
 """A warm-up as long as the run or longer (issue 31 item 9): ``warmup_steps: 1000`` with ``max_steps: 4`` trained at
 0.4 % of ``train.lr`` without a word. The run is allowed (a smoke run of a shipped recipe does it on purpose), and
-the run says so (``finetune.training.checks.check_warmup``), naming the keys and the learning rate reached, once the step count is known and before
-the model loads."""
+the run says so (``finetune.training.size_checks.check_warmup``), naming the keys and the learning rate reached, once
+the step count is known and before the model loads."""
 
 from __future__ import annotations
 

@@ -427,7 +427,7 @@ def test_run_evaluates_with_the_recipe_scorer(tmp_path, monkeypatch):
         "objective: {base: clip, import: [my_scorer_mod]}\n"
         f"train: {{max_steps: 1, batch_size: 4, mixed_precision: 'no', checkpoint_every: 0, trackers: []}}\n"
         f"output: {{dir: {tmp_path / 'run'}}}\n")
-    recipe = load_recipe(recipe_file)
+    recipe = load_recipe(recipe_file, trust_imports=True)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     assert run_recipe(recipe) == 0

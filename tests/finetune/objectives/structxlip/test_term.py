@@ -352,12 +352,20 @@ def fixed(crop_setup, model):
 
 
 def test_text_passes_embed_like_each_request_alone(fixed, model):
-    """Under fixed shapes, captions and filtered captions go through the text tower in one pass at 248 tokens and
-    the chunks in a second at the training set's longest chunk, and each embeds as it does encoded on its own."""
+    """Under planned shapes, captions and filtered captions go through the text tower in one pass at the bucket of
+    the longest of them and the chunks in a second at the bucket of the longest chunk, and each embeds as it does
+    encoded on its own."""
+    from finetune.objectives.shapes import SHORT, TEXT
+
     objective, term, data = fixed
     shapes = objective.shapes
-    longest = max(int(model.tokenize([c]).attention_mask.sum()) for i in range(len(data)) for c in data[i]["chunks"])
-    assert shapes.text_length == 248 and shapes.short_length == -(-longest // 8) * 8
+    rows = [0, 1, 2, 3]
+    chunk = max(int(model.tokenize([c]).attention_mask.sum()) for i in rows for c in data[i]["chunks"])
+    caption = max(int(model.tokenize([data[i][k]]).attention_mask.sum()) for i in rows
+                  for k in ("caption", "filtered_caption"))
+    assert shapes.text_length == 248 and chunk <= 32 < caption < 248
+    lengths = {TEXT: shapes.length(TEXT, caption), SHORT: shapes.length(SHORT, chunk)}
+    assert lengths[TEXT] >= caption and lengths[SHORT] >= chunk
     most = max(len(data[i]["chunks"]) for i in range(len(data)))
     assert shapes.capacities == {"structxlip/chunks": most, "structxlip/regions": 3}
     batch = Collator(model, objective)([data[i] for i in (0, 1, 2, 3)])
@@ -366,7 +374,7 @@ def test_text_passes_embed_like_each_request_alone(fixed, model):
         feats = objective.encode(counting, batch)
     sx = batch["structxlip"]
     assert sx["chunk_input_ids"].shape[:2] == (4, most) and sx["region_inputs"]["pixel_values"].shape[:2] == (4, 3)
-    assert sorted(calls["text"]) == sorted([(8, 248), (4 * most, shapes.short_length)])
+    assert sorted(calls["text"]) == sorted([(8, lengths[TEXT]), (4 * most, lengths[SHORT])])
     with torch.no_grad():
         width = sx["chunk_input_ids"].shape[-1]
         for key, ids, mask in (("chunk", sx["chunk_input_ids"].reshape(-1, width),
@@ -674,7 +682,7 @@ def _tiny_overrides(path: Path, fx: dict, out: Path) -> list[str]:
         f"eval.sets={json.dumps(sets)}", f"data.cache_dir={fx['cache']}", "data.num_workers=0",
         "eval.batch_size=8", "train.max_steps=2", "train.batch_size=4", "train.mixed_precision=no",
         "train.checkpoint_every=0", "train.trackers=[]", f"output.dir={out}",
-        "model.init_from=null", "eval.compare_with=[]",  # the start and comparisons: tests/finetune/training/test_prerequisites.py
+        "model.init_from=null", "eval.compare_with=[]",  # the start and comparisons: tests/finetune/training/test_upstream.py
     ] + ([] if regions.get("source") == "dataset" else [  # the dataset's regions need no FastSAM
         f"objective.terms.structxlip.regions.checkpoint={fx['checkpoint']}",
         "objective.terms.structxlip.regions.imgsz=64",

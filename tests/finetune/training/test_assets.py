@@ -1,6 +1,7 @@
-"""What a recipe needs before it runs (finetune/training/needs.py) and the commands over it: `xlipkit validate`,
-`xlipkit download`, `xlipkit copy`, and `xlipkit train` / `preview` refusing a recipe with everything missing at
-once (exit 2, `recipe error:`), before any model or dataset loads."""
+"""What a recipe needs before it runs (finetune/training/assets.py, listed with the upstream runs by
+finetune/training/preflight.py) and the commands over it: `xlipkit validate`, `xlipkit download`, `xlipkit copy`, and
+`xlipkit train` / `preview` refusing a recipe with everything missing at once (exit 2, `recipe error:`), before any
+model or dataset loads."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from finetune.cli import train as train_command
 from finetune.cli import validate as validate_command
 from finetune.config import load_recipe
 from finetune.data import benchmarks
-from finetune.training import needs as needs_module
-from finetune.training.needs import recipe_needs
+from finetune.training import assets as assets_module
+from finetune.training.preflight import recipe_needs
 
 REPO = Path(__file__).resolve().parents[3]
 NOT_CACHED = "xlipkit-tests/never-cached-model"
@@ -27,7 +28,7 @@ NOT_CACHED = "xlipkit-tests/never-cached-model"
 @pytest.fixture(autouse=True)
 def _from_repo(monkeypatch):
     monkeypatch.chdir(REPO)  # shipped recipes name recipes/..., as users run them from the clone
-    needs_module._probes.clear()
+    assets_module._probes.clear()
 
 
 def _no_run(monkeypatch):
@@ -57,7 +58,7 @@ def test_train_and_preview_list_every_missing_thing_at_once_with_exit_2(command,
     assert "Traceback" not in err
     listed = [line[4:].split(": ")[0] for line in err.splitlines() if line.startswith("  - ")]
     assert sorted(set(listed)) == sorted(EXPECTED_KEYS), err
-    assert "HF_HUB_OFFLINE is set" in err and f"xlipkit download recipes/structxlip_docci.yaml" in err
+    assert "HF_HUB_OFFLINE is set" in err and "xlipkit download recipes/structxlip_docci.yaml" in err
     assert "FastSAM-x.pt" in err and "SA-1B" in err
 
 
@@ -65,8 +66,8 @@ def test_validate_lists_found_to_download_and_missing_and_exits_2_when_something
     status = validate_command.main([*REAL, f"data.cache_dir={tmp_path}"])
     out, err = capsys.readouterr()
     assert status == 2
-    assert "a valid recipe" in out and "\nmissing:\n" in out
-    assert "recipe error:" in err and NOT_CACHED in err
+    assert "a valid recipe" in out and "\nmissing:\n" in out and NOT_CACHED in out
+    assert "recipe error: recipes/structxlip_docci.yaml needs 6 things" in err and "listed above" in err
 
 
 @pytest.mark.slow
@@ -105,7 +106,7 @@ def test_an_unreachable_hub_fails_fast_and_says_how_to_go_offline(monkeypatch):
     assert need.state == "missing"
     assert "http://127.0.0.1:9 cannot be reached" in need.how
     assert "set HF_HUB_OFFLINE=1" in need.how and "xlipkit download" in need.how
-    assert list(needs_module._probes) == ["http://127.0.0.1:9"]
+    assert list(assets_module._probes) == ["http://127.0.0.1:9"]
 
 
 def _urban_zip(folder: Path) -> Path:
@@ -138,7 +139,7 @@ def test_download_offline_only_says_what_it_would_fetch(monkeypatch, tmp_path, c
     def never(*args, **kwargs):
         raise AssertionError("downloaded while HF_HUB_OFFLINE is set")
 
-    monkeypatch.setattr(needs_module, "fetch_need", never)
+    monkeypatch.setattr(assets_module, "fetch_need", never)
     status = download_command.main([*REAL, f"data.cache_dir={tmp_path}"])
     out, err = capsys.readouterr()
     assert status == 1
@@ -214,32 +215,11 @@ def test_the_runs_early_checks_and_the_missing_things_come_in_one_message(tmp_pa
             f"output.dir={tmp_path / 'run'}"]
     for command in (validate_command, train_command):
         assert command.main(argv) == 2
-        err = capsys.readouterr().err
+        out, err = capsys.readouterr()
         assert "data.train.options.fields" in err and "json.longLLA_captions" in err
-        assert "objective.terms.fcast.superpixels.checkpoint: SFCN weights" in err and "data.train.urls" in err
+        assert "objective.terms.fcast.superpixels.checkpoint: SFCN weights" in out + err
+        assert "data.train.urls" in out + err
     assert not (tmp_path / "run").exists()
-
-
-@pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    from tests.recipes.shipped import Project
-
-    root = tmp_path_factory.mktemp("project")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XLIPKIT_CACHE", str(root / "cache"))
-        yield Project(root)
-
-
-@pytest.mark.parametrize("path", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
-def test_a_recipe_run_as_shipped_on_fixtures_passes_the_check(path, project, monkeypatch):
-    """With its data at fixtures and its model at a tiny checkpoint (tests/recipes/shipped.py, what the slow
-    as-shipped runs use), no shipped recipe is stopped by the check: it asks only for what the run reads."""
-    from tests.recipes.shipped import as_shipped_overrides, enter
-
-    overrides = as_shipped_overrides(REPO / "recipes" / path, project)
-    enter(monkeypatch, project)
-    recipe = load_recipe(REPO / "recipes" / path, overrides)
-    assert needs_module.recipe_problems(recipe, f"recipes/{path}") is None
 
 
 def test_a_fastsam_checkpoint_is_missing_for_a_run_even_online_but_download_fetches_it(tmp_path):
@@ -248,7 +228,7 @@ def test_a_fastsam_checkpoint_is_missing_for_a_run_even_online_but_download_fetc
     recipe = load_recipe(REAL[0], [*REAL[1:], f"data.cache_dir={tmp_path}"])
     needs = {n.key: n for n in recipe_needs(recipe, plan_only=True)}  # as where every host answers
     fastsam = needs["objective.terms.structxlip.regions.checkpoint"]
-    assert fastsam.state == "missing" and needs_module.fetchable(fastsam)
+    assert fastsam.state == "missing" and assets_module.fetchable(fastsam)
     assert "a run does not download it" in fastsam.how
-    assert needs["model.name_or_path"].state == "download" and needs_module.fetchable(needs["model.name_or_path"])
-    assert not needs_module.fetchable(needs["eval.sets[2].path"])  # DCI
+    assert needs["model.name_or_path"].state == "download" and assets_module.fetchable(needs["model.name_or_path"])
+    assert not assets_module.fetchable(needs["eval.sets[2].path"])  # DCI

@@ -1,5 +1,7 @@
-"""Runs a recipe builds on: ``model.init_from`` (the starting model) and ``eval.compare_with`` (runs set
-beside this one in the report).
+"""The upstream runs of a recipe, the runs it builds on: ``model.init_from`` (the starting model) and
+``eval.compare_with`` (runs set beside this one in the report). Before a run, :func:`upstream_needs` says whether
+each can be used (for :func:`finetune.training.preflight.preflight`); the run itself reuses or trains them
+(:func:`ensure_all`).
 
 A reference is a recipe YAML or a run folder. A recipe's run lives in its ``output.dir``; it is *current*
 when that folder holds a finished run (``metrics.json`` and ``final/``) whose ``recipe.yaml`` has the same
@@ -11,7 +13,9 @@ launch calls :func:`ensure` with the same arguments, decides the same way from t
 the prerequisite together with the others (one DDP run), then all of them load its ``final/``. A run
 folder is used as it is (it must hold ``final/``).
 
-Relative paths are read from the current directory, as ``output.dir`` is.
+Relative paths are read from the current directory, as ``output.dir`` is. An upstream recipe may run the code it
+names (``objective.import``) only when the recipe that names it may (``Recipe.trust_code``, the user's
+``--trust-recipe-code``).
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from accelerate.state import AcceleratorState, GradientState
 from finetune.config import RecipeError, load_recipe, recipe_to_dict
 from finetune.runs.errors import RunFolderError
 from finetune.runs.identity import RECIPE_NAME, comparable_recipe, differing_keys, read_run_recipe, recipe_hash
+from finetune.training.assets import Need, weights_need
 
 log = logging.getLogger("xlipkit")
 
 __all__ = ["PrerequisiteError", "Prerequisite", "Prerequisites", "chain_hash", "ensure", "ensure_all", "find_current",
-           "reference_hash"]
+           "reference_hash", "upstream_needs"]
 
 
 class PrerequisiteError(ValueError):
@@ -78,9 +83,9 @@ class Prerequisite:
         return {"ref": self.ref, "run_dir": str(self.run_dir), "hash": self.hash, "status": self.status}
 
 
-def _load(ref: str, key: str) -> Any:
+def _load(ref: str, key: str, trust: bool = False) -> Any:
     try:
-        return load_recipe(ref)
+        return load_recipe(ref, trust_imports=trust)
     except RecipeError as exc:
         raise PrerequisiteError(f"{key}: {ref} is not a valid recipe: {exc}") from exc
 
@@ -107,9 +112,9 @@ def _folder_hash(final: Path) -> str:
     return digest.hexdigest()
 
 
-def reference_hash(ref: str, key: str, chain: tuple[str, ...] = ()) -> str:
+def reference_hash(ref: str, key: str, chain: tuple[str, ...] = (), *, trust: bool = False) -> str:
     """What decides the run ``ref`` names: for a recipe, :func:`chain_hash` of it; for a run folder, its
-    ``final/`` files (names, sizes, modification times).
+    ``final/`` files (names, sizes, modification times). ``trust``: the recipe may import what it names.
 
     Raises:
         PrerequisiteError: a missing reference, a folder without ``final/``, a cycle.
@@ -121,7 +126,7 @@ def reference_hash(ref: str, key: str, chain: tuple[str, ...] = ()) -> str:
     if resolved in chain:
         cycle = " -> ".join([*chain[chain.index(resolved):], resolved])
         raise PrerequisiteError(f"{key}: a cycle of model.init_from: {cycle}; a recipe cannot start from itself")
-    return chain_hash(_load(ref, key), (*chain, resolved))
+    return chain_hash(_load(ref, key, trust), (*chain, resolved))
 
 
 def chain_hash(recipe: Any, chain: tuple[str, ...] = ()) -> str:
@@ -137,7 +142,7 @@ def chain_hash(recipe: Any, chain: tuple[str, ...] = ()) -> str:
     parts = [recipe_hash(recipe_to_dict(recipe))]
     init = getattr(recipe.model, "init_from", None)
     if init:
-        parts.append(reference_hash(init, "model.init_from", chain))
+        parts.append(reference_hash(init, "model.init_from", chain, trust=recipe.trust_code))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -174,9 +179,9 @@ def _current(run_dir: Path, recipe: Any, expected_init: str | None) -> tuple[boo
     return True, ""
 
 
-def find_current(ref: str, key: str) -> Prerequisite | None:
+def find_current(ref: str, key: str, *, trust: bool = False) -> Prerequisite | None:
     """The run ``ref`` names when it exists and is current (what :func:`ensure` would reuse), else None; never
-    trains. For commands that only look (``xlipkit preview``).
+    trains. For commands that only look (``xlipkit preview``). ``trust``: the recipe may import what it names.
 
     Raises:
         PrerequisiteError: a missing reference, a folder without ``final/``, a cycle.
@@ -184,15 +189,16 @@ def find_current(ref: str, key: str) -> Prerequisite | None:
     path = _check_exists(ref, key)
     if path.is_dir():
         return Prerequisite(key, ref, path, _folder_hash(path / "final"), "folder")
-    this_hash = reference_hash(ref, key)
-    recipe = _load(ref, key)
+    this_hash = reference_hash(ref, key, trust=trust)
+    recipe = _load(ref, key, trust)
     init = getattr(recipe.model, "init_from", None)
-    expected_init = reference_hash(init, "model.init_from", (str(path.resolve()),)) if init else None
+    expected_init = reference_hash(init, "model.init_from", (str(path.resolve()),), trust=trust) if init else None
     current, _ = _current(Path(recipe.output.dir), recipe, expected_init)
     return Prerequisite(key, ref, Path(recipe.output.dir), this_hash, "reused") if current else None
 
 
-def ensure(ref: str, key: str, run_fn: Callable[..., int], chain: tuple[str, ...] = ()) -> Prerequisite:
+def ensure(ref: str, key: str, run_fn: Callable[..., int], chain: tuple[str, ...] = (), *,
+           trust: bool = False) -> Prerequisite:
     """Make sure the run ``ref`` names exists and is current; train it (``run_fn(recipe, chain=...)``, the
     same :func:`finetune.training.recipe.run_recipe` as the caller's) when it is not.
 
@@ -201,6 +207,7 @@ def ensure(ref: str, key: str, run_fn: Callable[..., int], chain: tuple[str, ...
         key: the recipe key that names it, for messages.
         run_fn: runs a recipe, returns the exit status.
         chain: resolved paths of the recipes that lead here.
+        trust: the recipe may import the code it names (``objective.import``).
 
     Returns:
         the :class:`Prerequisite`.
@@ -211,11 +218,11 @@ def ensure(ref: str, key: str, run_fn: Callable[..., int], chain: tuple[str, ...
     if path.is_dir():
         return Prerequisite(key, ref, path, _folder_hash(path / "final"), "folder")
     resolved = str(path.resolve())
-    this_hash = reference_hash(ref, key, chain)  # checks the whole chain (cycles, missing files) before any training
-    recipe = _load(ref, key)
+    this_hash = reference_hash(ref, key, chain, trust=trust)  # the whole chain (cycles, missing files) before training
+    recipe = _load(ref, key, trust)
     run_dir = Path(recipe.output.dir)
     init = getattr(recipe.model, "init_from", None)
-    expected_init = reference_hash(init, "model.init_from", (*chain, resolved)) if init else None
+    expected_init = reference_hash(init, "model.init_from", (*chain, resolved), trust=trust) if init else None
     current, why = _current(run_dir, recipe, expected_init)
     if current:
         log.info("%s: reusing %s (%s finished with the same recipe)", key, run_dir / "final", ref)
@@ -256,11 +263,55 @@ def ensure_all(recipe: Any, run_fn: Callable[..., int], chain: tuple[str, ...] =
     """
     if recipe.source and not chain:
         chain = (str(Path(recipe.source).resolve()),)
-    init_ref = getattr(recipe.model, "init_from", None)
-    init = ensure(init_ref, "model.init_from", run_fn, chain) if init_ref else None
-    compare = [ensure(ref, f"eval.compare_with[{i}]", run_fn, chain)
+    init_ref, trust = getattr(recipe.model, "init_from", None), recipe.trust_code
+    init = ensure(init_ref, "model.init_from", run_fn, chain, trust=trust) if init_ref else None
+    compare = [ensure(ref, f"eval.compare_with[{i}]", run_fn, chain, trust=trust)
                for i, ref in enumerate(getattr(recipe.eval, "compare_with", None) or [])]
     if any(p is not None and p.status == "trained" for p in [init, *compare]):
         AcceleratorState._reset_state(reset_partial_state=False)
         GradientState._reset_state()
     return Prerequisites(init, compare)
+
+
+def _references(recipe: Any) -> list[tuple[str, str]]:
+    init = getattr(recipe.model, "init_from", None)
+    return ([("model.init_from", init)] if init else []) + [
+        (f"eval.compare_with[{i}]", ref) for i, ref in enumerate(getattr(recipe.eval, "compare_with", None) or [])]
+
+
+def upstream_needs(recipe: Any, chain: tuple[str, ...] = ()) -> list[tuple[Need, Any]]:
+    """Whether each run ``recipe`` builds on can be used, without training or loading anything: a run folder with a
+    readable ``final/`` is ``ready``; a recipe is ``ready`` (its run is reused when current, else trained first) and
+    comes with the loaded recipe when its run is not there yet, so that the caller checks what training it needs;
+    a missing reference, a folder that is not a finished run or a recipe that does not load is ``missing``.
+
+    Args:
+        recipe: a loaded :class:`finetune.config.Recipe`.
+        chain: resolved paths of the recipes that lead here (a cycle is left to the run's own check).
+
+    Returns:
+        ``(need, upstream recipe or None)`` for each reference, in recipe order.
+    """
+    chain = chain or ((str(Path(recipe.source).resolve()),) if recipe.source else ())
+    out: list[tuple[Need, Any]] = []
+    for key, target in _references(recipe):
+        path = Path(target).expanduser()
+        if path.is_dir():
+            need = (weights_need(key, f"run folder {target}", path / "final", "its final/ is loaded")
+                    if (path / "final").is_dir() else
+                    Need(key, f"run folder {target}", "missing", "it has no final/ (not a finished run): train it "
+                                                                 "first, or name its recipe"))
+            out.append((need, None))
+        elif not path.is_file():
+            out.append((Need(key, f"recipe {target}", "missing", f"not found (read from {Path.cwd()}): give a recipe "
+                                                                 "YAML or a run folder that holds final/"), None))
+        elif str(path.resolve()) not in chain:
+            try:  # read as the run will read it
+                sub = _load(target, key, recipe.trust_code)
+            except PrerequisiteError as exc:
+                out.append((Need(key, f"recipe {target}", "missing", str(exc)), None))
+                continue
+            done = Path(sub.output.dir) / "final"
+            out.append((Need(key, f"recipe {target}", "ready", f"its run {done} is reused when current, else it is "
+                                                               "trained first"), None if done.is_dir() else sub))
+    return out

@@ -1,22 +1,23 @@
-"""What a recipe needs from outside the toolkit, found before anything slow starts: the models it loads, the
-checkpoint files its terms read, the datasets it trains and evaluates on, the extras they need, and the runs it
-builds on (``model.init_from``, ``eval.compare_with``, followed into their own recipes).
+"""The assets a recipe needs from outside the toolkit, found before anything slow starts: the models it loads, the
+checkpoint files its terms read, the datasets it trains and evaluates on (benchmark files, local folders, stream
+shards) and the extras they need. The runs it builds on are :mod:`finetune.training.upstream`'s; the one check
+before a run that puts both together is :func:`finetune.training.preflight.preflight`.
 
-:func:`recipe_needs` lists them, each :class:`Need` in one of three states: ``ready`` (on disk or in the hub
+:func:`asset_needs` lists them, each :class:`Need` in one of three states: ``ready`` (on disk or in the hub
 cache), ``download`` (fetched on first use: ``xlipkit download RECIPE`` fetches it now) and ``missing`` (the
-run would stop on it; ``how`` says what to do). ``xlipkit validate`` prints the list; ``xlipkit train`` and
-``xlipkit preview`` refuse a recipe with missing needs, all of them in one message (:func:`missing_message`),
-with exit status 2. :func:`fetch_need` downloads one need through the library that owns it
-(``huggingface_hub.snapshot_download`` for models, :mod:`finetune.data.download` for the benchmarks' official
-files, ultralytics' ``attempt_download_asset`` for its checkpoints).
+run would stop on it; ``how`` says what to do). :func:`fetch_need` downloads one need through the library that
+owns it (``huggingface_hub.snapshot_download`` for models, :mod:`finetune.data.download` for the benchmarks'
+official files, ultralytics' ``attempt_download_asset`` for its checkpoints).
 
 A hub model that is not cached is ``download`` when the hub answers within :data:`PROBE_TIMEOUT_S` seconds, and
 ``missing`` when it does not or when ``HF_HUB_OFFLINE`` is set, with a message that says how to go on: so an
-unreachable hub stops a run in seconds instead of retrying for minutes inside ``from_pretrained``.
+unreachable hub stops a run in seconds instead of retrying for minutes inside ``from_pretrained``. A local model
+whose safetensors files cannot be read (empty, truncated, a Git LFS pointer) is ``missing``, naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import urllib.error
@@ -27,11 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.config import RecipeError, recipe_to_dict
+from finetune.config import recipe_to_dict
+from finetune.credentials import mask_text
 from finetune.extras import EXTRAS, has_extra
 
-__all__ = ["PROBE_TIMEOUT_S", "Need", "fetch_need", "hub_offline", "missing_message", "model_need", "recipe_needs",
-           "recipe_problems", "fetchable"]
+__all__ = ["PROBE_TIMEOUT_S", "Need", "asset_needs", "fetch_need", "fetchable", "hub_offline", "model_need",
+           "planning", "weights_need"]
 
 #: seconds a download host gets to answer before it counts as unreachable
 PROBE_TIMEOUT_S = 5.0
@@ -64,6 +66,8 @@ class Need:
         fetch: for ``download`` (and a ``missing`` one that only the network, an offline flag or a run that does not
             download it stands in the way of): ``("hub", repo_id, revision)``,
             ``("url", url, sha256, archive, cache_dir)`` or ``("ultralytics", path)``; what :func:`fetch_need` does.
+        blocked: why it cannot be fetched now (an offline flag is set, its host does not answer), ``None`` when
+            it can or when nothing was asked (:func:`planning`).
     """
 
     key: str
@@ -71,6 +75,11 @@ class Need:
     state: str
     how: str
     fetch: tuple[Any, ...] | None = field(default=None, compare=False)
+    blocked: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:  # what is shown never holds a credential (a URL's password, a signature)
+        object.__setattr__(self, "what", mask_text(self.what))
+        object.__setattr__(self, "how", mask_text(self.how))
 
     def line(self) -> str:
         """One line for a listing: ``[state] key: what (how)``."""
@@ -83,8 +92,19 @@ def hub_offline() -> bool:
 
 
 _probes: dict[str, str | None] = {}
-#: set while :func:`recipe_needs` plans downloads without asking any host (``plan_only``)
+#: set while the needs are planned without asking any host (:func:`planning`)
 _plan_only: contextvars.ContextVar[bool] = contextvars.ContextVar("xlipkit_needs_plan_only", default=False)
+
+
+@contextlib.contextmanager
+def planning(plan_only: bool = True) -> Iterator[None]:
+    """Within it (``plan_only``), no host is asked and the offline flags are not read: what is not there and can be
+    fetched is ``download``, as ``xlipkit download`` would fetch it where the network can be reached."""
+    token = _plan_only.set(plan_only)
+    try:
+        yield
+    finally:
+        _plan_only.reset(token)
 
 
 def _blocked(url: str, *, datasets: bool = False) -> str | None:
@@ -127,9 +147,10 @@ def _hub_need(key: str, repo: str, revision: str | None, recipe_ref: str | None)
     what = f"hub model {repo}" + (f" at {revision}" if revision else "")
     try:
         path = snapshot_download(repo, revision=revision, local_files_only=True)
-        return Need(key, what, "ready", f"in the hub cache: {path}")
     except Exception:  # not cached (LocalEntryNotFoundError, or a revision that is not there)
         pass
+    else:
+        return weights_need(key, what, Path(path), f"in the hub cache: {path}")
     command = f"xlipkit download {recipe_ref}" if recipe_ref else f"hf download {repo}"
     fix = (f"run `{command}` where the hub can be reached, then run with HF_HUB_OFFLINE=1 "
            f"and the same cache (HF_HOME / HF_HUB_CACHE, now {constants.HF_HUB_CACHE}); or set {key} to a local "
@@ -137,9 +158,23 @@ def _hub_need(key: str, repo: str, revision: str | None, recipe_ref: str | None)
     why = _blocked(_hub_endpoint())
     if why is not None:
         fix += "" if hub_offline() else "; with no network, set HF_HUB_OFFLINE=1 so that nothing waits on the hub"
-        return Need(key, what, "missing", f"not in the local hub cache and {why}: {fix}", ("hub", repo, revision))
+        return Need(key, what, "missing", f"not in the local hub cache and {why}: {fix}", ("hub", repo, revision),
+                    blocked=why)
     return Need(key, what, "download", f"from {_hub_endpoint()}, on first use or by `xlipkit download`",
                 ("hub", repo, revision))
+
+
+def weights_need(key: str, what: str, path: Path, where: str) -> Need:
+    """A model on disk (a folder or a file, at ``key``; ``where`` says where it is): ``ready``, or ``missing`` when
+    one of its safetensors files cannot be read (empty, truncated, a Git LFS pointer:
+    :func:`finetune.models.weight_files.check_weight_files` reads their headers only)."""
+    from finetune.models.weight_files import DamagedWeightsError, check_weight_files
+
+    try:
+        check_weight_files(path)
+    except DamagedWeightsError as exc:
+        return Need(key, what, "missing", str(exc))
+    return Need(key, what, "ready", where)
 
 
 def _looks_local(name: str) -> bool:
@@ -163,7 +198,7 @@ def _model_need(key: str, name: str, revision: str | None, recipe_ref: str | Non
         return None
     path = Path(name.removeprefix("local-dir:")).expanduser()
     if path.exists():
-        return Need(key, f"model {name}", "ready", f"local: {path}")
+        return weights_need(key, f"model {name}", path, f"local: {path}")
     if _looks_local(name):
         return Need(key, f"model {name}", "missing", f"the path {str(path)!r} does not exist (relative paths are "
                                                      f"read from {Path.cwd()}); give an existing folder or a hub id")
@@ -194,7 +229,7 @@ def _file_need(key: str, value: str, what: str, how: str, *, extra: str | None =
                    f"{path} does not exist (read from {Path.cwd()}); a run does not download it: `xlipkit download` "
                    f"fetches it from the ultralytics assets ({_ULTRALYTICS_ASSETS}) into that path"
                    + (f" where they can be reached (now {why})" if why else "") + f"; or {how}",
-                   ("ultralytics", str(path)))
+                   ("ultralytics", str(path)), blocked=why)
     else:
         yield Need(key, f"{what} {value}", "missing", f"{path} does not exist (read from {Path.cwd()}): {how}")
 
@@ -214,7 +249,8 @@ def _official(names: tuple[str, ...], cache: Path, what: str, key: str) -> Itera
         if why is not None:
             yield Need(key, f"{what}: {Path(url).name}", "missing",
                        f"not in the cache ({cache}) and {why}: download it where it can be reached (`xlipkit "
-                       "download`), or set the entry's `path:` to a local copy", ("url", url, sha, archive, str(cache)))
+                       "download`), or set the entry's `path:` to a local copy", ("url", url, sha, archive, str(cache)),
+                       blocked=why)
         else:
             yield Need(key, f"{what}: {Path(url).name}", "download",
                        f"from {url}, on first use or by `xlipkit download`", ("url", url, sha, archive, str(cache)))
@@ -224,16 +260,8 @@ def _data_needs(key: str, entry: dict[str, Any], cache: Path) -> Iterator[Need]:
     from finetune.data.benchmarks import HOW_TO_GET
 
     name = entry.get("format") or entry.get("name")
-    if entry.get("urls") is not None:
-        urls = entry["urls"] if isinstance(entry["urls"], list) else [entry["urls"]]
-        for i, url in enumerate(urls):
-            if "://" in str(url):
-                continue  # a remote stream: read as it trains, nothing to fetch first
-            folder = Path(str(url).split("{")[0]).expanduser().parent
-            if not folder.is_dir():
-                yield Need(f"{key}.urls" + (f"[{i}]" if len(urls) > 1 else ""), f"{name} shards {url}", "missing",
-                           f"the folder {str(folder)!r} does not exist: write the shards there (docs/guides/"
-                           "scaling.md) or point urls at them")
+    if _is_stream(entry):
+        yield from _stream_needs(key, entry)
         return
     if name not in _PATH_SOURCES:
         return
@@ -255,6 +283,28 @@ def _data_needs(key: str, entry: dict[str, Any], cache: Path) -> Iterator[Need]:
         how = HOW_TO_GET.get(name, "give the path of its files")
         yield Need(f"{key}.path", f"{name} files", "missing", f"no `path:` given and it is not downloaded "
                                                               f"automatically: {how}")
+
+
+def _is_stream(entry: dict[str, Any]) -> bool:
+    from finetune.data.sources import SourceSpec
+
+    try:
+        return SourceSpec.parse(entry).is_stream
+    except ValueError:  # checked when the recipe was loaded
+        return False
+
+
+def _stream_needs(key: str, entry: dict[str, Any]) -> Iterator[Need]:
+    """A stream's shards, checked by the run's own check (:func:`finetune.data.streams.check_stream_shards`: local
+    shard files listed, not opened; remote ones and ``pipe:`` commands are read as the run trains)."""
+    from finetune.data.streams import check_stream_shards
+
+    name = entry.get("format") or entry.get("name")
+    where = "urls" if entry.get("urls") is not None else "path"
+    try:
+        check_stream_shards(entry)
+    except ValueError as exc:  # a DataError
+        yield Need(f"{key}.{where}", f"{name} shards {entry.get(where)}", "missing", str(exc))
 
 
 def _term_needs(terms: dict[str, Any], recipe_ref: str) -> Iterator[Need]:
@@ -296,41 +346,23 @@ def _term_needs(terms: dict[str, Any], recipe_ref: str) -> Iterator[Need]:
                                   "put the SFCN (SpixelNet) weights there, or set superpixels.method=slic")
 
 
-def _references(recipe: Any) -> Iterator[tuple[str, str]]:
-    init = getattr(recipe.model, "init_from", None)
-    if init:
-        yield "model.init_from", init
-    for i, ref in enumerate(getattr(recipe.eval, "compare_with", None) or []):
-        yield f"eval.compare_with[{i}]", ref
-
-
-def recipe_needs(recipe: Any, *, recipe_ref: str | None = None, plan_only: bool = False) -> list[Need]:
-    """Everything ``recipe`` needs from outside the toolkit, without loading a model or a dataset.
-
-    Looks at the files on disk and the hub cache; asks a download host whether it answers (one HEAD request of
-    at most :data:`PROBE_TIMEOUT_S` seconds per host) only for what is not there and would be downloaded, and not
-    at all under ``HF_HUB_OFFLINE``. A ``model.init_from`` / ``eval.compare_with`` recipe is followed: its needs
-    are listed under its key (a finished run folder needs nothing more).
+def asset_needs(recipe: Any, recipe_ref: str | None = None) -> list[Need]:
+    """Every asset ``recipe`` needs from outside the toolkit (its models, datasets, stream shards, the checkpoint
+    files its terms read and the extras they need), without loading a model or a dataset: files on disk and the hub
+    cache are looked at; a download host is asked whether it answers (one HEAD request of at most
+    :data:`PROBE_TIMEOUT_S` seconds per host) only for what is not there and would be downloaded, and not at all
+    under ``HF_HUB_OFFLINE`` or within :func:`planning`. The runs it builds on are not assets
+    (:func:`finetune.training.upstream.upstream_needs`).
 
     Args:
         recipe: a loaded :class:`finetune.config.Recipe`.
-        recipe_ref: how the user named the recipe, for the commands in messages (default its file).
-        plan_only: ask no host and ignore the offline flags: what is not there and can be fetched is ``download``
-            (what ``xlipkit download`` would fetch where the network can be reached).
+        recipe_ref: the recipe (and its overrides) as the commands in messages repeat it (default its file).
 
     Returns:
-        the needs, in recipe order, one entry per thing (several keys asking for the same file share one).
+        the needs, in recipe order.
     """
-    token = _plan_only.set(plan_only)
-    try:
-        return _merged(_recipe_needs(recipe, recipe_ref, ()))
-    finally:
-        _plan_only.reset(token)
-
-
-def _recipe_needs(recipe: Any, recipe_ref: str | None, _chain: tuple[str, ...]) -> list[Need]:
     ref = recipe_ref or (str(recipe.source) if recipe.source else "RECIPE")
-    d = recipe_to_dict(recipe)
+    d = recipe_to_dict(recipe, keep_secrets=True)  # the values as given (read, never shown: Need masks them)
     needs: list[Need] = []
     model = d["model"]
     if not model.get("init_from"):  # with init_from the start is that run's final/, name_or_path is not loaded
@@ -350,91 +382,15 @@ def _recipe_needs(recipe: Any, recipe_ref: str | None, _chain: tuple[str, ...]) 
     for i, entry in enumerate(d["eval"].get("sets") or []):
         needs += _data_needs(f"eval.sets[{i}]", entry, cache)
     needs += _term_needs(d["objective"].get("terms") or {}, ref)
-    chain = _chain or ((str(Path(recipe.source).resolve()),) if recipe.source else ())
-    for key, target in _references(recipe):
-        path = Path(target).expanduser()
-        if path.is_dir():
-            state = "ready" if (path / "final").is_dir() else "missing"
-            needs.append(Need(key, f"run folder {target}", state, "its final/ is loaded" if state == "ready" else
-                              "it has no final/ (not a finished run): train it first, or name its recipe"))
-        elif not path.is_file():
-            needs.append(Need(key, f"recipe {target}", "missing", f"not found (read from {Path.cwd()}): give a "
-                                                                  "recipe YAML or a run folder that holds final/"))
-        elif str(path.resolve()) not in chain:  # a cycle is reported by the run's own check
-            from finetune.training import prerequisites
-
-            try:  # read as the run will read it (looked up now: the tests' as-shipped runs replace it)
-                sub = prerequisites._load(target, key)
-            except prerequisites.PrerequisiteError as exc:
-                needs.append(Need(key, f"recipe {target}", "missing", str(exc)))
-                continue
-            done = Path(sub.output.dir) / "final"
-            needs.append(Need(key, f"recipe {target}", "ready", f"its run {done} is reused when current, else it "
-                                                                "is trained first"))
-            if not done.is_dir():
-                needs += [Need(f"{key} -> {n.key}", n.what, n.state, n.how, n.fetch)
-                          for n in _recipe_needs(sub, ref, (*chain, str(path.resolve())))]
     return needs
-
-
-def _merged(needs: list[Need]) -> list[Need]:
-    """One entry per thing: the same file asked for by several keys (a set trained and evaluated on) is listed
-    once, under all of them."""
-    merged: dict[tuple[str, str, str], Need] = {}
-    for need in needs:
-        seen = merged.get((need.what, need.state, need.how))
-        merged[(need.what, need.state, need.how)] = need if seen is None else Need(
-            f"{seen.key}, {need.key}", need.what, need.state, need.how, seen.fetch)
-    return list(merged.values())
-
-
-def missing_message(needs: list[Need], recipe_ref: str) -> str | None:
-    """The error for the needs that are ``missing``, all of them in one message; ``None`` when none is."""
-    missing = [n for n in needs if n.state == "missing"]
-    if not missing:
-        return None
-    fetchable = sum(n.fetch is not None for n in needs)
-    tail = (f"`xlipkit validate {recipe_ref}` lists everything the recipe needs"
-            + (f"; `xlipkit download {recipe_ref}` fetches the {fetchable} that can be downloaded (where the "
-               "network can be reached; --dry-run lists them)" if fetchable else ""))
-    if len(missing) == 1:  # one line, starting with the key, as the other recipe errors
-        (n,) = missing
-        return f"{n.key}: {n.what}: {n.how}\n{tail}"
-    lines = [f"{recipe_ref} needs {len(missing)} things that cannot be found or fetched:"]
-    lines += [f"  - {n.key}: {n.what}: {n.how}" for n in missing]
-    return "\n".join([*lines, tail])
-
-
-def recipe_problems(recipe: Any, recipe_ref: str, *, objective: Any = None) -> str | None:
-    """Everything that stops ``recipe`` before it runs, in one message (``None`` when nothing does): the checks a
-    run makes before anything slow (its objective built, a streamed ``data.train`` checked against the terms,
-    :func:`finetune.training.checks.check_stream_recipe`), then every missing need (:func:`missing_message`). An
-    objective error about a key whose need is listed as missing (a FastSAM file, the extra it needs) is left to
-    that line. ``objective``: the run's objective when the caller built it already (built here otherwise)."""
-    from finetune.objectives import build_objective
-    from finetune.training.checks import check_stream_recipe
-
-    needs = recipe_needs(recipe, recipe_ref=recipe_ref)
-    listed = {key for n in needs if n.state == "missing" for key in n.key.split(", ")}
-    errors = []
-    try:
-        objective = objective if objective is not None else build_objective(recipe.objective)
-    except (ValueError, OSError) as exc:
-        if not any(key in str(exc) for key in listed):
-            errors.append(str(exc))
-    else:
-        try:
-            check_stream_recipe(recipe, objective)
-        except RecipeError as exc:
-            errors.append(str(exc))
-    message = missing_message(needs, recipe_ref)
-    return "\n".join([*errors, *([message] if message else [])]) or None
 
 
 def fetchable(need: Need) -> bool:
     """Whether ``xlipkit download`` fetches ``need``: one that is ``download``, or a checkpoint a run does not
-    download itself but ``xlipkit download`` can (an ultralytics asset)."""
-    return need.fetch is not None and (need.state == "download" or need.fetch[0] == "ultralytics")
+    download itself but ``xlipkit download`` can (an ultralytics asset); not one whose host was found unreachable
+    (``need.blocked``: the same probe answer as ``xlipkit validate``'s)."""
+    return (need.fetch is not None and need.blocked is None
+            and (need.state == "download" or need.fetch[0] == "ultralytics"))
 
 
 def fetch_need(need: Need) -> str:

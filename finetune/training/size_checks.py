@@ -1,7 +1,8 @@
-"""The checks a run makes before anything slow starts, each naming the recipe key to change: a streamed
-``data.train`` the objective cannot train on (:func:`check_stream_recipe`), a batch that does not split over the
-processes or a training set smaller than one batch (:func:`check_batch`), and a disk that cannot hold what the run
-will write (:func:`check_room`); and a warm-up as long as the run (:func:`check_warmup`, a warning)."""
+"""The checks of a run's sizes, made once the data (and the model) are loaded and before training, each naming the
+recipe key to change: a batch that does not split over the processes or a training set smaller than one batch
+(:func:`check_batch`), a disk that cannot hold what the run will write (:func:`check_room`), and a warm-up as long as
+the run (:func:`check_warmup`, a warning). What is checked before anything loads is
+:func:`finetune.training.preflight.preflight`'s."""
 
 from __future__ import annotations
 
@@ -12,70 +13,15 @@ from typing import Any
 
 from accelerate.utils import broadcast_object_list
 
-from finetune.config import Recipe, RecipeError
-from finetune.data.images import DataError
-from finetune.data.sources import SourceSpec
-from finetune.data.streams import STREAM_EXAMPLE_FIELDS, check_fields
+from finetune.config import Recipe
 from finetune.objectives import Objective
 from finetune.runs.errors import RunFolderError
 from finetune.runs.space import check_free_space, estimate_run_bytes, folder_bytes
 from finetune.training.optim import warmup_problem
 
-__all__ = ["check_batch", "check_room", "check_stream_recipe", "check_warmup"]
+__all__ = ["check_batch", "check_room", "check_warmup"]
 
 log = logging.getLogger("xlipkit")
-
-
-def check_stream_recipe(recipe: Recipe, objective: Objective) -> None:
-    """Recipe checks for a streamed ``data.train``, run before the model loads.
-
-    Args:
-        recipe: a loaded recipe (``data.train`` a typed ``SourceSpec``).
-        objective: the run's objective, built from ``recipe.objective``
-            (:func:`finetune.objectives.build_objective`).
-
-    Raises:
-        RecipeError: ``train.max_steps`` is null (a stream has no length to count epochs with), an
-            objective term cannot run on streamed examples (naming the option that makes it streamable), or a
-            term reads an example field the stream does not pass through (``data.train.options.fields``).
-    """
-    spec = recipe.data.train  # a typed SourceSpec, checked (streams included) by load_recipe
-    if not spec.is_stream:
-        return
-    if recipe.train.max_steps is None:
-        raise RecipeError(
-            f"data.train is a stream ({spec.name}) whose length is unknown, so train.epochs cannot be counted: "
-            "set train.max_steps (the number of optimiser steps)", key="train.max_steps")
-    try:
-        objective.check_stream()
-    except ValueError as error:
-        raise RecipeError(str(error), key="objective") from None
-    _check_example_fields(spec, objective, recipe)
-
-
-def _check_example_fields(spec: SourceSpec, objective: Any, recipe: Any) -> None:
-    """A RecipeError when a term reads an example field (:meth:`~finetune.objectives.base.Term.example_fields`)
-    that the stream does not pass through: without it the first batch would raise, after the evaluation."""
-    try:
-        fields = check_fields(spec)
-    except DataError as error:
-        raise RecipeError(f"data.train: {error}", key="data.train.options.fields") from None
-    passed = {key.rpartition(".")[2] for key in fields} | STREAM_EXAMPLE_FIELDS
-    missing: dict[str, list[str]] = {}
-    for term in objective.all_terms:
-        for name, key in term.example_fields().items():
-            if name not in passed:
-                missing.setdefault(key, []).append(name)
-    if missing:
-        key, names = next(iter(missing.items()))
-        given = ", ".join(fields) or "none"
-        where = f"{recipe.source}: " if getattr(recipe, "source", None) else ""
-        raise RecipeError(
-            f"{where}{key} reads {', '.join(names)} from every example, which data.train (a {spec.name} stream) does "
-            f"not pass through (data.train.options.fields: {given}): add "
-            f"{', '.join('json.' + n if spec.name == 'webdataset' else n for n in names)} to "
-            f"data.train.options.fields (json.FIELD for a field of a webdataset KEY.json), or set {key}: null",
-            file=getattr(recipe, "source", None), key="data.train.options.fields")
 
 
 def check_batch(recipe: Recipe, train: Any, num_processes: int, objective: Objective) -> None:

@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from finetune.config import load_recipe
 from finetune.models.registry import save_tiny
-from finetune.training.prerequisites import PrerequisiteError, chain_hash, ensure, reference_hash
+from finetune.training.upstream import PrerequisiteError, chain_hash, ensure, reference_hash
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -205,7 +205,7 @@ def test_keys_added_to_the_toolkit_since_a_run_do_not_make_it_stale(tiny, tmp_pa
     """A run folder written before a recipe key existed (the key absent from its recipe.yaml) is still current
     when the key is at its default; a real change still makes it stale."""
     from finetune.config import dump_recipe
-    from finetune.training.prerequisites import _current
+    from finetune.training.upstream import _current
 
     path = _recipe(tmp_path / "pre.yaml", tiny, tmp_path / "runs" / "pre")
     recipe = load_recipe(path)
@@ -244,7 +244,7 @@ def test_training_a_prerequisite_on_a_first_run_is_info_and_replacing_a_run_is_a
 
 
 def test_find_current_looks_without_training(tiny, tmp_path):
-    from finetune.training.prerequisites import find_current
+    from finetune.training.upstream import find_current
 
     pre = _recipe(tmp_path / "pre.yaml", tiny, tmp_path / "runs" / "pre")
     assert find_current(str(pre), "model.init_from") is None
