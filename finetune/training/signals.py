@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["REPEAT_WINDOW_S", "RunInterrupted", "STOP_SIGNALS", "StopSignals", "StopVote", "TrainingStopped",
-           "ignore_stop_signals", "init_worker", "limit_worker_threads", "stop_signals", "worker_signals"]
+           "ignore_stop_signals", "init_worker", "limit_worker_threads", "stop_signals", "vote_group", "worker_signals"]
 
 
 #: the signals a run stops on: Ctrl-C, and what SLURM, Kubernetes and torchrun send before they kill a process
@@ -189,6 +189,16 @@ def worker_signals() -> Callable[[int], None]:
     """The ``worker_init_fn`` of the training loaders (:func:`init_worker`): workers leave SIGINT / SIGTERM to the
     training process and run on one thread each."""
     return functools.partial(init_worker, exiting=_exiting_event())
+
+
+def vote_group(world_size: int, timeout_s: int) -> Any:
+    """The gloo group of :class:`StopVote` for several processes, waiting at most ``timeout_s`` seconds
+    (``train.process_group_timeout_s``: a process that stops answering ends the run in that time); None for one."""
+    import datetime
+
+    if world_size < 2 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    return torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class StopVote:

@@ -9,7 +9,6 @@ does, feature by feature: :mod:`finetune.training`.
 from __future__ import annotations
 
 import copy
-import datetime
 import functools
 import logging
 import math
@@ -41,7 +40,7 @@ from finetune.training.checkpoint import SaveFailedError, TrainState, save_check
 from finetune.training.loaders import map_loader
 from finetune.training.meter import StepMeter
 from finetune.training.optim import build_optimizer, build_scheduler
-from finetune.training.signals import StopVote, TrainingStopped, stop_signals, worker_signals
+from finetune.training.signals import StopVote, TrainingStopped, stop_signals, vote_group, worker_signals
 from finetune.training.throughput import LoopClock, count_flops, throughput_summary
 
 log = logging.getLogger("xlipkit")
@@ -119,8 +118,7 @@ class TrainResult:
     #: this run part's steady throughput (:meth:`Trainer._throughput`): ``steady_samples_per_s``,
     #: ``data_wait_share``, ``flops_per_sample``, ``tflops_per_device``, ``mfu``, ...
     throughput: dict[str, Any] = field(default_factory=dict)
-    #: what each epoch read, every process and resumed part together (:class:`~finetune.training.epochs.EpochLedger`)
-    epochs: list[dict[str, Any]] = field(default_factory=list)
+    epochs: list[dict[str, Any]] = field(default_factory=list)  # what each epoch read (finetune.training.epochs)
 
 
 
@@ -172,11 +170,8 @@ class Trainer:
         self.state, self.epochs = TrainState(), EpochLedger()
         #: what the divergence check reads at each logging step (the weights an update can change)
         self._trainable = [p for p in module.parameters() if p.requires_grad]
-        #: a gloo group for the per-step stop flag of several processes (:class:`StopVote`)
-        self._vote_group = None
-        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            self._vote_group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(
-                seconds=cfg.process_group_timeout_s))  # a process that stops answering ends the run in that time
+        #: a gloo group for the per-step stop flag of several processes (:class:`StopVote`), with the run's timeout
+        self._vote_group = vote_group(world, cfg.process_group_timeout_s)
         self.meter = StepMeter(accelerator.device, reduce=accelerator.reduce if world > 1 else None,
                                sticky=cfg.on_nonfinite == "raise",
                                optimizer=getattr(self.optimizer, "optimizer", self.optimizer),
@@ -284,8 +279,7 @@ class Trainer:
                         "train.seed and step %d", rng_missing, self.acc.process_index, saved.step)
         self.state = saved
         self.state.recipe = view if view is not None else saved.recipe
-        if self.acc.is_main_process:  # the run's epochs so far (merged sums every process's)
-            self.epochs.load(saved.epochs)
+        self.epochs.load(saved.epochs if self.acc.is_main_process else [])  # on one process: merged sums them
         if self.stream is not None:
             self.stream.load_states(read_stream_states(path))
         log.info("resumed from %s at step %d", path, self.state.step)
