@@ -166,3 +166,12 @@ def test_a_process_that_stops_answering_ends_the_run_within_the_timeout_naming_i
     assert ("error: process 0 of 2 waited 10 s (train.process_group_timeout_s=10) for the other processes at a "
             "collective and gave up") in text, text[-4000:]
     assert "raise train.process_group_timeout_s" in text
+
+
+def test_an_absurd_timeout_is_a_recipe_error_naming_the_key():
+    from finetune.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"train.process_group_timeout_s. must be <= 2.592e\+06"):
+        load_recipe(REPO / "recipes" / "quickstart_clip.yaml", ["train.process_group_timeout_s=1e30"])
+    assert load_recipe(REPO / "recipes" / "quickstart_clip.yaml",
+                       ["train.process_group_timeout_s=2592000"]).train.process_group_timeout_s == 2_592_000
