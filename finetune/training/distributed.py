@@ -32,8 +32,8 @@ from finetune.config import RecipeError
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["UNUSABLE_DEEPSPEED", "average_gradients", "check_engine", "checkpoint_engine", "deepspeed_objects", "engine_record",
-           "fsdp2_scalars", "gathered_model", "layer_classes", "load_whole_under_fsdp", "load_whole_under_zero3",
+__all__ = ["UNUSABLE_DEEPSPEED", "average_gradients", "check_engine", "checkpoint_engine", "deepspeed_objects",
+           "engine_record", "fsdp2_scalars", "gathered_model", "layer_classes", "load_whole_under_fsdp", "load_whole_under_zero3",
            "local_shards", "resolve_deepspeed", "resume_problem", "sharded", "slurm_environment"]
 
 #: DeepSpeed releases that cannot start a model with a 0-dim parameter (CLIP's ``logit_scale``, SigLIP's

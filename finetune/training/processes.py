@@ -59,8 +59,9 @@ def _integer(environ: dict[str, str], name: str, default: int | None = None) -> 
     try:
         return int(value)
     except ValueError:
-        raise LaunchError(f"{name}={value!r} is not a number: the launcher (torchrun, accelerate launch, srun) sets it "
-                          "to this process's place in the run; unset it, or start the run through the launcher") from None
+        raise LaunchError(f"{name}={value!r} is not a number: the launcher (torchrun, accelerate launch, srun) sets "
+                          "it to this process's place in the run; unset it, or start the run through the launcher"
+                          ) from None
 
 
 def launch_variables(environ: dict[str, str] | None = None) -> tuple[int, int]:
@@ -76,8 +77,8 @@ def launch_variables(environ: dict[str, str] | None = None) -> tuple[int, int]:
     if world < 1:
         raise LaunchError(f"WORLD_SIZE={world}: a run has at least one process")
     if not 0 <= rank < world:
-        raise LaunchError(f"RANK={rank} is outside the run's {world} process(es) (WORLD_SIZE={world}): no other process "
-                          "would ever join it. Give each process a rank from 0 to WORLD_SIZE - 1 (under srun: "
+        raise LaunchError(f"RANK={rank} is outside the run's {world} process(es) (WORLD_SIZE={world}): no other "
+                          "process would ever join it. Give each process a rank from 0 to WORLD_SIZE - 1 (under srun: "
                           "SLURM_PROCID below SLURM_NTASKS)")
     if local < 0:
         raise LaunchError(f"LOCAL_RANK={local} is negative")
