@@ -33,8 +33,9 @@ from finetune.config import RecipeError
 log = logging.getLogger("xlipkit")
 
 __all__ = ["UNUSABLE_DEEPSPEED", "average_gradients", "check_engine", "checkpoint_engine", "deepspeed_objects",
-           "engine_record", "fsdp2_scalars", "gathered_model", "layer_classes", "load_whole_under_fsdp", "load_whole_under_zero3",
-           "local_shards", "resolve_deepspeed", "resume_problem", "sharded", "slurm_environment"]
+           "engine_record", "fsdp2_scalars", "gathered_model", "layer_classes", "load_whole_under_fsdp",
+           "load_whole_under_zero3", "local_shards", "resolve_deepspeed", "resume_problem", "sharded",
+           "slurm_environment"]
 
 #: DeepSpeed releases that cannot start a model with a 0-dim parameter (CLIP's ``logit_scale``, SigLIP's
 #: ``logit_bias``), and why. Seen on an H200 with 0.19.8 (2026-11-27); 0.19.5 to 0.19.7 broadcast ``p.data`` itself.
