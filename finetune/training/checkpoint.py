@@ -52,6 +52,8 @@ class TrainState:
     files: dict[str, Any] = field(default_factory=dict)
     #: FLOPs of one step on one process (counted at step 1, :func:`finetune.training.throughput.count_flops`)
     flops_per_step: int | None = None
+    #: what each epoch read so far, every process's (:class:`finetune.training.epochs.EpochLedger`)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)

@@ -35,11 +35,12 @@ from finetune.runs.identity import continuation_view
 from finetune.runs.resume import check_continuation, find_checkpoint
 from finetune.training.distributed import (average_gradients, deepspeed_objects, fsdp2_scalars, gathered_model,
                                           layer_classes, local_shards, sharded)
+from finetune.training.epochs import EpochLedger, count_batch
 from finetune.training.checkpoint import SaveFailedError, TrainState, save_checkpoint
 from finetune.training.loaders import map_loader
 from finetune.training.meter import StepMeter
 from finetune.training.optim import build_optimizer, build_scheduler
-from finetune.training.signals import StopVote, TrainingStopped, stop_signals, worker_signals
+from finetune.training.signals import StopVote, TrainingStopped, stop_signals, vote_group, worker_signals
 from finetune.training.throughput import LoopClock, count_flops, throughput_summary
 
 log = logging.getLogger("xlipkit")
@@ -117,6 +118,7 @@ class TrainResult:
     #: this run part's steady throughput (:meth:`Trainer._throughput`): ``steady_samples_per_s``,
     #: ``data_wait_share``, ``flops_per_sample``, ``tflops_per_device``, ``mfu``, ...
     throughput: dict[str, Any] = field(default_factory=dict)
+    epochs: list[dict[str, Any]] = field(default_factory=list)  # what each epoch read (finetune.training.epochs)
 
 
 
@@ -165,13 +167,11 @@ class Trainer:
         loader = self._loader(dataset, self._planned(collate_fn, module, cfg, dataset), num_workers)
         optimizer = build_optimizer(module, cfg, extra_no_decay)
         self._prepare(optimizer, build_scheduler(optimizer, cfg, self.total_steps), loader)
-        self.state = TrainState()
+        self.state, self.epochs = TrainState(), EpochLedger()
         #: what the divergence check reads at each logging step (the weights an update can change)
         self._trainable = [p for p in module.parameters() if p.requires_grad]
-        #: a gloo group for the per-step stop flag of several processes (:class:`StopVote`)
-        self._vote_group = None
-        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            self._vote_group = torch.distributed.new_group(backend="gloo")
+        #: a gloo group for the per-step stop flag of several processes (:class:`StopVote`), with the run's timeout
+        self._vote_group = vote_group(world, cfg.process_group_timeout_s)
         self.meter = StepMeter(accelerator.device, reduce=accelerator.reduce if world > 1 else None,
                                sticky=cfg.on_nonfinite == "raise",
                                optimizer=getattr(self.optimizer, "optimizer", self.optimizer),
@@ -279,6 +279,7 @@ class Trainer:
                         "train.seed and step %d", rng_missing, self.acc.process_index, saved.step)
         self.state = saved
         self.state.recipe = view if view is not None else saved.recipe
+        self.epochs.load(saved.epochs if self.acc.is_main_process else [])  # on one process: merged sums them
         if self.stream is not None:
             self.stream.load_states(read_stream_states(path))
         log.info("resumed from %s at step %d", path, self.state.step)
@@ -420,7 +421,7 @@ class Trainer:
 
         SIGINT / SIGTERM (:class:`StopSignals`, installed here unless the caller did): the step in progress is
         finished, every process stops after the same step (:class:`StopVote`), a checkpoint is saved and
-        :class:`TrainingStopped` raised; a second signal exits at once.
+        :class:`TrainingStopped` raised; a person's second Ctrl-C exits at once (a repeated SIGTERM does not).
 
         Raises:
             TrainingStopped: a signal stopped the run (after saving a checkpoint).
@@ -444,6 +445,7 @@ class Trainer:
         """A checkpoint of the current step (time spent saving left out of the throughput)."""
         saving = time.perf_counter()
         self.state.train_time_s = self._time_before + clock.elapsed() - clock.excluded_s
+        self.state.epochs = self.epochs.merged(self.acc)
         stream_state = self.stream.state_dict() if self.stream is not None else None
         index = self.stream.stream.source.index.to_json() if self.stream is not None else None
         path = save_checkpoint(self.acc, self.ckpt_dir, self.state, self.cfg.keep_checkpoints, stream_state,
@@ -480,7 +482,7 @@ class Trainer:
                     batches = iter(DevicePrefetcher(self._batches(), self.acc.device))
                     continue
                 clock.wait_s += time.perf_counter() - waited
-                self._note_skipped(batch)
+                self._note_skipped(batch, count_batch(self.epochs, batch, self.state.step, self.steps_per_epoch))
                 step = self.state.step + 1
                 if step == first + 1:  # every planned text length runs once before this process's first step
                     self._warm_up(batch)
@@ -561,6 +563,7 @@ class Trainer:
             truncated_captions=self._truncated,
             skipped_examples=self._all_skipped(),
             throughput=throughput,
+            epochs=self.epochs.merged(self.acc),
         )
 
     def _batches(self) -> Iterator[dict[str, Any]]:
@@ -596,9 +599,10 @@ class Trainer:
         """A batch of :attr:`loader` (on the host) on the training device, as the loop moves it."""
         return next(iter(DevicePrefetcher([batch], self.acc.device)))
 
-    def _note_skipped(self, batch: dict[str, Any]) -> None:
+    def _note_skipped(self, batch: dict[str, Any], epoch: int) -> None:
         """Record the examples the data loader passed over (unreadable images, ``data.on_error: skip``)."""
         known = {e["id"] for e in self.state.skipped_examples}
+        self.epochs.skip([e["id"] for e in batch.get(SKIPPED_KEY) or ()], epoch)
         for entry in batch.pop(SKIPPED_KEY, None) or ():
             if entry["id"] not in known:
                 known.add(entry["id"])

@@ -13,9 +13,9 @@ import torch
 
 from finetune.data.images import DataError
 from finetune.data.streams.plan import remaining, split
-from finetune.data.streams.reader import STATE_VERSION, ExampleStream
+from finetune.data.streams.reader import EPOCH_FIELD, STATE_VERSION, ExampleStream
 
-__all__ = ["STREAM_KEY", "StreamCollate", "StreamLoader", "set_terms_epoch"]
+__all__ = ["EPOCHS_KEY", "STREAM_KEY", "StreamCollate", "StreamLoader", "set_terms_epoch"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +23,8 @@ _LOADER_STATE_VERSION = 3  # 2: one datasets position per worker; 3: sample posi
 _SKIPPED_KEPT = 5
 #: batch key under which a stream batch carries its reader's state to the training process
 STREAM_KEY = "_stream"
+#: batch key of the epoch of each of a batch's samples (an epoch's last batch of a reader ends with the next one's)
+EPOCHS_KEY = "_epochs"
 _COUNTS = ("read", "used", "skipped", "skipped_shard_count")
 
 
@@ -43,7 +45,8 @@ def set_terms_epoch(objective: Any, epoch: int) -> None:
 class StreamCollate:
     """The collate function of a :class:`StreamLoader`, run where the batch's examples were read (a worker): tells the
     objective the reader's epoch before collating (its per-example work, e.g. FLAIR's sub-caption draws, depends on
-    it) and adds ``batch[STREAM_KEY]`` = the reader's worker id and position after this batch.
+    it) and adds ``batch[STREAM_KEY]`` = the reader's worker id and position after this batch, and
+    ``batch[EPOCHS_KEY]`` = the epoch of each example.
 
     Args:
         collate_fn: examples -> batch (the model's image preprocessing and tokenizer, the objective's fields).
@@ -65,8 +68,10 @@ class StreamCollate:
         if self.on_epoch is not None and stream.epoch != self._epoch:
             self.on_epoch(stream.epoch)
         self._epoch = stream.epoch
+        epochs = [e.pop(EPOCH_FIELD, stream.epoch) for e in examples]
         batch = self.collate_fn(examples)
         batch[STREAM_KEY] = {"worker": stream.worker, "state": stream.state_dict()}
+        batch[EPOCHS_KEY] = epochs
         return batch
 
 
@@ -230,6 +235,7 @@ class StreamLoader:
         fresh.shares = {"0": fresh_share_of(s, self.num_workers)}
         out = []
         for example in fresh:
+            example.pop(EPOCH_FIELD, None)
             out.append(example)
             if len(out) >= s.keep:
                 break
