@@ -301,8 +301,9 @@ class TrainConfig:
     text_buckets: Annotated[list[Int] | None, AfterValidator(_text_buckets), _doc(
         "lengths a text pass is padded to, the smallest that holds its longest text (model.max_text_len added as the "
         "last); null: the multiples of 32 below model.max_text_len")] = None
-    process_group_timeout_s: Annotated[_int(ge=1), _doc("seconds a process waits for the others at a collective (a "
-        "first download or preprocessing included) before the launch fails; NCCL's default is 600")] = 7200
+    process_group_timeout_s: Annotated[_int(ge=1, le=2_592_000), _doc(
+        "seconds a process waits for the others at a collective or the rendezvous (a first download or preprocessing "
+        "included) before the run fails; NCCL's default is 600; at most 30 days")] = 7200
 
 
 @_section(("output",))

@@ -28,6 +28,7 @@ from finetune.data.skipping import SKIPPED_KEY, SkippingDataset, SkipReportingCo
 from finetune.data.streams import StreamLoader
 from finetune.objectives.planning import PlannedCollate
 from finetune.training.checkpoint import TrainState
+from finetune.training.epochs import EpochLedger, count_batch
 from finetune.training.loaders import map_loader
 from finetune.training.signals import worker_signals
 
@@ -112,9 +113,9 @@ class Batches:
         self.prefetcher = DevicePrefetcher((), device)
 
     def from_step(self, first: int, clock: Any = None) -> Iterator[tuple[int, dict[str, Any]]]:
-        """``(epoch, batch on the device)`` for the steps after ``first`` up to :attr:`total_steps`; the examples the
-        loader passed over are noted in the state (:meth:`note_skipped`); the time spent waiting for each batch is
-        added to ``clock.wait_s`` (a :class:`~finetune.training.throughput.LoopClock`)."""
+        """``(epoch, batch on the device)`` for the steps after ``first`` up to :attr:`total_steps` (what the batch
+        read is noted by :meth:`note_read`); the time spent waiting for each batch is added to ``clock.wait_s`` (a
+        :class:`~finetune.training.throughput.LoopClock`)."""
         host = self._host_batches(first)
         for _ in range(first, self.total_steps):
             waited = time.perf_counter()
@@ -122,7 +123,6 @@ class Batches:
             batch = self.prefetcher.move(batch)
             if clock is not None:
                 clock.wait_s += time.perf_counter() - waited
-            self.note_skipped(batch)
             yield epoch, batch
 
     def _host_batches(self, first: int) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -143,9 +143,13 @@ class Batches:
             return step * self.batch_size / max(1, self.stream.stream.source.num_examples)
         return step / max(1, self.steps_per_epoch)
 
-    def note_skipped(self, batch: dict[str, Any]) -> None:
-        """Record the examples the data loader passed over (unreadable images, ``data.on_error: skip``) in the
-        state, each once, with a warning."""
+    def note_read(self, batch: dict[str, Any], step: int, ledger: EpochLedger) -> None:
+        """What the batch of the optimiser step after ``step`` read: its samples under their epochs in ``ledger``
+        (:func:`~finetune.training.epochs.count_batch`: a stream's per sample, map-style data's the step's), and the
+        examples the data loader passed over (unreadable images, ``data.on_error: skip``) in the ledger under that
+        epoch and in the state, each once, with a warning. Both keys leave the batch."""
+        epoch = count_batch(ledger, batch, step, self.steps_per_epoch)
+        ledger.skip([e["id"] for e in batch.get(SKIPPED_KEY) or ()], epoch)
         known = {e["id"] for e in self.state.skipped_examples}
         for entry in batch.pop(SKIPPED_KEY, None) or ():
             if entry["id"] not in known:

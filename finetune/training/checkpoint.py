@@ -61,6 +61,8 @@ class TrainState:
     files: dict[str, Any] = field(default_factory=dict)
     #: FLOPs of one step on one process (counted at step 1, :func:`finetune.training.throughput.count_flops`)
     flops_per_step: int | None = None
+    #: what each epoch read so far, every process's (:class:`finetune.training.epochs.EpochLedger`)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -281,13 +283,16 @@ class Checkpoints:
         run_dir: the run folder (``checkpoints/`` goes inside).
         state: the loop's state, saved beside accelerate's and loaded in place on resume.
         cfg: the recipe's ``train`` section (``keep_checkpoints``, ``seed``, ``resume_ignore_rng``).
+        epochs: what each epoch read, this process's (:class:`~finetune.training.epochs.EpochLedger`): saved merged
+            over the processes, loaded on one process on resume.
         stream: the run's :class:`~finetune.data.streams.StreamLoader` (its position is saved), or None.
         sized: the tensors a checkpoint holds (the module's state and the optimiser's), for the room it needs.
     """
 
-    def __init__(self, accelerator: Any, run_dir: str | Path, state: TrainState, cfg: Any, *, stream: Any = None,
-                 sized: Callable[[], list[torch.Tensor]] = list) -> None:
-        self.accelerator, self.state, self.cfg, self.stream, self.sized = accelerator, state, cfg, stream, sized
+    def __init__(self, accelerator: Any, run_dir: str | Path, state: TrainState, cfg: Any, epochs: Any, *,
+                 stream: Any = None, sized: Callable[[], list[torch.Tensor]] = list) -> None:
+        self.accelerator, self.state, self.cfg, self.epochs = accelerator, state, cfg, epochs
+        self.stream, self.sized = stream, sized
         self.ckpt_dir = Path(run_dir) / "checkpoints"
 
     def save(self, clock: Any) -> Path:
@@ -299,6 +304,7 @@ class Checkpoints:
         """
         saving = time.perf_counter()
         self.state.train_time_s = clock.trained_s()
+        self.state.epochs = self.epochs.merged(self.accelerator)
         stream_state = self.stream.state_dict() if self.stream is not None else None
         index = self.stream.stream.source.index.to_json() if self.stream is not None else None
         path = save_checkpoint(self.accelerator, self.ckpt_dir, self.state, self.cfg.keep_checkpoints, stream_state,
@@ -359,6 +365,7 @@ class Checkpoints:
             view = saved.recipe
         self.state.load(saved)
         self.state.recipe = view
+        self.epochs.load(saved.epochs if acc.is_main_process else [])  # on one process: merged sums them
         if self.stream is not None:
             self.stream.load_states(read_stream_states(path))
         log.info("resumed from %s at step %d", path, self.state.step)

@@ -21,9 +21,9 @@ loads under ZeRO-3.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -32,9 +32,10 @@ from finetune.config import RecipeError
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["UNUSABLE_DEEPSPEED", "average_gradients", "check_engine", "deepspeed_objects", "fsdp2_scalars",
-           "gathered_model", "layer_classes", "load_whole_under_zero3", "local_shards", "process_group_kwargs",
-           "resolve_deepspeed", "sharded", "slurm_environment"]
+__all__ = ["UNUSABLE_DEEPSPEED", "average_gradients", "check_engine", "checkpoint_engine", "deepspeed_objects",
+           "engine_record", "fsdp2_scalars", "gathered_model", "layer_classes", "load_whole_under_fsdp",
+           "load_whole_under_zero3", "local_shards", "resolve_deepspeed", "resume_problem", "sharded",
+           "slurm_environment"]
 
 #: DeepSpeed releases that cannot start a model with a 0-dim parameter (CLIP's ``logit_scale``, SigLIP's
 #: ``logit_bias``), and why. Seen on an H200 with 0.19.8 (2026-11-27); 0.19.5 to 0.19.7 broadcast ``p.data`` itself.
@@ -43,16 +44,6 @@ UNUSABLE_DEEPSPEED = {
               "DeepSpeedEngine._broadcast_model), which torch refuses for a 0-dim parameter such as CLIP's "
               "logit_scale (\"self.dim() cannot be 0 to view BFloat16 as Byte\")",
 }
-
-
-def process_group_kwargs(recipe: Any) -> list[Any]:
-    """accelerate's ``InitProcessGroupKwargs`` with ``train.process_group_timeout_s``: how long a process waits for
-    the others at a collective (the main process downloading or preprocessing first, under ``main_process_first``,
-    included) before the launch fails."""
-    from accelerate.utils import InitProcessGroupKwargs
-
-    seconds = int(getattr(recipe.train, "process_group_timeout_s", 7200))
-    return [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=seconds))]
 
 
 def slurm_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -82,6 +73,62 @@ def slurm_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
               "LOCAL_WORLD_SIZE": per_node}
     env.update(values)
     return values
+
+
+def engine_record(accelerator: Any) -> dict[str, Any]:
+    """What trained, for ``metrics.json``: accelerate's distributed type, the processes and their backend, and the
+    engine's own settings (FSDP's version and state-dict type, DeepSpeed's ZeRO stage)."""
+    import torch
+
+    record: dict[str, Any] = {"distributed_type": str(accelerator.distributed_type).split(".")[-1],
+                              "num_processes": accelerator.num_processes, "device": accelerator.device.type}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        record["backend"] = str(torch.distributed.get_backend())
+    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
+    if record["distributed_type"] == "FSDP" and fsdp is not None:
+        record.update(fsdp_version=getattr(fsdp, "fsdp_version", 1),
+                      state_dict_type=str(fsdp.state_dict_type).split(".")[-1])
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
+    if record["distributed_type"] == "DEEPSPEED" and deepspeed is not None:
+        record["zero_stage"] = deepspeed.zero_stage
+    return record
+
+
+def checkpoint_engine(folder: Path) -> tuple[str, int | None]:
+    """Which engine wrote a checkpoint (accelerate's ``save_state`` layout) and, for DeepSpeed, on how many processes:
+    ``("deepspeed", N)`` (``pytorch_model/`` with one ``zero_pp_rank_<r>_*optim_states.pt`` per process), ``("fsdp",
+    None)`` (``pytorch_model_fsdp_0/`` sharded, or ``pytorch_model_fsdp_0.bin`` whole), else ``("plain", None)``."""
+    engine_dir = folder / "pytorch_model"
+    if engine_dir.is_dir():
+        ranks = {p.name.split("_")[3] for p in engine_dir.glob("zero_pp_rank_*_optim_states.pt")}
+        return "deepspeed", len(ranks) or None
+    if any(folder.glob("pytorch_model_fsdp_*")):
+        return "fsdp", None
+    return "plain", None
+
+
+def resume_problem(folder: Path, accelerator: Any) -> str | None:
+    """Why this launch cannot resume the checkpoint ``folder``, or None: the engine that wrote it must be the run's
+    (each writes its own layout), and a DeepSpeed ZeRO checkpoint resumes on its own number of processes only
+    (DeepSpeed partitions the optimiser's state per process and refuses another count). An FSDP checkpoint resumes
+    on any number: torch's distributed checkpoint reshards it as it loads."""
+    from accelerate.utils import DistributedType
+
+    saved, processes = checkpoint_engine(Path(folder))
+    kind = accelerator.distributed_type
+    running = ("deepspeed" if kind == DistributedType.DEEPSPEED else "fsdp" if kind == DistributedType.FSDP
+               else "plain")
+    launch = {"deepspeed": "accelerate launch --use_deepspeed", "fsdp": "accelerate launch --use_fsdp "
+              "--fsdp_version 2", "plain": "a launch without FSDP or DeepSpeed"}
+    if saved != running:
+        return (f"train.resume: the checkpoint {folder} was written by a {saved} run ({launch[saved]}), this launch "
+                f"is a {running} one: each engine reads only its own checkpoints; resume with {launch[saved]}")
+    if saved == "deepspeed" and processes is not None and processes != accelerator.num_processes:
+        return (f"train.resume: the checkpoint {folder} was written by DeepSpeed ZeRO on {processes} processes, this "
+                f"launch has {accelerator.num_processes}: DeepSpeed partitions the optimiser's state per process and "
+                f"cannot resume it on another number. Resume with --num_processes {processes} (FSDP checkpoints "
+                "resume on any number of processes)")
+    return None
 
 
 def sharded(accelerator: Any) -> bool:
@@ -137,6 +184,30 @@ def load_whole_under_zero3(accelerator: Any) -> bool:
     if getattr(plugin, "zero3_init_flag", False):
         log.info("DeepSpeed ZeRO-3: zero3_init_flag is not used; models load whole and are partitioned when the "
                  "model that trains is prepared (Long-CLIP's position stretching reads the whole table)")
+    return True
+
+
+def load_whole_under_fsdp(accelerator: Any) -> bool:
+    """Under FSDP, let the run load its models whole on every process; returns whether anything changed.
+
+    ``accelerate launch --use_fsdp`` turns on ``fsdp_cpu_ram_efficient_loading`` by default: transformers then loads
+    the weights on local rank 0 only (the other processes keep empty tensors until accelerate broadcasts rank 0's
+    when the model is prepared), and accelerate moves the model to the meta device before sharding it, which makes
+    new parameter objects, so the scalars :func:`fsdp2_scalars` leaves out are no longer the model's ("fully_shard
+    doesn't support scalar parameters"). The run changes its model before it is prepared on every process
+    (Long-CLIP's position stretching, the adapter), so the setting is turned off for the run (logged): a CLIP-size
+    model fits one process."""
+    from accelerate.utils import DistributedType
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if accelerator.distributed_type != DistributedType.FSDP or plugin is None:
+        return False
+    if not (plugin.cpu_ram_efficient_loading or os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "") == "true"):
+        return False
+    plugin.cpu_ram_efficient_loading = False
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"  # what transformers reads as it loads a model
+    log.info("FSDP: fsdp_cpu_ram_efficient_loading is not used; every process loads the models whole (the run "
+             "stretches and adapts the model before it is sharded)")
     return True
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from finetune.config.secrets import mask_secrets, without_secrets
 from finetune.data.images import DataError
 from finetune.training.checkpoint import SaveFailedError
+from finetune.training.processes import LaunchError, timeout_message
 from finetune.training.signals import RunInterrupted, TrainingStopped
 from finetune.training.progress import DivergedError, NonFiniteLossError
 
@@ -40,8 +41,20 @@ def stopped_or_failed(exc: BaseException, recipe: Any) -> int | None:
     - SIGINT / SIGTERM before training: nothing to save; the same status.
     - a checkpoint or ``final/`` that could not be written, weights that diverged, a non-finite loss under
       ``on_nonfinite: raise``, data that broke during training: the message, what was kept, status 1.
+    - a launch that cannot form one run or have its engine (:class:`~finetune.training.processes.LaunchError`):
+      ``launch error: ...`` on every process, status 2.
+    - a collective that timed out (another process stopped answering): one line naming this process and
+      ``train.process_group_timeout_s`` (:func:`~finetune.training.processes.timeout_message`) on each process that
+      waited, status 1.
     """
     out = Path(recipe.output.dir)
+    if isinstance(exc, LaunchError):
+        _say(f"launch error: {exc}")
+        return 2
+    timed_out = timeout_message(exc, recipe)
+    if timed_out is not None:
+        _say(f"error: {timed_out}")
+        return 1
     resume = f"\n  {resume_command()}{secrets_left_out()}"
     if isinstance(exc, TrainingStopped):
         name = signal.Signals(exc.signum).name

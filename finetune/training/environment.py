@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
 from finetune.config.secrets import mask_secrets
 from finetune.threads import thread_settings
-from finetune.training.distributed import process_group_kwargs, slurm_environment
+from finetune.training.distributed import slurm_environment
+from finetune.training.processes import fsdp_on_cpu, group_timeout
 
 __all__ = ["MaskSecrets", "cpu_threads", "flat_scalars", "launched_as_main", "make_accelerator", "setup_logging"]
 
@@ -25,20 +26,24 @@ def make_accelerator(recipe: Any) -> Accelerator:
     ``output.dir/logs``, loaders that split each global batch over the processes (``split_batches``),
     ``train.accumulation_steps`` micro-batches per optimiser step (accelerate's ``accumulate`` counts them, so that the
     optimiser, DeepSpeed's engine included, steps once per accumulated batch), the process group's timeout
-    (``train.process_group_timeout_s``) and, under ``srun`` without a launcher, SLURM's variables
-    (:func:`~finetune.training.distributed.slurm_environment`)."""
+    (``train.process_group_timeout_s``; a launch's group itself, with its backend, is made first by
+    :func:`~finetune.training.processes.start_processes`), under ``srun`` without a launcher
+    SLURM's variables (:func:`~finetune.training.distributed.slurm_environment`), and FSDP version 2 on CPU processes
+    that asked for it (:func:`~finetune.training.processes.fsdp_on_cpu`)."""
     slurm_environment()
     out_dir = Path(recipe.output.dir)
     trackers = list(recipe.train.trackers or [])
-    return Accelerator(
+    accelerator = Accelerator(
         mixed_precision=recipe.train.mixed_precision,
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "logs")),
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),  # pinned batches overlap
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=recipe.train.accumulation_steps,
                                                                 sync_with_dataloader=False),
-        kwargs_handlers=process_group_kwargs(recipe),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=group_timeout(recipe))],
     )
+    fsdp_on_cpu(accelerator)
+    return accelerator
 
 
 def launched_as_main() -> bool:

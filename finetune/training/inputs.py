@@ -26,6 +26,7 @@ from finetune.runs.checkpoints import read_stream_index
 from finetune.runs.errors import CheckpointError
 from finetune.runs.resume import find_checkpoint
 from finetune.training.context import RunData, TrainingSet
+from finetune.training.distributed import resume_problem
 
 log = logging.getLogger("xlipkit")
 
@@ -168,7 +169,8 @@ def find_resume(recipe: Recipe, accelerator: Any) -> Path | None:
     files are read once.
 
     Raises:
-        CheckpointError: on every process, naming the file.
+        CheckpointError: on every process, naming the file; or the checkpoint is another engine's, or DeepSpeed's
+            from another number of processes (:func:`~finetune.training.distributed.resume_problem`).
     """
     t = recipe.train
     found, error = None, None
@@ -179,6 +181,8 @@ def find_resume(recipe: Recipe, accelerator: Any) -> Path | None:
                                     ignore_rng=bool(getattr(t, "resume_ignore_rng", False)))
         except CheckpointError as exc:
             error = str(exc)
+        if found is not None:  # the engine that wrote it, and DeepSpeed's process count
+            error = resume_problem(found, accelerator)
     if accelerator.num_processes > 1:
         found, error = broadcast_object_list([found, error])
     if error:
@@ -228,11 +232,13 @@ def open_train_stream(recipe: Recipe, objective: Objective, model: Any, accelera
                          transform=functools.partial(objective.stream_map, model=model))
 
 
-def stream_report(loader: Any, accelerator: Any) -> dict:
+def stream_report(loader: Any, accelerator: Any, epoch: int | None = None) -> dict:
     """The streams' counts summed over processes and their data-loader workers: examples ``read``, ``used``,
     ``skipped`` (and the first skipped ones), broken webdataset shards whose rest was skipped
-    (``skipped_shard_count``, each time; ``skipped_shards``, the first few with why), the global ``epoch`` (epochs
-    every reader of every process finished), ``num_processes``, ``num_workers`` (of process 0)."""
+    (``skipped_shard_count``, each time; ``skipped_shards``, the first few with why), the global ``epoch`` (the epochs
+    read whole: ``epoch`` when given, the progress bar's epoch rounded down; else the epochs every reader of every
+    process moved past, which lags by one when the run stopped just at an epoch's end), ``num_processes``,
+    ``num_workers`` (of process 0)."""
     reports = gather_object([loader.report()]) if accelerator.num_processes > 1 else [loader.report()]
     skipped_examples = [e for r in reports for e in r["skipped_examples"]][:5]
     skipped = sum(r["skipped"] for r in reports)
@@ -240,7 +246,8 @@ def stream_report(loader: Any, accelerator: Any) -> dict:
         log.warning("train stream %s: skipped %d unreadable examples (first: %s)", loader.spec.name, skipped,
                     ", ".join(str(e["id"]) for e in skipped_examples))
     shards = list({e["shard"]: e for r in reports for e in r.get("skipped_shards", [])}.values())[:5]
-    epoch = min(r["epoch"] for r in reports)  # epochs every reader of every process finished
+    if epoch is None:
+        epoch = min(r["epoch"] for r in reports)  # epochs every reader of every process moved past
     broken = sum(r.get("skipped_shard_count", 0) for r in reports)
     if broken:
         log.warning("train stream %s: skipped the rest of %d broken shard(s) %d time(s) in all: %s", loader.spec.name,

@@ -23,8 +23,10 @@ from torch import nn
 from finetune.training.batches import Batches, collate_stack, open_batches
 from finetune.training.checkpoint import Checkpoints, TrainState
 from finetune.training.distributed import deepspeed_objects, fsdp2_scalars, gathered_model, sharded
+from finetune.training.epochs import EpochLedger
 from finetune.training.optim import build_optimizer, build_scheduler
 from finetune.training.progress import Progress
+from finetune.training.signals import vote_group
 from finetune.training.step import TrainModule, TrainStep
 from finetune.training.step_setup import StepSetup, setup_step
 from finetune.training.throughput import throughput_summary
@@ -47,6 +49,7 @@ class TrainResult:
     #: this run part's steady throughput (:func:`~finetune.training.throughput.throughput_summary`):
     #: ``steady_samples_per_s``, ``data_wait_share``, ``flops_per_sample``, ``tflops_per_device``, ``mfu``, ...
     throughput: dict[str, Any] = field(default_factory=dict)
+    epochs: list[dict[str, Any]] = field(default_factory=list)  # what each epoch read (finetune.training.epochs)
 
 
 @dataclass
@@ -61,7 +64,9 @@ class LoopParts:
         setup: the step's shapes, attention backend, compiled blocks and warm-up.
         batches: the batches of the steps, on the device; ``step``: one optimiser step; ``progress``: the reads;
             ``checkpoints``: writing and resuming.
-        vote_group: the gloo group of the stop vote of several processes (None for one).
+        epochs: what each epoch read, this process's (:class:`~finetune.training.epochs.EpochLedger`; carried by the
+            checkpoints, merged over the processes in the result).
+        vote_group: the gloo group of the stop vote of several processes (None for one), with the run's timeout.
     """
 
     accelerator: Any
@@ -76,6 +81,7 @@ class LoopParts:
     step: TrainStep
     progress: Progress
     checkpoints: Checkpoints
+    epochs: EpochLedger
     vote_group: Any = None
     #: a copy of the model taken before sharding (FSDP, ZeRO-3), loaded with the whole weights by :meth:`final_model`
     skeleton: nn.Module | None = None
@@ -124,6 +130,7 @@ class LoopParts:
             truncated_captions=self.progress.truncated,
             skipped_examples=self._all_skipped(),
             throughput=throughput,
+            epochs=self.epochs.merged(acc),
         )
 
     def _all_skipped(self) -> list[dict[str, str]]:
@@ -181,14 +188,11 @@ def build_loop(accelerator: Any, module: TrainModule, rows: Any, cfg: Any, run_d
     step = TrainStep(accelerator, wrapped, optimizer, scheduler, cfg, setup=setup, state=state, replicated=replicated)
     progress = Progress(accelerator, cfg, state, step, trainable=[p for p in module.parameters() if p.requires_grad],
                         ckpt_dir=Path(run_dir) / "checkpoints", epoch_at=batches.epoch_at)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    checkpoints = Checkpoints(accelerator, run_dir, state, cfg, stream=batches.stream,
+    inner, epochs = getattr(optimizer, "optimizer", optimizer), EpochLedger()
+    checkpoints = Checkpoints(accelerator, run_dir, state, cfg, epochs, stream=batches.stream,
                               sized=lambda: _checkpoint_tensors(module, inner))
-    vote_group = None  # a gloo group for the per-step stop flag of several processes (StopVote)
-    if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        vote_group = torch.distributed.new_group(backend="gloo")
     return LoopParts(accelerator, cfg, module, wrapped, optimizer, scheduler, state, setup, batches, step, progress,
-                     checkpoints, vote_group, skeleton)
+                     checkpoints, epochs, vote_group(world, cfg.process_group_timeout_s), skeleton)
 
 
 def _checkpoint_tensors(module: nn.Module, optimizer: Any) -> list[torch.Tensor]:

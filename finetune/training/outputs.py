@@ -22,6 +22,7 @@ from finetune.models.finetuned import save_finetuned
 from finetune.runs.checkpoints import list_checkpoints
 from finetune.training.checkpoint import SaveFailedError, describe_save_failure
 from finetune.training.context import RunContext
+from finetune.training.distributed import engine_record
 from finetune.training.inputs import stream_report
 
 log = logging.getLogger("xlipkit")
@@ -62,7 +63,8 @@ def evaluate_after(ctx: RunContext) -> AfterTraining:
         at_base = _evaluate_at_length(model, model.base_text_len, ev.sets, ctx.evaluation, options)
     truncated = torch.tensor(ctx.result.truncated_captions, device=acc.device)
     truncated = int(acc.reduce(truncated, reduction="sum")) if acc.num_processes > 1 else int(truncated)
-    stream = stream_report(loop.batches.stream, acc) if ctx.training_set.streaming else None
+    whole = int(loop.batches.epoch_at(loop.state.step) + 1e-9)  # the epochs read whole, as the progress bar counts
+    stream = stream_report(loop.batches.stream, acc, whole) if ctx.training_set.streaming else None
     return AfterTraining(model, after, at_base, truncated, stream)
 
 
@@ -168,9 +170,13 @@ def _metrics(ctx: RunContext, done: AfterTraining) -> dict[str, Any]:
         "samples_per_s": result.samples_per_s,
         "throughput": result.throughput,  # steady samples/s, data-wait share, FLOPs, TFLOP/s, MFU
         "num_processes": ctx.accelerator.num_processes,
+        "engine": engine_record(ctx.accelerator),  # what trained: DDP, FSDP (version, state dict), ZeRO stage
         "trainable_parameters": ctx.parameters[0],
         "total_parameters": ctx.parameters[1],
         "history": result.history,
+        # the progress bar's epoch (epochs of the whole set)
+        "epoch": round(ctx.loop.batches.epoch_at(result.steps), 4),
+        "epochs": result.epochs,  # per epoch: samples read, their ids' digest, skipped ids (finetune.training.epochs)
         "init_from": ctx.prerequisites.init.record() if ctx.prerequisites.init is not None else None,
         "compare_with": [p.record() for p in ctx.prerequisites.compare],
     }

@@ -33,7 +33,7 @@ from finetune.runs.folder import clean_stale_temporaries, clear_previous_run
 from finetune.runs.lock import RunLock, lock_on_main_process
 from finetune.training.checkpoint import is_write_error
 from finetune.training.context import RunContext
-from finetune.training.distributed import check_engine, load_whole_under_zero3, slurm_environment
+from finetune.training.distributed import check_engine, load_whole_under_fsdp, load_whole_under_zero3
 from finetune.training.ending import stopped_or_failed
 from finetune.training.environment import (cpu_threads, flat_scalars, launched_as_main, make_accelerator,
                                            setup_logging)
@@ -42,6 +42,7 @@ from finetune.training.loop import LoopParts, TrainResult, build_loop
 from finetune.training.model import load_start_model, parameter_counts, prepare_for_training
 from finetune.training.outputs import evaluate_after, final_checkpoint, final_save_failed, write_outputs
 from finetune.training.preflight import Preflight, output_action, preflight
+from finetune.training.processes import start_processes
 from finetune.training.signals import RunInterrupted, StopVote, TrainingStopped, graceful_stop, stop_signals
 from finetune.training.size_checks import check_batch, check_room, check_warmup
 from finetune.training.step import TrainModule
@@ -93,6 +94,7 @@ class FinetuneRecipe:
         ctx.accelerator = make_accelerator(recipe)
         check_engine(ctx.accelerator)  # a DeepSpeed release that cannot start these models: before anything loads
         load_whole_under_zero3(ctx.accelerator)
+        load_whole_under_fsdp(ctx.accelerator)
         setup_logging(ctx.accelerator.is_main_process)
         cpu_threads(ctx.accelerator)
         set_seed(recipe.train.seed)
@@ -178,7 +180,7 @@ class FinetuneRecipe:
 
         SIGINT / SIGTERM: the step in progress is finished, every process stops after the same step
         (:class:`~finetune.training.signals.StopVote`), a checkpoint is saved and :class:`TrainingStopped` raised; a
-        second signal exits at once.
+        person's second Ctrl-C exits at once (a repeated SIGTERM does not).
 
         Raises:
             TrainingStopped: a signal stopped the run (after saving a checkpoint).
@@ -196,6 +198,7 @@ class FinetuneRecipe:
             try:
                 for batch_epoch, batch in loop.batches.from_step(first, clock):  # fetch a batch, on the device
                     step = state.step + 1
+                    loop.batches.note_read(batch, state.step, loop.epochs)  # each epoch's samples and skipped ids
                     if batch_epoch != epoch:  # a new epoch: per-epoch schedules and draws
                         epoch = batch_epoch
                         objective.set_epoch(epoch)
@@ -328,9 +331,9 @@ def run_recipe(recipe: Recipe, *, chain: tuple[str, ...] = (), checked: Prefligh
         return refuse_recipe(checked.message())
     if chain:  # a prerequisite: its stops and failures end the run that needs it, which says what to do
         return FinetuneRecipe(recipe, chain=chain, checked=checked).run()
-    slurm_environment()  # srun without a launcher: the rank decides who holds the run folder's lock
     with stop_signals():
         try:
+            start_processes(recipe)  # the launch checked, its first process group made (the rank decides the lock)
             return FinetuneRecipe(recipe, checked=checked).run()
         except BaseException as exc:  # noqa: B036 - a signal's RunInterrupted is a KeyboardInterrupt
             status = stopped_or_failed(exc, recipe)

@@ -8,18 +8,23 @@ import contextlib
 import functools
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
-__all__ = ["RunInterrupted", "STOP_SIGNALS", "StopSignals", "StopVote", "TrainingStopped", "graceful_stop",
-           "ignore_stop_signals", "init_worker", "limit_worker_threads", "stop_signals", "worker_signals"]
+__all__ = ["REPEAT_WINDOW_S", "RunInterrupted", "STOP_SIGNALS", "StopSignals", "StopVote", "TrainingStopped",
+           "graceful_stop", "ignore_stop_signals", "init_worker", "limit_worker_threads", "stop_signals", "vote_group",
+           "worker_signals"]
 
 
 #: the signals a run stops on: Ctrl-C, and what SLURM, Kubernetes and torchrun send before they kill a process
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: a second SIGINT this soon after the first is the same Ctrl-C, forwarded by a launcher (torchrun passes the signal
+#: it got to each of its processes, which the terminal signalled too)
+REPEAT_WINDOW_S = 1.0
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -62,9 +67,13 @@ class StopSignals:
 
     Inside the training loop (``graceful``) the first signal only sets :attr:`received`: the loop finishes the
     step it is in, every process agrees to stop after the same step, a checkpoint is saved and
-    :class:`TrainingStopped` raised. Elsewhere the first signal raises :class:`RunInterrupted` at once. A second
-    signal always ends the process at once (``os._exit(128 + signal)``), saving nothing more; what it was
-    writing is a temporary folder tagged with its PID, which the next run removes.
+    :class:`TrainingStopped` raised. Elsewhere the first signal raises :class:`RunInterrupted` at once.
+
+    A later SIGTERM changes nothing: schedulers repeat it (SLURM signals every process of a job step, and torchrun,
+    signalled too, forwards it to each of its processes milliseconds later), and none of them means "now" by it. A
+    later SIGINT is a person's second Ctrl-C and ends the process at once (``os._exit(130)``), saving nothing more
+    (what it was writing is a temporary folder tagged with its PID, which the next run removes) - unless it came
+    within :data:`REPEAT_WINDOW_S` of the first signal: then it is the same Ctrl-C forwarded by a launcher.
     """
 
     #: the handlers installed now, if any
@@ -74,6 +83,7 @@ class StopSignals:
         self.received: int | None = None
         self.graceful = False
         self._previous: dict[int, Any] = {}
+        self._first_at = 0.0
 
     def install(self) -> bool:
         """Install the handlers (only the main thread may); False where they cannot be installed."""
@@ -96,13 +106,17 @@ class StopSignals:
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
-            _say(f"{name} again: exiting at once (status {128 + signum}), without saving")
-            os._exit(128 + signum)
-        self.received = signum
+            if signum == signal.SIGINT and time.monotonic() - self._first_at >= REPEAT_WINDOW_S:
+                _say(f"{name} again: exiting at once (status {128 + signum}), without saving")
+                os._exit(128 + signum)
+            if self.graceful:
+                _say(f"{name} again: already stopping after this step (Ctrl-C twice exits at once, without saving)")
+            return
+        self.received, self._first_at = signum, time.monotonic()
         if not self.graceful:
             raise RunInterrupted(signum)
-        _say(f"{name} received: finishing this step and saving a checkpoint before stopping (send it again to exit "
-             "at once)")
+        _say(f"{name} received: finishing this step and saving a checkpoint before stopping (Ctrl-C twice exits at "
+             "once, without saving)")
 
 
 @contextlib.contextmanager
@@ -189,6 +203,16 @@ def worker_signals() -> Callable[[int], None]:
     """The ``worker_init_fn`` of the training loaders (:func:`init_worker`): workers leave SIGINT / SIGTERM to the
     training process and run on one thread each."""
     return functools.partial(init_worker, exiting=_exiting_event())
+
+
+def vote_group(world_size: int, timeout_s: int) -> Any:
+    """The gloo group of :class:`StopVote` for several processes, waiting at most ``timeout_s`` seconds
+    (``train.process_group_timeout_s``: a process that stops answering ends the run in that time); None for one."""
+    import datetime
+
+    if world_size < 2 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    return torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class StopVote:

@@ -14,9 +14,9 @@ import torch
 from finetune.data.collate import EPOCH_KEY
 from finetune.data.images import DataError
 from finetune.data.streams.plan import remaining, split
-from finetune.data.streams.reader import STATE_VERSION, ExampleStream
+from finetune.data.streams.reader import EPOCH_FIELD, STATE_VERSION, ExampleStream
 
-__all__ = ["STREAM_KEY", "StreamCollate", "StreamLoader"]
+__all__ = ["EPOCHS_KEY", "STREAM_KEY", "StreamCollate", "StreamLoader"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,8 @@ _LOADER_STATE_VERSION = 3  # 2: one datasets position per worker; 3: sample posi
 _SKIPPED_KEPT = 5
 #: batch key under which a stream batch carries its reader's state to the training process
 STREAM_KEY = "_stream"
+#: batch key of the epoch of each of a batch's samples (an epoch's last batch of a reader ends with the next one's)
+EPOCHS_KEY = "_epochs"
 _COUNTS = ("read", "used", "skipped", "skipped_shard_count")
 
 
@@ -39,7 +41,8 @@ class StreamCollate:
     """The collate function of a :class:`StreamLoader`, run where the batch's examples were read (a worker): gives
     every example the reader's epoch under :data:`~finetune.data.collate.EPOCH_KEY` (the training loop's collate
     function tells the objective, whose per-example work, e.g. FLAIR's sub-caption draws, depends on it, as it does for
-    map-style data) and adds ``batch[STREAM_KEY]`` = the reader's worker id and position after this batch.
+    map-style data) and adds ``batch[STREAM_KEY]`` = the reader's worker id and position after this batch, and
+    ``batch[EPOCHS_KEY]`` = the epoch of each example.
 
     Args:
         collate_fn: examples -> batch (the model's image preprocessing and tokenizer, the objective's fields).
@@ -54,8 +57,10 @@ class StreamCollate:
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         info = torch.utils.data.get_worker_info()
         stream = info.dataset if info is not None else self.stream
+        epochs = [e.pop(EPOCH_FIELD, stream.epoch) for e in examples]
         batch = self.collate_fn([{**e, EPOCH_KEY: stream.epoch} for e in examples])
         batch[STREAM_KEY] = {"worker": stream.worker, "state": stream.state_dict()}
+        batch[EPOCHS_KEY] = epochs
         return batch
 
 
@@ -217,6 +222,7 @@ class StreamLoader:
         fresh.shares = {"0": fresh_share_of(s, self.num_workers)}
         out = []
         for example in fresh:
+            example.pop(EPOCH_FIELD, None)
             out.append(example)
             if len(out) >= s.keep:
                 break

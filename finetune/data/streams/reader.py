@@ -16,11 +16,13 @@ from finetune.data.streams.columns import make_example, resolve_columns
 from finetune.data.streams.plan import Intervals, fresh_share, length, reader_blocks
 from finetune.data.streams.source import ShardBreak, ShardSet
 
-__all__ = ["ExampleStream", "STATE_VERSION"]
+__all__ = ["EPOCH_FIELD", "ExampleStream", "STATE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 3  # 2: datasets' position per worker (shard-level split); 3: sample positions
+#: the field each example is given with its epoch (taken out by the loader's collate: ``batch[EPOCHS_KEY]``)
+EPOCH_FIELD = "_epoch"
 _SKIPPED_KEPT = 5
 
 
@@ -128,7 +130,7 @@ class ExampleStream(torch.utils.data.IterableDataset):
                     example = self._take(position, raw)
                     if example is not None:
                         usable += 1
-                        yield example
+                        yield {**example, EPOCH_FIELD: self.epoch}  # the epoch it counts in (the run's ledger)
             if not usable and not resumed and length(share):
                 self._nothing_usable()
             resumed = False

@@ -6,6 +6,7 @@ counts and epochs carried back, F-CAST's superpixels computed in the workers); t
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
@@ -657,6 +658,17 @@ def test_killed_stream_run_resumes_with_the_same_samples_and_losses(tmp_path, mo
     bad_shard = str(tmp_path / "shards" / "shard-00001.tar")
     assert b["skipped"]["train_examples"][0] == {"id": scenes[9]["id"], "path": bad_shard, "reason": "empty caption"}
     assert b["train_stream"]["epoch"] == 1 and b["train_stream"]["used"] == 32
+    # per epoch, what the steps read (a user can check it): epoch 0 every usable sample once (the bad one was skipped
+    # by its reader), epoch 1 the 9 samples of it the batches reached; the same for the killed and resumed run, and
+    # the progress bar's epoch (32 of 24 samples)
+    from finetune.training.epochs import ids_digest
+
+    usable = [s["id"] for k, s in enumerate(scenes) if k != 9]
+    assert [(e["epoch"], e["read"]) for e in a["epochs"]] == [(0, 23), (1, 9)]
+    assert a["epochs"][0]["ids_digest"] == ids_digest(usable)
+    second = collections.Counter(i for ids in whole for i in ids) - collections.Counter(usable)  # the 9 read again
+    assert a["epochs"][1]["ids_digest"] == ids_digest(second.elements())
+    assert b["epochs"] == a["epochs"] and b["epoch"] == a["epoch"] == round(32 / 24, 4)
     ckpt = tmp_path / "run" / "checkpoints" / "step-6" / "stream_state_0.json"
     state = json.loads(ckpt.read_text())
     assert (state["num_workers"], state["readers"], state["num_examples"]) == (2, 2, 24)

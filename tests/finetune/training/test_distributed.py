@@ -209,10 +209,12 @@ _FSDP_SCRIPT = textwrap.dedent('''
 
     gathered = gathered_model(Accelerator(), module, skeleton)
     weights = gathered.state_dict()
-    print(json.dumps({"rank": rank, "world": world, "units": len(units), "sharded": sharded,
-                      "gathered": len(weights), "loss": float(out["loss"].detach()),
-                      "logit_scale_grad": float(model.logit_scale.grad),
-                      "trainable": len(trainable), "norm": float(sum(v.float().norm() for v in weights.values()))}))
+    record = {"rank": rank, "world": world, "units": len(units), "sharded": sharded,
+              "gathered": len(weights), "loss": float(out["loss"].detach()),
+              "logit_scale_grad": float(model.logit_scale.grad),
+              "trainable": len(trainable), "norm": float(sum(v.float().norm() for v in weights.values()))}
+    with open(f"record-{rank}.json", "w") as f:  # a file per rank: two processes' lines can mix on one stdout
+        json.dump(record, f)
 ''')
 
 
@@ -227,8 +229,7 @@ def test_fully_sharded_model_trains_and_gathers_whole(tmp_path, adapter):
     assert proc.returncode == 0, proc.stderr[-4000:]
     import json
 
-    records = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
-                     key=lambda r: r["rank"])
+    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("record-*.json"))]
     assert [(r["rank"], r["world"]) for r in records] == [(0, 2), (1, 2)]
     assert records[0]["units"] == 6  # 2 + 2 encoder layers, the text and vision embeddings
     assert records[0]["sharded"] > 0 and records[0]["gathered"] == records[1]["gathered"] > 0
