@@ -486,6 +486,38 @@ def test_persistent_workers_prepare_each_batch_for_its_epoch(tmp_path, scenes):
     assert ids == [scenes[i]["id"] for i in order[0] + order[1][:16]]
 
 
+class _LoopProbe(Term):
+    """Notes, in the training process, the epoch its loss sees at each step and how often the loop calls its
+    per-step work (``after_optimizer_step``)."""
+
+    name = "probe"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch, self.seen, self.after = -1, [], 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def after_optimizer_step(self):
+        self.after += 1
+
+    def loss(self, model, feats, *, detach_params=False):
+        self.seen.append(self.epoch)
+        return {"probe": feats["image"].sum() * 0.0}
+
+
+def test_the_loop_tells_the_terms_each_epoch_before_its_steps_and_calls_their_step_work(tmp_path, scenes):
+    """32 scenes, batch 8: the terms in the training process (the data-loader worker has its own copy) compute the
+    losses of steps 1-4 in epoch 0 and of steps 5-6 in epoch 1 (per-epoch schedules: StructXLIP's official decay,
+    GRM's sum-then-max), and their clamps run after each of the 6 optimiser steps."""
+    probe = _LoopProbe()
+    trainer = _trainer(tmp_path, scenes, objective=Objective(ClipTerm(), [(probe, 0.0)]), max_steps=6, num_workers=1)
+    train(trainer)
+    assert probe.seen == [0] * 4 + [1] * 2
+    assert probe.after == 6
+
+
 @pytest.mark.slow
 def test_a_run_reports_its_steady_throughput_and_flops(tmp_path, scenes):
     trainer = _trainer(tmp_path, scenes, max_steps=4, log_every=2)
