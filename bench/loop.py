@@ -1,4 +1,4 @@
-"""Is the GPU busy? The training loop's steady samples/s through the real ``Trainer`` and data path against the
+"""Is the GPU busy? The training loop's steady samples/s through the run's own loop and data path against the
 bare step, for every method at its real size, each case in a fresh process, the bare step on batches nobody saw.
 
 Each case (a shipped recipe, a registry model of its architecture with random weights, synthetic scenes written
@@ -7,11 +7,12 @@ collator) runs in a process of its own (``bench/loop_case.py``; this process onl
 cases one after the other and gathers their results), so no case inherits another's warm caches, compiled
 graphs or attention plans. In that process:
 
-- ``loop``: ``Trainer.train()`` for ``--warmup`` + ``--steady`` steps (default 10 + 40 on a GPU); the steady
+- ``loop``: the run's loop (``FinetuneRecipe.train`` over the parts ``build_loop`` makes) for ``--warmup`` +
+  ``--steady`` steps (default 10 + 40 on a GPU); the steady
   rate is taken between the loop's own reads at step ``--warmup`` and at its last step (each read waits for the
   device), with the share of that time spent waiting for data;
-- ``bare``: ``Trainer.train_step`` alone on the next ``--bare-warmup`` + ``--steady`` batches of the same
-  loader (rows after the loop's: neither the loop nor an earlier bare step saw them; every batch's ids are
+- ``bare``: the step alone (``TrainStep`` and the objective's ``after_step``) on the next ``--bare-warmup`` +
+  ``--steady`` batches of the same loader (rows after the loop's: neither the loop nor an earlier bare step saw them; every batch's ids are
   recorded and checked), all moved to the device before the clock starts, each used once; ``loop / bare``;
 - per steady step: new batch shapes and new attention shapes (``scaled_dot_product_attention``'s query / key /
   mask shapes, noted at no cost in eager runs), and in compiled runs the graphs dynamo compiled after the
@@ -271,15 +272,15 @@ def _sfcn_weights(work: Path) -> str:
     return str(path)
 
 
-def build_trainer(recipe: Any, accelerator: Any) -> Any:
-    """The ``Trainer`` of ``recipe`` built the way :class:`finetune.training.FinetuneRecipe` builds it (model,
-    adapter, objective, the terms' model changes, cached preprocessing, skipping dataset, the tensor-path collator)."""
-    from finetune.data.collate import Collator
-    from finetune.data.skipping import SkippingDataset, SkipReportingCollate, drop_undecodable
+def build_run_loop(recipe: Any, accelerator: Any) -> Any:
+    """The loop's parts of ``recipe`` (:func:`finetune.training.build_loop`) built the way
+    :class:`finetune.training.FinetuneRecipe` builds them (model, adapter, objective, the terms' model changes, cached
+    preprocessing, the run's collate stack: skipping dataset, the tensor-path collator)."""
+    from finetune.data.skipping import drop_undecodable
     from finetune.data.sources import load_source
     from finetune.models.adapters import apply_adapter, enable_gradient_checkpointing
     from finetune.objectives import build_objective
-    from finetune.training import TrainModule, Trainer
+    from finetune.training import TrainModule, build_loop
     from finetune.training.inputs import preprocesses
     from finetune.training.model import load_start_model
 
@@ -296,10 +297,8 @@ def build_trainer(recipe: Any, accelerator: Any) -> Any:
     if preprocesses(objective):
         rows, _ = drop_undecodable(rows, on_error=d.on_error, cache_dir=d.cache_dir)
     rows = objective.preprocess(rows, model, cache_dir=d.cache_dir)
-    collator = Collator(model, objective, tensor_images=True)
-    dataset = SkippingDataset(rows, d.on_error, decode=collator.decode)
-    return Trainer(accelerator, TrainModule(model, objective), dataset, SkipReportingCollate(collator), recipe.train,
-                   recipe.output.dir, num_workers=d.num_workers)
+    return build_loop(accelerator, TrainModule(model, objective), rows, recipe.train, recipe.output.dir,
+                      on_error=d.on_error, num_workers=d.num_workers)
 
 
 def accelerator(device: str, mixed: str) -> Any:
@@ -429,8 +428,8 @@ def cpu_figures(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     and tokenizer at 248 tokens): the path as it was (rows read one by one and decoded by PIL, the model's
     processor, float pixels, no text plan) as the baseline against the training loop's (rows read a batch at a
     time, JPEGs decoded by torchvision, uint8 tensor path, text plan), interleaved rounds. (b) The loop's
-    own cost per step: ``Trainer.train()`` on a model whose step costs nothing against the same step in a bare
-    Python loop."""
+    own cost per step: the run's loop on a model whose step costs nothing against the same step in a bare Python
+    loop."""
     from finetune import load_model
     from finetune.data.collate import Collator
     from finetune.data.skipping import SkippingDataset
@@ -487,13 +486,13 @@ class _NullModel(torch.nn.Module):
 
 
 def loop_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """ms per step of ``Trainer.train()`` on :class:`_NullModel` (a ready batch, no workers) against the same
-    forward/backward/optimiser step in a bare Python loop: what the loop adds per step."""
+    """ms per step of the run's loop (``FinetuneRecipe.train``) on :class:`_NullModel` (a ready batch, no workers)
+    against the same forward/backward/optimiser step in a bare Python loop: what the loop adds per step."""
     import yaml
 
     from finetune.config import load_recipe
     from finetune.objectives.base import Objective, Term
-    from finetune.training import TrainModule, Trainer, build_optimizer
+    from finetune.training import FinetuneRecipe, TrainModule, build_loop, build_optimizer
 
     class Null(Term):
         name = "null"
@@ -508,13 +507,13 @@ def loop_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     path.write_text(yaml.safe_dump({"train": {"batch_size": 1, "max_steps": steps, "log_every": 50, "trackers": [],
                                               "lr": 1e-3, "warmup_steps": 0}}))
     cfg = load_recipe(path).train
-    trainer_ms, bare_ms = [], []
+    loop_ms, bare_ms = [], []
     for _ in range(args.rounds):
         module = TrainModule(_NullModel(), Objective(Null()))
-        trainer = Trainer(accelerator("cpu", "no"), module, [dict(ready)] * 4, lambda ex: dict(ready), cfg,
-                          root / "null-run")
-        result = trainer.train()
-        trainer_ms.append(1000 / result.throughput["steady_samples_per_s"])
+        parts = build_loop(accelerator("cpu", "no"), module, [dict(ready)] * 4, cfg, root / "null-run",
+                           collate_fn=lambda ex: dict(ready))
+        result = FinetuneRecipe.from_loop(parts).train()
+        loop_ms.append(1000 / result.throughput["steady_samples_per_s"])
         module = TrainModule(_NullModel(), Objective(Null()))
         opt = build_optimizer(module, cfg)
         for i in range(steps + 10):
@@ -525,12 +524,12 @@ def loop_overhead(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
         bare_ms.append(1000 * (time.perf_counter() - start) / steps)
-    best = {"trainer_ms_per_step": min(trainer_ms), "bare_ms_per_step": min(bare_ms)}
-    print(f"  loop overhead: Trainer {best['trainer_ms_per_step']:.2f} ms/step, bare step "
+    best = {"loop_ms_per_step": min(loop_ms), "bare_ms_per_step": min(bare_ms)}
+    print(f"  loop overhead: loop {best['loop_ms_per_step']:.2f} ms/step, bare step "
           f"{best['bare_ms_per_step']:.2f} ms/step", flush=True)
-    return {"steps": steps, "trainer_ms_per_step": trainer_ms, "bare_ms_per_step": bare_ms, **best,
-            "overhead_ms_per_step": best["trainer_ms_per_step"] - best["bare_ms_per_step"],
-            "ratio_trainer_vs_bare": best["trainer_ms_per_step"] / best["bare_ms_per_step"]}
+    return {"steps": steps, "loop_ms_per_step": loop_ms, "bare_ms_per_step": bare_ms, **best,
+            "overhead_ms_per_step": best["loop_ms_per_step"] - best["bare_ms_per_step"],
+            "ratio_loop_vs_bare": best["loop_ms_per_step"] / best["bare_ms_per_step"]}
 
 
 
@@ -626,7 +625,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"data path, one worker: {d['best']['new']:.1f} vs {d['best']['baseline']:.1f} samples/s "
               f"(x{d['ratio_best']:.2f} best, x{d['ratio_median_of_rounds']:.2f} median of the rounds, "
               f"x{d['ratio_per_worker_cpu_s']:.2f} per worker CPU second); loop overhead "
-              f"{o['overhead_ms_per_step']:.2f} ms/step (Trainer {o['trainer_ms_per_step']:.2f}, bare "
+              f"{o['overhead_ms_per_step']:.2f} ms/step (loop {o['loop_ms_per_step']:.2f}, bare "
               f"{o['bare_ms_per_step']:.2f})")
         write_json_atomic(out, result)
         return result

@@ -1,11 +1,11 @@
 """One case of ``bench/loop.py``, measured in a process of its own (the parent starts ``python bench/loop_case.py
 SPEC.json`` once per case, so no case inherits another's warm caches, compiled graphs or attention plans).
 
-In that fresh process: build the case's ``Trainer`` as a run does, run ``Trainer.train()`` for ``warmup + steady``
-steps (the steady rate is taken from the loop's own read at step ``warmup`` to its last read), then draw the next
+In that fresh process: build the case's loop as a run does (``build_loop``), run the run's loop
+(``FinetuneRecipe.train``) for ``warmup + steady`` steps (the steady rate is taken from the loop's own read at step ``warmup`` to its last read), then draw the next
 ``bare_warmup + steady + 2`` batches from the same loader (the sampler continues past the loop's steps, so each
 batch holds rows neither the loop nor the bare step has seen), move them all to the device, and time
-``Trainer.train_step`` alone on them, one batch per step, each used once. Every step's batch ids are recorded and
+the step alone on them (``TrainStep`` and the objective's ``after_step``), one batch per step, each used once. Every step's batch ids are recorded and
 checked: a bare batch that repeats a loop row, or a bare batch used twice, stops the case with an error.
 
 Per step it records, at no cost to the timing: the batch's tensor shapes as the loader gives them (the step pads texts
@@ -205,15 +205,14 @@ def attention_kernels(run: Callable[[], Any], device: str) -> dict[str, Any]:
     return {"family": family, "aten": dict(aten.most_common(6)), "kernels": dict(kernels.most_common(6))}
 
 
-def _device_batches(trainer: Any, start: int, n: int) -> list[dict]:
-    """``n`` batches of the trainer's own loader from step ``start`` on (the rows after the loop's), on the device
+def _device_batches(parts: Any, start: int, n: int) -> list[dict]:
+    """``n`` batches of the loop's own loader from step ``start`` on (the rows after the loop's), on the device
     as the loop moves them; the loader's iterator (and its workers' prefetching) is shut before returning."""
     out = []
-    trainer.sampler.start_step, trainer.sampler.total_steps = start, start + n
-    batches = iter(trainer.loader)
-    for batch in batches:
-        trainer._note_skipped(batch)
-        out.append(trainer.to_device(batch))
+    parts.batches.total_steps = start + n
+    batches = parts.batches.from_step(start)
+    for _, batch in batches:
+        out.append(batch)
         if len(out) == n:
             break
     # the loader's workers stop here, not during the timed steps, where their work would take the CPU from the
@@ -227,18 +226,18 @@ def _device_batches(trainer: Any, start: int, n: int) -> list[dict]:
     return out
 
 
-def text_flops(trainer: Any, batch: dict[str, Any]) -> tuple[float | None, int, int]:
+def text_flops(parts: Any, batch: dict[str, Any]) -> tuple[float | None, int, int]:
     """``(FLOPs per computed text token, FLOPs of a step on batch, its computed text tokens)``: one step counted at
     the batch's text plan and one with every text pass at half its length (a warm-up plan: rows cut, values not
     used); the difference over the tokens' difference. None for the rate where the batch has no planned text."""
     from dataclasses import replace
 
     plan = batch.get("_text_plan")
-    _, flops_a = count_flops(lambda: trainer.train_step(batch, 200_002))
+    _, flops_a = count_flops(lambda: parts.step(batch, 200_002))
     if plan is None or not plan.lengths or not plan.rows:
         return None, flops_a, 0
     half = {k: max(1, n // 2) for k, n in plan.lengths.items()}
-    _, flops_b = count_flops(lambda: trainer.train_step(
+    _, flops_b = count_flops(lambda: parts.step(
         {**batch, "_text_plan": replace(plan, lengths=half, warmup=True)}, 200_003))
     fewer = plan.computed_tokens - sum(plan.rows[k] * half[k] for k in plan.rows)
     return ((flops_a - flops_b) / fewer if fewer else None), flops_a, plan.computed_tokens
@@ -248,6 +247,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Build and measure one case (the module docstring); ``spec`` is what the parent wrote (``loop.case_spec``)."""
     import loop
 
+    from finetune.training import FinetuneRecipe, TrainStep
+
     case = {c.name: c for c in loop.CASES}[spec["case"]]
     device, warmup, steady, bare_warmup = spec["device"], spec["warmup"], spec["steady"], spec["bare_warmup"]
     work = Path(spec["work"])
@@ -255,64 +256,69 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     recipe = loop.case_recipe(case, spec, work)
     acc = loop.accelerator(device, recipe.train.mixed_precision)
-    trainer = loop.build_trainer(recipe, acc)
-    trainer.step_setup.warm_up_always = True  # a CPU dry run takes the GPU's path: every planned length warmed up
-    model = trainer._model
+    parts = loop.build_run_loop(recipe, acc)
+    parts.setup.warm_up_always = True  # a CPU dry run takes the GPU's path: every planned length warmed up
+    model = parts.trained_model()
     compiled = bool(recipe.train.compile)
     built = time.perf_counter() - t0
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     rec = StepRecorder(sdpa=not compiled)
     graphs = {"after_build": _graphs()}
-    step_fn = trainer.train_step
+    step_fn, warm_up = TrainStep.__call__, TrainStep.warm_up
 
-    def loop_step(batch: dict[str, Any], step: int) -> None:
+    def loop_step(self: Any, batch: dict[str, Any], step: int) -> None:
         if step == warmup + 1:
             graphs["after_loop_warmup"] = _graphs()
         rec.begin("loop", batch)
-        step_fn(batch, step)
+        step_fn(self, batch, step)
 
-    trainer.train_step = loop_step  # the loop calls it through the instance: every step is recorded
-    warm_up = trainer._warm_up
-
-    def recorded_warm_up(batch: dict[str, Any]) -> None:
+    def recorded_warm_up(self: Any, batch: dict[str, Any]) -> None:
         rec.phase = "warmup"
-        warm_up(batch)
+        warm_up(self, batch)
 
-    trainer._warm_up = recorded_warm_up
+    TrainStep.__call__, TrainStep.warm_up = loop_step, recorded_warm_up  # every step of the loop is recorded
     t1 = time.perf_counter()
-    result = trainer.train()
+    try:
+        result = FinetuneRecipe.from_loop(parts).train()
+    finally:
+        TrainStep.__call__, TrainStep.warm_up = step_fn, warm_up
     loop_s = time.perf_counter() - t1
-    trainer.train_step = step_fn
     graphs["after_loop"] = _graphs()
     thr = result.throughput
-    window = LoopClock(skip_steps=warmup, marks=trainer.clock.marks).steady()
+    marks = parts.progress.clock.marks
+    window = LoopClock(skip_steps=warmup, marks=marks).steady()
     if window is None or window["first_step"] != warmup or window["steps"] < steady:
         raise RuntimeError(f"{case.name}: the loop's reads do not bound steps {warmup}..{warmup + steady} "
-                           f"(marks at {[m.step for m in trainer.clock.marks]})")
+                           f"(marks at {[m.step for m in marks]})")
     batch_size = recipe.train.batch_size
 
     # the bare step: fresh batches, each once, all on the device before timing
-    fresh = _device_batches(trainer, warmup + steady, bare_warmup + steady + 2)
+    fresh = _device_batches(parts, warmup + steady, bare_warmup + steady + 2)
     timed, probes = fresh[:bare_warmup + steady], fresh[bare_warmup + steady:]
-    trainer.wrapped.train()
+    parts.wrapped.train()
+
+    def bare_step(batch: dict[str, Any], step: int) -> None:  # what one step of the loop computes
+        parts.step(batch, step)
+        parts.objective.after_step()
+
     t2 = time.perf_counter()
     for i, batch in enumerate(timed[:bare_warmup]):
         rec.begin("bare", batch)
-        trainer.train_step(batch, 100_001 + i)
+        bare_step(batch, 100_001 + i)
     _sync(device)
     graphs["after_bare_warmup"] = _graphs()
     with count_syncs(device) as syncs:
         start = time.perf_counter()
         for i, batch in enumerate(timed[bare_warmup:]):
             rec.begin("bare", batch)
-            trainer.train_step(batch, 100_001 + bare_warmup + i)
+            bare_step(batch, 100_001 + bare_warmup + i)
         _sync(device)
         bare_s = time.perf_counter() - start
     graphs["after_bare"] = _graphs()
     rec.phase = "probe"
-    kernels = attention_kernels(lambda: trainer.train_step(probes[0], 200_001), device)
-    per_token, probe_flops, probe_computed = text_flops(trainer, probes[1])
+    kernels = attention_kernels(lambda: parts.step(probes[0], 200_001), device)
+    per_token, probe_flops, probe_computed = text_flops(parts, probes[1])
     probe_s = time.perf_counter() - t2 - bare_s
     rec.close()
 

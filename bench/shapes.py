@@ -1,12 +1,12 @@
 """Fixed shapes and fewer launches, counted on the CPU (issue 29 items 1-2): CPU proxies of what a GPU step pays.
 
-For each case (a method's objective on synthetic scenes, the real ``Trainer`` and data path, bf16 autocast on the
+For each case (a method's objective on synthetic scenes, the run's own loop parts and data path, bf16 autocast on the
 CPU, 12+12-layer towers at a narrow width for the CLIP and SigLIP2 cases) and each code tree (``before``: the tree
 at ``--baseline``, unpacked with ``git archive``; ``after``: this checkout), one fresh process trains
 ``--warmup + --steps`` steps and counts, per measured step (after the warm-up):
 
 - ``ops``: aten ops that launch a kernel (views, ``empty`` and other metadata ops left out), counted with a
-  ``TorchDispatchMode`` around ``Trainer.train_step`` (forward, backward, optimiser). GPU effect it stands for:
+  ``TorchDispatchMode`` around the step (``TrainStep``: forward, backward, optimiser). GPU effect it stands for:
   kernel launches per step, which bound a small-batch step when the launching thread is slower than the GPU
   (a hypothesis for the measured 0.15-0.51 loop/bare ratios, issue 29);
 - ``casts``: the ``aten._to_copy`` among them, split into casts of parameters (leaves) and of activations;
@@ -145,10 +145,9 @@ def run_case(name: str, steps: int, warmup: int, batch: int, workdir: Path) -> d
     from accelerate.state import AcceleratorState, GradientState
 
     from finetune.config import load_recipe
-    from finetune.data.collate import Collator
     from finetune.data.sources import load_source
     from finetune.objectives import build_objective
-    from finetune.training import Trainer, TrainModule
+    from finetune.training import TrainModule, build_loop
 
     case = CASES[name]
     workdir.mkdir(parents=True, exist_ok=True)
@@ -167,8 +166,7 @@ def run_case(name: str, steps: int, warmup: int, batch: int, workdir: Path) -> d
     AcceleratorState._reset_state(reset_partial_state=True)  # a process that made an Accelerator before (tests)
     GradientState._reset_state()
     acc = Accelerator(cpu=True, mixed_precision="bf16", dataloader_config=DataLoaderConfiguration(split_batches=True))
-    trainer = Trainer(acc, TrainModule(model, objective), rows, Collator(model, objective), loaded.train,
-                      workdir / f"run-{name}")
+    parts = build_loop(acc, TrainModule(model, objective), rows, loaded.train, workdir / f"run-{name}")
     text_block, image_block = _first_blocks(model)
     calls = {"text": 0, "image": 0}
     text_block.register_forward_pre_hook(lambda *a: calls.__setitem__("text", calls["text"] + 1))
@@ -176,12 +174,12 @@ def run_case(name: str, steps: int, warmup: int, batch: int, workdir: Path) -> d
     ops_mode = _counters()
     seen: set = set()
     per_step = []
-    for step, batch_ in enumerate(trainer._batches(), start=1):
-        batch_ = trainer.to_device(batch_)
+    parts.wrapped.train()
+    for step, (_, batch_) in enumerate(parts.batches.from_step(0), start=1):
         calls.update(text=0, image=0)
         mode = ops_mode()
         with mode:
-            trainer.train_step(batch_, step)
+            parts.step(batch_, step)
         shapes = set(mode.sdpa)
         per_step.append({"step": step, "ops": sum(mode.ops.values()), "casts": dict(mode.casts),
                          "sdpa_calls": len(mode.sdpa), "new_sdpa_shapes": len(shapes - seen),

@@ -70,6 +70,27 @@ OLD_PATHS = {
     "finetune.models.registry (REGISTRY, ALIASES, FAMILY_CONFIGS)": "finetune.plugins.NAMED_CONFIGS (and "
                                                                    "finetune.models.registry's named_config, "
                                                                    "registry_names)",
+    "finetune.training.trainer (Trainer)": "the loop is finetune.training.recipe.FinetuneRecipe.train over the parts "
+                                           "of finetune.training.loop.build_loop (LoopParts); "
+                                           "Trainer(acc, module, rows, collate_fn, cfg, run_dir).train() -> "
+                                           "FinetuneRecipe.from_loop(build_loop(acc, module, rows, cfg, run_dir, "
+                                           "collate_fn=...)).train(); Trainer.maybe_resume -> "
+                                           "LoopParts.checkpoints.resume (finetune.training.checkpoint.Checkpoints)",
+    "finetune.training.trainer (TrainModule, train_step, _step, _warm_up)": "finetune.training.step (TrainModule; "
+                                                                           "TrainStep.__call__, .forward_backward, "
+                                                                           ".warm_up)",
+    "finetune.training.trainer (TrainResult)": "finetune.training.loop.TrainResult",
+    "finetune.training.trainer (NonFiniteLossError, DivergedError, term_values, _read)": "finetune.training.progress "
+                                                                                        "(Progress.read, .values)",
+    "finetune.training.trainer (_batches, to_device, _note_skipped)": "finetune.training.batches (Batches.from_step, "
+                                                                      "note_skipped; collate_stack)",
+    "finetune.objectives.step_setup (StepSetup, setup_step)": "finetune.training.step_setup (setup_step(model, "
+                                                              "objective, cfg, rows, device))",
+    "finetune.objectives.step_setup.warmup_lengths": "finetune.objectives.shapes.BatchShapes.warmup_lengths",
+    "finetune.data.streams.set_terms_epoch, StreamLoader(on_epoch=...)": "finetune.objectives.base.Objective.set_epoch "
+                                                                         "(a stream's examples carry their epoch, "
+                                                                         "finetune.data.collate.EPOCH_KEY, to "
+                                                                         "PlannedCollate)",
 }
 
 #: how each old path is written in code, docs, recipes and embedded scripts (dotted or as a file path); the
@@ -98,6 +119,8 @@ _PATTERNS = [
     r"\bresolve_resume\b",
     r"finetune[./]training[./](launch|failures)\b",
     r"registry\.(REGISTRY|ALIASES|FAMILY_CONFIGS)\b|models\.registry import .*\b(REGISTRY|ALIASES|FAMILY_CONFIGS)\b",
+    r"finetune[./]training[./]trainer\b|training import .*\bTrainer\b|\bTrainer\.\w+|\bTrainer\(",
+    r"finetune[./]objectives[./]step_setup\b|\bset_terms_epoch\b|\bon_epoch=",
 ]
 OLD = re.compile("|".join(f"(?:{p})" for p in _PATTERNS))
 
@@ -140,11 +163,17 @@ def test_the_pattern_finds_old_paths_and_leaves_the_commands():
                 "checkpoint.resolve_resume(x)", "from finetune.training.launch import resume_command",
                 "finetune/training/failures.py", "from finetune.models.registry import REGISTRY, build_model",
                 "registry.FAMILY_CONFIGS", "from finetune.training.needs import recipe_needs",
-                "finetune/training/prerequisites.py", "finetune.training.checks.check_room"):
+                "finetune/training/prerequisites.py", "finetune.training.checks.check_room",
+                "from finetune.training import Trainer", "from finetune.training import TrainModule, Trainer",
+                "Trainer._step = recording", "trainer = Trainer(acc, module, rows, collate, cfg, run)",
+                "from finetune.training.trainer import TrainModule", "import finetune.objectives.step_setup as s",
+                "from finetune.data.streams import StreamLoader, set_terms_epoch", "StreamLoader(s, on_epoch=f)"):
         assert OLD.search(old), old
     for new in ("python -m finetune.evaluate runs/x", '[sys.executable, "-m", "finetune.evaluate", "--help"]',
                 "accelerate launch finetune/run.py r.yaml",
-                "python -m finetune.preview r.yaml", "from finetune.training import Trainer",
+                "python -m finetune.preview r.yaml", "from finetune.training import FinetuneRecipe, build_loop",
+                "from finetune.training.step import TrainModule, TrainStep", "finetune.training.step_setup",
+                "as transformers' Trainer logs its loss", "Objective.set_epoch",
                 "finetune.evaluation.scorers.Scorer", "finetune/evaluation/scorers/grm.py",
                 "from finetune.runs.lock import RunLock", "finetune.training.upstream",
                 "from finetune.runs.resume import find_checkpoint", "finetune/runs/space.py",

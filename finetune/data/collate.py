@@ -30,8 +30,9 @@ PIXEL_NORM = "_pixel_norm"
 #: example key of superpixel labels decoded from a stream's precomputed entry (F-CAST's term), handed to the model's
 #: ``preprocess_images(images, superpixels=...)`` so that the worker does not compute them
 PRECOMPUTED_SUPERPIXELS = "superpixels"
-#: example key of the epoch an example is drawn for (``finetune.training.loaders.EpochIndexed``), read by
-#: :class:`finetune.objectives.planning.PlannedCollate`
+#: example key of the epoch an example is drawn for (map-style data: ``finetune.training.loaders.EpochIndexed``; a
+#: stream: :class:`~finetune.data.streams.loader.StreamCollate`), read by the training loop's collate function,
+#: :class:`finetune.objectives.planning.PlannedCollate`, which tells the objective
 EPOCH_KEY = "_epoch"
 
 
@@ -48,8 +49,8 @@ class Collator:
             batches).
         tensor_images: give ``pixel_values`` as ``uint8`` from :class:`~finetune.data.images.TensorImages`
             (the model's geometry on tensors) with their :class:`~finetune.data.images.PixelNorm` under
-            :data:`PIXEL_NORM`, to be normalised on the device (:func:`normalize_pixels`, which the trainer
-            calls); where the model's processor is not covered (NaFlex, F-CAST's superpixels) it stays in use.
+            :data:`PIXEL_NORM`, to be normalised on the device (:func:`normalize_pixels`, which the loop's
+            :class:`~finetune.data.prefetch.DevicePrefetcher` calls); where the model's processor is not covered (NaFlex, F-CAST's superpixels) it stays in use.
             The training loop's collator sets it; the default keeps ``float`` pixels ready for ``encode_image``.
     """
 

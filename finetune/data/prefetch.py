@@ -10,7 +10,8 @@ holding the driver's lock while the training thread tried to launch kernels, so 
 timm's ``PrefetchLoader`` and NVIDIA's data prefetcher): a copy from pageable memory first waits for its own
 stream, which is idle, not for the step the device is running; the host then stages the bytes (milliseconds)
 while the device computes, and the training stream waits for the copy on the device (``wait_stream``), not on
-the host. Off CUDA the batch is moved as it is.
+the host. Off CUDA the batch is moved as it is. Either way its ``uint8`` pixels are then normalised where they
+are (:func:`~finetune.data.collate.normalize_pixels`): what reaches the step is ready for the model.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+from .collate import normalize_pixels
 
 __all__ = ["DevicePrefetcher", "record_stream"]
 
@@ -42,14 +45,16 @@ def record_stream(obj: Any, stream: torch.cuda.Stream) -> None:
 
 
 class DevicePrefetcher:
-    """Iterate ``batches`` (CPU batches of a data loader) as batches on ``device``.
+    """Iterate ``batches`` (CPU batches of a data loader) as batches on ``device``, ready for the model.
 
     On CUDA each batch is copied with ``non_blocking`` on a side stream from pageable memory; the current stream
     waits for that copy on the device before the batch is yielded, and the batch's tensors are recorded on it.
-    On any other device the batch is moved with :func:`accelerate.utils.send_to_device`.
+    On any other device the batch is moved with :func:`accelerate.utils.send_to_device`. Its ``uint8`` pixels are
+    normalised on the device (:func:`~finetune.data.collate.normalize_pixels`).
 
     Args:
-        batches: an iterable of batches (dicts of tensors, lists, host metadata with a ``to`` method).
+        batches: an iterable of batches (dicts of tensors, lists, host metadata with a ``to`` method); empty when
+            the caller moves batches one by one (:meth:`move`).
         device: where the step runs.
     """
 
@@ -58,17 +63,19 @@ class DevicePrefetcher:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def move(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """One batch on the device (the class docstring)."""
         from accelerate.utils import send_to_device
 
         if self.stream is None:
-            for batch in self.batches:
-                yield send_to_device(batch, self.device)
-            return
+            return normalize_pixels(send_to_device(batch, self.device))
         main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            moved = send_to_device(batch, self.device, non_blocking=True)
+        main.wait_stream(self.stream)
+        record_stream(moved, main)
+        return normalize_pixels(moved)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self.batches:
-            with torch.cuda.stream(self.stream):
-                moved = send_to_device(batch, self.device, non_blocking=True)
-            main.wait_stream(self.stream)
-            record_stream(moved, main)
-            yield moved
+            yield self.move(batch)

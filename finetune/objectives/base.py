@@ -222,10 +222,12 @@ class Term(nn.Module):
         return []
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by the trainer at the start of every epoch (per-epoch weight schedules)."""
+        """The epoch the next examples are drawn for (per-epoch weight schedules, per-epoch draws); called through
+        :meth:`Objective.set_epoch` by the training loop and where a batch is collated."""
 
     def after_optimizer_step(self) -> None:
-        """Called by the trainer after every optimiser step (clamps of the term's own parameters)."""
+        """After every optimiser step (clamps of the term's own parameters); called through
+        :meth:`Objective.after_step` by the training loop."""
 
     def loss(self, model: Any, feats: Features, *, detach_params: bool = False) -> dict[str, Tensor]:
         """Unweighted loss values from (possibly merged) features.
@@ -283,7 +285,7 @@ def _same_text_inputs(a: TextRequest, b: TextRequest) -> bool:
 class Objective(nn.Module):
     """An optional base term plus weighted added terms: ``loss = w_base * base + sum_k w_k * term_k``.
 
-    ``forward`` is not used; the :class:`~finetune.training.TrainModule` calls ``encode`` and ``loss`` so
+    ``forward`` is not used; the :class:`~finetune.training.step.TrainModule` calls ``encode`` and ``loss`` so
     that everything runs inside the prepared (DDP/FSDP) module's forward.
 
     Args:
@@ -350,6 +352,18 @@ class Objective(nn.Module):
         self.shapes = shapes
         for t in self.all_terms:
             t.shapes = shapes
+
+    def set_epoch(self, epoch: int) -> None:
+        """Every term's :meth:`Term.set_epoch`: the training loop calls it as a batch of a new epoch arrives, and the
+        collate function of the data-loader workers (:class:`~finetune.objectives.planning.PlannedCollate`) for the
+        workers' copies of the terms."""
+        for t in self.all_terms:
+            t.set_epoch(epoch)
+
+    def after_step(self) -> None:
+        """Every term's :meth:`Term.after_optimizer_step`, after each optimiser step of the training loop."""
+        for t in self.all_terms:
+            t.after_optimizer_step()
 
     # -- data side --------------------------------------------------------------------------------
     def prepare_model(self, model: Any) -> None:

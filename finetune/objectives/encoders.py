@@ -35,7 +35,7 @@ class TextPlan:
         rows: ``{kind: rows}`` of the batch's text passes.
         real_tokens: the real text tokens of the batch's passes (their masks' sum).
         computed_tokens: the text tokens the passes compute (rows x columns, padding included).
-        warmup: a warm-up pass (:meth:`~finetune.objectives.step_setup.StepSetup.warm_up`): rows longer than a
+        warmup: a warm-up pass (:meth:`finetune.training.step_setup.StepSetup.warm_up`): rows longer than a
             length are cut to it; its values are not used.
     """
 

@@ -1,10 +1,12 @@
 """Batches planned where they are collated, on the CPU (the data-loader workers), for the training step: the host
 facts the step would otherwise read from the device, and the micro-batch split of an accumulated step.
 
-The collate function of the training loop is a :class:`PlannedCollate`: it hands the terms the epoch an example
-was drawn for, adds the batch's :class:`~finetune.objectives.encoders.TextPlan` and the terms' own plans
-(:meth:`~finetune.objectives.base.Term.plan`, e.g. F-CAST's segment count), so that the step reads no size or
-mask back from the device. The run's shapes are fixed before (:mod:`finetune.objectives.step_setup`).
+The collate function of the training loop is a :class:`PlannedCollate` (the loop's collate stack is built in one
+place, :func:`finetune.training.batches.collate_stack`): it tells the objective the epoch its examples were drawn for
+(:data:`~finetune.data.collate.EPOCH_KEY`, set by the map-style sampler and by a stream's loader), adds the batch's
+:class:`~finetune.objectives.encoders.TextPlan` and the terms' own plans (:meth:`~finetune.objectives.base.Term.plan`,
+e.g. F-CAST's segment count), so that the step reads no size or mask back from the device. The run's shapes are
+planned before (:func:`~finetune.objectives.shapes.plan_shapes`).
 """
 
 from __future__ import annotations
@@ -58,8 +60,7 @@ class PlannedCollate:
         epochs = {e.pop(EPOCH_KEY) for e in examples if EPOCH_KEY in e}
         if len(epochs) == 1 and self._epoch not in epochs:  # this process's copy of the terms learns the epoch
             self._epoch = epochs.pop()
-            for term in self.objective.all_terms:
-                term.set_epoch(self._epoch)
+            self.objective.set_epoch(self._epoch)
         batch = self.collate_fn(examples)
         batch[TEXT_PLAN] = self.objective.plan(self.model, batch)
         term_plans = self.objective.term_plans

@@ -23,8 +23,8 @@ from :class:`BatchShapes`:
   that a kind plans only the buckets some example reaches (the bucket of each example's longest text of that
   kind), each cut down to the longest text that reaches it (:func:`tight_buckets`); kinds whose texts are drawn
   during training (FLAIR's and F-CAST's sub-captions) and streams plan every
-  length. The trainer runs every planned length once before its first step
-  (:meth:`~finetune.objectives.step_setup.StepSetup.warm_up`), so that no later step meets a new shape;
+  length. The training loop runs every planned length once before its first step (:meth:`BatchShapes.warmup_lengths`,
+  run by :meth:`finetune.training.step_setup.StepSetup.warm_up`), so that no later step meets a new shape;
 - **rows**: every request has a fixed number of rows per sample: one caption, one filtered caption, ``k``
   sentences, ``K`` sub-captions, and for the requests whose count varies per sample (StructXLIP's chunks and
   region crops) a capacity per sample (:attr:`BatchShapes.capacities`) with a validity mask, so that a
@@ -157,6 +157,15 @@ class BatchShapes:
     def planned_pairs(self) -> int:
         """How many (kind, length) pairs are planned: the text shapes a run may meet (per rows count)."""
         return sum(len(v) for v in self.planned.values())
+
+    def warmup_lengths(self, kinds: Iterable[str]) -> list[dict[str, int]]:
+        """The text lengths of the warm-up passes, so that every planned (kind, length) pair of ``kinds`` (a batch's
+        :attr:`TextPlan.lengths`) runs once: as many passes as the kind with the most planned lengths, the i-th pass
+        each kind at its i-th length (its last when it has fewer). The first batch's own lengths are run too: the
+        first step runs under the FLOP counter's dispatch mode, which compiled blocks do not compile under."""
+        planned = {kind: self.lengths(kind) for kind in kinds}
+        count = max((len(v) for v in planned.values()), default=0)
+        return [{kind: v[min(i, len(v) - 1)] for kind, v in planned.items()} for i in range(count)]
 
     def summary(self) -> dict[str, Any]:
         """What the log and ``metrics.json`` record."""

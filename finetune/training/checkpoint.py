@@ -2,8 +2,9 @@
 ``checkpoints/step-N``, written atomically (a temporary folder, then a rename), with the loop's own state
 (:class:`TrainState`) and a manifest of every file; the newest ``train.keep_checkpoints`` kept. A failed write
 (a full disk above all) is diagnosed (:func:`describe_save_failure`) and raised as :class:`SaveFailedError`
-on every process, the earlier checkpoints kept. Reading them (the listing, the manifest, integrity, the stream
-positions) is :mod:`finetune.runs.checkpoints`."""
+on every process, the earlier checkpoints kept. The loop's checkpoints, written and resumed from, are
+:class:`Checkpoints`; reading them (the listing, the manifest, integrity, the stream positions) and finding the one a
+resume continues from are :mod:`finetune.runs.checkpoints` and :mod:`finetune.runs.resume`."""
 
 from __future__ import annotations
 
@@ -12,21 +13,29 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from accelerate.utils import broadcast_object_list, gather_object
+import torch
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from safetensors import SafetensorError
 
+from finetune.config import Recipe, recipe_to_dict
 from finetune.files import apply_umask, process_tag, replace_dir
 from finetune.runs.checkpoints import (CHECKPOINT_PREFIX, STATE_NAME, STREAM_INDEX, checkpoint_step, file_manifest,
-                                      list_checkpoints, stream_state_file)
+                                      list_checkpoints, read_stream_states, rng_problem, rng_state_name,
+                                      stream_state_file)
+from finetune.runs.identity import continuation_view
+from finetune.runs.resume import check_continuation, find_checkpoint
 from finetune.runs.space import folder_bytes, size_text
+from finetune.training.signals import TrainingStopped
 
 log = logging.getLogger("xlipkit")
 
-__all__ = ["SaveFailedError", "TrainState", "describe_save_failure", "is_write_error", "save_checkpoint"]
+__all__ = ["Checkpoints", "SaveFailedError", "TrainState", "describe_save_failure", "is_write_error",
+           "save_checkpoint"]
 
 
 @dataclass
@@ -78,6 +87,11 @@ class TrainState:
     def from_json(cls, text: str) -> "TrainState":
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in json.loads(text).items() if k in known})
+
+    def load(self, saved: "TrainState") -> None:
+        """Take every value of ``saved`` (a resume), in place: the loop's parts share this one state."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(saved, f.name))
 
 
 class SaveFailedError(RuntimeError):
@@ -258,3 +272,101 @@ def _remove_superseded(ckpt_dir: Path, step: int, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
     for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+
+
+class Checkpoints:
+    """The loop's checkpoints: written at ``train.checkpoint_every`` steps and when a signal stops the run
+    (:meth:`save`, :meth:`stopped`), resumed from (:meth:`resume`).
+
+    Args:
+        accelerator: the run's ``accelerate.Accelerator`` (its prepared objects are what is saved and loaded).
+        run_dir: the run folder (``checkpoints/`` goes inside).
+        state: the loop's state, saved beside accelerate's and loaded in place on resume.
+        cfg: the recipe's ``train`` section (``keep_checkpoints``, ``seed``, ``resume_ignore_rng``).
+        epochs: what each epoch read, this process's (:class:`~finetune.training.epochs.EpochLedger`): saved merged
+            over the processes, loaded on one process on resume.
+        stream: the run's :class:`~finetune.data.streams.StreamLoader` (its position is saved), or None.
+        sized: the tensors a checkpoint holds (the module's state and the optimiser's), for the room it needs.
+    """
+
+    def __init__(self, accelerator: Any, run_dir: str | Path, state: TrainState, cfg: Any, epochs: Any, *,
+                 stream: Any = None, sized: Callable[[], list[torch.Tensor]] = list) -> None:
+        self.accelerator, self.state, self.cfg, self.epochs = accelerator, state, cfg, epochs
+        self.stream, self.sized = stream, sized
+        self.ckpt_dir = Path(run_dir) / "checkpoints"
+
+    def save(self, clock: Any) -> Path:
+        """A checkpoint of the current step; the time spent saving is left out of the throughput (``clock``, a
+        :class:`~finetune.training.throughput.LoopClock`).
+
+        Raises:
+            SaveFailedError: it could not be written (the earlier ones are kept).
+        """
+        saving = time.perf_counter()
+        self.state.train_time_s = clock.trained_s()
+        self.state.epochs = self.epochs.merged(self.accelerator)
+        stream_state = self.stream.state_dict() if self.stream is not None else None
+        index = self.stream.stream.source.index.to_json() if self.stream is not None else None
+        path = save_checkpoint(self.accelerator, self.ckpt_dir, self.state, self.cfg.keep_checkpoints, stream_state,
+                               need_bytes=self.bytes_needed, stream_index=index)
+        clock.excluded_s += time.perf_counter() - saving
+        return path
+
+    def stopped(self, signum: int, step: int, clock: Any) -> TrainingStopped:
+        """The :class:`TrainingStopped` of a run a signal stops after ``step``, once this step's checkpoint is saved
+        (none when the save failed: the error says why)."""
+        try:
+            return TrainingStopped(signum, step, self.save(clock))
+        except SaveFailedError as error:
+            return TrainingStopped(signum, step, None, str(error))
+
+    def bytes_needed(self) -> int:
+        """About what one checkpoint takes: the model's and objective's tensors and the optimiser's state."""
+        return sum(t.numel() * t.element_size() for t in self.sized())
+
+    def resume(self, resume: str | None, *, checkpoint: str | Path | None = None, recipe: Recipe | None = None,
+               ignore_changes: bool = False, ignore_rng: bool | None = None) -> bool:
+        """Continue from ``train.resume`` (``latest`` or a checkpoint folder); True when resumed.
+
+        Args:
+            resume: the recipe's ``train.resume``.
+            checkpoint: the folder already found by :func:`finetune.runs.resume.find_checkpoint` (skips the search).
+            recipe: the run's recipe: its continuation view (:func:`finetune.runs.identity.continuation_view`) is
+                saved in every checkpoint and compared with the checkpoint's on resume.
+            ignore_changes: ``train.resume_ignore_changes``: continue despite a different recipe.
+            ignore_rng: ``train.resume_ignore_rng`` (None: the recipe's): resume from a checkpoint whose RNG state
+                is missing or damaged, with a fresh one seeded from ``train.seed`` and the step.
+
+        Raises:
+            finetune.runs.errors.CheckpointError: no usable checkpoint at a given path (names the file).
+            finetune.runs.errors.RunFolderError: the checkpoint was saved with a different recipe.
+        """
+        acc = self.accelerator
+        view = continuation_view(recipe_to_dict(recipe)) if recipe is not None else None
+        self.state.recipe = view
+        if ignore_rng is None:
+            ignore_rng = bool(getattr(self.cfg, "resume_ignore_rng", False))
+        path = Path(checkpoint) if checkpoint is not None else find_checkpoint(
+            resume, self.ckpt_dir, world_size=acc.num_processes, ignore_rng=ignore_rng)
+        if path is None:
+            return False
+        saved = TrainState.from_json((path / STATE_NAME).read_text())
+        check_continuation(saved.recipe, view, path, ignore_changes=ignore_changes)
+        rng_missing = rng_problem(path, acc.process_index) if ignore_rng else None
+        if rng_missing is None and not (path / rng_state_name(acc.process_index)).is_file():
+            rng_missing = (f"the checkpoint was saved by fewer processes (no "
+                           f"{rng_state_name(acc.process_index)}): a requeue on another number of processes")
+        acc.load_state(str(path))
+        if rng_missing:  # accelerate skipped (or loaded a damaged) RNG state: a fresh one, reproducible from the step
+            set_seed(self.cfg.seed + saved.step + 1_000_003 * acc.process_index)
+            log.warning("train.resume_ignore_rng: %s; process %d continues with a fresh RNG state seeded from "
+                        "train.seed and step %d", rng_missing, acc.process_index, saved.step)
+        if view is None:
+            view = saved.recipe
+        self.state.load(saved)
+        self.state.recipe = view
+        self.epochs.load(saved.epochs if acc.is_main_process else [])  # on one process: merged sums them
+        if self.stream is not None:
+            self.stream.load_states(read_stream_states(path))
+        log.info("resumed from %s at step %d", path, self.state.step)
+        return True

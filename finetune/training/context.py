@@ -13,7 +13,7 @@ from finetune.config import Recipe, recipe_to_dict
 from finetune.evaluation import RetrievalOptions
 from finetune.objectives import Objective
 from finetune.training.upstream import Prerequisites
-from finetune.training.trainer import Trainer, TrainResult
+from finetune.training.loop import LoopParts, TrainResult
 
 __all__ = ["RunContext", "RunData", "TrainingSet"]
 
@@ -57,10 +57,12 @@ class TrainingSet:
 @dataclass
 class RunContext:
     """Everything one run holds. The recipe class fills it stage by stage (``setup`` -> ``setup_data`` ->
-    ``setup_model`` -> ``setup_eval`` -> ``train`` -> ``finish``); a field is None until its stage ran.
+    ``setup_model`` -> ``setup_eval`` -> ``setup_training`` -> ``train`` -> ``finish``); a field is None until its
+    stage ran.
 
     Attributes:
-        recipe: the loaded, validated recipe.
+        recipe: the loaded, validated recipe (None for a loop built from parts,
+            :meth:`~finetune.training.recipe.FinetuneRecipe.from_loop`).
         objective: the run's one objective, built from ``recipe.objective`` before anything else.
         chain: resolved paths of the recipes that need this run (set when it runs as a prerequisite).
         action: what the run does with ``output.dir`` (:func:`finetune.runs.folder.check_run_folder`: ``new``,
@@ -73,12 +75,12 @@ class RunContext:
         training_set: what the loop trains on.
         evaluation: how the sets are evaluated (:class:`~finetune.evaluation.RetrievalOptions` of the recipe).
         before: Recall@K before training (None when not evaluated).
-        trainer: the loop.
+        loop: the parts of the training loop (:class:`~finetune.training.loop.LoopParts`).
         result: what the loop returned.
         started: ``time.perf_counter()`` when the run began (``total_time_s`` in ``metrics.json``).
     """
 
-    recipe: Recipe
+    recipe: Recipe | None
     objective: Objective
     chain: tuple[str, ...] = ()
     action: str = "new"
@@ -90,7 +92,7 @@ class RunContext:
     training_set: TrainingSet | None = None
     evaluation: RetrievalOptions | None = None
     before: dict[str, Any] | None = None
-    trainer: Trainer | None = None
+    loop: LoopParts | None = None
     result: TrainResult | None = None
     started: float = field(default_factory=time.perf_counter)
 

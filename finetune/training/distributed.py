@@ -10,7 +10,7 @@ config that disagrees with the recipe is an error naming both), the optimiser an
 an ``optimizer`` / ``scheduler`` section, and the bucket sizes from the model's width.
 
 FSDP: accelerate's transformer wrap policy reads ``_no_split_modules`` of the module it wraps; the run's
-:class:`~finetune.training.trainer.TrainModule` sets it to :func:`layer_classes` of its model, so that each encoder
+:class:`~finetune.training.step.TrainModule` sets it to :func:`layer_classes` of its model, so that each encoder
 layer of every family is its own FSDP unit (``fsdp_transformer_layer_cls_to_wrap`` in an accelerate config
 overrides it).
 
@@ -380,7 +380,7 @@ def deepspeed_objects(accelerator: Any, module: nn.Module, optimizer: Any, sched
 
 def gathered_model(accelerator: Any, wrapped: nn.Module, skeleton: nn.Module) -> nn.Module:
     """``skeleton`` (the model as it was before FSDP or ZeRO-3 sharded it) loaded with the trained weights gathered
-    by ``accelerator.get_state_dict(wrapped)`` (the run's :class:`~finetune.training.trainer.TrainModule`, keys
+    by ``accelerator.get_state_dict(wrapped)`` (the run's :class:`~finetune.training.step.TrainModule`, keys
     ``model.*``), on every process, on the device. A collective: every process calls it."""
     import torch
 

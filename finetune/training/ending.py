@@ -17,7 +17,7 @@ from finetune.data.images import DataError
 from finetune.training.checkpoint import SaveFailedError
 from finetune.training.processes import LaunchError, timeout_message
 from finetune.training.signals import RunInterrupted, TrainingStopped
-from finetune.training.trainer import DivergedError, NonFiniteLossError
+from finetune.training.progress import DivergedError, NonFiniteLossError
 
 __all__ = ["accelerate_traceback_follows", "launch_argv", "parent_argv", "resume_command", "secrets_left_out",
            "stopped_or_failed", "worker_message"]

@@ -52,9 +52,9 @@ class AfterTraining:
 def evaluate_after(ctx: RunContext) -> AfterTraining:
     """Recall@K of the trained model (read up to its text length, and cut at its base length when the recipe asks)
     and the counts every process contributes to; a collective, so every process calls it."""
-    ev, acc, trainer = ctx.recipe.eval, ctx.accelerator, ctx.trainer
+    ev, acc, loop = ctx.recipe.eval, ctx.accelerator, ctx.loop
     acc.wait_for_everyone()
-    model = trainer.final_model()  # gathered where FSDP or ZeRO-3 shard it
+    model = loop.final_model()  # gathered where FSDP or ZeRO-3 shard it
     model.eval()
     options = dict(accelerator=acc, sources=ctx.data.eval or None)
     after = evaluate_sets(model, ev.sets, ctx.evaluation, **options) if ev.sets and ev.after else {}
@@ -63,8 +63,8 @@ def evaluate_after(ctx: RunContext) -> AfterTraining:
         at_base = _evaluate_at_length(model, model.base_text_len, ev.sets, ctx.evaluation, options)
     truncated = torch.tensor(ctx.result.truncated_captions, device=acc.device)
     truncated = int(acc.reduce(truncated, reduction="sum")) if acc.num_processes > 1 else int(truncated)
-    whole = int(trainer.epoch_at(trainer.state.step) + 1e-9)  # the epochs read whole, as the progress bar counts
-    stream = stream_report(trainer.stream, acc, whole) if ctx.training_set.streaming else None
+    whole = int(loop.batches.epoch_at(loop.state.step) + 1e-9)  # the epochs read whole, as the progress bar counts
+    stream = stream_report(loop.batches.stream, acc, whole) if ctx.training_set.streaming else None
     return AfterTraining(model, after, at_base, truncated, stream)
 
 
@@ -121,8 +121,8 @@ def _objective_name(ctx: RunContext) -> str:
 def _sections(ctx: RunContext, done: AfterTraining, compared: list[tuple[str, dict]]) -> list[str]:
     """The report's extra sections: each term's own, the comparison with ``eval.compare_with``, and what reading
     past the base length buys."""
-    model, trainer = done.model, ctx.trainer
-    shown = trainer.stream.preview() if ctx.training_set.streaming else ctx.training_set.rows  # a stream: its first
+    model, loop = done.model, ctx.loop
+    shown = loop.batches.stream.preview() if ctx.training_set.streaming else ctx.training_set.rows  # a stream: its first
     extra = [section for term in ctx.objective.all_terms for section in term.report_sections(ctx.out_dir, shown)]
     if compared:
         this = {"objective": _objective_name(ctx), "steps": ctx.result.steps, "max_text_len": model.max_text_len,
@@ -174,23 +174,25 @@ def _metrics(ctx: RunContext, done: AfterTraining) -> dict[str, Any]:
         "trainable_parameters": ctx.parameters[0],
         "total_parameters": ctx.parameters[1],
         "history": result.history,
-        "epoch": round(ctx.trainer.epoch_at(result.steps), 4),  # the progress bar's epoch (epochs of the whole set)
+        # the progress bar's epoch (epochs of the whole set)
+        "epoch": round(ctx.loop.batches.epoch_at(result.steps), 4),
         "epochs": result.epochs,  # per epoch: samples read, their ids' digest, skipped ids (finetune.training.epochs)
         "init_from": ctx.prerequisites.init.record() if ctx.prerequisites.init is not None else None,
         "compare_with": [p.record() for p in ctx.prerequisites.compare],
     }
 
 
-def final_checkpoint(trainer: Any) -> Path:
+def final_checkpoint(loop: Any) -> Path:
     """A checkpoint of the finished training (the newest one when it is of the last step already), so that a run
-    stopped during its evaluation or final save resumes at its end."""
-    kept = list_checkpoints(trainer.ckpt_dir)
-    if kept and kept[-1].name == f"step-{trainer.state.step}":
+    stopped during its evaluation or final save resumes at its end (``loop``: the run's
+    :class:`~finetune.training.loop.LoopParts`)."""
+    kept = list_checkpoints(loop.checkpoints.ckpt_dir)
+    if kept and kept[-1].name == f"step-{loop.state.step}":
         return kept[-1]
-    return trainer.checkpoint()
+    return loop.checkpoint()
 
 
-def final_save_failed(error: BaseException, trainer: Any, out_dir: Path, model: Any) -> SaveFailedError:
+def final_save_failed(error: BaseException, loop: Any, out_dir: Path, model: Any) -> SaveFailedError:
     """The :class:`~finetune.training.SaveFailedError` of a run whose outputs (``final/``, ``metrics.json``, the
     report) could not be written after training: why (a full disk: how much was needed and is free, where), and
     which checkpoint keeps the training."""
@@ -198,8 +200,8 @@ def final_save_failed(error: BaseException, trainer: Any, out_dir: Path, model: 
     full = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     need = full if len(trained) == len(list(model.parameters())) else sum(p.numel() * p.element_size() for p in trained)
     why, disk_full = describe_save_failure(error, out_dir, need)
-    kept = list_checkpoints(trainer.ckpt_dir)
-    step, total = trainer.state.step, trainer.total_steps
+    kept = list_checkpoints(loop.checkpoints.ckpt_dir)
+    step, total = loop.state.step, loop.batches.total_steps
     if not kept:
         said = ("no checkpoint was kept (train.checkpoint_every is 0), so the training cannot be continued; set "
                 "train.checkpoint_every to keep one next time")

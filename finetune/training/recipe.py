@@ -1,12 +1,13 @@
 """A run, end to end, as a recipe class in the torchtune manner (:class:`FinetuneRecipe`): ``setup`` (the run folder,
 the objective, the runs it builds on, the accelerator), ``setup_data`` (the sets, before the model), ``setup_model``
-(the model, its adapter, the rows it trains on), ``setup_eval`` (Recall@K before), ``train`` and ``finish``
-(Recall@K after, ``final/``, ``metrics.json``, the report, the hub push), over one typed
-:class:`~finetune.training.context.RunContext`.
+(the model, its adapter, the rows it trains on), ``setup_eval`` (Recall@K before), ``setup_training`` (the parts of
+the loop, :func:`~finetune.training.loop.build_loop`, and the resume), ``train`` (the loop itself: fetch a batch,
+forward, loss, backward, optimiser step, log, checkpoint) and ``finish`` (Recall@K after, ``final/``,
+``metrics.json``, the report, the hub push), over one typed :class:`~finetune.training.context.RunContext`.
 
-recipe -> model (family, Long-CLIP KPS, adapter) -> data (+ the preprocessing the objective needs, cached)
--> Recall@K before -> training -> Recall@K after -> run folder (recipe.yaml, metrics.json, report.md,
-plots/, final/, checkpoints/) -> optional hub push.
+recipe -> data (+ its checks) -> model (family, Long-CLIP KPS, adapter) -> the rows it trains on (+ the preprocessing
+the objective needs, cached) -> Recall@K before -> training -> Recall@K after -> run folder (recipe.yaml,
+metrics.json, report.md, plots/, final/, checkpoints/) -> optional hub push.
 
 :func:`run_recipe` runs one (the command line is :mod:`finetune.cli.train`)::
 
@@ -18,13 +19,12 @@ plots/, final/, checkpoints/) -> optional hub push.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from accelerate.utils import set_seed
 
 from finetune.config import Recipe, RecipeError, dump_recipe, refuse_recipe
-from finetune.data.collate import Collator
 from finetune.data.images import DataError
-from finetune.data.skipping import SkippingDataset, SkipReportingCollate
 from finetune.evaluation import RetrievalOptions, evaluate_sets, format_table
 from finetune.models.finetuned import ModelNotFoundError
 from finetune.models.weight_files import DamagedWeightsError
@@ -38,13 +38,14 @@ from finetune.training.ending import stopped_or_failed
 from finetune.training.environment import (cpu_threads, flat_scalars, launched_as_main, make_accelerator,
                                            setup_logging)
 from finetune.training.inputs import load_data, training_set
+from finetune.training.loop import LoopParts, TrainResult, build_loop
 from finetune.training.model import load_start_model, parameter_counts, prepare_for_training
 from finetune.training.outputs import evaluate_after, final_checkpoint, final_save_failed, write_outputs
 from finetune.training.preflight import Preflight, output_action, preflight
 from finetune.training.processes import start_processes
-from finetune.training.signals import RunInterrupted, TrainingStopped, stop_signals
+from finetune.training.signals import RunInterrupted, StopVote, TrainingStopped, graceful_stop, stop_signals
 from finetune.training.size_checks import check_batch, check_room, check_warmup
-from finetune.training.trainer import Trainer, TrainModule
+from finetune.training.step import TrainModule
 from finetune.training.upstream import PrerequisiteError, ensure_all
 
 log = logging.getLogger("xlipkit")
@@ -155,20 +156,85 @@ class FinetuneRecipe:
             if ctx.accelerator.is_main_process:
                 print("Recall@K before training:\n" + format_table(None, ctx.before), flush=True)
 
-    def train(self) -> None:
-        """Build the loop (:class:`~finetune.training.Trainer`), resume it when ``train.resume`` says so, and train."""
+    def setup_training(self) -> None:
+        """The parts of the loop (:func:`~finetune.training.loop.build_loop`: the collate stack and the loader, the
+        step, the reads, the checkpoints), resumed when ``train.resume`` says so."""
         ctx = self.ctx
         recipe = ctx.recipe
-        module = TrainModule(ctx.model, ctx.objective)
-        collator = Collator(ctx.model, ctx.objective, tensor_images=True)  # uint8 pixels, normalised on the device
-        rows = ctx.training_set.rows
-        if not ctx.training_set.streaming:
-            rows = SkippingDataset(rows, recipe.data.on_error, decode=collator.decode)
-        ctx.trainer = Trainer(ctx.accelerator, module, rows, SkipReportingCollate(collator), recipe.train, ctx.out_dir,
+        ctx.loop = build_loop(ctx.accelerator, TrainModule(ctx.model, ctx.objective), ctx.training_set.rows,
+                              recipe.train, ctx.out_dir, on_error=recipe.data.on_error,
                               num_workers=recipe.data.num_workers)
-        ctx.trainer.maybe_resume(recipe.train.resume, checkpoint=ctx.data.resume, recipe=recipe,
-                                 ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)))
-        ctx.result = ctx.trainer.train()
+        ctx.loop.checkpoints.resume(recipe.train.resume, checkpoint=ctx.data.resume, recipe=recipe,
+                                    ignore_changes=bool(getattr(recipe.train, "resume_ignore_changes", False)))
+
+    def train(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
+        """The loop, top to bottom: fetch a batch (on the device), the objective told a new epoch, forward, loss,
+        backward and the optimiser step, the objective's per-step work, the stop vote; at logging and checkpoint
+        steps the one read of the device (the log) and the checkpoint. Returns (and keeps in the context) the
+        history, the final per-term losses and the throughput.
+
+        Between its reads the loop never waits on the device: the loss terms, the non-finite check, the skipped-step
+        and truncation counts stay there (:class:`~finetune.training.meter.StepMeter`) and are read at logging steps
+        (``train.log_every``, this part's first step and the last step) and checkpoints. ``on_step(step, values)``,
+        when given, is called after every applied step with its values, which reads them every step (tests, tools).
+
+        SIGINT / SIGTERM: the step in progress is finished, every process stops after the same step
+        (:class:`~finetune.training.signals.StopVote`), a checkpoint is saved and :class:`TrainingStopped` raised; a
+        person's second Ctrl-C exits at once (a repeated SIGTERM does not).
+
+        Raises:
+            TrainingStopped: a signal stopped the run (after saving a checkpoint).
+            NonFiniteLossError: a non-finite loss under ``on_nonfinite: raise``.
+            DivergedError: the trainable weights became non-finite (nothing saved).
+            SaveFailedError: a checkpoint could not be written (the earlier ones are kept).
+        """
+        loop = self.ctx.loop
+        cfg, state, objective = loop.cfg, loop.state, loop.objective
+        first, last, epoch = state.step, loop.batches.total_steps, None
+        clock = loop.progress.start(first, last)
+        loop.wrapped.train()
+        with graceful_stop() as stop:
+            vote = StopVote(stop, loop.accelerator.num_processes, loop.vote_group)
+            try:
+                for batch_epoch, batch in loop.batches.from_step(first, clock):  # fetch a batch, on the device
+                    step = state.step + 1
+                    loop.batches.note_read(batch, state.step, loop.epochs)  # each epoch's samples and skipped ids
+                    if batch_epoch != epoch:  # a new epoch: per-epoch schedules and draws
+                        epoch = batch_epoch
+                        objective.set_epoch(epoch)
+                    if step == first + 1:  # every planned text length once, before this process's first step
+                        loop.step.warm_up(batch)
+                    loop.step(batch, step)  # forward, loss, backward, optimiser step: nothing read back
+                    objective.after_step()  # the terms' clamps of their own parameters
+                    state.step = step
+                    loop.progress.stepped()
+                    stopping = vote()  # a host flag (several processes: agreed through a CPU all-reduce)
+                    log_now = step % cfg.log_every == 0 or step in (first + 1, last) or stopping
+                    save_now = bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0 or stopping
+                    if not (log_now or save_now or on_step is not None):
+                        continue
+                    values, applied = loop.progress.read(step, log_now=log_now)  # the read: history, trackers, bar
+                    if stopping:  # this step saved, then every process stops after it
+                        loop.progress.close()
+                        raise loop.checkpoints.stopped(vote.signum, step, clock)
+                    if save_now:
+                        loop.checkpoints.save(clock)
+                    if on_step is not None and applied:
+                        on_step(step, values)
+            finally:
+                loop.progress.close()
+            vote.close()
+        self.ctx.result = loop.result()
+        return self.ctx.result
+
+    @classmethod
+    def from_loop(cls, loop: LoopParts) -> "FinetuneRecipe":
+        """A recipe whose one stage left is :meth:`train`, over a loop built from parts
+        (:func:`~finetune.training.loop.build_loop`): how a model, objective and training set made by hand train
+        with the run's own loop (tests, ``bench/loop.py``), without a recipe's other stages."""
+        recipe = cls.__new__(cls)
+        recipe.ctx = RunContext(recipe=None, objective=loop.objective, accelerator=loop.accelerator, loop=loop)
+        return recipe
 
     def finish(self) -> int:
         """Recall@K after, ``final/``, ``metrics.json``, the report and plots, the hub push; returns the exit status.
@@ -190,9 +256,9 @@ class FinetuneRecipe:
                     failure = exc
             ctx.accelerator.wait_for_everyone()
         except RunInterrupted as exc:  # the training is done: keep it in a checkpoint before stopping
-            raise TrainingStopped(exc.signum, ctx.trainer.state.step, final_checkpoint(ctx.trainer)) from None
+            raise TrainingStopped(exc.signum, ctx.loop.state.step, final_checkpoint(ctx.loop)) from None
         if failure is not None:
-            raise final_save_failed(failure, ctx.trainer, ctx.out_dir, done.model)
+            raise final_save_failed(failure, ctx.loop, ctx.out_dir, done.model)
         return status
 
     # -- the whole run ------------------------------------------------------------------------------
@@ -224,6 +290,7 @@ class FinetuneRecipe:
         try:
             self.setup_model()
             self.setup_eval()
+            self.setup_training()
             self.train()
             return self.finish()
         except (ModelNotFoundError, RunFolderError, DamagedWeightsError, RecipeError) as exc:  # no model, no room,

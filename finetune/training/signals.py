@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["REPEAT_WINDOW_S", "RunInterrupted", "STOP_SIGNALS", "StopSignals", "StopVote", "TrainingStopped",
-           "ignore_stop_signals", "init_worker", "limit_worker_threads", "stop_signals", "vote_group", "worker_signals"]
+           "graceful_stop", "ignore_stop_signals", "init_worker", "limit_worker_threads", "stop_signals", "vote_group",
+           "worker_signals"]
 
 
 #: the signals a run stops on: Ctrl-C, and what SLURM, Kubernetes and torchrun send before they kill a process
@@ -132,6 +133,19 @@ def stop_signals() -> Iterator[StopSignals]:
     finally:
         if installed:
             stop.uninstall()
+
+
+@contextlib.contextmanager
+def graceful_stop() -> Iterator[StopSignals]:
+    """:func:`stop_signals` for the training loop: inside the block a first signal only sets
+    :attr:`StopSignals.received` (the loop finishes its step, every process votes to stop after the same one, a
+    checkpoint is saved); outside it a signal raises :class:`RunInterrupted` at once, as before the block."""
+    with stop_signals() as stop:
+        graceful, stop.graceful = stop.graceful, True
+        try:
+            yield stop
+        finally:
+            stop.graceful = graceful
 
 
 #: set (in a worker) to the training process's "exiting" event (:func:`worker_signals`)

@@ -1,7 +1,7 @@
 """How busy the training loop keeps the accelerator: steady samples/s, the share of time spent waiting for
 data, and estimated FLOP/s and MFU, as torchtune and nanoGPT report tokens/s and MFU.
 
-The loop reads its device tensors only at logging steps (:class:`finetune.training.Trainer`), so a wall-clock
+The loop reads its device tensors only at logging steps (:mod:`finetune.training.progress`), so a wall-clock
 mark taken there is honest (the read waits for the device); :class:`LoopClock` keeps those marks and the
 time the host spent waiting for the next batch, and gives the rates over the steady part of the run.
 
@@ -81,16 +81,23 @@ class LoopClock:
     Args:
         skip_steps: steps at the start that the steady rate leaves out (model warm-up, first compilations,
             the data loader's first batches): the steady window starts at the first mark at or after it.
+        before_s: seconds the earlier parts of a resumed run trained.
     """
 
     skip_steps: int = 1
     marks: list[Mark] = field(default_factory=list)
     wait_s: float = 0.0
     excluded_s: float = 0.0
+    before_s: float = 0.0
     _start: float = field(default_factory=time.perf_counter)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
+
+    def trained_s(self) -> float:
+        """Seconds spent training so far, over every part of the run: the earlier parts', then this part's wall clock
+        without the time outside training (checkpoints)."""
+        return self.before_s + self.elapsed() - self.excluded_s
 
     def mark(self, step: int, samples: int) -> None:
         """Record a read (call it after the device tensors were read, so that the device is done)."""

@@ -1,5 +1,5 @@
 """bench/loop.py keeps working and cannot flatter: its cases run on the CPU with the families' tiny configs through
-the real Trainer and data path, each in a process of its own, the bare step on batches neither the loop nor the bare
+the run's own loop and data path, each in a process of its own, the bare step on batches neither the loop nor the bare
 step saw; the budget skips and kills what does not fit and lists it; its CPU figures are computed and written."""
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def test_cpu_figures_are_ratios_against_a_baseline_of_the_same_run(tmp_path):
     assert d["ratio_best"] == pytest.approx(d["best"]["new"] / d["best"]["baseline"])
     assert len(d["samples_per_s_per_worker"]["baseline"]) == len(d["samples_per_s_per_worker"]["new"]) == 1
     assert d["ratio_per_worker_cpu_s"] > 0 and d["ratio_median_of_rounds"] > 0
-    assert o["trainer_ms_per_step"] > 0 and o["bare_ms_per_step"] > 0
+    assert o["loop_ms_per_step"] > 0 and o["bare_ms_per_step"] > 0
     assert json.loads(out.read_text())["data_path"]["workers"] == 1
 
 

@@ -24,7 +24,7 @@ above differ (:func:`allowed`), so an override that hides a real path cannot cre
 builds on (``model.init_from``, ``eval.compare_with``) get the same overrides when the run loads them
 (:func:`prerequisites_as_shipped`).
 
-A run is stopped after :data:`STEPS` optimiser steps by :func:`cap_steps`, which lowers the trainer's
+A run is stopped after :data:`STEPS` optimiser steps by :func:`cap_steps`, which lowers the loop's
 step count after it is built: the recipe's keys, the learning-rate schedule (built from the recipe's own
 ``epochs`` / ``max_steps`` and warm-up) and the data loader stay as shipped. ``train.max_steps=2`` would
 not do: it changes the schedule (a 2,000-step warm-up inside 2 steps), the recorded recipe, and for
@@ -334,18 +334,19 @@ def output_dir(path: Path, project: Project) -> Path:
 
 
 def cap_steps(monkeypatch: Any, steps: int = STEPS) -> None:
-    """Stop every run (prerequisites included) after ``steps`` optimiser steps: the trainer's step count is
-    lowered once it is built, after its learning-rate schedule was made from the recipe's own length."""
-    from finetune.training import Trainer
+    """Stop every run (prerequisites included) after ``steps`` optimiser steps: the loop's step count is lowered
+    once its parts are built, after its learning-rate schedule was made from the recipe's own length."""
+    from finetune.training import recipe
 
-    original = Trainer.__init__
+    original = recipe.build_loop
 
-    def capped(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        assert hasattr(self, "total_steps"), "finetune.training.Trainer has no total_steps: update cap_steps"
-        self.total_steps = min(self.total_steps, steps)
+    def capped(*args: Any, **kwargs: Any) -> Any:
+        loop = original(*args, **kwargs)
+        assert hasattr(loop.batches, "total_steps"), "the loop's batches have no total_steps: update cap_steps"
+        loop.batches.total_steps = min(loop.batches.total_steps, steps)
+        return loop
 
-    monkeypatch.setattr(Trainer, "__init__", capped)
+    monkeypatch.setattr(recipe, "build_loop", capped)
 
 
 def prerequisites_as_shipped(monkeypatch: Any, project: Project) -> None:

@@ -30,7 +30,7 @@ from finetune.data.images import DataError
 from finetune.data.streams.columns import (STREAM_EXAMPLE_FIELDS, SUPERPIXELS_ENTRY, SUPERPIXELS_FIELD,
                                            WEBDATASET_IMAGE_KEYS, check_fields)
 from finetune.data.streams.index import ShardIndex, build_index
-from finetune.data.streams.loader import EPOCHS_KEY, STREAM_KEY, StreamCollate, StreamLoader, set_terms_epoch
+from finetune.data.streams.loader import EPOCHS_KEY, STREAM_KEY, StreamCollate, StreamLoader
 from finetune.data.streams.reader import ExampleStream
 from finetune.data.streams.source import (ShardSet, check_stream_columns, check_stream_shards, open_stream,
                                           shard_layout)
@@ -55,7 +55,6 @@ __all__ = [
     "check_stream_shards",
     "expand_urls",
     "open_stream",
-    "set_terms_epoch",
     "shard_layout",
 ]
 

@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
+from finetune.data.collate import EPOCH_KEY
 from finetune.data.images import DataError
 from finetune.data.streams.plan import remaining, split
 from finetune.data.streams.reader import EPOCH_FIELD, STATE_VERSION, ExampleStream
 
-__all__ = ["EPOCHS_KEY", "STREAM_KEY", "StreamCollate", "StreamLoader", "set_terms_epoch"]
+__all__ = ["EPOCHS_KEY", "STREAM_KEY", "StreamCollate", "StreamLoader"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,40 +37,28 @@ def _unique_shards(entries: Iterable[dict[str, str]]) -> list[dict[str, str]]:
     return list(out.values())[:_SKIPPED_KEPT]
 
 
-def set_terms_epoch(objective: Any, epoch: int) -> None:
-    """``Term.set_epoch(epoch)`` on every term of ``objective`` (the :class:`StreamLoader`'s ``on_epoch``)."""
-    for term in objective.all_terms:
-        term.set_epoch(epoch)
-
-
 class StreamCollate:
-    """The collate function of a :class:`StreamLoader`, run where the batch's examples were read (a worker): tells the
-    objective the reader's epoch before collating (its per-example work, e.g. FLAIR's sub-caption draws, depends on
-    it) and adds ``batch[STREAM_KEY]`` = the reader's worker id and position after this batch, and
+    """The collate function of a :class:`StreamLoader`, run where the batch's examples were read (a worker): gives
+    every example the reader's epoch under :data:`~finetune.data.collate.EPOCH_KEY` (the training loop's collate
+    function tells the objective, whose per-example work, e.g. FLAIR's sub-caption draws, depends on it, as it does for
+    map-style data) and adds ``batch[STREAM_KEY]`` = the reader's worker id and position after this batch, and
     ``batch[EPOCHS_KEY]`` = the epoch of each example.
 
     Args:
         collate_fn: examples -> batch (the model's image preprocessing and tokenizer, the objective's fields).
         stream: the stream iterated in the training process (``num_workers`` 0); in a worker the worker's copy
             (``get_worker_info().dataset``) is read instead.
-        on_epoch: called with the reader's epoch whenever it changes (``Term.set_epoch`` of every term).
     """
 
-    def __init__(self, collate_fn: Callable[[list[dict]], dict[str, Any]], stream: ExampleStream,
-                 on_epoch: Callable[[int], None] | None = None) -> None:
+    def __init__(self, collate_fn: Callable[[list[dict]], dict[str, Any]], stream: ExampleStream) -> None:
         self.collate_fn = collate_fn
         self.stream = stream
-        self.on_epoch = on_epoch
-        self._epoch: int | None = None
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         info = torch.utils.data.get_worker_info()
         stream = info.dataset if info is not None else self.stream
-        if self.on_epoch is not None and stream.epoch != self._epoch:
-            self.on_epoch(stream.epoch)
-        self._epoch = stream.epoch
         epochs = [e.pop(EPOCH_FIELD, stream.epoch) for e in examples]
-        batch = self.collate_fn(examples)
+        batch = self.collate_fn([{**e, EPOCH_KEY: stream.epoch} for e in examples])
         batch[STREAM_KEY] = {"worker": stream.worker, "state": stream.state_dict()}
         batch[EPOCHS_KEY] = epochs
         return batch
@@ -97,13 +86,11 @@ class StreamLoader:
         num_workers: the recipe's ``data.num_workers`` (0: read in this process).
         pin_memory: page-locked batches, for fast non-blocking copies to an accelerator.
         prefetch_factor: batches each worker prepares ahead.
-        on_epoch: ``Term.set_epoch`` of every term (see :class:`StreamCollate`).
-        worker_init_fn: run in each worker as it starts (the trainer's makes workers ignore SIGINT / SIGTERM).
+        worker_init_fn: run in each worker as it starts (the training loop's makes workers ignore SIGINT / SIGTERM).
     """
 
     def __init__(self, stream: ExampleStream, *, batch_size: int, collate_fn: Callable[[list[dict]], dict[str, Any]],
                  num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int = 2,
-                 on_epoch: Callable[[int], None] | None = None,
                  worker_init_fn: Callable[[int], None] | None = None) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -120,7 +107,7 @@ class StreamLoader:
         with warnings.catch_warnings():  # torchdata 0.11 on torch >= 2.10: "'set_vital' is deprecated"
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             self.loader = StatefulDataLoader(
-                stream, batch_size=batch_size, collate_fn=StreamCollate(collate_fn, stream, on_epoch), drop_last=True,
+                stream, batch_size=batch_size, collate_fn=StreamCollate(collate_fn, stream), drop_last=True,
                 num_workers=num_workers, pin_memory=pin_memory,
                 prefetch_factor=prefetch_factor if num_workers else None, snapshot_every_n_steps=1,
                 worker_init_fn=worker_init_fn if num_workers else None)

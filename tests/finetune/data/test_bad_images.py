@@ -188,16 +188,15 @@ def test_training_rows_raise_naming_the_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_counts_the_examples_skipped_in_loader_workers(tmp_path):
+def test_the_loop_counts_the_examples_skipped_in_loader_workers(tmp_path):
     import yaml
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.state import AcceleratorState, GradientState
 
     from finetune import load_model
     from finetune.config import load_recipe
-    from finetune.data.collate import Collator
     from finetune.objectives import ClipTerm, Objective
-    from finetune.training import TrainModule, Trainer
+    from finetune.training import FinetuneRecipe, TrainModule, build_loop
 
     dataset = _validated_then_truncated(tmp_path)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -208,9 +207,9 @@ def test_trainer_counts_the_examples_skipped_in_loader_workers(tmp_path):
     cfg = load_recipe(tmp_path / "r.yaml").train
     torch_model = load_model("tiny-clip")
     objective = Objective(ClipTerm())
-    trainer = Trainer(acc, TrainModule(torch_model, objective), SkippingDataset(dataset, "skip"),
-                      SkipReportingCollate(Collator(torch_model, objective)), cfg, tmp_path / "run", num_workers=1)
-    result = trainer.train()
+    loop = build_loop(acc, TrainModule(torch_model, objective), dataset, cfg, tmp_path / "run", on_error="skip",
+                      num_workers=1)
+    result = FinetuneRecipe.from_loop(loop).train()
     assert result.steps == 4
     assert [e["id"] for e in result.skipped_examples] == ["b"]
     assert "truncated" in result.skipped_examples[0]["reason"]

@@ -1,5 +1,6 @@
 """DevicePrefetcher: batches leave the workers unpinned and reach the device whole (nested dicts, lists, host
-metadata with a ``to`` method), one after the other; the training loader neither pins nor places batches."""
+metadata with a ``to`` method), one after the other, their uint8 pixels normalised there; the training loader neither
+pins nor places batches."""
 
 from __future__ import annotations
 
@@ -21,8 +22,22 @@ def test_every_batch_reaches_the_device_whole_and_in_order():
     for b in out:
         assert b["input_ids"].device.type == "meta"
         assert b["image_inputs"]["pixel_values"].device.type == "meta"
-        assert b["image_inputs"]["pixel_values"].dtype == torch.uint8  # normalised on the device, in the step
+        assert b["image_inputs"]["pixel_values"].dtype == torch.uint8  # no PixelNorm given: left as it is
         assert b["plan"].plans[0].device.type == "meta" and b["plan"].plans[1] == 2
+
+
+def test_uint8_pixels_reach_the_step_normalised_on_the_device():
+    """The tensor path's uint8 pixels (with their PixelNorm) are normalised where the batch lands, so the step gets
+    the model's float pixels: the values the processor would give, and the norm metadata gone."""
+    from finetune.data.collate import PIXEL_NORM
+    from finetune.data.images import PixelNorm
+
+    norm = PixelNorm(mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
+    pixels = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    [out] = list(DevicePrefetcher([{**_batch(0), "image_inputs": {"pixel_values": pixels}, PIXEL_NORM: norm}], "cpu"))
+    mean, std = torch.tensor(norm.mean).view(3, 1, 1), torch.tensor(norm.std).view(3, 1, 1)
+    assert PIXEL_NORM not in out and out["image_inputs"]["pixel_values"].dtype == torch.float32
+    torch.testing.assert_close(out["image_inputs"]["pixel_values"], (pixels / 255.0 - mean) / std)
 
 
 class _Placed(torch.Tensor):
@@ -63,6 +78,6 @@ def test_the_training_loader_neither_pins_nor_places_batches(tmp_path):
     host batches itself."""
     from tests.finetune.training.test_trainer import _counting_trainer
 
-    trainer = _counting_trainer(tmp_path, {"base": "clip"}, size=16)
-    assert trainer.loader.pin_memory is False
-    assert trainer.loader.device is None  # accelerate does not move the batches: DevicePrefetcher does
+    loop = _counting_trainer(tmp_path, {"base": "clip"}, size=16)
+    assert loop.batches.loader.pin_memory is False
+    assert loop.batches.loader.device is None  # accelerate does not move the batches: DevicePrefetcher does

@@ -423,26 +423,20 @@ def test_hub_stream_is_split_by_samples(tmp_path):
         open_stream({**spec, "path": str(tmp_path / "json")})
 
 
-class _Record:
-    """collate_fn and on_epoch of the loader tests: each batch's ids, the process that made it, the epoch
-    ``on_epoch`` last set in that process."""
+def _record(examples: list[dict]) -> dict:
+    """collate_fn of the loader tests: each batch's ids, the process that made it, and the epochs its examples
+    carry to the collate function (:data:`~finetune.data.collate.EPOCH_KEY`, which the training loop's collate
+    function tells the objective)."""
+    from finetune.data.collate import EPOCH_KEY
 
-    def __init__(self) -> None:
-        self.epoch = None
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __call__(self, examples: list[dict]) -> dict:
-        return {"ids": [e["id"] for e in examples], "pid": os.getpid(), "term_epoch": self.epoch}
+    return {"ids": [e["id"] for e in examples], "pid": os.getpid(), "epochs": sorted({e[EPOCH_KEY] for e in examples})}
 
 
 def _loader(spec: dict, num_workers: int, **kwargs):
     from finetune.data.streams import StreamLoader
 
-    record = _Record()
-    return StreamLoader(ExampleStream(open_stream(spec), spec, **kwargs), batch_size=2, collate_fn=record,
-                        num_workers=num_workers, on_epoch=record.set_epoch)
+    return StreamLoader(ExampleStream(open_stream(spec), spec, **kwargs), batch_size=2, collate_fn=_record,
+                        num_workers=num_workers)
 
 
 def _batches(loader, n: int) -> list[dict]:
@@ -471,7 +465,7 @@ def test_workers_read_disjoint_shards_once_per_epoch_and_resume_exactly(tmp_path
         by_worker = [{shard_of[i] for b in full[e * 12:(e + 1) * 12] if b["pid"] == pid for i in b["ids"]}
                      for pid in set(pids)]
         assert not by_worker[0] & by_worker[1] and len(by_worker[0]) == len(by_worker[1]) == 4
-    assert [b["term_epoch"] for b in full] == [0] * 12 + [1] * 12  # on_epoch reached the workers' objective
+    assert [b["epochs"] for b in full] == [[0]] * 12 + [[1]] * 12  # the reader's epoch reached the collate function
     assert [b["loader_epoch"] for b in full] == [0] * 12 + [1] * 12
 
 
@@ -489,7 +483,7 @@ def test_stream_loader_resumes_exactly(tmp_path, num_workers):
     assert resumed.report() == first.report() and resumed.epoch == first.epoch  # a run resumed at its end
     tail = _batches(resumed, 7)
     assert [b["ids"] for b in head + tail] == [b["ids"] for b in full]
-    assert [b["term_epoch"] for b in tail] == [b["term_epoch"] for b in full[3:]]
+    assert [b["epochs"] for b in tail] == [b["epochs"] for b in full[3:]]
     assert [b["loader_epoch"] for b in tail] == [b["loader_epoch"] for b in full[3:]]
     report = resumed.report()
     assert (report["read"], report["used"], report["skipped"], report["epoch"]) == (25, 20, 5, 2)
@@ -544,10 +538,11 @@ def test_fcast_superpixels_and_subcaption_epochs_are_computed_in_the_workers(tmp
 
     from finetune import load_model
     from finetune.data.collate import Collator
-    from finetune.data.streams import StreamLoader, set_terms_epoch
+    from finetune.data.streams import StreamLoader
     from finetune.models.families.fcast import FCastModel
     from finetune.objectives.base import Objective
     from finetune.objectives.fcast import FCastOptions
+    from finetune.objectives.planning import PlannedCollate
     from finetune.objectives.registry import build_term
 
     model = load_model("fcast-tiny", family="fcast")
@@ -567,8 +562,8 @@ def test_fcast_superpixels_and_subcaption_epochs_are_computed_in_the_workers(tmp
     write_webdataset(tmp_path / "shards", scenes, 2)  # 4 shards, 2 per worker
     spec = {"name": "webdataset", "urls": str(tmp_path / "shards" / "shard-{00000..00003}.tar"), "shuffle_buffer": 0}
     stream = ExampleStream(open_stream(spec), spec, transform=lambda e: objective.stream_map(e, model))
-    loader = StreamLoader(stream, batch_size=2, collate_fn=Collator(model, objective), num_workers=2,
-                          on_epoch=lambda epoch: set_terms_epoch(objective, epoch))
+    loader = StreamLoader(stream, batch_size=2, collate_fn=PlannedCollate(Collator(model, objective), objective, model),
+                          num_workers=2)
     it = iter(loader)
     batches = [next(it) for _ in range(6)]  # epoch 0 (4 batches), then epoch 1
     workers = {int(line) for line in pids.read_text().split()}
@@ -610,11 +605,10 @@ def _run_recording(recipe, monkeypatch, stop_at: int | None = None) -> list[list
     :class:`_Stop` when step ``stop_at`` would start, as if the run were killed)."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune.training import run_recipe
-    from finetune.training import Trainer
+    from finetune.training import TrainStep, run_recipe
 
     seen: list[list[str]] = []
-    original = getattr(Trainer._step, "unrecorded", Trainer._step)
+    original = getattr(TrainStep.forward_backward, "unrecorded", TrainStep.forward_backward)
 
     def recording(self, batch):
         if stop_at is not None and self.state.step + 1 == stop_at:
@@ -623,7 +617,7 @@ def _run_recording(recipe, monkeypatch, stop_at: int | None = None) -> list[list
         return original(self, batch)
 
     recording.unrecorded = original
-    monkeypatch.setattr(Trainer, "_step", recording)
+    monkeypatch.setattr(TrainStep, "forward_backward", recording)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     try:
@@ -696,19 +690,18 @@ _TWO_PROCESS_SCRIPT = textwrap.dedent('''
     from pathlib import Path
 
     from finetune.config import load_recipe
-    from finetune.training import run_recipe
-    from finetune.training import Trainer
+    from finetune.training import TrainStep, run_recipe
 
     out, tiny, urls = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     seen, where = [], {}
-    original = Trainer._step
+    original = TrainStep.forward_backward
 
     def recording(self, batch):
         seen.append(list(batch["ids"]))
-        where.update(rank=self.acc.process_index, world_size=self.acc.num_processes)
+        where.update(rank=self.accelerator.process_index, world_size=self.accelerator.num_processes)
         return original(self, batch)
 
-    Trainer._step = recording
+    TrainStep.forward_backward = recording
     recipe = load_recipe(sys.argv[4], [
         f"model.name_or_path={tiny}", "model.dtype=null", "model.max_text_len=null",
         f"data.train={{name: webdataset, urls: '{urls}', shuffle_buffer: 0}}", "objective.terms={}",

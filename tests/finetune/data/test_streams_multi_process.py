@@ -30,20 +30,20 @@ _SCRIPT = textwrap.dedent('''
     from pathlib import Path
 
     from finetune.cli.train import main
-    from finetune.training import Trainer
+    from finetune.training import TrainStep
 
     out, tag = Path(os.environ["IDS_DIR"]), os.environ["IDS_TAG"]
     hang = int(os.environ.get("HANG_AT_STEP", "0"))
     # torchrun starts each trainer in a session of its own: the test kills these groups (trainer + workers)
     (out / f"pid_{tag}_{os.environ['RANK']}").write_text(str(os.getpid()))
-    original = Trainer._step
+    original = TrainStep.forward_backward
 
     def recording(self, batch):
-        step, rank = self.state.step + 1, self.acc.process_index
+        step, rank = self.state.step + 1, self.accelerator.process_index
         if step == hang:
             (out / f"hung_{rank}").write_text(str(os.getpid()))
             time.sleep(3600)
-        record = {"step": step, "ids": list(batch["ids"]), "world_size": self.acc.num_processes,
+        record = {"step": step, "ids": list(batch["ids"]), "world_size": self.accelerator.num_processes,
                   "env_world_size": int(os.environ["WORLD_SIZE"]), "node": int(os.environ["GROUP_RANK"])}
         with open(out / f"ids_{tag}_{rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\\n")
@@ -51,7 +51,7 @@ _SCRIPT = textwrap.dedent('''
             os.fsync(f.fileno())
         return original(self, batch)
 
-    Trainer._step = recording
+    TrainStep.forward_backward = recording
     sys.exit(main(sys.argv[1:]))
 ''')
 

@@ -11,11 +11,10 @@ from accelerate.state import AcceleratorState, GradientState
 
 from finetune import load_model
 from finetune.config import load_recipe
-from finetune.data.collate import Collator
 from finetune.data.sources import load_source
 from finetune.models.compile import COMPILE_MODES, compile_options, compiled_graphs, transformer_blocks
 from finetune.objectives import build_objective
-from finetune.training import Trainer, TrainModule
+from finetune.training import FinetuneRecipe, TrainModule, TrainStep, build_loop
 
 pytestmark = pytest.mark.usefixtures("quiet_datasets")
 
@@ -42,8 +41,7 @@ def _trainer(tmp_path, objective: dict, **train):
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
-    return Trainer(acc, TrainModule(model, objective), rows, Collator(model, objective), loaded.train,
-                   tmp_path / "run")
+    return build_loop(acc, TrainModule(model, objective), rows, loaded.train, tmp_path / "run")
 
 
 @pytest.mark.slow
@@ -53,22 +51,22 @@ def test_a_compiled_run_does_not_recompile_after_its_first_steps(tmp_path, monke
     step), 6 steps with the blocks compiled: every graph is compiled by the end of step 2 (step 1 runs under the FLOP
     counter's dispatch mode), none after. dynamo's guards and recompilations are the same with any backend; aot_eager
     (dynamo and AOT autograd, no code generation) keeps the test within seconds on 2 cores."""
-    import finetune.objectives.step_setup as step_setup
+    import finetune.training.step_setup as step_setup
 
     monkeypatch.setattr(step_setup, "compile_options",
                         lambda setting: {"backend": "aot_eager", "dynamic": False} if setting else None)
     torch._dynamo.reset()
-    trainer = _trainer(tmp_path, {"base": "longclip"}, accumulation_steps=accumulation)
-    blocks = transformer_blocks(trainer.module.model)
+    loop = _trainer(tmp_path, {"base": "longclip"}, accumulation_steps=accumulation)
+    blocks = transformer_blocks(loop.module.model)
     assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)
-    graphs, step, before = [], trainer.train_step, compiled_graphs()
+    graphs, step, before = [], TrainStep.__call__, compiled_graphs()
 
-    def counted(batch, n):
-        step(batch, n)
+    def counted(self, batch, n):
+        step(self, batch, n)
         graphs.append(compiled_graphs() - before)
 
-    trainer.train_step = counted
-    result = trainer.train()
+    monkeypatch.setattr(TrainStep, "__call__", counted)
+    result = FinetuneRecipe.from_loop(loop).train()
     assert result.steps == 6 and graphs[1] > 0
     assert graphs[1:] == [graphs[1]] * 5, graphs  # nothing compiled after step 2
     assert result.throughput["compile"]["graphs_compiled"] == graphs[-1] + before

@@ -305,7 +305,7 @@ def _trainer_for(tmp_path, dataset, model, term, **train):
     from accelerate.state import AcceleratorState, GradientState
 
     from finetune.config import load_recipe
-    from finetune.training import TrainModule, Trainer
+    from finetune.training import TrainModule, build_loop
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -314,8 +314,14 @@ def _trainer_for(tmp_path, dataset, model, term, **train):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump({"train": {
         "lr": 1e-3, "batch_size": 4, "trackers": [], "log_every": 1, "seed": 0, "warmup_steps": 0, **train}}))
     objective = Objective(None, [(term, 1.0 if term.name == "fcast" else {"flair": 1.0, "tcs": 0.0, "mps": 0.0})])
-    return Trainer(acc, TrainModule(model, objective), dataset, Collator(model, objective),
-                   load_recipe(tmp_path / "r.yaml").train, tmp_path / "run")
+    return build_loop(acc, TrainModule(model, objective), dataset, load_recipe(tmp_path / "r.yaml").train,
+                      tmp_path / "run")
+
+
+def _train(loop, on_step):
+    from finetune.training import FinetuneRecipe
+
+    return FinetuneRecipe.from_loop(loop).train(on_step)
 
 
 class _Stop(Exception):
@@ -329,8 +335,8 @@ def assert_resume_draws_what_the_straight_run_draws(tmp_path, dataset, make_mode
     common = dict(max_steps=5, checkpoint_every=2, keep_checkpoints=3)
     straight: dict[int, dict] = {}
     torch.manual_seed(0)
-    _trainer_for(tmp_path / "straight", dataset, make_model(), make_term(), **common).train(
-        on_step=lambda step, values: straight.__setitem__(step, dict(values)))
+    _train(_trainer_for(tmp_path / "straight", dataset, make_model(), make_term(), **common),
+           lambda step, values: straight.__setitem__(step, dict(values)))
 
     def stop(step, values):
         if step == 3:
@@ -338,12 +344,12 @@ def assert_resume_draws_what_the_straight_run_draws(tmp_path, dataset, make_mode
 
     torch.manual_seed(0)
     with pytest.raises(_Stop):
-        _trainer_for(tmp_path / "resumed", dataset, make_model(), make_term(), **common).train(on_step=stop)
+        _train(_trainer_for(tmp_path / "resumed", dataset, make_model(), make_term(), **common), stop)
     resumed: dict[int, dict] = {}
     torch.manual_seed(1)  # whatever the process's RNG, the draws are keyed by the run's seed and step
     trainer = _trainer_for(tmp_path / "resumed", dataset, make_model(), make_term(), **common)
-    assert trainer.maybe_resume("latest") and trainer.state.step == 2
-    trainer.train(on_step=lambda step, values: resumed.__setitem__(step, dict(values)))
+    assert trainer.checkpoints.resume("latest") and trainer.state.step == 2
+    _train(trainer, lambda step, values: resumed.__setitem__(step, dict(values)))
     assert sorted(resumed) == [3, 4, 5]
     for step in resumed:
         assert set(resumed[step]) == set(straight[step])

@@ -305,7 +305,7 @@ def _trainer(tmp_path, objective: dict, rows, **train):
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune.training import Trainer, TrainModule
+    from finetune.training import TrainModule, build_loop
 
     recipe = {"objective": objective, "train": {"lr": 1e-4, "batch_size": 2, "max_steps": 6, "trackers": [],
                                                 "log_every": 1, "seed": 0, **train}}
@@ -319,17 +319,16 @@ def _trainer(tmp_path, objective: dict, rows, **train):
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
-    return Trainer(acc, TrainModule(model, objective), rows, Collator(model, objective), loaded.train,
-                   tmp_path / "run")
+    return build_loop(acc, TrainModule(model, objective), rows, loaded.train, tmp_path / "run")
 
 
-def _recorded_run(trainer) -> dict:
+def _recorded_run(loop, monkeypatch) -> dict:
     """Train, noting the SDPA shapes of the warm-up and of every step, and the text passes of every step."""
-    from finetune.training import Trainer
+    from finetune.training import FinetuneRecipe, TrainStep
 
     seen: dict = {"warmup": set(), "steps": [], "passes": [], "lengths": []}
     phase = {"now": "warmup"}
-    step, block = trainer._step, trainer.module.model.model.text_model.encoder.layers[0]
+    step, block = loop.step.forward_backward, loop.module.model.model.text_model.encoder.layers[0]
     handle = block.register_forward_pre_hook(lambda *_: seen["passes"].__setitem__(-1, seen["passes"][-1] + 1)
                                              if phase["now"] == "step" else None)
 
@@ -342,18 +341,20 @@ def _recorded_run(trainer) -> dict:
             seen["steps"][-1] |= set(calls.shapes)
         return out
 
-    original = trainer.train_step
+    original = TrainStep.__call__
 
-    def counted(batch, n):
+    def counted(self, batch, n):
         phase["now"] = "step"
         seen["steps"].append(set())
         seen["passes"].append(0)
         seen["lengths"].append(dict(batch[TEXT_PLAN].lengths))
-        original(batch, n)
+        original(self, batch, n)
 
-    trainer._step, trainer.train_step = recorded, counted
+    loop.step.forward_backward = recorded
     try:
-        seen["result"] = Trainer.train(trainer)
+        with monkeypatch.context() as patch:
+            patch.setattr(TrainStep, "__call__", counted)
+            seen["result"] = FinetuneRecipe.from_loop(loop).train()
     finally:
         handle.remove()
     return seen
@@ -365,13 +366,13 @@ def test_after_the_warm_up_no_step_brings_a_new_attention_shape(tmp_path, monkey
     attention shape a step runs was run by the warm-up or the first step; each step runs one text pass per kind.
     Without the warm-up the same run meets new shapes after its first step; with it the losses are the same (the
     warm-up updates nothing and restores the RNG state)."""
-    from finetune.objectives.step_setup import StepSetup
+    from finetune.training.step_setup import StepSetup
 
     rows = varied_scenes()
     warm = _trainer(tmp_path / "warm", {"base": "longclip"}, rows)
-    assert not warm.step_setup.warms_up  # a CPU without compiled blocks: a new shape costs nothing there
+    assert not warm.setup.warms_up  # a CPU without compiled blocks: a new shape costs nothing there
     monkeypatch.setattr(StepSetup, "warms_up", True)  # as on a GPU
-    run = _recorded_run(warm)
+    run = _recorded_run(warm, monkeypatch)
     lengths = run["lengths"]
     assert len({tuple(sorted(x.items())) for x in lengths}) > 1, lengths  # the steps do take different lengths
     known = run["warmup"] | run["steps"][0]
@@ -381,7 +382,7 @@ def test_after_the_warm_up_no_step_brings_a_new_attention_shape(tmp_path, monkey
     assert run["result"].throughput["shapes"]["warmup_passes"] >= 1
 
     monkeypatch.setattr(StepSetup, "warms_up", False)
-    cold = _recorded_run(_trainer(tmp_path / "cold", {"base": "longclip"}, rows))
+    cold = _recorded_run(_trainer(tmp_path / "cold", {"base": "longclip"}, rows), monkeypatch)
     assert cold["lengths"] == lengths
     assert any(not s <= cold["steps"][0] for s in cold["steps"][1:])  # the check above can fail
     for warm, plain in zip(run["result"].history, cold["result"].history):
@@ -394,27 +395,28 @@ def test_a_compiled_run_compiles_once_per_planned_length_and_never_after_the_war
     step run (the image pass, each planned caption length) and never afterwards, although the steps take different
     lengths; the recompile limit is raised for the planned shapes. aot_eager (dynamo and AOT autograd, no code
     generation) keeps it within seconds; dynamo's guards and recompilations are the same with any backend."""
-    import finetune.objectives.step_setup as step_setup
+    import finetune.training.step_setup as step_setup
     from finetune.models.compile import compiled_graphs
+    from finetune.training import FinetuneRecipe, TrainStep
 
     monkeypatch.setattr(step_setup, "compile_options",
                         lambda setting: {"backend": "aot_eager", "dynamic": False} if setting else None)
     torch._dynamo.reset()
     before = compiled_graphs()
-    trainer = _trainer(tmp_path, {"base": "clip"}, varied_scenes(), compile=True)
-    planned = trainer.step_setup.shapes.lengths(TEXT)
+    loop = _trainer(tmp_path, {"base": "clip"}, varied_scenes(), compile=True)
+    planned = loop.setup.shapes.lengths(TEXT)
     assert len(planned) >= 3 and torch._dynamo.config.recompile_limit >= 2 * (len(planned) + 1)
-    graphs, step = [], trainer.train_step
+    graphs, step = [], TrainStep.__call__
 
-    def counted(batch, n):
-        step(batch, n)
+    def counted(self, batch, n):
+        step(self, batch, n)
         graphs.append(compiled_graphs() - before)
 
-    trainer.train_step = counted
+    monkeypatch.setattr(TrainStep, "__call__", counted)
     seen = []
-    original_step = trainer._step
-    trainer._step = lambda batch: seen.append(batch[TEXT_PLAN].lengths[TEXT]) or original_step(batch)
-    result = trainer.train()
+    original_step = loop.step.forward_backward
+    loop.step.forward_backward = lambda batch: seen.append(batch[TEXT_PLAN].lengths[TEXT]) or original_step(batch)
+    result = FinetuneRecipe.from_loop(loop).train()
     assert result.steps == 6 and len(set(seen[-6:])) > 1  # the steps take different caption lengths
     assert set(seen) == set(planned)  # warm-up and steps together ran every planned length
     assert graphs == [graphs[0]] * 6, graphs  # nothing compiled after the warm-up and the first step
@@ -453,10 +455,9 @@ def test_a_run_brings_no_new_attention_shape_after_its_warm_up(method, project, 
 
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune.objectives.step_setup import StepSetup
-
     from finetune.cli.train import main
-    from finetune.training import Trainer
+    from finetune.training import FinetuneRecipe, TrainStep
+    from finetune.training.step_setup import StepSetup
     from tests.recipes.shipped import RECIPES_DIR, as_shipped_overrides, clear_run, output_dir, \
         prerequisites_as_shipped
 
@@ -469,14 +470,16 @@ def test_a_run_brings_no_new_attention_shape_after_its_warm_up(method, project, 
     prerequisites_as_shipped(monkeypatch, project)
     steps: list[dict] = []
     warm: set = set()
-    original_train, original_step, original_warm = Trainer.train, Trainer.train_step, Trainer._warm_up
+    original_train, original_step, original_warm = FinetuneRecipe.train, TrainStep.__call__, TrainStep.warm_up
+    passes = [0]
 
-    def counted_train(self):
-        self.total_steps = min(self.total_steps, 6)
-        handle = _first_text_block(self._model).register_forward_pre_hook(
-            lambda *_: setattr(self, "_passes", getattr(self, "_passes", 0) + 1))
+    def counted_train(self, on_step=None):
+        loop = self.ctx.loop
+        loop.batches.total_steps = min(loop.batches.total_steps, 6)
+        handle = _first_text_block(loop.trained_model()).register_forward_pre_hook(
+            lambda *_: passes.__setitem__(0, passes[0] + 1))
         try:
-            return original_train(self)
+            return original_train(self, on_step)
         finally:
             handle.remove()
 
@@ -486,16 +489,16 @@ def test_a_run_brings_no_new_attention_shape_after_its_warm_up(method, project, 
         warm.update(calls.shapes)
 
     def counted_step(self, batch, step):
-        self._passes = 0
+        passes[0] = 0
         with SdpaCalls() as calls:
             original_step(self, batch, step)
-        steps.append({"shapes": set(calls.shapes), "passes": self._passes, "calls": len(calls.shapes),
+        steps.append({"shapes": set(calls.shapes), "passes": passes[0], "calls": len(calls.shapes),
                       "kinds": len(batch["_text_plan"].lengths)})
 
     monkeypatch.setattr(StepSetup, "warms_up", True)  # as on a GPU
-    monkeypatch.setattr(Trainer, "train", counted_train)
-    monkeypatch.setattr(Trainer, "_warm_up", counted_warm)
-    monkeypatch.setattr(Trainer, "train_step", counted_step)
+    monkeypatch.setattr(FinetuneRecipe, "train", counted_train)
+    monkeypatch.setattr(TrainStep, "warm_up", counted_warm)
+    monkeypatch.setattr(TrainStep, "__call__", counted_step)
     out = output_dir(path, project)
     clear_run(out)
     AcceleratorState._reset_state(reset_partial_state=True)

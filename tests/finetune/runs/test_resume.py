@@ -16,13 +16,12 @@ from accelerate.state import AcceleratorState, GradientState
 
 from finetune import load_model
 from finetune.config import load_recipe
-from finetune.data.collate import Collator
 from finetune.data.sources import load_source
 from finetune.objectives import ClipTerm, Objective
 from finetune.runs.checkpoints import checkpoint_problem
 from finetune.runs.errors import CheckpointError, RunFolderError
 from finetune.runs.resume import find_checkpoint
-from finetune.training import TrainModule, Trainer
+from finetune.training import FinetuneRecipe, TrainModule, build_loop
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -51,8 +50,11 @@ def _trainer(tmp_path, scenes, **train):
     torch.manual_seed(0)
     model = load_model("tiny-clip")
     objective = Objective(ClipTerm())
-    return Trainer(acc, TrainModule(model, objective), scenes, Collator(model, objective), load_recipe(path).train,
-                   tmp_path / "run")
+    return build_loop(acc, TrainModule(model, objective), scenes, load_recipe(path).train, tmp_path / "run")
+
+
+def _train(loop):
+    return FinetuneRecipe.from_loop(loop).train()
 
 
 #: the folders ``Accelerator.save_state`` wrote the checkpoints of :func:`finished` into
@@ -67,7 +69,7 @@ def finished(tmp_path_factory, scenes):
 
     tmp = tmp_path_factory.mktemp("finished")
     trainer = _trainer(tmp, scenes)
-    trainer.maybe_resume(None, recipe=_recipe())
+    trainer.checkpoints.resume(None, recipe=_recipe())
     save_state = Accelerator.save_state
 
     def recording(self, output_dir=None, **kwargs):
@@ -78,7 +80,7 @@ def finished(tmp_path_factory, scenes):
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(Accelerator, "save_state", recording)
-            result = trainer.train()
+            result = _train(trainer)
     finally:
         os.umask(before)
     return tmp, result
@@ -175,7 +177,7 @@ def test_a_damaged_or_missing_rng_state_is_an_error_unless_ignored(finished, tmp
     with caplog.at_level(logging.WARNING, logger="xlipkit"):
         assert find_checkpoint("latest", ckpt, ignore_rng=True) == ckpt / "step-4"
         trainer = _trainer(tmp_path, scenes, resume_ignore_rng=True)
-        assert trainer.maybe_resume("latest", recipe=_recipe())
+        assert trainer.checkpoints.resume("latest", recipe=_recipe())
     assert trainer.state.step == 4
     assert "train.resume_ignore_rng: step-4: random_states_0.pkl is missing" in caplog.text
     assert "process 0 continues with a fresh RNG state seeded from train.seed and step 4" in caplog.text
@@ -242,10 +244,10 @@ def test_resume_with_another_recipe_lists_the_differing_keys(finished, tmp_path,
     trainer = _trainer(tmp_path, scenes, lr=2e-3, max_steps=6)
     with pytest.raises(RunFolderError, match=r"different recipe; differing keys: train\.lr: 0\.001 -> 0\.002; "
                                              r"train\.max_steps: 4 -> 6"):
-        trainer.maybe_resume("latest", recipe=_recipe(lr=2e-3, max_steps=6))
+        trainer.checkpoints.resume("latest", recipe=_recipe(lr=2e-3, max_steps=6))
     assert trainer.state.step == 0
     with caplog.at_level(logging.WARNING, logger="xlipkit"):
-        assert trainer.maybe_resume("latest", recipe=_recipe(lr=2e-3, max_steps=6), ignore_changes=True)
+        assert trainer.checkpoints.resume("latest", recipe=_recipe(lr=2e-3, max_steps=6), ignore_changes=True)
     assert "resume_ignore_changes" in caplog.text and "train.lr: 0.001 -> 0.002" in caplog.text
     assert trainer.state.step == 4 and trainer.state.recipe["train"]["lr"] == 2e-3
 
@@ -256,8 +258,8 @@ def test_metrics_after_a_resume_cover_the_whole_run(finished, tmp_path, scenes):
     _, straight = finished
     # resumed at the end: nothing left to train, the run's own final losses and time are reported
     done = _trainer(tmp_path, scenes)
-    assert done.maybe_resume("latest", recipe=_recipe())
-    result = done.train()
+    assert done.checkpoints.resume("latest", recipe=_recipe())
+    result = _train(done)
     assert result.final_losses and result.final_losses["loss"] == straight.history[-1]["loss"]
     assert result.wall_time_s >= done.state.train_time_s > 0
     # resumed mid-way: time and samples/s over all 4 steps, not only the last 2
@@ -265,10 +267,10 @@ def test_metrics_after_a_resume_cover_the_whole_run(finished, tmp_path, scenes):
 
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-4")
     half = _trainer(tmp_path, scenes)
-    assert half.maybe_resume("latest", recipe=_recipe())
+    assert half.checkpoints.resume("latest", recipe=_recipe())
     before = half.state.train_time_s
     assert before > 0
-    result = half.train()
+    result = _train(half)
     assert result.wall_time_s > before
     assert math.isclose(result.samples_per_s, 4 * 4 / result.wall_time_s, rel_tol=1e-6)
     assert result.final_losses["loss"] == pytest.approx(straight.final_losses["loss"], abs=1e-6)

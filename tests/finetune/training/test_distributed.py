@@ -89,12 +89,13 @@ def test_deepspeed_zero2_from_accelerate_flags_and_a_mismatch_named():
 def test_the_optimiser_steps_once_per_accumulated_batch_counted_by_accelerate(tmp_path):
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune.data.collate import Collator
     from finetune.data.synthetic import synthetic_scenes
     from finetune.objectives.base import Objective
     from finetune.objectives.contrastive import ClipTerm
     from finetune.training.environment import make_accelerator
-    from finetune.training.trainer import Trainer, TrainModule
+    from finetune.training.loop import build_loop
+    from finetune.training.recipe import FinetuneRecipe
+    from finetune.training.step import TrainModule
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -104,15 +105,14 @@ def test_the_optimiser_steps_once_per_accumulated_batch_counted_by_accelerate(tm
     model = _model()
     module = TrainModule(model, Objective(ClipTerm(), []))
     scenes = [dict(r) for r in synthetic_scenes(16, 0, image_size=32)]
-    trainer = Trainer(acc, module, scenes, Collator(model, module.objective, tensor_images=True), recipe.train,
-                      tmp_path)
-    inner = trainer.optimizer.optimizer
+    loop = build_loop(acc, module, scenes, recipe.train, tmp_path)
+    inner = loop.optimizer.optimizer
     steps, syncs = [], []
     original_step = inner.step
     inner.step = lambda *a, **k: (steps.append(acc.step), original_step(*a, **k))[1]
     original_backward = acc.backward
     acc.backward = lambda loss, **k: (syncs.append(acc.sync_gradients), original_backward(loss, **k))[1]
-    trainer.train()
+    FinetuneRecipe.from_loop(loop).train()
     assert acc.step == 12  # accelerate counted 3 x 4 micro-batches
     assert syncs == [False, False, False, True] * 3  # gradients synchronised on the last micro-batch only
     assert steps == [4, 8, 12]  # the optimiser stepped once per accumulated batch
@@ -139,7 +139,7 @@ def test_fsdp_wraps_every_encoder_layer_of_each_family(name):
 
     from finetune.objectives.base import Objective
     from finetune.objectives.contrastive import ClipTerm
-    from finetune.training.trainer import TrainModule
+    from finetune.training.step import TrainModule
 
     model = _model(name)
     module = TrainModule(model, Objective(ClipTerm(), []))
@@ -173,7 +173,7 @@ _FSDP_SCRIPT = textwrap.dedent('''
     from finetune.objectives.base import Objective
     from finetune.objectives.contrastive import ClipTerm
     from finetune.training.distributed import average_gradients, gathered_model
-    from finetune.training.trainer import TrainModule
+    from finetune.training.step import TrainModule
 
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -269,17 +269,17 @@ def test_process_group_timeout_comes_from_the_recipe():
 _SRUN_SCRIPT = textwrap.dedent('''
     import json, os, sys
     from finetune.cli.train import main
-    from finetune.training import Trainer
+    from finetune.training import TrainStep
 
-    original = Trainer._step
+    original = TrainStep.forward_backward
 
     def recording(self, batch):
-        with open(os.path.join(sys.argv[1], f"rank_{self.acc.process_index}.json"), "w") as f:
-            json.dump({"rank": self.acc.process_index, "world": self.acc.num_processes,
+        with open(os.path.join(sys.argv[1], f"rank_{self.accelerator.process_index}.json"), "w") as f:
+            json.dump({"rank": self.accelerator.process_index, "world": self.accelerator.num_processes,
                        "env_rank": os.environ["RANK"], "local_rank": os.environ["LOCAL_RANK"]}, f)
         return original(self, batch)
 
-    Trainer._step = recording
+    TrainStep.forward_backward = recording
     sys.exit(main(sys.argv[2:]))
 ''')
 

@@ -18,11 +18,10 @@ from accelerate.state import AcceleratorState, GradientState
 
 from finetune import load_model
 from finetune.config import load_recipe
-from finetune.data.collate import Collator
 from finetune.data.sources import load_source
 from finetune.objectives import ClipTerm, Objective
 from finetune.runs.checkpoints import checkpoint_problem
-from finetune.training import SaveFailedError, TrainModule, Trainer
+from finetune.training import FinetuneRecipe, LoopParts, SaveFailedError, TrainModule, build_loop
 from tests.finetune.mounts import require_mount, tmpfs
 
 @pytest.fixture(autouse=True)
@@ -37,7 +36,7 @@ def _log_handler_of_this_test():
     logger.handlers[:] = saved
 
 
-def _trainer(folder: Path, **train) -> Trainer:
+def _trainer(folder: Path, **train) -> LoopParts:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
@@ -48,8 +47,7 @@ def _trainer(folder: Path, **train) -> Trainer:
     model = load_model("tiny-clip", max_text_len=248)
     objective = Objective(ClipTerm())
     scenes = load_source({"name": "synthetic", "size": 8, "seed": 0, "options": {"image_size": 32}}).dataset
-    return Trainer(acc, TrainModule(model, objective), scenes, Collator(model, objective), load_recipe(path).train,
-                   folder)
+    return build_loop(acc, TrainModule(model, objective), scenes, load_recipe(path).train, folder)
 
 
 @pytest.mark.slow
@@ -61,7 +59,7 @@ def test_a_checkpoint_that_does_not_fit_keeps_the_last_one_and_says_why(tmp_path
         run = disk.path / "run"
         trainer = _trainer(run, checkpoint_every=2, keep_checkpoints=1)
         with pytest.raises(SaveFailedError) as failed:
-            trainer.train()
+            FinetuneRecipe.from_loop(trainer).train()
         where = re.escape(str(run / "checkpoints"))
         assert re.fullmatch(
             rf"checkpoint step-4 could not be saved in {where}: the disk is full \(about 1\d\.\d MiB are needed, "

@@ -186,16 +186,16 @@ SLOW_SAVE = textwrap.dedent('''
     import sys
     import time
 
-    import finetune.training.trainer as trainer
+    import finetune.training.checkpoint as checkpoint
 
-    save = trainer.save_checkpoint
+    save = checkpoint.save_checkpoint
 
     def slow(*args, **kwargs):
         print("saving", file=sys.stderr, flush=True)
         time.sleep(60)
         return save(*args, **kwargs)
 
-    trainer.save_checkpoint = slow
+    checkpoint.save_checkpoint = slow
     from finetune.cli.train import main
 
     sys.exit(main(sys.argv[1:]))

@@ -21,7 +21,7 @@ from finetune.models import param_groups
 from finetune.models.adapters import AdapterConfig, apply_adapter
 from finetune.objectives import ClipTerm, Objective, build_objective
 from finetune.objectives.base import Term
-from finetune.training import NonFiniteLossError, TrainModule, Trainer, list_checkpoints, lr_lambda
+from finetune.training import FinetuneRecipe, NonFiniteLossError, TrainModule, build_loop, list_checkpoints, lr_lambda
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def _train_cfg(tmp_path: Path, **train) -> object:
 
 
 def _trainer(tmp_path, scenes, *, adapter="full", objective=None, num_workers=0, **train):
+    """The loop's parts (:func:`build_loop`) of tiny-clip on ``scenes`` with the run's collate stack."""
     torch.manual_seed(0)
     model = load_model("tiny-clip", max_text_len=248)
     model = apply_adapter(model, AdapterConfig(type=adapter, r=4, alpha=8, dropout=0.1))
@@ -52,18 +53,23 @@ def _trainer(tmp_path, scenes, *, adapter="full", objective=None, num_workers=0,
     module = TrainModule(model, objective)
     acc = _accelerator()
     cfg = _train_cfg(tmp_path, **train)
-    return Trainer(acc, module, scenes, Collator(model, objective), cfg, tmp_path / "run", num_workers=num_workers)
+    return build_loop(acc, module, scenes, cfg, tmp_path / "run", num_workers=num_workers)
 
 
-def _weights(trainer) -> dict[str, torch.Tensor]:
-    module = trainer.acc.unwrap_model(trainer.wrapped)
+def train(loop, on_step=None):
+    """The run's loop (:meth:`FinetuneRecipe.train`) over ``loop``."""
+    return FinetuneRecipe.from_loop(loop).train(on_step)
+
+
+def _weights(loop) -> dict[str, torch.Tensor]:
+    module = loop.accelerator.unwrap_model(loop.wrapped)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def test_loop_runs_and_logs_every_term(tmp_path, scenes):
     trainer = _trainer(tmp_path, scenes, max_steps=4, checkpoint_every=2, keep_checkpoints=1)
     before = _weights(trainer)
-    result = trainer.train()
+    result = train(trainer)
     assert result.steps == 4
     assert [h["step"] for h in result.history] == [1, 2, 3, 4]
     for h in result.history:
@@ -82,7 +88,7 @@ def test_loop_runs_and_logs_every_term(tmp_path, scenes):
 def test_history_holds_each_interval_mean_and_a_resume_logs_the_same(tmp_path, scenes):
     steps: list[dict[str, float]] = []
     straight = _trainer(tmp_path / "a", scenes, max_steps=6, log_every=4, checkpoint_every=3, keep_checkpoints=2)
-    result = straight.train(on_step=lambda step, values: steps.append(dict(values)))
+    result = train(straight, on_step=lambda step, values: steps.append(dict(values)))
     assert [h["step"] for h in result.history] == [1, 4, 6]
     # every step counts: step 1 alone, then steps 2-4, 5-6; lr and logit_scale are the logging step's
     for entry, members in zip(result.history, ([0], [1, 2, 3], [4, 5])):
@@ -95,16 +101,16 @@ def test_history_holds_each_interval_mean_and_a_resume_logs_the_same(tmp_path, s
     # resumed from step 3 (mid-interval): the interval's sums travel in the checkpoint
     resumed = _trainer(tmp_path / "b", scenes, max_steps=6, log_every=4, checkpoint_every=3)
     shutil.copytree(checkpoints / "step-3", tmp_path / "b" / "run" / "checkpoints" / "step-3")
-    assert resumed.maybe_resume("latest")
-    again = resumed.train()
+    assert resumed.checkpoints.resume("latest")
+    again = train(resumed)
     assert [h["step"] for h in again.history] == [1, 4, 6]
     for a, b in zip(result.history, again.history):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     # resumed at the end: no step runs, the final losses are the last step's, not the last interval's mean
     done = _trainer(tmp_path / "c", scenes, max_steps=6, log_every=4, checkpoint_every=3)
     shutil.copytree(checkpoints / "step-6", tmp_path / "c" / "run" / "checkpoints" / "step-6")
-    assert done.maybe_resume("latest")
-    assert done.train().final_losses["loss"] == steps[-1]["loss"]
+    assert done.checkpoints.resume("latest")
+    assert train(done).final_losses["loss"] == steps[-1]["loss"]
 
 
 def test_parameter_groups_exclude_norms_biases_positions_and_scale():
@@ -128,17 +134,17 @@ def test_cosine_schedule_with_warmup():
     assert lr_lambda("constant", 0, 10, 0.0)(7) == 1.0
 
 
-def _grads(trainer, batch) -> dict[str, torch.Tensor]:
-    trainer.optimizer.zero_grad(set_to_none=True)
-    out = trainer._step(batch)
-    module = trainer.acc.unwrap_model(trainer.wrapped)
+def _grads(loop, batch) -> dict[str, torch.Tensor]:
+    loop.optimizer.zero_grad(set_to_none=True)
+    out = loop.step.forward_backward(batch)
+    module = loop.accelerator.unwrap_model(loop.wrapped)
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}, out
 
 
 def test_accumulation_with_cached_features_equals_one_big_batch(tmp_path, scenes):
     one = _trainer(tmp_path / "a", scenes, accumulation_steps=1)
     two = _trainer(tmp_path / "b", scenes, accumulation_steps=2)
-    two.acc.unwrap_model(two.wrapped).load_state_dict(one.acc.unwrap_model(one.wrapped).state_dict())
+    two.accelerator.unwrap_model(two.wrapped).load_state_dict(one.accelerator.unwrap_model(one.wrapped).state_dict())
     batch = Collator(one.module.model, one.module.objective)([scenes[i] for i in range(8)])
     g1, out1 = _grads(one, batch)
     g2, out2 = _grads(two, batch)
@@ -152,7 +158,7 @@ def test_accumulation_with_cached_features_equals_one_big_batch(tmp_path, scenes
 def test_naive_micro_batch_losses_would_differ(tmp_path, scenes):
     """The check above is not vacuous: two independent micro-batch losses give another gradient."""
     one = _trainer(tmp_path, scenes)
-    module = one.acc.unwrap_model(one.wrapped)
+    module = one.accelerator.unwrap_model(one.wrapped)
     batch = Collator(module.model, module.objective)([scenes[i] for i in range(8)])
     g_big, _ = _grads(one, batch)
     from finetune.objectives.planning import split_batch
@@ -185,7 +191,7 @@ def test_nonfinite_term_stops_the_run_naming_step_and_term(tmp_path, scenes):
     objective = Objective(ClipTerm(), [(_NaNAtStep(), 1.0)])
     trainer = _trainer(tmp_path, scenes, objective=objective, max_steps=5)
     with pytest.raises(NonFiniteLossError, match=r"step 3: term 'probe' = nan"):
-        trainer.train()
+        train(trainer)
 
 
 def test_nonfinite_skip_drops_the_step(tmp_path, scenes):
@@ -196,14 +202,14 @@ def test_nonfinite_skip_drops_the_step(tmp_path, scenes):
     def snapshot(step, values):
         after_step[step] = _weights(trainer)
 
-    result = trainer.train(on_step=snapshot)
+    result = train(trainer, on_step=snapshot)
     assert result.steps == 3 and result.skipped_steps == 1
     assert sorted(after_step) == [1, 2]  # step 3 was skipped
     got = _weights(trainer)
     for k, v in after_step[2].items():  # the skipped step left every weight as it was
         assert torch.equal(got[k], v), k
     assert not all(torch.equal(after_step[1][k], v) for k, v in after_step[2].items())  # step 2 did train
-    for p in trainer.acc.unwrap_model(trainer.wrapped).parameters():
+    for p in trainer.accelerator.unwrap_model(trainer.wrapped).parameters():
         assert torch.isfinite(p).all()
 
 
@@ -240,7 +246,7 @@ def test_weights_that_diverge_under_skip_stop_the_run_and_are_never_saved(tmp_pa
                                             r"every later step would be skipped; the run stops here and saves nothing of "
                                             r"these weights\. The newest checkpoint, .*step-2, was saved with finite "
                                             r"weights.*lower train\.lr, set train\.grad_clip"):
-        trainer.train()
+        train(trainer)
     ckpts = list_checkpoints(tmp_path / "run" / "checkpoints")
     assert [p.name for p in ckpts] == ["step-2"]
     from safetensors.torch import load_file
@@ -258,7 +264,7 @@ def test_resume_reaches_bit_identical_weights(tmp_path, scenes, adapter):
     # 4 steps per epoch: the resume at step 6 is mid-epoch, so the batches already used are skipped
     common = dict(adapter=adapter, max_steps=8, checkpoint_every=3, keep_checkpoints=3)
     straight = _trainer(tmp_path / "straight", scenes, **common)
-    straight.train()
+    train(straight)
     expected = _weights(straight)
 
     interrupted = _trainer(tmp_path / "resumed", scenes, **common)
@@ -268,14 +274,14 @@ def test_resume_reaches_bit_identical_weights(tmp_path, scenes, adapter):
             raise _Stop
 
     with pytest.raises(_Stop):
-        interrupted.train(on_step=stop)
+        train(interrupted, on_step=stop)
     assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "run" / "checkpoints")] == ["step-3", "step-6"]
 
     resumed = _trainer(tmp_path / "resumed", scenes, **common)
-    assert resumed.steps_per_epoch == 4
-    assert resumed.maybe_resume("latest")
+    assert resumed.batches.steps_per_epoch == 4
+    assert resumed.checkpoints.resume("latest")
     assert resumed.state.step == 6
-    resumed.train()
+    train(resumed)
     got = _weights(resumed)
     assert set(got) == set(expected)
     for k in expected:
@@ -285,7 +291,7 @@ def test_resume_reaches_bit_identical_weights(tmp_path, scenes, adapter):
 def test_resume_path_that_is_not_a_checkpoint_is_a_clear_error(tmp_path, scenes):
     trainer = _trainer(tmp_path, scenes)
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
-        trainer.maybe_resume(str(tmp_path))
+        trainer.checkpoints.resume(str(tmp_path))
 
 
 def test_batch_must_split_over_accumulation(tmp_path, scenes):
@@ -303,10 +309,8 @@ def test_build_objective_from_recipe(tmp_path):
 
 
 def _counting_trainer(tmp_path, objective_section: dict, *, size: int = 48):
-    """A Trainer built as a run builds it (recipe objective, cached preprocessing, skipping dataset,
-    collator in one data-loader worker) on tiny-clip at 248 tokens and synthetic scenes."""
-    from finetune.data.skipping import SkippingDataset, SkipReportingCollate
-
+    """A loop built as a run builds it (recipe objective, cached preprocessing, the run's collate stack: skipping
+    dataset, tensor-path collator, in one data-loader worker) on tiny-clip at 248 tokens and synthetic scenes."""
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"objective": objective_section}))
     objective = build_objective(load_recipe(path).objective)
@@ -316,35 +320,33 @@ def _counting_trainer(tmp_path, objective_section: dict, *, size: int = 48):
     rows = load_source({"name": "synthetic", "size": size, "seed": 0, "options": {"image_size": 32}}).dataset
     rows = objective.preprocess(rows, model, cache_dir=str(tmp_path / "cache"))
     cfg = _train_cfg(tmp_path, max_steps=6, log_every=3, batch_size=8, grad_clip=1.0, logit_scale_max=4.6)
-    collator = Collator(model, objective, tensor_images=True)
-    assert collator.images is not None  # uint8 pixels, normalised in the step
-    return Trainer(_accelerator(), TrainModule(model, objective), SkippingDataset(rows, "raise", decode=collator.decode),
-                   SkipReportingCollate(collator), cfg, tmp_path / "run", num_workers=1)
+    return build_loop(_accelerator(), TrainModule(model, objective), rows, cfg, tmp_path / "run", num_workers=1)
 
 
-def _reads_between_logging_steps(trainer, train=None) -> list:
-    """Train with a :class:`HostReads` counter active from the end of each read to the start of the next (the
-    steps between logging steps: the log step's own read is the one the loop is allowed); ``train`` runs the
-    loop (default ``trainer.train``)."""
+def _reads_between_logging_steps(loop, run=None) -> list:
+    """Train with a :class:`HostReads` counter active from the end of each read of the meter to the start of the
+    next (the steps between logging steps: the log step's own read is the one the loop is allowed); ``run`` runs the
+    loop (default :func:`train`)."""
     from tests.finetune.host_reads import HostReads
 
-    read = trainer._read
+    progress = loop.progress
+    read = progress.values
     windows: list[HostReads] = []
 
     def counted_read(*args, **kwargs):
         if windows and windows[-1]._saved:
             windows[-1].__exit__(None, None, None)
         values = read(*args, **kwargs)
-        if trainer.state.step < trainer.total_steps:
+        if loop.state.step < loop.batches.total_steps:
             windows.append(HostReads())
             windows[-1].__enter__()
         return values
 
-    trainer._read = counted_read
+    progress.values = counted_read
     try:
-        result = (train or trainer.train)()
+        result = (run or (lambda: train(loop)))()
     finally:
-        del trainer._read  # no cycle (trainer -> counted_read -> trainer): the run frees its loader's workers
+        del progress.values  # no cycle (progress -> counted_read -> loop): the run frees its loader's workers
     assert [h["step"] for h in result.history] == [1, 3, 6]
     assert len(windows) == 2  # steps 2-3 and 4-6 (the windows end where the reads of steps 3 and 6 start)
     return [e for w in windows for e in w.events]
@@ -397,7 +399,6 @@ def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeyp
     import logging
 
     from finetune.cli.train import main
-    from finetune.training import Trainer
     from tests.recipes.shipped import RECIPES_DIR, as_shipped_overrides, clear_run, output_dir, \
         prerequisites_as_shipped
 
@@ -408,15 +409,16 @@ def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeyp
     monkeypatch.setattr(logging.getLogger("xlipkit"), "handlers", [])
     monkeypatch.chdir(project.root)
     prerequisites_as_shipped(monkeypatch, project)
-    original, found = Trainer.train, []
+    original, found = FinetuneRecipe.train, []
 
-    def counted(self):
-        self.total_steps = min(self.total_steps, 6)  # after the schedule was built from the recipe's length
+    def counted(self, on_step=None):
+        loop = self.ctx.loop
+        loop.batches.total_steps = min(loop.batches.total_steps, 6)  # after the schedule was made from the recipe
         result = []
-        found.extend(_reads_between_logging_steps(self, lambda: result.append(original(self)) or result[0]))
+        found.extend(_reads_between_logging_steps(loop, lambda: result.append(original(self, on_step)) or result[0]))
         return result[0]
 
-    monkeypatch.setattr(Trainer, "train", counted)
+    monkeypatch.setattr(FinetuneRecipe, "train", counted)
     out = output_dir(path, project)
     clear_run(out)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -437,7 +439,7 @@ def test_compile_gives_the_losses_of_eager(tmp_path, scenes):
     compiled = _trainer(tmp_path / "compiled", scenes, max_steps=3, log_every=1, compile=True)
     blocks = transformer_blocks(compiled.module.model)
     assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)  # 2 + 2 CLIP layers
-    a, b = eager.train(), compiled.train()
+    a, b = train(eager), train(compiled)
     assert [h["step"] for h in b.history] == [1, 2, 3]
     for x, y in zip(a.history, b.history):
         for key in ("loss", "clip"):
@@ -474,19 +476,52 @@ def test_persistent_workers_prepare_each_batch_for_its_epoch(tmp_path, scenes):
     objective = Objective(ClipTerm(), [(_EpochProbe(), 0.0)])
     trainer = _trainer(tmp_path, scenes, objective=objective, max_steps=6, num_workers=1)
     seen = []
-    step = trainer._step
-    trainer._step = lambda batch: (seen.append((batch["probe_epoch"].tolist(), batch["ids"])), step(batch))[1]
-    trainer.train()
+    step = trainer.step.forward_backward
+    trainer.step.forward_backward = lambda batch: (seen.append((batch["probe_epoch"].tolist(), batch["ids"])),
+                                                   step(batch))[1]
+    train(trainer)
     assert [epochs for epochs, _ in seen] == [[0] * 8] * 4 + [[1] * 8] * 2
     ids = [i for _, batch_ids in seen for i in batch_ids]
     order = [torch.randperm(32, generator=torch.Generator().manual_seed(epoch)).tolist() for epoch in (0, 1)]
     assert ids == [scenes[i]["id"] for i in order[0] + order[1][:16]]
 
 
+class _LoopProbe(Term):
+    """Notes, in the training process, the epoch its loss sees at each step and how often the loop calls its
+    per-step work (``after_optimizer_step``)."""
+
+    name = "probe"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch, self.seen, self.after = -1, [], 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def after_optimizer_step(self):
+        self.after += 1
+
+    def loss(self, model, feats, *, detach_params=False):
+        self.seen.append(self.epoch)
+        return {"probe": feats["image"].sum() * 0.0}
+
+
+def test_the_loop_tells_the_terms_each_epoch_before_its_steps_and_calls_their_step_work(tmp_path, scenes):
+    """32 scenes, batch 8: the terms in the training process (the data-loader worker has its own copy) compute the
+    losses of steps 1-4 in epoch 0 and of steps 5-6 in epoch 1 (per-epoch schedules: StructXLIP's official decay,
+    GRM's sum-then-max), and their clamps run after each of the 6 optimiser steps."""
+    probe = _LoopProbe()
+    trainer = _trainer(tmp_path, scenes, objective=Objective(ClipTerm(), [(probe, 0.0)]), max_steps=6, num_workers=1)
+    train(trainer)
+    assert probe.seen == [0] * 4 + [1] * 2
+    assert probe.after == 6
+
+
 @pytest.mark.slow
 def test_a_run_reports_its_steady_throughput_and_flops(tmp_path, scenes):
     trainer = _trainer(tmp_path, scenes, max_steps=4, log_every=2)
-    result = trainer.train()
+    result = train(trainer)
     t = result.throughput
     # marks at steps 1, 2, 4: the steady window is steps 1-4 (the first step, with its warm-up, left out)
     assert t["steady_steps"] == 3 and t["steady_samples_per_s"] > 0 and 0 <= t["data_wait_share"] <= 1

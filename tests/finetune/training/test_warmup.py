@@ -26,7 +26,7 @@ class _Records(logging.Handler):
 @pytest.fixture
 def records(monkeypatch):
     """The ``xlipkit`` log of the run, and the stages from model loading on (``FinetuneRecipe.setup_model``,
-    ``setup_eval``, ``train``, ``finish``) replaced by a marker in that log."""
+    ``setup_eval``, ``setup_training``, ``train``, ``finish``) replaced by a marker in that log."""
     handler = _Records()
     logger = logging.getLogger("xlipkit")
     monkeypatch.setattr(logger, "handlers", [handler])
@@ -36,7 +36,7 @@ def records(monkeypatch):
         handler.messages.append("MODEL LOADS")
 
     monkeypatch.setattr(FinetuneRecipe, "setup_model", model_loads)
-    for stage in ("setup_eval", "train"):
+    for stage in ("setup_eval", "setup_training", "train"):
         monkeypatch.setattr(FinetuneRecipe, stage, lambda self: None)
     monkeypatch.setattr(FinetuneRecipe, "finish", lambda self: 0)
     return handler.messages

@@ -43,17 +43,17 @@ def test_the_context_decides_what_sdpa_runs_on_the_cpu(choice, kernel):
 
 
 def test_a_run_logs_and_records_its_attention_backend(tmp_path, caplog):
-    from tests.finetune.training.test_trainer import _trainer, scenes  # noqa: F401
+    from tests.finetune.training.test_trainer import _trainer, scenes, train  # noqa: F401
 
     from finetune.data.sources import load_source
 
     rows = load_source({"name": "synthetic", "size": 16, "seed": 0, "options": {"image_size": 32}}).dataset
     with caplog.at_level("INFO", logger="xlipkit"):
-        trainer = _trainer(tmp_path, rows, max_steps=2, attention="math")
+        loop = _trainer(tmp_path, rows, max_steps=2, attention="math")
     assert "train.attention: math on cpu (backends in order: math)" in caplog.text
-    result = trainer.train()
+    result = train(loop)
     attention = result.throughput["attention"]
     assert attention["setting"] == "math" and attention["order"] == ["math"]
     assert attention["first_step_kernels"] == "math (or none fused)"  # the context held during the step
-    default = _trainer(tmp_path / "auto", rows, max_steps=1).train().throughput["attention"]
+    default = train(_trainer(tmp_path / "auto", rows, max_steps=1)).throughput["attention"]
     assert default["setting"] == "auto" and default["first_step_kernels"]["flash"] > 0

@@ -318,10 +318,9 @@ def test_toy_family_trains_through_finetune_train(toy_dir: Path, tmp_path: Path)
     from accelerate.state import AcceleratorState, GradientState
 
     from finetune.config import load_recipe
-    from finetune.data.collate import Collator
     from finetune.data.sources import load_source
     from finetune.objectives import ClipTerm, Objective
-    from finetune.training import TrainModule, Trainer
+    from finetune.training import FinetuneRecipe, TrainModule, build_loop
 
     scenes = load_source({"name": "synthetic", "size": 16, "seed": 0, "options": {"image_size": 32}}).dataset
     model = apply_adapter(load_model(str(toy_dir)), {"type": "full"})
@@ -334,11 +333,10 @@ def test_toy_family_trains_through_finetune_train(toy_dir: Path, tmp_path: Path)
     GradientState._reset_state()
     acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
     before = {k: v.clone() for k, v in model.model.state_dict().items()}
-    trainer = Trainer(acc, TrainModule(model, objective), scenes, Collator(model, objective),
-                      load_recipe(recipe).train, tmp_path / "run")
-    result = trainer.train()
+    loop = build_loop(acc, TrainModule(model, objective), scenes, load_recipe(recipe).train, tmp_path / "run")
+    result = FinetuneRecipe.from_loop(loop).train()
     assert result.steps == 2 and all(math.isfinite(h["loss"]) for h in result.history)
-    trained = acc.unwrap_model(trainer.wrapped).model
+    trained = loop.trained_model()
     assert any(not torch.equal(before[k], v) for k, v in trained.model.state_dict().items())
     save_finetuned(trained, tmp_path / "run" / "final")
     _assert_same(_outputs(trained.eval()), _outputs(load_finetuned(tmp_path / "run" / "final")))

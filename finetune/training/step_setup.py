@@ -1,18 +1,20 @@
-"""What a training run fixes about its step before the first batch (issues 29 and 37), in one place the trainer
-calls: the batch shapes and their planned text lengths (:mod:`finetune.objectives.shapes`), the attention backend
-(``train.attention``, :mod:`finetune.models.backends.attention`) and ``train.compile``
-(:mod:`finetune.models.compile`).
+"""What a training run fixes about its step before the first batch (issues 29 and 37): the attention backend
+(``train.attention``, :mod:`finetune.models.backends.attention`), ``train.compile`` (:mod:`finetune.models.compile`)
+and the warm-up of every planned text length; the shapes themselves are the objective's
+(:func:`~finetune.objectives.shapes.plan_shapes`), planned here from the model and the training set.
 
-The trainer calls :func:`setup_step` once, wraps its collate function with :meth:`StepSetup.collate`, runs every
-step inside :meth:`StepSetup.attention_context`, before its first step :meth:`StepSetup.warm_up` (on a GPU or with
-compiled blocks every planned text length once, so that no later step meets a new shape), its first step through :meth:`StepSetup.observed`
-(which SDPA kernels ran, at which shapes) and records :meth:`StepSetup.summary` in the run's log and
-``metrics.json``.
+:func:`setup_step` runs once as the loop is built (:func:`finetune.training.loop.build_loop`); the step
+(:class:`finetune.training.step.TrainStep`) runs inside :meth:`StepSetup.attention_context`, before its first step
+:meth:`StepSetup.warm_up` (on a GPU or with compiled blocks every planned text length once, so that no later step
+meets a new shape), its first step under :meth:`StepSetup.observing` (which SDPA kernels ran, at which shapes); the
+run records :meth:`StepSetup.summary` in its log and ``metrics.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -20,10 +22,8 @@ import torch
 
 from finetune.models.backends.attention import SdpaCalls, attention_context, describe_attention
 from finetune.models.compile import compile_blocks, compile_options, compiled_graphs
-
-from .base import TEXT_PLAN
-from .planning import PlannedCollate
-from .shapes import BatchShapes, plan_shapes
+from finetune.objectives.base import TEXT_PLAN
+from finetune.objectives.shapes import BatchShapes, plan_shapes
 
 __all__ = ["StepSetup", "setup_step"]
 
@@ -35,22 +35,16 @@ class StepSetup:
     """The fixed parts of a run's training step (module docstring).
 
     Attributes:
-        objective: the run's objective (its terms hold :attr:`shapes`).
-        model: the model being trained.
-        shapes: the planned batch shapes (text bucket lengths, row capacities).
+        shapes: the planned batch shapes (text bucket lengths, row capacities), which the objective's terms hold.
         attention: ``train.attention``; ``device``: where the step runs.
         compile: the ``torch.compile`` keywords of ``train.compile`` (None: off) and ``blocks`` compiled.
-        micro_batches: ``train.accumulation_steps``.
     """
 
-    objective: Any
-    model: Any
     shapes: BatchShapes
     attention: str
     device: torch.device
     compile: dict[str, Any] | None = None
     blocks: int = 0
-    micro_batches: int = 1
     #: the fused SDPA kernels the observed (first) step ran, by backend, and at how many distinct shapes
     first_step_kernels: dict[str, int] = field(default_factory=dict)
     first_step_shapes: int = 0
@@ -60,21 +54,17 @@ class StepSetup:
     #: run :meth:`warm_up` on any device (a CPU dry run of a GPU benchmark); False: where it pays (:attr:`warms_up`)
     warm_up_always: bool = False
 
-    def collate(self, collate_fn: Callable[[list[dict]], dict[str, Any]]) -> PlannedCollate:
-        """``collate_fn`` planned for the step (:class:`~finetune.objectives.planning.PlannedCollate`)."""
-        return PlannedCollate(collate_fn, self.objective, self.model, micro_batches=self.micro_batches)
-
     def attention_context(self) -> Any:
         """The context every step runs in: SDPA restricted to ``train.attention``'s backends."""
         return attention_context(self.attention, self.device)
 
-    def observed(self, step: Callable[[], Any]) -> Any:
-        """Run ``step`` counting the fused SDPA kernels it launches (:class:`SdpaCalls`); returns what it returns."""
+    @contextlib.contextmanager
+    def observing(self) -> Iterator[None]:
+        """Count the fused SDPA kernels the block launches (:class:`SdpaCalls`): the first step's."""
         with SdpaCalls() as calls:
-            out = step()
+            yield
         self.first_step_kernels = dict(calls.kernels)
         self.first_step_shapes = len(set(calls.shapes))
-        return out
 
     @property
     def warms_up(self) -> bool:
@@ -85,11 +75,11 @@ class StepSetup:
 
     def warm_up(self, run: Callable[[dict[str, Any]], Any], batch: dict[str, Any]) -> int:
         """Run ``run`` (the step's forward and backward, no update) on ``batch`` at every planned text length
-        (:func:`warmup_lengths`), so that every (kind, length) shape of the run has run before the first step:
-        attention graphs (cuDNN) and compiled blocks are built here (in the step's attention context), never later.
-        The batch's rows
-        are cut or padded to each length (a warm-up plan: its values are not used). The RNG state is restored
-        after, so that the run trains as it would without the warm-up. Nothing to run (0) where it does not pay
+        (:meth:`~finetune.objectives.shapes.BatchShapes.warmup_lengths`), so that every (kind, length) shape of the
+        run has run before the first step: attention graphs (cuDNN) and compiled blocks are built here (in the step's
+        attention context), never later. The batch's rows are cut or padded to each length (a warm-up plan: its
+        values are not used). The RNG state is restored after, so that the run trains as it would without the
+        warm-up. Nothing to run (0) where it does not pay
         (:attr:`warms_up`) and where every kind has one planned length and no block is compiled: the first step runs
         that shape. Returns the passes run.
 
@@ -100,7 +90,7 @@ class StepSetup:
         plan = batch.get(TEXT_PLAN)
         if plan is None or not plan.lengths or not self.warms_up:
             return 0
-        todo = warmup_lengths(self.shapes, list(plan.lengths))
+        todo = self.shapes.warmup_lengths(list(plan.lengths))
         if len(todo) == 1 and self.compile is None:  # one length per kind: the first step is that shape
             return 0
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
@@ -127,23 +117,13 @@ class StepSetup:
                 "compile": compiled}
 
 
-def warmup_lengths(shapes: BatchShapes, kinds: Any) -> list[dict[str, int]]:
-    """The text lengths of the warm-up passes, so that every planned (kind, length) pair of ``kinds`` (a batch's
-    :attr:`TextPlan.lengths`) runs once: as many passes as the kind with the most planned lengths, the i-th pass
-    each kind at its i-th length (its last when it has fewer). The first batch's own lengths are run too: the first
-    step runs under the FLOP counter's dispatch mode, which compiled blocks do not compile under."""
-    planned = {kind: shapes.lengths(kind) for kind in kinds}
-    count = max((len(v) for v in planned.values()), default=0)
-    return [{kind: v[min(i, len(v) - 1)] for kind, v in planned.items()} for i in range(count)]
-
-
-def setup_step(module: Any, cfg: Any, dataset: Any, device: torch.device | str) -> StepSetup:
-    """Fix the step of a run: the shapes from the model and the preprocessed training set (given to the objective's
-    terms before the data-loader workers copy them), the attention backend, and the compiled blocks.
+def setup_step(model: Any, objective: Any, cfg: Any, dataset: Any, device: torch.device | str) -> StepSetup:
+    """Fix the step of a run: the objective's shapes planned from the model and the preprocessed training set (given
+    to its terms before the data-loader workers copy them), the attention backend, and the compiled blocks.
 
     Args:
-        module: the ``TrainModule`` (``.model``, ``.objective``).
-        cfg: the recipe's ``train`` section (``attention``, ``compile``, ``accumulation_steps``, ``text_buckets``).
+        model: the model being trained; ``objective``: its objective.
+        cfg: the recipe's ``train`` section (``attention``, ``compile``, ``text_buckets``).
         dataset: the preprocessed training set, or a stream (nothing is scanned then).
         device: the training device.
 
@@ -151,7 +131,6 @@ def setup_step(module: Any, cfg: Any, dataset: Any, device: torch.device | str) 
         ValueError: a ``train.text_buckets`` list the model cannot take
             (:func:`~finetune.objectives.shapes.run_buckets`).
     """
-    model, objective = module.model, module.objective
     shapes = plan_shapes(objective, model, dataset, getattr(cfg, "text_buckets", None))
     objective.set_shapes(shapes)
     caps = ", ".join(f"{k} {v}" for k, v in sorted(shapes.capacities.items()))
@@ -169,10 +148,7 @@ def setup_step(module: Any, cfg: Any, dataset: Any, device: torch.device | str) 
         limit = allow_recompiles(shapes)
         log.info("train.compile: %d transformer blocks compiled with torch.compile(%s); up to %d graphs per block "
                  "(one per planned shape)", blocks, ", ".join(f"{k}={v}" for k, v in options.items()), limit)
-    setup = StepSetup(objective, model, shapes, attention, torch.device(device), options, blocks,
-                      int(getattr(cfg, "accumulation_steps", 1)))
-    setup.recompile_limit = limit
-    return setup
+    return StepSetup(shapes, attention, torch.device(device), options, blocks, recompile_limit=limit)
 
 
 def allow_recompiles(shapes: BatchShapes) -> int:
