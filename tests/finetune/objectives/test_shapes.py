@@ -255,7 +255,7 @@ def _bucket_plans(objective, plan: TextPlan) -> list[dict[str, int]]:
 def test_every_bucket_gives_the_same_losses_and_gradients(method, tmp_path):
     """The same examples collated as they come (no planned shapes: each pass at its own widths and rows) and padded
     to every bucket that holds them (rows to the planned capacities) give every loss value and every gradient to
-    1e-5, in training mode: GRM's Gumbel noise is drawn for max_text_len positions and F-CAST's GraphPool dropout
+    1e-5 (of each gradient's largest entry), in training mode: GRM's Gumbel noise is drawn for max_text_len positions and F-CAST's GraphPool dropout
     for the planned segment capacity, so padding does not decide which noise lands on a real token. The scenes
     with the fewest objects (4 of 4-5) make StructXLIP's batch as it comes free of padded rows."""
     from dataclasses import replace
@@ -290,7 +290,10 @@ def test_every_bucket_gives_the_same_losses_and_gradients(method, tmp_path):
             assert values[key] == pytest.approx(loose[key], rel=1e-5, abs=1e-5), (lengths, key)
         assert grads.keys() == loose_grads.keys()
         for key, grad in loose_grads.items():
-            torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-5, msg=f"{lengths}: {key}")
+            # 1e-5 of the tensor's own scale: float32 sums over other shapes round differently (a visual
+            # cls_token gradient of 45 moved by 3e-4 on one CPU), a padding-dependent draw moves it by O(1)
+            scale = max(1.0, float(grad.abs().max()))
+            torch.testing.assert_close(grads[key], grad, rtol=0, atol=1e-5 * scale, msg=f"{lengths}: {key}")
 
 
 # -- the warm-up: no new shape after it -----------------------------------------------------------------------------
