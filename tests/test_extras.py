@@ -61,7 +61,8 @@ def test_require_extra_names_the_extra_and_its_licence(monkeypatch):
     monkeypatch.setattr("finetune.extras.importlib.util.find_spec", lambda name: None)
     assert not has_extra("regions")
     with pytest.raises(MissingExtraError, match=r'^objective.terms.x needs ultralytics, which is not installed: '
-                                                r'pip install -e "\.\[regions\]" in the clone \(the `regions` extra, AGPL-3.0'):
+                                                r'pip install -e "\.\[regions\]" in the clone '
+                                                r'\(the `regions` extra, AGPL-3.0'):
         require_extra("regions", "objective.terms.x")
     assert issubclass(MissingExtraError, ValueError)  # a run reports it as a recipe error
 
@@ -160,8 +161,8 @@ def test_every_install_command_shown_is_the_clone_form():
     import re
 
     shown = re.compile(r"""pip install\s+["']?xlipkit\[""")
-    files = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("recipes/*.yaml"), *ROOT.glob("finetune/**/*.py"),
-             *ROOT.glob("losses/**/*.py"), *ROOT.glob("configs/**/*.yaml")]
+    files = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("recipes/*.yaml"),
+             *ROOT.glob("finetune/**/*.py"), *ROOT.glob("losses/**/*.py"), *ROOT.glob("configs/**/*.yaml")]
     found = [f"{path.relative_to(ROOT)}:{n}" for path in files
              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if shown.search(line)]
     assert found == []

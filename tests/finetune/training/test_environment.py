@@ -155,8 +155,8 @@ def test_a_one_process_cpu_run_under_accelerate_launch_uses_every_core_unless_to
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", **given)
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
-                           str(CONFIGS / "one_process.yaml"), "--quiet", "finetune/run.py", "recipes/quickstart_clip.yaml",
-                           *tiny], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+                           str(CONFIGS / "one_process.yaml"), "--quiet", "finetune/run.py",
+                           "recipes/quickstart_clip.yaml", *tiny], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [line] = [x for x in proc.stderr.splitlines() if "CPU threads: " in x]
     assert said in line, line
