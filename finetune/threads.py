@@ -105,7 +105,8 @@ def cpu_thread_plan(num_threads: int, num_processes: int) -> tuple[int | None, s
     default = accelerate_default_threads()
     if default and num_processes == 1:
         target = cores
-        source = "all cores; OMP_NUM_THREADS=1 was accelerate launch's default, no thread count given"
+        source = (f"all cores; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} was accelerate launch's default, "
+                  "no thread count given")
     elif default:
         source = (f"{', '.join(given)}: accelerate launch's default for {num_processes} processes; "
                   "--num_cpu_threads_per_process N chooses N")

@@ -29,16 +29,19 @@ def launched(monkeypatch):
     return parent
 
 
-def test_accelerate_launchs_default_one_thread_becomes_every_core(launched):
+def test_accelerate_launchs_default_one_thread_becomes_every_core(launched, monkeypatch):
     launched(LAUNCHER, ["PATH=/usr/bin", "HOME=/root"])
     target, source = threads.cpu_thread_plan(1, num_processes=1)
     assert target == CORES
     assert threads.thread_line(target, source) == (
         f"CPU threads: {CORES} (all cores; OMP_NUM_THREADS=1 was accelerate launch's default, no thread count given), "
         "OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE)")
+    # --cpu: accelerate gives the physical cores (here 2 of them), still its default, not the user's
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
     launched(["/usr/bin/python", "-m", "accelerate.commands.launch", "--cpu", "-m", "finetune.cli", "train", "r.yaml"],
              [])
-    assert threads.cpu_thread_plan(1, num_processes=1)[0] == CORES
+    target, source = threads.cpu_thread_plan(2, num_processes=1)
+    assert target == CORES and source.startswith("all cores; OMP_NUM_THREADS=2 was accelerate launch's default")
 
 
 @pytest.mark.parametrize("argv, environ", [
