@@ -1,5 +1,5 @@
 """The README's quickstart numbers, as this machine gets them: the quickstart and its clip-only comparison with seeds
-0-2, from an empty run folder, printed as the README's tables.
+0-2, from an empty run folder, printed as the README's table and the seed table of docs/guides/benchmarks.md.
 
 Run ``python bench/quickstart_numbers.py`` from the clone (about 3 minutes per fine-tune on 2 quiet cores, so
 10-20 minutes for seeds 0-2). It empties ``runs/quickstart_numbers`` (this script's own folder; ``--reuse`` keeps

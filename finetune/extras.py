@@ -1,4 +1,5 @@
-"""Optional dependencies (``pip install "xlipkit[NAME]"``) and the error a recipe gets when it needs a missing one.
+"""Optional dependencies (``pip install -e ".[NAME]"`` in the clone) and the error a recipe gets when it needs a
+missing one.
 
 xlipkit is Apache-2.0; a dependency under a licence that would bind its users (ultralytics: AGPL-3.0) is an
 extra, installed only by those whose recipes use it. The code that uses an extra imports it where it runs, so
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-__all__ = ["EXTRAS", "Extra", "MissingExtraError", "has_extra", "require_extra"]
+__all__ = ["EXTRAS", "Extra", "MissingExtraError", "has_extra", "install_command", "require_extra"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class Extra:
     """One optional dependency group of ``pyproject.toml``.
 
     Attributes:
-        name: the extra's name (``pip install "xlipkit[name]"``).
+        name: the extra's name (``pip install -e ".[name]"``).
         modules: the top-level modules it provides, all importable when it is installed.
         licence: the licence of what it installs.
         brings: what in xlipkit uses it.
@@ -43,6 +44,12 @@ EXTRAS: dict[str, Extra] = {
                "python -m finetune.preprocess.flism --detector FILE.pt)",
     ),
 }
+
+
+def install_command(name: str) -> str:
+    """The command that installs the extra ``name``: ``pip install -e ".[name]"``, run in the clone (xlipkit is
+    installed from a clone of its repository, not from PyPI)."""
+    return f'pip install -e ".[{name}]"'
 
 
 class MissingExtraError(ValueError):
@@ -77,7 +84,7 @@ def require_extra(name: str, needed_by: str) -> None:
     extra = EXTRAS[name]
     missing = ", ".join(extra.modules)
     raise MissingExtraError(
-        f"{needed_by} needs {missing}, which is not installed: pip install \"xlipkit[{extra.name}]\" (the "
-        f"`{extra.name}` extra, {extra.licence}; with an editable install: pip install -e \".[{extra.name}]\"), "
-        f"or change that setting. The `{extra.name}` extra brings {extra.brings}."
+        f"{needed_by} needs {missing}, which is not installed: {install_command(extra.name)} in the clone (the "
+        f"`{extra.name}` extra, {extra.licence}), or change that setting. The `{extra.name}` extra brings "
+        f"{extra.brings}."
     )

@@ -1,6 +1,6 @@
-"""Fine-tune a CLIP-family model from a recipe: the launcher the README documents.
+"""Fine-tune a CLIP-family model from a recipe: ``xlipkit train`` without the installed script.
 
-    accelerate launch --config_file configs/accelerate/one_process.yaml -q finetune/run.py RECIPE.yaml [key=value ...]
+    python finetune/run.py RECIPE.yaml [key=value ...]          # one process, this one (= xlipkit train RECIPE)
     accelerate launch --num_processes 8 finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5
     python finetune/run.py --list
     python finetune/run.py --schema > recipe.schema.json

@@ -61,7 +61,8 @@ def test_require_extra_names_the_extra_and_its_licence(monkeypatch):
     monkeypatch.setattr("finetune.extras.importlib.util.find_spec", lambda name: None)
     assert not has_extra("regions")
     with pytest.raises(MissingExtraError, match=r'^objective.terms.x needs ultralytics, which is not installed: '
-                                                r'pip install "xlipkit\[regions\]" \(the `regions` extra, AGPL-3.0'):
+                                                r'pip install -e "\.\[regions\]" in the clone '
+                                                r'\(the `regions` extra, AGPL-3.0'):
         require_extra("regions", "objective.terms.x")
     assert issubclass(MissingExtraError, ValueError)  # a run reports it as a recipe error
 
@@ -114,7 +115,7 @@ def test_a_recipe_that_needs_the_extra_stops_before_anything_slow():
     assert len(messages) == 2
     assert messages[0].startswith("objective.terms.structxlip.regions.checkpoint (FastSAM regions) needs ultralytics")
     assert messages[1].startswith("objective.terms.fastgoal.regions.detector (an ultralytics YOLO checkpoint) needs")
-    assert all('pip install "xlipkit[regions]"' in m for m in messages)
+    assert all('pip install -e ".[regions]" in the clone' in m for m in messages)
 
     out_dir = ROOT / "runs" / "test_extras_never_written"
     run = _run_hidden("""
@@ -124,7 +125,7 @@ def test_a_recipe_that_needs_the_extra_stops_before_anything_slow():
     """, "recipes/structxlip_docci.yaml", f"output.dir={out_dir}", timeout=120)
     assert run.returncode == 2, run.stderr
     error = run.stderr[run.stderr.index("recipe error:"):]  # every missing thing at once (training/preflight.py)
-    assert 'pip install "xlipkit[regions]"' in error, run.stderr
+    assert 'pip install -e ".[regions]" in the clone' in error, run.stderr
     assert "Traceback" not in run.stderr
     assert not out_dir.exists()
 
@@ -138,7 +139,7 @@ def test_the_flism_command_names_the_extra_for_an_ultralytics_detector(tmp_path)
     """, "synthetic", str(tmp_path / "pairs.jsonl"), "--detector", "yolov8x.pt", "--model", "tiny-clip", timeout=120)
     assert result.returncode == 2, result.stderr
     assert 'regions.detector: \'yolov8x.pt\' (an ultralytics YOLO checkpoint) needs ultralytics' in result.stderr
-    assert 'pip install "xlipkit[regions]"' in result.stderr
+    assert 'pip install -e ".[regions]" in the clone' in result.stderr
 
 
 @pytest.mark.slow
@@ -152,3 +153,16 @@ def test_the_tests_of_the_extra_skip_without_it():
     """, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:]
     assert " skipped" in result.stdout.splitlines()[-1], result.stdout[-2000:]
+
+
+def test_every_install_command_shown_is_the_clone_form():
+    """xlipkit is not on PyPI: no message, recipe or page says `pip install "xlipkit[NAME]"`; each says
+    `pip install -e ".[NAME]"` (run in the clone)."""
+    import re
+
+    shown = re.compile(r"""pip install\s+["']?xlipkit\[""")
+    files = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("recipes/*.yaml"),
+             *ROOT.glob("finetune/**/*.py"), *ROOT.glob("losses/**/*.py"), *ROOT.glob("configs/**/*.yaml")]
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in files
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if shown.search(line)]
+    assert found == []

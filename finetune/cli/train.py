@@ -2,9 +2,8 @@
 before and after (:func:`finetune.training.run_recipe`); ``--list`` the shipped recipes, ``--schema`` the recipe
 JSON schema.
 
-    accelerate launch --config_file configs/accelerate/one_process.yaml -q finetune/run.py RECIPE.yaml [key=value ...]
+    xlipkit train recipes/quickstart.yaml                       # one process, this one (= python finetune/run.py)
     accelerate launch --num_processes 8 finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5
-    xlipkit train recipes/quickstart.yaml
     python finetune/run.py --list
     python finetune/run.py --schema > recipe.schema.json
 """
@@ -32,12 +31,12 @@ def _parser(prog: str = "finetune/run.py") -> argparse.ArgumentParser:
             "Fine-tune a CLIP / SigLIP / SigLIP2 model on long captions from a YAML recipe: load the model, "
             "stretch its text positions (Long-CLIP KPS), add a LoRA/DoRA adapter or train fully, run the "
             "recipe's objective (clip, siglip, longclip + StructXLIP ...), and report Recall@K before and "
-            "after. Launch with `accelerate launch` for mixed precision and multi-GPU (DDP/FSDP/DeepSpeed)."
+            "after, in this process. `accelerate launch` starts it once per device: several GPUs or nodes "
+            "(DDP/FSDP/DeepSpeed)."
         ),
         epilog=(
             "examples:\n"
-            "  accelerate launch --config_file configs/accelerate/one_process.yaml --quiet finetune/run.py "
-            "recipes/quickstart.yaml\n"
+            "  python finetune/run.py recipes/quickstart.yaml   # = xlipkit train: one process, this one\n"
             "  accelerate launch finetune/run.py recipes/structxlip_docci.yaml train.lr=1e-5 adapter.type=lora\n"
             "  ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 finetune/run.py recipes/quickstart.yaml "
             "train.max_steps=20   # two CPU processes\n"

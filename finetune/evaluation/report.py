@@ -16,6 +16,8 @@ _SCALARS = ("lr", "logit_scale", "logit_bias")
 _BATCH_INFONCE = ("clip", "structxlip/structure")
 #: loss terms of 1 - cos between paired embeddings: unrelated (orthogonal) embeddings give 1
 _ONE_MINUS_COS = ("structxlip/consistency",)
+#: the top of every Recall@K axis (%): the axis runs from 0, and the space above 100 holds a bar's value label
+RECALL_AXIS_TOP = 108.0
 
 
 def chance_level(key: str, batch_size: int | None) -> tuple[float, str] | None:
@@ -106,8 +108,9 @@ def plot_losses(history: list[dict[str, float]], path: str | Path,
 def recall_figure(before: dict | None, after: dict, *, label: str = "this run",
                   compare: list[tuple[str, dict[str, Any]]] | None = None, at_base: dict | None = None,
                   base_text_len: int = 77, ks: tuple[str, ...] = ("R@1", "R@5")) -> Any:
-    """Recall@K after training as a matplotlib ``Figure``: one panel per evaluation set, direction and K,
-    each on its own zoomed axis with the value on every bar, so that runs a point apart can be told apart.
+    """Recall@K after training as a matplotlib ``Figure``: one panel per evaluation set, direction and K, every
+    axis the whole 0-100 % (bars from zero, never zoomed: a gap of a few tenths of a point looks as small as it is)
+    with the value on every bar.
 
     Bars: the start (before training, grey, when evaluated), this run, and each compared run
     (``eval.compare_with``) after training, read up to the model's text length; a second row holds the same
@@ -153,16 +156,13 @@ def recall_figure(before: dict | None, after: dict, *, label: str = "this run",
                 bars = ax.bar([i], [value], 0.7, color=colour, label=run,
                               hatch="//" if reading == "cut" else None, edgecolor="white")
                 ax.bar_label(bars, fmt="%.1f", fontsize=8, padding=2)
-            values = [v for _, v, _ in drawn]
-            if values:
-                lo, hi = min(values), max(values)
-                pad = max(1.5, 0.25 * (hi - lo))
-                ax.set_ylim(max(0.0, lo - pad), min(100.0, hi + pad) + 0.1 * pad)
+            ax.set_ylim(0.0, RECALL_AXIS_TOP)  # room above 100 for a bar's value label
+            ax.set_yticks([0, 25, 50, 75, 100])
             ax.set_xticks([])  # the runs are told by colour (legend), the same in every panel
             arrow = "text→image" if direction == "t2i" else "image→text"
             ax.set_title(f"{name}: {arrow} {k}", fontsize=9)
             if c == 0:
-                ax.set_ylabel(f"{text}\n(%, zoomed)", fontsize=8)
+                ax.set_ylabel(f"{text}\n(%)", fontsize=8)
             ax.grid(axis="y", alpha=0.3)
     handles, labels = [], []
     for ax in axes.flat:
@@ -355,7 +355,7 @@ def _recall_caption(metrics: dict[str, Any], compared: bool) -> str:
         text += " and of the runs of `eval.compare_with`"
     if metrics.get("before"):
         text += ", and of the model it started from, before training (grey)"
-    text += "; each panel has its own zoomed axis, with the value on every bar"
+    text += "; every axis runs from 0 to 100 %, with the value on every bar"
     if metrics.get("after_at_base_length"):
         text += (f"; the hatched row scores the same trained models with every caption cut at "
                  f"{metrics.get('base_text_len', 77)} tokens")

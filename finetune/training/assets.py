@@ -30,7 +30,7 @@ from typing import Any
 
 from finetune.config import recipe_to_dict
 from finetune.credentials import mask_text
-from finetune.extras import EXTRAS, has_extra
+from finetune.extras import EXTRAS, has_extra, install_command
 
 __all__ = ["PROBE_TIMEOUT_S", "Need", "asset_needs", "fetch_need", "fetchable", "hub_offline", "model_need",
            "planning", "weights_need"]
@@ -219,7 +219,7 @@ def _file_need(key: str, value: str, what: str, how: str, *, extra: str | None =
     if extra is not None and not has_extra(extra):
         e = EXTRAS[extra]
         yield Need(key, f"the `{extra}` extra ({', '.join(e.modules)}, {e.licence})", "missing",
-                   f"pip install \"xlipkit[{extra}]\" (editable: pip install -e \".[{extra}]\"), or change {key}")
+                   f"{install_command(extra)} in the clone, or change {key}")
     if path.exists():
         yield Need(key, f"{what} {value}", "ready", f"local: {path.resolve()}")
     elif extra == "regions" and path.name.startswith(_ULTRALYTICS_ASSET_PREFIXES) and path.suffix == ".pt":

@@ -159,7 +159,7 @@ def check_engine(accelerator: Any) -> None:
     why = UNUSABLE_DEEPSPEED.get(getattr(deepspeed, "__version__", ""))
     if why:
         raise RecipeError(f"DeepSpeed {deepspeed.__version__} cannot train these models: {why}. Install another "
-                          "release: pip install \"xlipkit[deepspeed]\" (or pip install \"deepspeed!=0.19.8\"), or "
+                          "release: pip install -e \".[deepspeed]\" in the clone (or pip install \"deepspeed!=0.19.8\"), or "
                           "use FSDP (docs/guides/scaling.md)")
 
 

@@ -14,7 +14,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
 from finetune.config.secrets import mask_secrets
-from finetune.threads import thread_settings
+from finetune.threads import cpu_thread_plan, thread_line
 from finetune.training.distributed import slurm_environment
 from finetune.training.processes import fsdp_on_cpu, group_timeout
 
@@ -93,12 +93,15 @@ def setup_logging(main: bool) -> None:
 
 
 def cpu_threads(accelerator: Any) -> None:
-    """Log where a CPU run's threads come from, and change nothing: the thread count a user or launcher gives
-    (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, ``accelerate launch``'s ``OMP_NUM_THREADS=1``, or
-    ``torch.set_num_threads`` before the run) is kept, as it must be on a machine shared with other processes
-    (:mod:`finetune.threads`)."""
+    """A CPU run's thread count, and a log line that says where it comes from (:func:`finetune.threads.
+    cpu_thread_plan`): the count a user gives (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, ``accelerate launch
+    --num_cpu_threads_per_process``, ``torch.set_num_threads`` before the run) is kept; a one-process run that
+    ``accelerate launch`` gave its default ``OMP_NUM_THREADS=1`` gets every core, as without the launcher."""
     if accelerator.device.type == "cpu":
-        logging.getLogger("xlipkit").info("%s", thread_settings(torch.get_num_threads()))
+        target, source = cpu_thread_plan(torch.get_num_threads(), accelerator.num_processes)
+        if target is not None:
+            torch.set_num_threads(target)
+        logging.getLogger("xlipkit").info("%s", thread_line(torch.get_num_threads(), source))
 
 
 def flat_scalars(d: dict, prefix: str = "") -> dict[str, Any]:

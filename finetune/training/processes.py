@@ -149,7 +149,7 @@ def engine_problem(environ: dict[str, str], *, accelerator: bool, deepspeed: boo
     if _flag(environ, "ACCELERATE_USE_DEEPSPEED"):
         if not deepspeed:
             return ("DeepSpeed was asked for (ACCELERATE_USE_DEEPSPEED=true: accelerate launch --use_deepspeed or a "
-                    "DeepSpeed accelerate config) but is not installed: pip install \"xlipkit[deepspeed]\", or launch "
+                    "DeepSpeed accelerate config) but is not installed: pip install -e \".[deepspeed]\" in the clone, or launch "
                     "without DeepSpeed")
         if cpu_flag:
             return ("DeepSpeed was asked for together with accelerate's CPU mode (ACCELERATE_USE_CPU=true: --cpu or "

@@ -1,6 +1,6 @@
 """What the README tells a newcomer holds: its losses snippet runs and trains StructXLIP's temperature, the
 zero-shot templates the evaluation guide lists (and any the README names) are the CLI's, and the accelerate
-configs its commands name exist."""
+configs the pages name exist."""
 
 from __future__ import annotations
 
@@ -60,10 +60,15 @@ def test_the_zero_shot_templates_the_docs_list_are_the_clis():
         assert example in TEMPLATES
 
 
-def test_the_accelerate_configs_the_readme_names_exist():
-    named = set(re.findall(r"--config_file (\S+)", README))
-    assert "configs/accelerate/one_process.yaml" in named
+def test_the_accelerate_configs_the_pages_name_exist():
+    """Every `--config_file` of the README and the docs names a shipped config; the README's DDP line and the
+    getting-started page's one-process launch use them."""
+    pages = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
+    named = {path for page in pages
+             for path in re.findall(r"--config_file (configs/[\w/.-]+?\.yaml)", page.read_text("utf-8"))}
+    assert {"configs/accelerate/one_process.yaml", "configs/accelerate/multi_gpu.yaml"} <= named
     assert all((REPO / path).is_file() for path in named), named
-    setup = _code_blocks(_section("Set up a fresh machine"), "bash")[0]
+    assert "--config_file configs/accelerate/multi_gpu.yaml --num_processes 8" in README
+    launching = _section("Launching a run", (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8"))
     assert "accelerate launch --config_file configs/accelerate/one_process.yaml --quiet finetune/run.py " \
-           "recipes/quickstart.yaml" in setup
+           "recipes/quickstart.yaml" in launching

@@ -10,7 +10,7 @@ cache, a length) does not fit. A recipe's ``data.train`` streams when it is
 - ``{name: hub, path: org/dataset, split: train}``: a hub dataset (or a local dataset folder) whose data files are
   parquet or tar shards; ``options`` may give ``config``, ``revision`` and ``data_files``.
 
-Urls may be local paths, ``s3://``, ``gs://``, ``https://`` (fsspec; ``pip install 'xlipkit[remote]'``) or
+Urls may be local paths, ``s3://``, ``gs://``, ``https://`` (fsspec; ``pip install -e ".[remote]"``) or
 ``pipe:COMMAND`` (:mod:`~finetune.data.streams.urls`).
 
 The modules, bottom up: :mod:`~finetune.data.streams.urls` (patterns, opening a shard), :mod:`.tar` (tar samples,

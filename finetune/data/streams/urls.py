@@ -47,7 +47,7 @@ class ReadPolicy:
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
-#: the packages each URL scheme needs, all in ``pip install xlipkit[remote]``
+#: the packages each URL scheme needs, all in the ``remote`` extra (``pip install -e ".[remote]"``)
 #: the most shard urls a stream's patterns may expand to: 10 million, 100 billion examples at 10,000 a shard (the
 #: largest public sets, LAION-5B and DataComp-12.8B, hold about 1.3 million); a range past it is refused before it is
 #: expanded (``{0..99999999999}`` filled 4 GB and raised MemoryError)
@@ -186,7 +186,7 @@ def _fsspec_open(url: str, options: dict[str, Any]) -> IO[bytes]:
     except ImportError as error:
         scheme = url.split("://", 1)[0]
         package = REMOTE_EXTRA.get(scheme, f"the fsspec filesystem for {scheme}://")
-        raise DataError(f"reading {scheme}:// shards needs {package} ({error}): pip install 'xlipkit[remote]'") \
+        raise DataError(f"reading {scheme}:// shards needs {package} ({error}): pip install -e '.[remote]' in the clone") \
             from None
     except TypeError as error:  # a filesystem option it does not take
         raise DataError(f"cannot open {url}: {error}; check data.train.options.storage_options") from None
@@ -227,7 +227,7 @@ def open_shard(url: str, options: dict[str, Any] | None = None,
     (:mod:`~finetune.data.streams.remote`); a ``pipe:`` command runs only when ``policy.commands`` allows it.
 
     Raises:
-        DataError: a URL scheme whose package is missing (naming ``pip install 'xlipkit[remote]'``), a ``pipe:``
+        DataError: a URL scheme whose package is missing (naming ``pip install -e '.[remote]'``), a ``pipe:``
             command not allowed.
         OSError: the shard cannot be opened or read; a ``pipe:`` command that failed;
             :class:`~finetune.data.streams.remote.ReadTimeout` (an ``OSError``) for a read past the timeout.

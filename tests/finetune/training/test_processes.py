@@ -57,7 +57,7 @@ def test_a_rank_no_one_would_join_is_refused_before_any_wait(variables, said):
 
 def test_engines_a_cpu_launch_cannot_have_are_refused_naming_the_remedy():
     deepspeed = {"ACCELERATE_USE_DEEPSPEED": "true"}
-    assert "is not installed: pip install \"xlipkit[deepspeed]\"" in engine_problem(
+    assert "is not installed: pip install -e \".[deepspeed]\" in the clone" in engine_problem(
         deepspeed, accelerator=False, deepspeed=False)
     assert "accelerate drops DeepSpeed and trains plain DDP. Leave out --cpu" in engine_problem(
         {**deepspeed, "ACCELERATE_USE_CPU": "true"}, accelerator=False, deepspeed=True)
