@@ -159,6 +159,7 @@ def share_case(name: str, work: Path, batches: int, rows_of_lengths: int = 4096)
     from finetune.objectives import build_objective
     from finetune.objectives.planning import PlannedCollate
     from finetune.objectives.shapes import SHORT, TEXT, example_longest, plan_shapes, round_up
+    from finetune.training.loaders import LengthGroupedEpochSampler
 
     if name == "quickstart":
         recipe = load_recipe(RECIPES / "quickstart.yaml")
@@ -194,31 +195,54 @@ def share_case(name: str, work: Path, batches: int, rows_of_lengths: int = 4096)
              for n in example_longest(model, scan.texts.get(SHORT, []))]
     before = {TEXT: shapes.text_length, SHORT: min(shapes.text_length, round_up(max(short, default=1), 8))}
     collate = PlannedCollate(Collator(model, objective), objective, model)
+    # train.group_by_length plans the finer default ladder (grouped_buckets) from the same scan
+    grouped_shapes = plan_shapes(objective, model, rows, grouped=True)
+    out["planned_grouped"] = {k: list(v) for k, v in grouped_shapes.planned.items()}
     gen = torch.Generator().manual_seed(0)
     for size in sizes:
-        real = computed = floor = padded = 0
-        captions = {"real": 0, "computed": 0, "padded": 0}
-        for _ in range(batches):
-            index = torch.randperm(len(rows), generator=gen)[:size].tolist()
-            batch = collate([rows[i] for i in index])
-            plan = batch["_text_plan"]
-            _, reqs, _ = objective.requests(batch)
-            real += plan.real_tokens
-            computed += plan.computed_tokens
-            for kind, length in plan.lengths.items():
-                masks = [r.attention_mask for r in reqs.values() if (SHORT if r.short else TEXT) == kind]
-                if not masks:  # a term's own texts (F-CAST's chunks): not in this bench
-                    continue
-                n = sum(m.shape[0] for m in masks)
-                extent = max(int(m.sum(-1).max()) for m in masks)
-                floor += n * extent
-                padded += n * before[kind]
-            caption = batch["attention_mask"]
-            captions["real"] += int(caption.sum())
-            captions["computed"] += caption.shape[0] * plan.lengths["text"]
-            captions["padded"] += caption.shape[0] * shapes.text_length
-        out[f"batch_{size}"] = {
-            "batches": batches, "real_tokens": real, "computed_tokens": computed,
+        drawn = [torch.randperm(len(rows), generator=gen)[:size].tolist() for _ in range(batches)]
+        objective.set_shapes(shapes)
+        out[f"batch_{size}"] = entry = _shares(drawn, rows, collate, objective, shapes, before)
+        # the first batches of the sampler the training loop builds with train.group_by_length on
+        sampler = LengthGroupedEpochSampler(shapes.text_lengths, seed=0, batch_size=size)
+        sampler.total_steps = batches
+        order = [i for _, i in sampler]
+        grouped = [order[k * size:(k + 1) * size] for k in range(batches)]
+        megabatch = {"megabatch_batches": min(sampler.steps_per_epoch // 4, 50) or 1,
+                     "steps_per_epoch": sampler.steps_per_epoch}
+        entry["grouped_default_buckets"] = {**megabatch, **_shares(grouped, rows, collate, objective, shapes, before)}
+        objective.set_shapes(grouped_shapes)
+        entry["grouped"] = {**megabatch, **_shares(grouped, rows, collate, objective, grouped_shapes, before)}
+        objective.set_shapes(shapes)
+    return out
+
+
+def _shares(drawn: list[list[int]], rows: Any, collate: Any, objective: Any, shapes: Any,
+            before: dict[str, int]) -> dict[str, Any]:
+    """The padding shares of the batches ``drawn`` (lists of row indices), collated as the training loop does."""
+    from finetune.objectives.shapes import SHORT, TEXT
+
+    real = computed = floor = padded = 0
+    captions = {"real": 0, "computed": 0, "padded": 0}
+    for index in drawn:
+        batch = collate([rows[i] for i in index])
+        plan = batch["_text_plan"]
+        _, reqs, _ = objective.requests(batch)
+        real += plan.real_tokens
+        computed += plan.computed_tokens
+        for kind, length in plan.lengths.items():
+            masks = [r.attention_mask for r in reqs.values() if (SHORT if r.short else TEXT) == kind]
+            if not masks:  # a term's own texts (F-CAST's chunks): not in this bench
+                continue
+            n = sum(m.shape[0] for m in masks)
+            extent = max(int(m.sum(-1).max()) for m in masks)
+            floor += n * extent
+            padded += n * before[kind]
+        caption = batch["attention_mask"]
+        captions["real"] += int(caption.sum())
+        captions["computed"] += caption.shape[0] * plan.lengths["text"]
+        captions["padded"] += caption.shape[0] * shapes.text_length
+    return {"batches": len(drawn), "real_tokens": real, "computed_tokens": computed,
             "padding_share": 1 - real / computed, "padding_share_floor": 1 - real / floor,
             "padding_share_padded_to_max": 1 - real / padded,
             "captions_padding_share": 1 - captions["real"] / captions["computed"],
@@ -325,6 +349,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               f"{v['captions_padding_share']:.1%}; padded to {r['max_text_len']}: "
                               f"{v['padding_share_padded_to_max']:.1%}; floor (each pass at its longest row): "
                               f"{v['padding_share_floor']:.1%}", flush=True)
+                        g, alone = v["grouped"], v["grouped_default_buckets"]
+                        ok = "met" if g["padding_share"] <= GOALS["padding_share"] else "NOT met"
+                        print(f"{name} ({key.replace('_', ' ')}), train.group_by_length: padding "
+                              f"{g['padding_share']:.1%} (goal <= {GOALS['padding_share']:.0%}: {ok}); captions "
+                              f"alone {g['captions_padding_share']:.1%}; grouped at the multiples of 32: "
+                              f"{alone['padding_share']:.1%}; floor {g['padding_share_floor']:.1%} "
+                              f"({g['megabatch_batches']} batches per megabatch)", flush=True)
         if args.only != "share":
             trees = {"buckets": ROOT, "padded": _baseline_tree(args.baseline, work / "baseline")}
             result["steps"] = dict(result.get("steps") or {})  # the cases not run now keep their last figures

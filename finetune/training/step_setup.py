@@ -123,7 +123,7 @@ def setup_step(model: Any, objective: Any, cfg: Any, dataset: Any, device: torch
 
     Args:
         model: the model being trained; ``objective``: its objective.
-        cfg: the recipe's ``train`` section (``attention``, ``compile``, ``text_buckets``).
+        cfg: the recipe's ``train`` section (``attention``, ``compile``, ``text_buckets``, ``group_by_length``).
         dataset: the preprocessed training set, or a stream (nothing is scanned then).
         device: the training device.
 
@@ -131,7 +131,8 @@ def setup_step(model: Any, objective: Any, cfg: Any, dataset: Any, device: torch
         ValueError: a ``train.text_buckets`` list the model cannot take
             (:func:`~finetune.objectives.shapes.run_buckets`).
     """
-    shapes = plan_shapes(objective, model, dataset, getattr(cfg, "text_buckets", None))
+    shapes = plan_shapes(objective, model, dataset, getattr(cfg, "text_buckets", None),
+                         grouped=bool(getattr(cfg, "group_by_length", False)))
     objective.set_shapes(shapes)
     caps = ", ".join(f"{k} {v}" for k, v in sorted(shapes.capacities.items()))
     log.info("batch shapes: text passes padded to the smallest planned length that holds their longest row (%s)%s",
