@@ -8,7 +8,9 @@ Figures, each printed beside its goal:
 - **padding share** (share of the text tokens the passes compute that are padding; goal <= 25 %), from batches
   collated as the training loop collates them (``PlannedCollate``: the plan chooses each pass's length on the
   host), with buckets, padded to the maximum, and the floor of any padding to a rectangle (each pass at its own
-  longest row), over ``--share-batches`` batches drawn as the sampler draws them, on three training sets:
+  longest row), over ``--share-batches`` batches drawn as the sampler draws them, and with ``train.group_by_length``
+  (the first batches of its sampler, padded to the lengths planned with it: :func:`grouped_buckets`; also at the
+  multiples of 32, to show what the grouping alone does), on three training sets:
   ``quickstart`` (``recipes/quickstart.yaml``: clip + StructXLIP on its 2,000 synthetic scenes, small-clip's CLIP
   tokenizer, 248 positions, batch 16), ``docci-lengths`` (``recipes/longclip_docci.yaml``'s clip objective, CLIP
   tokenizer, 248 positions, on captions with DOCCI's lengths, batch 16 and the GPU benchmark's 256) and
@@ -25,7 +27,8 @@ Figures, each printed beside its goal:
   quickstart recipe from ``random:small-clip``, ``--steps`` steps; goal: >= 1.5x faster than padding to 248) and
   ``grm-coco`` (the GRM COCO recipe as shipped on tiny towers: a 2-layer ViT and a 2-layer BERT with BERT-base's
   512 positions, the COCO-length captions, batch ``--grm-batch``; padded, every caption runs at 512 in BERT, in
-  eq. 7's token-wise similarity and in the token gates).
+  eq. 7's token-wise similarity and in the token gates); the cases in ``--grouped-cases`` (the quickstart) also
+  with ``train.group_by_length=true``, interleaved with the other two.
 
     python bench/buckets.py                    # everything: bench/results/buckets.json
     python bench/buckets.py --only share       # the padding shares alone (no training run)
@@ -275,9 +278,12 @@ def _step_overrides(case: str, work: Path, steps: int, grm_batch: int) -> tuple[
         "train.epochs=null"]
 
 
-def timed_run(tree: Path, case: str, work: Path, args: argparse.Namespace, tag: str) -> dict[str, Any]:
-    """One training run of ``case`` by ``tree``'s ``finetune/run.py`` in a fresh process: its steady s/step."""
+def timed_run(tree: Path, case: str, work: Path, args: argparse.Namespace, tag: str,
+              extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One training run of ``case`` by ``tree``'s ``finetune/run.py`` in a fresh process (with the overrides
+    ``extra``): its steady s/step."""
     recipe, overrides = _step_overrides(case, work, args.steps, args.grm_batch)
+    overrides = overrides + list(extra)
     out = work / f"run-{tag}"
     env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
@@ -296,17 +302,30 @@ def timed_run(tree: Path, case: str, work: Path, args: argparse.Namespace, tag: 
 
 
 def step_case(case: str, trees: dict[str, Path], work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+    """``case`` run by each tree (``buckets``: this checkout, ``padded``: the baseline), and for the cases in
+    ``--grouped-cases`` by this checkout with ``train.group_by_length=true`` too (``grouped``), interleaved."""
+    variants = {label: (tree, ()) for label, tree in trees.items()}
+    if case in args.grouped_cases.split(","):
+        variants = {"buckets": variants["buckets"], "grouped": (trees["buckets"], ("train.group_by_length=true",)),
+                    "padded": variants["padded"]}
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in variants}
     for r in range(args.rounds):
-        for label in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-            result = timed_run(trees[label], case, work, args, f"{case}-{label}-{r}")
+        for label in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            tree, extra = variants[label]
+            result = timed_run(tree, case, work, args, f"{case}-{label}-{r}", extra)
             runs[label].append(result)
             print(f"  {case} round {r + 1} [{label}]: {result['s_per_step']:.3f} s/step "
                   f"({result['wall_s']:.0f} s in all)", flush=True)
     best = {label: min(x["s_per_step"] for x in v) for label, v in runs.items()}
     ratios = [b["s_per_step"] / a["s_per_step"] for a, b in zip(runs["buckets"], runs["padded"])]
-    return {"runs": runs, "best_s_per_step": best, "speedup_best": best["padded"] / best["buckets"],
-            "speedup_per_round": ratios, "speedup_median": statistics.median(ratios)}
+    out = {"runs": runs, "best_s_per_step": best, "speedup_best": best["padded"] / best["buckets"],
+           "speedup_per_round": ratios, "speedup_median": statistics.median(ratios)}
+    if "grouped" in runs:  # grouped against padded to the maximum, and against buckets alone, round by round
+        out["grouped_speedup_best"] = best["padded"] / best["grouped"]
+        out["grouped_vs_buckets_best"] = best["buckets"] / best["grouped"]
+        out["grouped_vs_buckets_per_round"] = [a["s_per_step"] / g["s_per_step"]
+                                               for a, g in zip(runs["buckets"], runs["grouped"])]
+    return out
 
 
 # -- main ----------------------------------------------------------------------------------------------------------
@@ -321,6 +340,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("share", "steps"), default=None)
     p.add_argument("--cases", default="quickstart,grm-coco", help="s/step cases (quickstart, grm-coco)")
+    p.add_argument("--grouped-cases", default="quickstart",
+                   help="s/step cases also run with train.group_by_length=true")
     p.add_argument("--share-batches", type=int, default=50)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--grm-batch", type=int, default=32)
@@ -368,6 +389,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"{case}: {r['best_s_per_step']['buckets']:.3f} s/step with buckets, "
                       f"{r['best_s_per_step']['padded']:.3f} padded to the maximum: {r['speedup_best']:.2f}x faster "
                       f"(median of the rounds {r['speedup_median']:.2f}x){goal}", flush=True)
+                if "grouped" in r["best_s_per_step"]:
+                    print(f"{case}, train.group_by_length: {r['best_s_per_step']['grouped']:.3f} s/step, "
+                          f"{r['grouped_speedup_best']:.2f}x faster than padded to the maximum, "
+                          f"{r['grouped_vs_buckets_best']:.2f}x against buckets alone (per round: "
+                          f"{', '.join(f'{x:.2f}' for x in r['grouped_vs_buckets_per_round'])})", flush=True)
     result["load_average_at_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

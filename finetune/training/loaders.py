@@ -6,6 +6,7 @@ With ``train.group_by_length`` (opt-in) the batches of an epoch hold captions of
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Callable, Iterator
 
@@ -18,6 +19,8 @@ from finetune.training.signals import worker_signals
 
 __all__ = ["EpochIndexed", "EpochShuffleSampler", "GROUP_KEY", "LengthGroupedEpochSampler", "PREFETCH_BATCHES",
            "STREAM_GROUPING", "map_loader"]
+
+log = logging.getLogger("xlipkit")
 
 #: batches each data-loader worker keeps ready (``DataLoader(prefetch_factor=...)``)
 PREFETCH_BATCHES = 4
@@ -167,6 +170,10 @@ def map_loader(dataset: Any, collate_fn: Callable, cfg: Any, num_workers: int,
                 f"{'no' if lengths is None else len(lengths)} caption lengths were measured; set {GROUP_KEY}: false")
         sampler: EpochShuffleSampler = LengthGroupedEpochSampler(
             lengths, cfg.seed, cfg.batch_size, getattr(cfg, "length_group_batches", None))
+        per = sampler.megabatch or max(1, min(sampler.steps_per_epoch // 4, 50))  # transformers' default
+        log.info("%s: each batch holds captions of similar lengths (%d to %d tokens in the training set), sorted "
+                 "together %d batches at a time; the batches' order is shuffled", GROUP_KEY, min(lengths),
+                 max(lengths), per)
     else:
         sampler = EpochShuffleSampler(len(dataset), cfg.seed, cfg.batch_size)
     if sampler.steps_per_epoch == 0:

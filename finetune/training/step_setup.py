@@ -23,7 +23,7 @@ import torch
 from finetune.models.backends.attention import SdpaCalls, attention_context, describe_attention
 from finetune.models.compile import compile_blocks, compile_options, compiled_graphs
 from finetune.objectives.base import TEXT_PLAN
-from finetune.objectives.shapes import BatchShapes, plan_shapes
+from finetune.objectives.shapes import BatchShapes, is_causal_tower, plan_shapes
 
 __all__ = ["StepSetup", "setup_step"]
 
@@ -134,6 +134,10 @@ def setup_step(model: Any, objective: Any, cfg: Any, dataset: Any, device: torch
     shapes = plan_shapes(objective, model, dataset, getattr(cfg, "text_buckets", None),
                          grouped=bool(getattr(cfg, "group_by_length", False)))
     objective.set_shapes(shapes)
+    if getattr(cfg, "group_by_length", False) and not is_causal_tower(model):
+        log.warning("train.group_by_length: the %s text tower reads its padding, so every caption pass keeps "
+                    "max_text_len (%d): grouping by length changes which captions share a batch and saves nothing "
+                    "here; set train.group_by_length: false", getattr(model, "family", "?"), shapes.text_length)
     caps = ", ".join(f"{k} {v}" for k, v in sorted(shapes.capacities.items()))
     log.info("batch shapes: text passes padded to the smallest planned length that holds their longest row (%s)%s",
              "; ".join(f"{k} {list(v)}" for k, v in sorted(shapes.planned.items())),
