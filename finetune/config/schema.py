@@ -300,7 +300,8 @@ class TrainConfig:
         "then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend tried first")] = "auto"
     text_buckets: Annotated[list[Int] | None, AfterValidator(_text_buckets), _doc(
         "lengths a text pass is padded to, the smallest that holds its longest text (model.max_text_len added as the "
-        "last); null: the multiples of 32 below model.max_text_len")] = None
+        "last); null: the multiples of 32 below model.max_text_len (with group_by_length: four per doubling, 8, 12, "
+        "16, 20, 24, 28, 32, 40, ...)")] = None
     group_by_length: Annotated[Bool, _doc(
         "opt-in: batches of captions of similar token counts (map-style data.train only), so that a text pass padded "
         "to its bucket computes little padding. It changes which captions share a contrastive batch (each other's "
