@@ -31,7 +31,7 @@ from finetune.data.streams.index import build_index, changed_shards
 from finetune.data.streams.source import ShardSet
 from finetune.data.streams.urls import ReadPolicy, open_shard
 from tests.finetune.data.test_stream_sources import _upload, s3_server  # noqa: F401 - the fixture
-from tests.finetune.data.test_streams import _Record, _scenes, write_webdataset
+from tests.finetune.data.test_streams import _record, _scenes, write_webdataset
 
 TRUSTED = ReadPolicy(commands=True)
 QUICK = ReadPolicy(timeout_s=1.0)
@@ -120,8 +120,7 @@ def test_the_trust_travels_with_the_stream_into_data_loader_workers(tmp_path):
     spec = {"name": "webdataset", "urls": [f"pipe:cat {p}" for p in paths], "shuffle_buffer": 0}
 
     def ids(source: ShardSet) -> list[str]:
-        record = _Record()
-        loader = StreamLoader(ExampleStream(source, spec), batch_size=2, collate_fn=record, num_workers=2)
+        loader = StreamLoader(ExampleStream(source, spec), batch_size=2, collate_fn=_record, num_workers=2)
         it = iter(loader)
         try:
             return sorted(i for _ in range(4) for i in next(it)["ids"])
@@ -428,8 +427,7 @@ def test_a_shard_that_is_no_tar_is_counted_as_skipped(tmp_path, num_workers):
     spec = {"name": "webdataset", "urls": urls, "shuffle_buffer": 0}
     source = open_stream(spec)
     assert source.index.counts == [4, 0, 4, 0] and len(source.index.broken) == 2
-    record = _Record()
-    loader = StreamLoader(ExampleStream(source, spec), batch_size=2, collate_fn=record, num_workers=num_workers)
+    loader = StreamLoader(ExampleStream(source, spec), batch_size=2, collate_fn=_record, num_workers=num_workers)
     it = iter(loader)
     ids = [i for _ in range(4) for i in next(it)["ids"]]  # one epoch
     assert sorted(ids) == sorted(s["id"] for s in scenes)
