@@ -8,7 +8,9 @@ Figures, each printed beside its goal:
 - **padding share** (share of the text tokens the passes compute that are padding; goal <= 25 %), from batches
   collated as the training loop collates them (``PlannedCollate``: the plan chooses each pass's length on the
   host), with buckets, padded to the maximum, and the floor of any padding to a rectangle (each pass at its own
-  longest row), over ``--share-batches`` batches drawn as the sampler draws them, on three training sets:
+  longest row), over ``--share-batches`` batches drawn as the sampler draws them, and with ``train.group_by_length``
+  (the first batches of its sampler, padded to the lengths planned with it: :func:`grouped_buckets`; also at the
+  multiples of 32, to show what the grouping alone does), on three training sets:
   ``quickstart`` (``recipes/quickstart.yaml``: clip + StructXLIP on its 2,000 synthetic scenes, small-clip's CLIP
   tokenizer, 248 positions, batch 16), ``docci-lengths`` (``recipes/longclip_docci.yaml``'s clip objective, CLIP
   tokenizer, 248 positions, on captions with DOCCI's lengths, batch 16 and the GPU benchmark's 256) and
@@ -25,7 +27,8 @@ Figures, each printed beside its goal:
   quickstart recipe from ``random:small-clip``, ``--steps`` steps; goal: >= 1.5x faster than padding to 248) and
   ``grm-coco`` (the GRM COCO recipe as shipped on tiny towers: a 2-layer ViT and a 2-layer BERT with BERT-base's
   512 positions, the COCO-length captions, batch ``--grm-batch``; padded, every caption runs at 512 in BERT, in
-  eq. 7's token-wise similarity and in the token gates).
+  eq. 7's token-wise similarity and in the token gates); ``quickstart-grouped``: the quickstart with
+  ``train.group_by_length=true`` against this checkout without it (no goal: the figure asked for).
 
     python bench/buckets.py                    # everything: bench/results/buckets.json
     python bench/buckets.py --only share       # the padding shares alone (no training run)
@@ -53,6 +56,8 @@ RECIPES = ROOT / "recipes"
 #: the tree before buckets: captions padded to max_text_len, short texts to the training set's longest
 BASELINE = "d972037"
 GOALS = {"padding_share": 0.25, "quickstart_speedup": 1.5}
+#: the s/step case of the quickstart with train.group_by_length against the same checkout without it
+GROUPED_CASE = "quickstart-grouped"
 
 
 # -- captions with real lengths ----------------------------------------------------------------------------------
@@ -159,6 +164,7 @@ def share_case(name: str, work: Path, batches: int, rows_of_lengths: int = 4096)
     from finetune.objectives import build_objective
     from finetune.objectives.planning import PlannedCollate
     from finetune.objectives.shapes import SHORT, TEXT, example_longest, plan_shapes, round_up
+    from finetune.training.loaders import LengthGroupedEpochSampler
 
     if name == "quickstart":
         recipe = load_recipe(RECIPES / "quickstart.yaml")
@@ -194,31 +200,54 @@ def share_case(name: str, work: Path, batches: int, rows_of_lengths: int = 4096)
              for n in example_longest(model, scan.texts.get(SHORT, []))]
     before = {TEXT: shapes.text_length, SHORT: min(shapes.text_length, round_up(max(short, default=1), 8))}
     collate = PlannedCollate(Collator(model, objective), objective, model)
+    # train.group_by_length plans the finer default ladder (grouped_buckets) from the same scan
+    grouped_shapes = plan_shapes(objective, model, rows, grouped=True)
+    out["planned_grouped"] = {k: list(v) for k, v in grouped_shapes.planned.items()}
     gen = torch.Generator().manual_seed(0)
     for size in sizes:
-        real = computed = floor = padded = 0
-        captions = {"real": 0, "computed": 0, "padded": 0}
-        for _ in range(batches):
-            index = torch.randperm(len(rows), generator=gen)[:size].tolist()
-            batch = collate([rows[i] for i in index])
-            plan = batch["_text_plan"]
-            _, reqs, _ = objective.requests(batch)
-            real += plan.real_tokens
-            computed += plan.computed_tokens
-            for kind, length in plan.lengths.items():
-                masks = [r.attention_mask for r in reqs.values() if (SHORT if r.short else TEXT) == kind]
-                if not masks:  # a term's own texts (F-CAST's chunks): not in this bench
-                    continue
-                n = sum(m.shape[0] for m in masks)
-                extent = max(int(m.sum(-1).max()) for m in masks)
-                floor += n * extent
-                padded += n * before[kind]
-            caption = batch["attention_mask"]
-            captions["real"] += int(caption.sum())
-            captions["computed"] += caption.shape[0] * plan.lengths["text"]
-            captions["padded"] += caption.shape[0] * shapes.text_length
-        out[f"batch_{size}"] = {
-            "batches": batches, "real_tokens": real, "computed_tokens": computed,
+        drawn = [torch.randperm(len(rows), generator=gen)[:size].tolist() for _ in range(batches)]
+        objective.set_shapes(shapes)
+        out[f"batch_{size}"] = entry = _shares(drawn, rows, collate, objective, shapes, before)
+        # the first batches of the sampler the training loop builds with train.group_by_length on
+        sampler = LengthGroupedEpochSampler(shapes.text_lengths, seed=0, batch_size=size)
+        sampler.total_steps = batches
+        order = [i for _, i in sampler]
+        grouped = [order[k * size:(k + 1) * size] for k in range(batches)]
+        megabatch = {"megabatch_batches": min(sampler.steps_per_epoch // 4, 50) or 1,
+                     "steps_per_epoch": sampler.steps_per_epoch}
+        entry["grouped_default_buckets"] = {**megabatch, **_shares(grouped, rows, collate, objective, shapes, before)}
+        objective.set_shapes(grouped_shapes)
+        entry["grouped"] = {**megabatch, **_shares(grouped, rows, collate, objective, grouped_shapes, before)}
+        objective.set_shapes(shapes)
+    return out
+
+
+def _shares(drawn: list[list[int]], rows: Any, collate: Any, objective: Any, shapes: Any,
+            before: dict[str, int]) -> dict[str, Any]:
+    """The padding shares of the batches ``drawn`` (lists of row indices), collated as the training loop does."""
+    from finetune.objectives.shapes import SHORT, TEXT
+
+    real = computed = floor = padded = 0
+    captions = {"real": 0, "computed": 0, "padded": 0}
+    for index in drawn:
+        batch = collate([rows[i] for i in index])
+        plan = batch["_text_plan"]
+        _, reqs, _ = objective.requests(batch)
+        real += plan.real_tokens
+        computed += plan.computed_tokens
+        for kind, length in plan.lengths.items():
+            masks = [r.attention_mask for r in reqs.values() if (SHORT if r.short else TEXT) == kind]
+            if not masks:  # a term's own texts (F-CAST's chunks): not in this bench
+                continue
+            n = sum(m.shape[0] for m in masks)
+            extent = max(int(m.sum(-1).max()) for m in masks)
+            floor += n * extent
+            padded += n * before[kind]
+        caption = batch["attention_mask"]
+        captions["real"] += int(caption.sum())
+        captions["computed"] += caption.shape[0] * plan.lengths["text"]
+        captions["padded"] += caption.shape[0] * shapes.text_length
+    return {"batches": len(drawn), "real_tokens": real, "computed_tokens": computed,
             "padding_share": 1 - real / computed, "padding_share_floor": 1 - real / floor,
             "padding_share_padded_to_max": 1 - real / padded,
             "captions_padding_share": 1 - captions["real"] / captions["computed"],
@@ -251,9 +280,12 @@ def _step_overrides(case: str, work: Path, steps: int, grm_batch: int) -> tuple[
         "train.epochs=null"]
 
 
-def timed_run(tree: Path, case: str, work: Path, args: argparse.Namespace, tag: str) -> dict[str, Any]:
-    """One training run of ``case`` by ``tree``'s ``finetune/run.py`` in a fresh process: its steady s/step."""
+def timed_run(tree: Path, case: str, work: Path, args: argparse.Namespace, tag: str,
+              extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One training run of ``case`` by ``tree``'s ``finetune/run.py`` in a fresh process (with the overrides
+    ``extra``): its steady s/step."""
     recipe, overrides = _step_overrides(case, work, args.steps, args.grm_batch)
+    overrides = overrides + list(extra)
     out = work / f"run-{tag}"
     env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
@@ -272,16 +304,25 @@ def timed_run(tree: Path, case: str, work: Path, args: argparse.Namespace, tag: 
 
 
 def step_case(case: str, trees: dict[str, Path], work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+    """``case`` run by each tree (``buckets``: this checkout, ``padded``: the baseline) in turn, ``--rounds`` rounds;
+    ``quickstart-grouped``: the quickstart by this checkout as it is (``buckets``) and with
+    ``train.group_by_length=true`` (``grouped``)."""
+    if case == GROUPED_CASE:
+        variants = {"buckets": (trees["buckets"], ()), "grouped": (trees["buckets"], ("train.group_by_length=true",))}
+    else:
+        variants = {label: (tree, ()) for label, tree in trees.items()}
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in variants}
     for r in range(args.rounds):
-        for label in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-            result = timed_run(trees[label], case, work, args, f"{case}-{label}-{r}")
+        for label in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            tree, extra = variants[label]
+            result = timed_run(tree, case.removesuffix("-grouped"), work, args, f"{case}-{label}-{r}", extra)
             runs[label].append(result)
             print(f"  {case} round {r + 1} [{label}]: {result['s_per_step']:.3f} s/step "
                   f"({result['wall_s']:.0f} s in all)", flush=True)
     best = {label: min(x["s_per_step"] for x in v) for label, v in runs.items()}
-    ratios = [b["s_per_step"] / a["s_per_step"] for a, b in zip(runs["buckets"], runs["padded"])]
-    return {"runs": runs, "best_s_per_step": best, "speedup_best": best["padded"] / best["buckets"],
+    slow, fast = ("buckets", "grouped") if case == GROUPED_CASE else ("padded", "buckets")
+    ratios = [b["s_per_step"] / a["s_per_step"] for a, b in zip(runs[fast], runs[slow])]
+    return {"runs": runs, "best_s_per_step": best, "speedup_best": best[slow] / best[fast],
             "speedup_per_round": ratios, "speedup_median": statistics.median(ratios)}
 
 
@@ -296,7 +337,8 @@ def _machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("share", "steps"), default=None)
-    p.add_argument("--cases", default="quickstart,grm-coco", help="s/step cases (quickstart, grm-coco)")
+    p.add_argument("--cases", default=f"quickstart,grm-coco,{GROUPED_CASE}",
+                   help=f"s/step cases (quickstart, grm-coco, {GROUPED_CASE})")
     p.add_argument("--share-batches", type=int, default=50)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--grm-batch", type=int, default=32)
@@ -325,12 +367,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               f"{v['captions_padding_share']:.1%}; padded to {r['max_text_len']}: "
                               f"{v['padding_share_padded_to_max']:.1%}; floor (each pass at its longest row): "
                               f"{v['padding_share_floor']:.1%}", flush=True)
+                        g, alone = v["grouped"], v["grouped_default_buckets"]
+                        ok = "met" if g["padding_share"] <= GOALS["padding_share"] else "NOT met"
+                        print(f"{name} ({key.replace('_', ' ')}), train.group_by_length: padding "
+                              f"{g['padding_share']:.1%} (goal <= {GOALS['padding_share']:.0%}: {ok}); captions "
+                              f"alone {g['captions_padding_share']:.1%}; grouped at the multiples of 32: "
+                              f"{alone['padding_share']:.1%}; floor {g['padding_share_floor']:.1%} "
+                              f"({g['megabatch_batches']} batches per megabatch)", flush=True)
         if args.only != "share":
             trees = {"buckets": ROOT, "padded": _baseline_tree(args.baseline, work / "baseline")}
             result["steps"] = dict(result.get("steps") or {})  # the cases not run now keep their last figures
             for case in [c for c in args.cases.split(",") if c]:
                 r = step_case(case, trees, work, args)
                 result["steps"][case] = r
+                if case == GROUPED_CASE:
+                    print(f"{case}: {r['best_s_per_step']['grouped']:.3f} s/step with train.group_by_length, "
+                          f"{r['best_s_per_step']['buckets']:.3f} without: {r['speedup_best']:.2f}x (median of the "
+                          f"rounds {r['speedup_median']:.2f}x; no goal: the figure asked for)", flush=True)
+                    continue
                 goal = f" (goal >= {GOALS['quickstart_speedup']}x: " + (
                     "met)" if r["speedup_best"] >= GOALS["quickstart_speedup"] else "NOT met)") if case == \
                     "quickstart" else " (no goal: the figure asked for)"

@@ -44,8 +44,8 @@ from finetune.config.terms import (_TERMS_MARK, _import_objectives, _import_user
                                    registered_term_configs)
 from finetune.config.sources import (SourceEntry, _default_eval_sets, _default_train_source, _no_streams,
                                      _validate_source_list)
-from finetune.config.values import (Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter, _betas, _doc,
-                                    _float, _int, _positive_ints, _text_buckets, _yaml_word)
+from finetune.config.values import (STREAM_GROUPING, Bool, Float, Int, NonEmptyStr, Str, UnitInterval, _adapter,
+                                    _betas, _doc, _float, _int, _positive_ints, _text_buckets, _yaml_word)
 
 # -- the sections ---------------------------------------------------------------------------------
 _SECTION_CONFIG = ConfigDict(extra="forbid", populate_by_name=True)
@@ -300,7 +300,16 @@ class TrainConfig:
         "then math; CPU: PyTorch's choice), torch (PyTorch's own choice), or one backend tried first")] = "auto"
     text_buckets: Annotated[list[Int] | None, AfterValidator(_text_buckets), _doc(
         "lengths a text pass is padded to, the smallest that holds its longest text (model.max_text_len added as the "
-        "last); null: the multiples of 32 below model.max_text_len")] = None
+        "last); null: the multiples of 32 below model.max_text_len (with group_by_length: four per doubling, 8, 12, "
+        "16, 20, 24, 28, 32, 40, ...)")] = None
+    group_by_length: Annotated[Bool, _doc(
+        "opt-in: batches of captions of similar token counts (map-style data.train only), so that a text pass padded "
+        "to its bucket computes little padding. It changes which captions share a contrastive batch (each other's "
+        "negatives): this toolkit's choice, not the papers', which draw batches uniformly")] = False
+    length_group_batches: Annotated[_int(ge=1) | None, _doc(
+        "with group_by_length: batches per megabatch, the examples sorted by length together; larger groups tighter "
+        "and leaves less chance in which captions meet; null: transformers' default, 50 or a quarter of an "
+        "epoch's batches, whichever is smaller")] = None
     process_group_timeout_s: Annotated[_int(ge=1, le=2_592_000), _doc(
         "seconds a process waits for the others at a collective or the rendezvous (a first download or preprocessing "
         "included) before the run fails; NCCL's default is 600; at most 30 days")] = 7200
@@ -405,6 +414,12 @@ def _cross_checks(recipe: Recipe, origins: _Origins) -> None:
     if t.min_lr > t.lr:
         raise origins.error_any([("train", "min_lr"), ("train", "lr")],
                                 f"`train.min_lr` ({t.min_lr:g}) is above `train.lr` ({t.lr:g}); lower it")
+    if t.length_group_batches is not None and not t.group_by_length:
+        raise origins.error_any([("train", "length_group_batches"), ("train", "group_by_length")],
+                                f"`train.length_group_batches` ({t.length_group_batches}) only applies with "
+                                "`train.group_by_length: true`; set that, or remove length_group_batches")
+    if t.group_by_length and recipe.data.train.is_stream:
+        raise origins.error_any([("train", "group_by_length"), ("data", "train")], STREAM_GROUPING)
     m = recipe.model
     if t.text_buckets and m.max_text_len is not None and t.text_buckets[-1] > m.max_text_len:
         raise origins.error_any([("train", "text_buckets"), ("model", "max_text_len")], f"`train.text_buckets` reaches "

@@ -74,6 +74,13 @@ def _betas(value: tuple[float, float]) -> tuple[float, float]:
     return value
 
 
+#: the recipe key of length-grouped batches, and why a stream refuses it (the recipe check and the loader say it)
+GROUP_KEY = "train.group_by_length"
+STREAM_GROUPING = (f"{GROUP_KEY}: true needs a map-style data.train: a stream (webdataset, hub, parquet urls) is read "
+                   "shard by shard, so its captions' lengths are not known before training and cannot be sorted into "
+                   f"batches; set {GROUP_KEY}: false, or train on a map-style source")
+
+
 def _text_buckets(value: list[int] | None) -> list[int] | None:
     """``train.text_buckets``: null, or token counts >= 1 in strictly increasing order."""
     if value is None:

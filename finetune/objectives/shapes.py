@@ -9,7 +9,8 @@ quickstart's captions fill 97 of 248 columns, COCO's about 13 of BERT's 512). So
 from :class:`BatchShapes`:
 
 - **columns, by length buckets**: the run's lengths (:func:`run_buckets`: ``train.text_buckets``, by default the
-  multiples of :data:`BUCKET_STEP` below ``max_text_len`` and ``max_text_len`` itself). The texts of one *kind* go
+  multiples of :data:`BUCKET_STEP` below ``max_text_len`` and ``max_text_len`` itself; under
+  ``train.group_by_length`` four lengths per doubling, :func:`grouped_buckets`). The texts of one *kind* go
   through the tower in one pass, padded on the right to the smallest length that holds the pass's longest row:
   :data:`TEXT` (captions and the texts like them: filtered captions, FLAIR's sub-captions, GRM's BERT captions),
   :data:`SHORT` (the requests a term marks as short: StructXLIP's chunks, FAST-GOAL's sentences, Long-CLIP's
@@ -62,6 +63,19 @@ def default_buckets(max_len: int, step: int = BUCKET_STEP) -> tuple[int, ...]:
     """The multiples of ``step`` below ``max_len``, then ``max_len``: ``(32, 64, ..., 224, 248)`` for 248."""
     max_len = int(max_len)
     return tuple(range(step, max_len, step)) + (max_len,)
+
+
+def grouped_buckets(max_len: int) -> tuple[int, ...]:
+    """The default bucket lengths under ``train.group_by_length``: four per doubling (multiples of a quarter of the
+    power of two below, at least 4) below ``max_len``, then ``max_len``: ``(8, 12, 16, 20, 24, 28, 32, 40, 48, 56,
+    64, 80, ..., 224, 248)`` for 248. A grouped batch's longest text sits near its others, so the gap to the next
+    bucket is most of the padding left: no bucket is more than 1.5x the one below it (1.25x from 16 on), where the
+    multiples of 32 leave COCO's captions of 11-28 tokens at 32."""
+    max_len, out, n = int(max_len), [], 8
+    while n < max_len:
+        out.append(n)
+        n += max(4, 1 << (n.bit_length() - 3))
+    return tuple(out) + (max_len,)
 
 
 def run_buckets(max_len: int, setting: Sequence[int] | None = None, *, key: str = BUCKETS_KEY) -> tuple[int, ...]:
@@ -127,11 +141,16 @@ class BatchShapes:
         planned: ``{kind: lengths}``, the lengths the passes of each kind take (a subset of ``buckets``, or
             ``(max_text_len,)`` for a tower that reads its padding).
         capacities: rows per sample of the requests whose count varies (``structxlip/chunks``, ...).
+        text_lengths: per example of a scanned map-style training set (row order), the tokens of its longest
+            :data:`TEXT` text (its caption, or a longer text a term encodes with it), which decides the length of the
+            pass it joins; None when nothing was scanned (a stream). What ``train.group_by_length`` groups by
+            (:class:`finetune.training.loaders.LengthGroupedEpochSampler`), so that the texts are tokenised once.
     """
 
     buckets: tuple[int, ...]
     planned: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     capacities: Mapping[str, int] = field(default_factory=dict)
+    text_lengths: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def text_length(self) -> int:
@@ -229,7 +248,8 @@ def _merge(a: list[int] | None, b: list[int]) -> list[int]:
     return a + b
 
 
-def plan_shapes(objective: Any, model: Any, dataset: Any = None, buckets: Sequence[int] | None = None) -> BatchShapes:
+def plan_shapes(objective: Any, model: Any, dataset: Any = None, buckets: Sequence[int] | None = None, *,
+                grouped: bool = False) -> BatchShapes:
     """The :class:`BatchShapes` of a run, decided before training from the model and, for map-style data, the
     training set after the objective's preprocessing: its ``caption`` column (the :data:`TEXT` kind) and each
     term's :meth:`~finetune.objectives.base.Term.shape_scan`.
@@ -239,12 +259,15 @@ def plan_shapes(objective: Any, model: Any, dataset: Any = None, buckets: Sequen
         model: the DualEncoder being trained.
         dataset: the preprocessed training set (``len`` and rows), or None / a stream: then no text is scanned and
             every kind plans every bucket.
-        buckets: ``train.text_buckets`` (None: the default, :func:`default_buckets`).
+        buckets: ``train.text_buckets`` (None: the default, :func:`default_buckets`, or :func:`grouped_buckets`
+            with ``grouped``).
+        grouped: ``train.group_by_length``: batches of similar lengths, which the finer default ladder serves.
 
     Raises:
         ValueError: a bad ``buckets`` list (:func:`run_buckets`).
     """
-    run = run_buckets(int(model.max_text_len), buckets)
+    max_len = int(model.max_text_len)
+    run = grouped_buckets(max_len) if grouped and buckets is None else run_buckets(max_len, buckets)
     rows = None if _streamed(dataset) else dataset
     longest: dict[str, list[int] | None] = {}
     open_kinds: set[str] = set()
@@ -271,7 +294,8 @@ def plan_shapes(objective: Any, model: Any, dataset: Any = None, buckets: Sequen
             planned[kind] = run
         else:
             planned[kind] = tight_buckets(longest[kind], run)
-    return BatchShapes(run, planned, capacities)
+    text_lengths = longest.get(TEXT)
+    return BatchShapes(run, planned, capacities, None if text_lengths is None else tuple(text_lengths))
 
 
 def tight_buckets(lengths: Sequence[int], buckets: Sequence[int]) -> tuple[int, ...]:

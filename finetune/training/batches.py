@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from finetune.data.streams import StreamLoader
 from finetune.objectives.planning import PlannedCollate
 from finetune.training.checkpoint import TrainState
 from finetune.training.epochs import EpochLedger, count_batch
-from finetune.training.loaders import map_loader
+from finetune.training.loaders import STREAM_GROUPING, map_loader
 from finetune.training.signals import worker_signals
 
 log = logging.getLogger("xlipkit")
@@ -63,7 +63,7 @@ def collate_stack(model: Any, objective: Any, rows: Any, cfg: Any, *, on_error: 
 
 
 def open_batches(accelerator: Any, rows: Any, collate_fn: Callable, cfg: Any, state: TrainState, *,
-                 num_workers: int = 0) -> "Batches":
+                 num_workers: int = 0, lengths: Sequence[int] | None = None) -> "Batches":
     """The loader of ``rows`` (:class:`Batches`).
 
     A stream gets its own loader (:class:`~finetune.data.streams.StreamLoader`): each process reads its own share with
@@ -71,19 +71,23 @@ def open_batches(accelerator: Any, rows: Any, collate_fn: Callable, cfg: Any, st
     ``train.max_steps`` steps. Map-style data: :func:`~finetune.training.loaders.map_loader` (the global batch;
     accelerate splits it over the processes with ``split_batches=True``, prepared here without placing batches on the
     device, which :class:`~finetune.data.prefetch.DevicePrefetcher` does), over ``train.max_steps`` or
-    ``train.epochs``.
+    ``train.epochs``; ``lengths`` (per example, :attr:`~finetune.objectives.shapes.BatchShapes.text_lengths`) are
+    what ``train.group_by_length`` groups its batches by.
 
     Raises:
-        ValueError: a stream without ``train.max_steps``; fewer examples than one batch.
+        ValueError: a stream without ``train.max_steps``, or with ``train.group_by_length``; fewer examples than one
+            batch; ``train.group_by_length`` without one length per example.
     """
     if streaming(rows):
         if not cfg.max_steps:
             raise ValueError("a streamed training set has no length: set train.max_steps")
+        if getattr(cfg, "group_by_length", False):
+            raise ValueError(STREAM_GROUPING)
         stream = StreamLoader(rows, batch_size=cfg.batch_size // accelerator.num_processes, collate_fn=collate_fn,
                               num_workers=num_workers, worker_init_fn=worker_signals())
         return Batches(stream, accelerator.device, state, batch_size=cfg.batch_size, total_steps=cfg.max_steps,
                        stream=stream)
-    loader, sampler = map_loader(rows, collate_fn, cfg, num_workers)
+    loader, sampler = map_loader(rows, collate_fn, cfg, num_workers, lengths)
     loader = accelerator.prepare_data_loader(loader, device_placement=False)
     return Batches(loader, accelerator.device, state, batch_size=cfg.batch_size, total_steps=sampler.total_steps,
                    sampler=sampler)

@@ -177,7 +177,8 @@ def build_loop(accelerator: Any, module: TrainModule, rows: Any, cfg: Any, run_d
     state = TrainState()
     setup = setup_step(module.model, module.objective, cfg, rows, accelerator.device)
     rows, collate = collate_stack(module.model, module.objective, rows, cfg, on_error=on_error, collate_fn=collate_fn)
-    batches = open_batches(accelerator, rows, collate, cfg, state, num_workers=num_workers)
+    batches = open_batches(accelerator, rows, collate, cfg, state, num_workers=num_workers,
+                           lengths=setup.shapes.text_lengths)
     optimizer = build_optimizer(module, cfg)
     scheduler = build_scheduler(optimizer, cfg, batches.total_steps)
     if accelerator.state.deepspeed_plugin is not None:

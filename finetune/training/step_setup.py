@@ -23,7 +23,7 @@ import torch
 from finetune.models.backends.attention import SdpaCalls, attention_context, describe_attention
 from finetune.models.compile import compile_blocks, compile_options, compiled_graphs
 from finetune.objectives.base import TEXT_PLAN
-from finetune.objectives.shapes import BatchShapes, plan_shapes
+from finetune.objectives.shapes import BatchShapes, is_causal_tower, plan_shapes
 
 __all__ = ["StepSetup", "setup_step"]
 
@@ -123,7 +123,7 @@ def setup_step(model: Any, objective: Any, cfg: Any, dataset: Any, device: torch
 
     Args:
         model: the model being trained; ``objective``: its objective.
-        cfg: the recipe's ``train`` section (``attention``, ``compile``, ``text_buckets``).
+        cfg: the recipe's ``train`` section (``attention``, ``compile``, ``text_buckets``, ``group_by_length``).
         dataset: the preprocessed training set, or a stream (nothing is scanned then).
         device: the training device.
 
@@ -131,8 +131,13 @@ def setup_step(model: Any, objective: Any, cfg: Any, dataset: Any, device: torch
         ValueError: a ``train.text_buckets`` list the model cannot take
             (:func:`~finetune.objectives.shapes.run_buckets`).
     """
-    shapes = plan_shapes(objective, model, dataset, getattr(cfg, "text_buckets", None))
+    shapes = plan_shapes(objective, model, dataset, getattr(cfg, "text_buckets", None),
+                         grouped=bool(getattr(cfg, "group_by_length", False)))
     objective.set_shapes(shapes)
+    if getattr(cfg, "group_by_length", False) and not is_causal_tower(model):
+        log.warning("train.group_by_length: the %s text tower reads its padding, so every caption pass keeps "
+                    "max_text_len (%d): grouping by length changes which captions share a batch and saves nothing "
+                    "here; set train.group_by_length: false", getattr(model, "family", "?"), shapes.text_length)
     caps = ", ".join(f"{k} {v}" for k, v in sorted(shapes.capacities.items()))
     log.info("batch shapes: text passes padded to the smallest planned length that holds their longest row (%s)%s",
              "; ".join(f"{k} {list(v)}" for k, v in sorted(shapes.planned.items())),

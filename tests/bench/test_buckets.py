@@ -41,3 +41,9 @@ def test_the_padding_shares_are_the_collated_batches_token_counts(tmp_path):
     assert b["padding_share_floor"] < b["padding_share"] < b["padding_share_padded_to_max"]
     assert b["padding_share_padded_to_max"] == pytest.approx(1 - b["real_tokens"] / (3 * 128 * 512))
     assert 11 <= r["caption_tokens"]["mean"] <= 17  # COCO's 10-20 BERT tokens, [CLS] and [SEP] included
+    # train.group_by_length: the sampler's first batches, padded to the finer ladder planned with it
+    g = b["grouped"]
+    assert set(r["planned_grouped"]["text"]) <= {12, 16, 20, 24, 28, 32} and len(r["planned_grouped"]["text"]) >= 3
+    assert g["batches"] == 3 and g["real_tokens"] == b["grouped_default_buckets"]["real_tokens"]
+    assert g["padding_share_floor"] <= g["padding_share"] < b["grouped_default_buckets"]["padding_share"]
+    assert g["padding_share"] == pytest.approx(1 - g["real_tokens"] / g["computed_tokens"])

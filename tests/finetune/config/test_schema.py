@@ -690,3 +690,22 @@ def test_untrusted_recipes_import_nothing(tmp_path, monkeypatch):
     recipe = load_recipe(path, trust_imports=True)
     assert recipe.objective.imports == ["finetune.evaluation.scorers", "side_effect_xyz"] and recipe.trust_code
     assert marker.exists()
+
+
+def test_group_by_length_is_off_by_default_and_refused_on_a_stream(tmp_path):
+    """train.group_by_length: opt-in; its megabatch key needs it; a stream (no lengths before training) refuses it
+    when the recipe is read, naming the key."""
+    assert load_recipe(write(tmp_path, DEFAULTS)).train.group_by_length is False
+    on = load_recipe(write(tmp_path, DEFAULTS), ["train.group_by_length=true", "train.length_group_batches=20"])
+    assert on.train.group_by_length is True and on.train.length_group_batches == 20
+    with pytest.raises(RecipeError, match=r"`train.length_group_batches` \(20\) only applies with "
+                                          r"`train.group_by_length: true`"):
+        load_recipe(write(tmp_path, DEFAULTS), ["train.length_group_batches=20"])
+    with pytest.raises(RecipeError, match="train.length_group_batches.*>= 1"):
+        load_recipe(write(tmp_path, DEFAULTS), ["train.group_by_length=true", "train.length_group_batches=0"])
+    stream = write(tmp_path, "data:\n  train: {name: webdataset, urls: 'shards/{0..3}.tar'}\n"
+                             "train:\n  max_steps: 10\n  group_by_length: true\n")
+    with pytest.raises(RecipeError, match="train.group_by_length: true needs a map-style data.train: a stream "
+                                          r"\(webdataset.*set train.group_by_length: false") as info:
+        load_recipe(stream)
+    assert "r.yaml" in str(info.value)

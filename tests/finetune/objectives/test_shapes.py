@@ -22,8 +22,8 @@ from finetune.objectives import build_objective
 from finetune.objectives.base import TERM_PLANS, TEXT_PLAN, Term
 from finetune.objectives.encoders import TextPlan, text_passes
 from finetune.objectives.planning import PlannedCollate
-from finetune.objectives.shapes import (SHORT, TEXT, BatchShapes, ShapeScan, bucket_of, default_buckets, pad_rows,
-                                        plan_shapes, round_up, run_buckets)
+from finetune.objectives.shapes import (SHORT, TEXT, BatchShapes, ShapeScan, bucket_of, default_buckets,
+                                        grouped_buckets, pad_rows, plan_shapes, round_up, run_buckets)
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 
@@ -119,6 +119,19 @@ def test_a_kind_plans_the_buckets_of_its_examples_longest_texts(tmp_path):
     assert [shapes.length(TEXT, n) for n in (5, 33, 65, tight[2] + 1, 129)] == [*tight, 128, 160]
     custom = plan_shapes(objective, model, rows, buckets=[48, 96])
     assert custom.buckets == (48, 96, 248) and custom.planned[TEXT] == tight  # 16 of 48, 56 of 96, 112 of 248
+    # train.group_by_length groups by each example's longest text of the caption kind, measured by this scan
+    assert shapes.text_lengths == (counts["short"], counts["extra"], counts["long"])
+    grouped = plan_shapes(objective, model, rows, grouped=True)  # the finer ladder, each bucket cut to its longest
+    assert grouped.buckets == grouped_buckets(248) and grouped.text_lengths == shapes.text_lengths
+    assert grouped.planned[TEXT] == tuple(min(bucket_of(n, grouped.buckets), round_up(n, 8))
+                                          for n in (counts["short"], counts["extra"], counts["long"]))
+    assert plan_shapes(objective, model, rows, buckets=[48, 96], grouped=True).buckets == (48, 96, 248)
+
+
+def test_the_grouped_ladder_has_four_lengths_per_doubling():
+    assert grouped_buckets(248) == (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 248)
+    assert grouped_buckets(512)[-6:] == (224, 256, 320, 384, 448, 512) and grouped_buckets(77)[-3:] == (56, 64, 77)
+    assert grouped_buckets(8) == (8,) and grouped_buckets(5) == (5,)
 
 
 def test_towers_that_read_their_padding_and_streams(tmp_path):

@@ -96,3 +96,19 @@ def test_two_processes_train_like_one_and_resume(tmp_path):
     w3 = _weights(resumed_dir)
     for key in w2:
         torch.testing.assert_close(w3[key], w2[key], atol=1e-6, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_two_processes_read_the_length_grouped_batches_of_one(tmp_path):
+    """``train.group_by_length``: every process draws the same grouped global batch and trains on its slice, so two
+    processes give one's losses (that the key reaches the loop's sampler: test_loaders.py)."""
+    from finetune.models.registry import save_tiny
+
+    model = save_tiny("tiny-clip", tmp_path / "tiny-clip")
+    grouped = {"group_by_length": True, "length_group_batches": 2}  # an epoch's 2 batches sorted together
+    one = _launch(_recipe(tmp_path, model, tmp_path / "one", **grouped), 1)
+    two = _launch(_recipe(tmp_path, model, tmp_path / "two", **grouped), 2)
+    assert one["num_processes"] == 1 and two["num_processes"] == 2
+    assert [s for s, _ in _losses(two)] == [1, 2, 3, 4]
+    for (_, a), (_, b) in zip(_losses(one), _losses(two)):
+        assert abs(a - b) < 1e-5, (_losses(one), _losses(two))
