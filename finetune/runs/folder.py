@@ -26,7 +26,7 @@ from finetune.files import owner_alive, tag_owner
 from finetune.runs.checkpoints import checkpoint_problem, list_checkpoints
 from finetune.runs.errors import RunFolderError
 from finetune.runs.identity import (RECIPE_NAME, comparable_recipe, continuation_hash, continuation_view,
-                                    differing_keys, read_run_recipe)
+                                    differing_keys, read_run_recipe, with_added_defaults)
 
 __all__ = ["RUN_OUTPUTS", "check_eval_output", "check_run_folder", "clean_stale_temporaries", "clear_previous_run"]
 
@@ -85,6 +85,8 @@ def check_run_folder(out_dir: str | os.PathLike, recipe: dict[str, Any], *, over
         raise RunFolderError(f"output.dir {str(folder)!r} is a file; set output.dir to a folder")
     _check_recipe_file(folder, recipe_file)
     previous = read_run_recipe(folder) if folder.is_dir() else None
+    if previous is not None:  # keys added to xlipkit since that run, at their defaults now, are no change
+        previous = with_added_defaults(previous, recipe)
     finished = [n for n in ("metrics.json", "final") if (folder / n).exists()]
     has_checkpoints = (folder / "checkpoints").is_dir() and any((folder / "checkpoints").iterdir())
     if previous is None and not finished and not has_checkpoints:

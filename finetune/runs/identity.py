@@ -6,11 +6,14 @@ what may change between a run and its rerun (:func:`comparable_recipe`, hashed b
 ``model.init_from`` reuses such a run). A resume needs the same :func:`continuation_view`: what decides the weights a
 continued run reaches (model, adapter, objective, training data, batch, optimiser and schedule); a checkpoint
 records it, and resuming with a different one is an error listing the differing keys (:func:`differing_keys`) unless
-``train.resume_ignore_changes: true``.
+``train.resume_ignore_changes: true``. A key that a later xlipkit added to the schema is no change when the current
+recipe holds its default (:func:`with_added_defaults`): an upgrade alone never refuses a resume.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -21,7 +24,7 @@ import yaml
 from finetune.runs.errors import RunFolderError
 
 __all__ = ["RECIPE_NAME", "comparable_recipe", "continuation_hash", "continuation_view", "differing_keys",
-           "read_run_recipe", "recipe_hash"]
+           "read_run_recipe", "recipe_hash", "with_added_defaults"]
 
 RECIPE_NAME = "recipe.yaml"
 #: train keys that do not change the weights a continued run reaches
@@ -108,4 +111,30 @@ def differing_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if va != vb:
             show = lambda v: "(unset)" if v is missing else json.dumps(v, default=str)  # noqa: E731
             out.append(f"{key}: {show(va)} -> {show(vb)}")
+    return out
+
+
+@functools.cache
+def _schema_defaults() -> dict[str, Any]:
+    """Every recipe key's default, flattened (``{"train.lr": 5e-06, ...}``), as :func:`recipe_to_dict` writes them."""
+    from finetune.config import Recipe, recipe_to_dict
+
+    return _flatten(json.loads(json.dumps(recipe_to_dict(Recipe()), default=str)))
+
+
+def with_added_defaults(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``saved`` (a run's recipe or a checkpoint's continuation view, written by the xlipkit of that run)
+    with each key it lacks filled in where ``current`` holds that key at today's default: a key added to the toolkit
+    since (``train.text_buckets``, ``train.group_by_length``, ...) is then no difference. A key set away from its
+    default, or one ``saved`` has, compares as it is."""
+    defaults, out = _schema_defaults(), copy.deepcopy(saved)
+    for key, value in _flatten(current).items():
+        if key not in defaults or defaults[key] != value:
+            continue
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf not in node:
+            node[leaf] = copy.deepcopy(value)
     return out

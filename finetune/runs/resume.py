@@ -15,7 +15,7 @@ from typing import Any
 
 from finetune.runs.checkpoints import CHECKPOINT_PREFIX, STATE_NAME, checkpoint_problem, list_checkpoints
 from finetune.runs.errors import CheckpointError, RunFolderError
-from finetune.runs.identity import differing_keys
+from finetune.runs.identity import differing_keys, with_added_defaults
 
 __all__ = ["check_continuation", "find_checkpoint"]
 
@@ -81,7 +81,10 @@ def check_continuation(saved: dict[str, Any] | None, current: dict[str, Any] | N
     Raises:
         RunFolderError: listing the differing keys, unless ``ignore_changes`` (then logged).
     """
-    if saved is None or current is None or saved == current:
+    if saved is None or current is None:
+        return
+    saved = with_added_defaults(saved, current)
+    if saved == current:
         return
     changes = differing_keys(saved, current)
     if not ignore_changes:
