@@ -154,9 +154,9 @@ def test_fsdp_wraps_every_encoder_layer_of_each_family(name):
 
 
 _FSDP_SCRIPT = textwrap.dedent('''
-    """Shard a TrainModule with torch's fully_shard (accelerate's FSDP2 path, its wrap policy and our scalar
-    parameters left out), train one step, gather the full state dict as accelerate's get_state_dict does and load it
-    into the copy taken before sharding; print JSON."""
+    """For each adapter given (one launch, one model after another): shard a TrainModule with torch's fully_shard
+    (accelerate's FSDP2 path, its wrap policy and our scalar parameters left out), train one step, gather the full
+    state dict as accelerate's get_state_dict does and load it into the copy taken before sharding; write JSON."""
     import copy, json, os, sys
     import torch
     from accelerate import FullyShardedDataParallelPlugin
@@ -177,28 +177,7 @@ _FSDP_SCRIPT = textwrap.dedent('''
 
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    torch.manual_seed(0)
-    model = load_model("random:tiny-clip")
-    adapter = sys.argv[1]
-    if adapter != "full":
-        model = apply_adapter(model, AdapterConfig(type=adapter))
-    module = TrainModule(model, Objective(ClipTerm(), []))
-    skeleton = copy.deepcopy(module.model)
-    scalars = [p for p in module.parameters() if p.dim() == 0]
-    policy = fsdp2_prepare_auto_wrap_policy(
-        FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap"), module)
-    units = [m for m in module.modules() if policy(m)]
-    for unit in units:
-        fully_shard(unit)
-    fully_shard(module, ignored_params=set(scalars))
-    sharded = sum(isinstance(p, DTensor) for p in module.parameters())
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(trainable, lr=0.1)
-    batch = Collator(model, module.objective)([dict(r) for r in synthetic_scenes(4, rank, image_size=32)])
-    out = module(batch)
-    out["loss"].backward()
-    average_gradients(scalars, world)
-    opt.step()
+
 
     class Accelerator:  # what gathered_model reads of accelerate's, with its FSDP2 get_state_dict (accelerate >= 1.x)
         num_processes, is_main_process, device = world, rank == 0, torch.device("cpu")
@@ -207,35 +186,68 @@ _FSDP_SCRIPT = textwrap.dedent('''
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)
             return get_model_state_dict(model, options=options)
 
-    gathered = gathered_model(Accelerator(), module, skeleton)
-    weights = gathered.state_dict()
-    record = {"rank": rank, "world": world, "units": len(units), "sharded": sharded,
-              "gathered": len(weights), "loss": float(out["loss"].detach()),
-              "logit_scale_grad": float(model.logit_scale.grad),
-              "trainable": len(trainable), "norm": float(sum(v.float().norm() for v in weights.values()))}
-    with open(f"record-{rank}.json", "w") as f:  # a file per rank: two processes' lines can mix on one stdout
-        json.dump(record, f)
+
+    def shard_train_gather(adapter):
+        torch.manual_seed(0)
+        model = load_model("random:tiny-clip")
+        if adapter != "full":
+            model = apply_adapter(model, AdapterConfig(type=adapter))
+        module = TrainModule(model, Objective(ClipTerm(), []))
+        skeleton = copy.deepcopy(module.model)
+        scalars = [p for p in module.parameters() if p.dim() == 0]
+        policy = fsdp2_prepare_auto_wrap_policy(
+            FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap"), module)
+        units = [m for m in module.modules() if policy(m)]
+        for unit in units:
+            fully_shard(unit)
+        fully_shard(module, ignored_params=set(scalars))
+        sharded = sum(isinstance(p, DTensor) for p in module.parameters())
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(trainable, lr=0.1)
+        batch = Collator(model, module.objective)([dict(r) for r in synthetic_scenes(4, rank, image_size=32)])
+        out = module(batch)
+        out["loss"].backward()
+        average_gradients(scalars, world)
+        opt.step()
+        weights = gathered_model(Accelerator(), module, skeleton).state_dict()
+        record = {"rank": rank, "world": world, "units": len(units), "sharded": sharded,
+                  "gathered": len(weights), "loss": float(out["loss"].detach()),
+                  "logit_scale_grad": float(model.logit_scale.grad),
+                  "trainable": len(trainable), "norm": float(sum(v.float().norm() for v in weights.values()))}
+        with open(f"record-{adapter}-{rank}.json", "w") as f:  # a file per rank: lines of two can mix on stdout
+            json.dump(record, f)
+
+
+    for adapter in sys.argv[1:]:
+        shard_train_gather(adapter)
+    torch.distributed.destroy_process_group()
 ''')
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter", ["full", "lora", "dora"])
-def test_fully_sharded_model_trains_and_gathers_whole(tmp_path, adapter):
+def test_fully_sharded_model_trains_and_gathers_whole(tmp_path):
+    """Fully trained, LoRA and DoRA models, one after another in one launch of two processes."""
+    import json
+
+    adapters = ["full", "lora", "dora"]
     script = tmp_path / "fsdp.py"
     script.write_text(_FSDP_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), adapter]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           *adapters]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    import json
-
-    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("record-*.json"))]
-    assert [(r["rank"], r["world"]) for r in records] == [(0, 2), (1, 2)]
-    assert records[0]["units"] == 6  # 2 + 2 encoder layers, the text and vision embeddings
-    assert records[0]["sharded"] > 0 and records[0]["gathered"] == records[1]["gathered"] > 0
-    assert records[0]["norm"] == pytest.approx(records[1]["norm"])  # the same whole weights on both processes
-    assert records[0]["loss"] != records[1]["loss"]  # each process its own batch
-    assert records[0]["logit_scale_grad"] == pytest.approx(records[1]["logit_scale_grad"])  # averaged
+    for adapter in adapters:
+        records = [json.loads((tmp_path / f"record-{adapter}-{rank}.json").read_text()) for rank in range(2)]
+        assert [(r["rank"], r["world"]) for r in records] == [(0, 2), (1, 2)]
+        assert records[0]["units"] == 6, adapter  # 2 + 2 encoder layers, the text and vision embeddings
+        assert records[0]["sharded"] > 0 and records[0]["gathered"] == records[1]["gathered"] > 0, adapter
+        assert records[0]["norm"] == pytest.approx(records[1]["norm"]), adapter  # the same whole weights on both
+        assert records[0]["loss"] != records[1]["loss"], adapter  # each process its own batch
+        assert records[0]["logit_scale_grad"] == pytest.approx(records[1]["logit_scale_grad"]), adapter  # averaged
+    # the adapters are what trains: fewer trainable tensors than the whole model
+    trainable = {a: json.loads((tmp_path / f"record-{a}-0.json").read_text())["trainable"] for a in adapters}
+    assert trainable["lora"] < trainable["full"] and trainable["dora"] < trainable["full"], trainable
 
 
 def test_srun_variables_become_the_process_group_s():
