@@ -1,6 +1,9 @@
 """Two real processes on a CPU: `ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2` (``accelerate
 launch --num_processes 2 --cpu`` starts one with accelerate 1.15). A run over two processes gives
-the losses and final weights of one process on the same global batch, and resumes to them too."""
+the losses and final weights of one process on the same global batch, and resumes to them too. The runs read
+length-grouped batches (``train.group_by_length``): every process draws the same grouped global batch and trains on
+its slice (that the key reaches the loop's sampler: test_loaders.py; the ungrouped batches of two processes against
+one's: test_engines_launched.py)."""
 
 from __future__ import annotations
 
@@ -58,13 +61,17 @@ def _losses(metrics: dict) -> list[tuple[int, float]]:
     return [(h["step"], h["loss"]) for h in metrics["history"]]
 
 
+#: an epoch's 2 batches sorted together by caption length
+GROUPED = {"group_by_length": True, "length_group_batches": 2}
+
+
 @pytest.mark.slow
-def test_two_processes_train_like_one_and_resume(tmp_path):
+def test_two_processes_train_like_one_on_length_grouped_batches_and_resume(tmp_path):
     from finetune.models.registry import save_tiny
 
     model = save_tiny("tiny-clip", tmp_path / "tiny-clip")
-    one = _launch(_recipe(tmp_path, model, tmp_path / "one"), 1)
-    two = _launch(_recipe(tmp_path, model, tmp_path / "two"), 2)
+    one = _launch(_recipe(tmp_path, model, tmp_path / "one", **GROUPED), 1)
+    two = _launch(_recipe(tmp_path, model, tmp_path / "two", **GROUPED), 2)
     assert one["num_processes"] == 1 and two["num_processes"] == 2  # the world size each really ran with
     assert [s for s, _ in _losses(two)] == [1, 2, 3, 4]
     for (_, a), (_, b) in zip(_losses(one), _losses(two)):
@@ -87,7 +94,7 @@ def test_two_processes_train_like_one_and_resume(tmp_path):
     recipe = yaml.safe_load((resumed_dir / "recipe.yaml").read_text())
     recipe["output"]["dir"] = str(resumed_dir)
     (resumed_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    resumed = _launch(_recipe(tmp_path, model, resumed_dir, resume="latest"), 2)
+    resumed = _launch(_recipe(tmp_path, model, resumed_dir, resume="latest", **GROUPED), 2)
     assert resumed["num_processes"] == 2 and resumed["steps"] == 4
     # history carried over from the checkpoint, then continued to the same values
     assert [s for s, _ in _losses(resumed)] == [1, 2, 3, 4]
@@ -97,18 +104,3 @@ def test_two_processes_train_like_one_and_resume(tmp_path):
     for key in w2:
         torch.testing.assert_close(w3[key], w2[key], atol=1e-6, rtol=0, msg=key)
 
-
-@pytest.mark.slow
-def test_two_processes_read_the_length_grouped_batches_of_one(tmp_path):
-    """``train.group_by_length``: every process draws the same grouped global batch and trains on its slice, so two
-    processes give one's losses (that the key reaches the loop's sampler: test_loaders.py)."""
-    from finetune.models.registry import save_tiny
-
-    model = save_tiny("tiny-clip", tmp_path / "tiny-clip")
-    grouped = {"group_by_length": True, "length_group_batches": 2}  # an epoch's 2 batches sorted together
-    one = _launch(_recipe(tmp_path, model, tmp_path / "one", **grouped), 1)
-    two = _launch(_recipe(tmp_path, model, tmp_path / "two", **grouped), 2)
-    assert one["num_processes"] == 1 and two["num_processes"] == 2
-    assert [s for s, _ in _losses(two)] == [1, 2, 3, 4]
-    for (_, a), (_, b) in zip(_losses(one), _losses(two)):
-        assert abs(a - b) < 1e-5, (_losses(one), _losses(two))

@@ -1,7 +1,8 @@
 """SIGINT and SIGTERM stop a real run cleanly: the step in progress is finished, a checkpoint saved, the command that
 continues the run printed, and the process exits 130 / 143 (what SLURM, Kubernetes and a shell expect); a repeated
 SIGTERM changes nothing and a person's second Ctrl-C exits at once; several processes stop after the same step, SIGTERM
-to a launcher and all its processes included. Real runs in subprocesses, real ``os.kill``."""
+to a launcher and all its processes included; a hub token given on the command line is never printed or written.
+Real runs in subprocesses, real ``os.kill``."""
 
 from __future__ import annotations
 
@@ -113,14 +114,22 @@ def _stopped(run: _Run, name: str) -> tuple[int, Path, str]:
     return int(found.group(1)), Path(found.group(2)), found.group(3)
 
 
+def _secret_in(folder: Path, secret: str) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
 @pytest.mark.slow
-def test_sigterm_finishes_the_step_saves_and_the_printed_resume_reaches_the_uninterrupted_weights(tmp_path,
-                                                                                                  tiny_model):
+def test_sigterm_saves_and_the_printed_resume_without_the_hub_token_reaches_the_uninterrupted_weights(tmp_path,
+                                                                                                      tiny_model):
+    """The run is given a hub token on the command line (flat and in a whole-section override, pushing nothing):
+    under SLURM or Kubernetes stderr is a log file, so the resume command it prints leaves the token out, never
+    prints or writes it, and still continues the run to the weights of the uninterrupted one."""
     straight = _Run(_run_py(_recipe(tmp_path, tiny_model, tmp_path / "straight")))
     assert straight.finish() == 0, straight.err[-4000:]
 
+    secret = "mysecret-4f2a9c"
     recipe = _recipe(tmp_path, tiny_model, tmp_path / "run")
-    run = _Run(_run_py(recipe))
+    run = _Run(_run_py(recipe, f"hub.token={secret}", f"hub={{token: {secret}-2, push: false}}"))
     run.step(2)
     run.proc.send_signal(signal.SIGTERM)
     assert run.finish() == 143, run.err[-4000:]
@@ -130,11 +139,16 @@ def test_sigterm_finishes_the_step_saves_and_the_printed_resume_reaches_the_unin
     assert 2 <= step < STEPS and checkpoint == tmp_path / "run" / "checkpoints" / f"step-{step}"
     assert json.loads((checkpoint / "train_state.json").read_text())["step"] == step
     assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / "metrics.json").exists()
-    assert command == shlex.join([*_run_py(recipe), "train.resume=latest"])  # the exact command line
+    # the exact command line, less the token
+    assert command == shlex.join([*_run_py(recipe), "hub={push: false}", "train.resume=latest"])
+    assert "(the hub token given on the command line is left out: set HF_TOKEN" in run.err
+    assert secret not in run.err
+    assert _secret_in(tmp_path / "run", secret) == []
 
     resumed = _Run(shlex.split(command))
     assert resumed.finish() == 0, resumed.err[-4000:]
-    assert f"resumed from {checkpoint} at step {step}" in resumed.err
+    assert f"resumed from {checkpoint} at step {step}" in resumed.err and secret not in resumed.err
+    assert _secret_in(tmp_path / "run", secret) == []
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "run")
     assert set(a) == set(b)
     for key in a:
@@ -157,28 +171,6 @@ def test_sigint_saves_a_checkpoint_and_exits_130_without_a_traceback(tmp_path, t
 
     assert checkpoint_problem(checkpoint) is None
     assert command.endswith("train.lr=0.001 train.resume=latest")
-
-
-@pytest.mark.slow
-def test_a_run_given_a_hub_token_never_prints_or_writes_it_when_stopped(tmp_path, tiny_model):
-    """Under SLURM or Kubernetes stderr is a log file: the resume command a stopped run prints leaves out a token given
-    on the command line (flat or in a whole-section override, whatever it looks like), and still continues the run."""
-    secret = "mysecret-4f2a9c"
-    recipe = _recipe(tmp_path, tiny_model, tmp_path / "run")
-    run = _Run(_run_py(recipe, f"hub.token={secret}", f"hub={{token: {secret}-2, push: false}}"))
-    run.step(2)
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.finish() == 143, run.err[-4000:]
-    step, checkpoint, command = _stopped(run, "SIGTERM")
-    assert command == shlex.join([*_run_py(recipe), "hub={push: false}", "train.resume=latest"])
-    assert "(the hub token given on the command line is left out: set HF_TOKEN" in run.err
-    assert secret not in run.err
-    written = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
-    assert written == []
-
-    resumed = _Run(shlex.split(command))
-    assert resumed.finish() == 0, resumed.err[-4000:]
-    assert f"resumed from {checkpoint} at step {step}" in resumed.err and secret not in resumed.err
 
 
 SLOW_SAVE = textwrap.dedent('''
