@@ -3,11 +3,14 @@ and the parameter count."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -149,17 +152,36 @@ def _accelerate_launch(*argv: str) -> subprocess.CompletedProcess:
 def test_a_one_process_cpu_run_under_accelerate_launch_uses_every_core_unless_told(tmp_path, given, said):
     """The launch the docs show, `accelerate launch --config_file configs/accelerate/one_process.yaml finetune/run.py`,
     on the CPU: accelerate exports OMP_NUM_THREADS=1 to its process when the user gave no count, and the run then
-    uses every core, as `python finetune/run.py` does; a count the user exported is kept. The log says which."""
+    uses every core, as `python finetune/run.py` does; a count the user exported is kept. The log says which as the
+    run sets up; the launch is ended once it has (a whole launched run: test_recipes.py)."""
     tiny = ["model.name_or_path=random:tiny-clip", "data.train.size=8", "train.batch_size=8", "train.max_steps=1",
             "train.trackers=[]", "eval.sets=[]", "eval.compare_base_length=false", f"output.dir={tmp_path / 'run'}"]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", **given)
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
-                           str(CONFIGS / "one_process.yaml"), "--quiet", "finetune/run.py",
-                           "recipes/quickstart_clip.yaml", *tiny], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    [line] = [x for x in proc.stderr.splitlines() if "CPU threads: " in x]
-    assert said in line, line
+    launch = subprocess.Popen([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+                               str(CONFIGS / "one_process.yaml"), "--quiet", "finetune/run.py",
+                               "recipes/quickstart_clip.yaml", *tiny], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                              start_new_session=True)  # a group of its own: the launcher and the run's process
+
+    def end() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launch.pid, signal.SIGKILL)
+
+    guard = threading.Timer(600, end)  # a run that never says it ends the read too
+    guard.start()
+    seen = []
+    try:
+        for line in launch.stderr:
+            seen.append(line)
+            if "CPU threads: " in line:
+                break
+    finally:
+        guard.cancel()
+        end()
+        launch.communicate(timeout=60)
+    assert seen and "CPU threads: " in seen[-1], "".join(seen)[-3000:]
+    assert said in seen[-1], seen[-1]
 
 
 @pytest.mark.slow
