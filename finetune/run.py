@@ -23,10 +23,13 @@ if __name__ == "__main__":
 
     passive_wait_by_default()  # before torch loads its OpenMP runtime
     from finetune.cli.train import main
-    from finetune.training.ending import accelerate_traceback_follows
 
     status = main()
-    if status and accelerate_traceback_follows():
-        print("(accelerate launch answers a failed script with a CalledProcessError traceback of its own; it adds "
-              "nothing to the error above, and `accelerate launch --quiet` leaves it out)", file=sys.stderr, flush=True)
+    if status:  # imported here: --help, --list and --schema need none of the training modules (3 s of imports)
+        from finetune.training.ending import accelerate_traceback_follows
+
+        if accelerate_traceback_follows():
+            print("(accelerate launch answers a failed script with a CalledProcessError traceback of its own; it "
+                  "adds nothing to the error above, and `accelerate launch --quiet` leaves it out)", file=sys.stderr,
+                  flush=True)
     sys.exit(status)
