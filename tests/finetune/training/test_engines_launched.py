@@ -2,9 +2,9 @@
 (``accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 finetune/run.py RECIPE``, ``--use_deepspeed
 --zero_stage N``): each trains to the losses of one plain process, writes sharded checkpoints (one shard per
 process), resumes on the same number of processes to the same losses and weights, and on another number (FSDP: torch's
-distributed checkpoint reshards; ZeRO: refused before the model loads, naming the remedy); its ``final/`` loads with
-``load_finetuned`` and evaluates to the run's own Recall@K. A request a CPU launch cannot honour is refused, and
-nothing is written.
+distributed checkpoint reshards; ZeRO: refused before the model loads, naming the remedy, shown under ZeRO-2); its
+``final/`` loads with ``load_finetuned`` and evaluates to the run's own Recall@K. A request a CPU launch cannot honour
+is refused, and nothing is written.
 
 One launched run per engine is shared by what is checked of it; ``random:tiny-clip``, 4 steps."""
 
@@ -156,7 +156,10 @@ def test_engine_trains_checkpoints_resumes_and_its_final_loads_on_two_cpu_proces
     for key in final:
         torch.testing.assert_close(resumed[key], final[key], atol=1e-5, rtol=1e-4, msg=key)
 
-    # and on one process: FSDP reshards; DeepSpeed's ZeRO partitions cannot be, refused before the model loads
+    # and on one process: FSDP reshards; DeepSpeed's ZeRO partitions cannot be, refused before the model loads (the
+    # refusal reads the checkpoint's per-process files, the same under ZeRO-2 and ZeRO-3: one launch shows it)
+    if engine == "zero3":
+        return
     other = _stopped_after_step_2(run, tmp_path / "other")
     proc = _launch(flags, 1, other, "train.resume=latest")
     if engine == "fsdp2":
