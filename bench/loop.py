@@ -38,7 +38,8 @@ along; under 5 minutes: give it ``timeout_s`` 330)::
     python3 bench/loop.py --device cuda --workers 8 --budget 250; cp bench/results/loop.json $OUT/
 
 On the CPU in seconds (a test runs it): ``python bench/loop.py --tiny`` (the families' tiny configs, the same code
-path; a compiled case compiles with ``aot_eager``: the same graphs and recompiles, no C++ code generation). The CPU figures of the data path and the loop's own overhead, each as a ratio against a baseline measured in
+path; a compiled case compiles with ``aot_eager``: the same graphs and recompiles, no C++ code generation). The
+CPU figures of the data path and the loop's own overhead, each as a ratio against a baseline measured in
 the same run (``--cpu-figures``, ``bench/results/loop_cpu.json``)::
 
     python bench/loop.py --cpu-figures
