@@ -201,11 +201,12 @@ def test_a_requeue_on_three_processes_continues_the_epoch_and_reads_uneven_shard
     """36 samples in 8 shards of 1 to 9. Killed on 2 processes x 2 workers after its step-2 checkpoint (12 of 36
     samples; step 3 trained and lost), resumed on 3 gloo processes x 2 workers (6 readers) with a global batch of 6:
     the 24 samples left of epoch 0 are split over the 6 new readers (steps 3-6), nothing skipped or read twice, then
-    epoch 1 (steps 7-12) reads every sample once, 6 per reader, and metrics.json's epoch is the global one. (Split by
+    epochs 1 and 2 (steps 7-12, 13-18) read every sample once, 6 per reader (a reader given one sample too many or
+    too few in epoch 1 leaves it to epoch 2), and metrics.json's epoch is the global one. (Split by
     shards, 8 shards of these sizes cannot give 6 readers the same number of samples.) With 4 samples left per
     reader each worker's batches of 2 end with the epoch; with 3 a batch would span two epochs, as it may."""
     sizes = [1, 7, 3, 9, 2, 5, 4, 5]
-    args, scenes = _uneven_args(tmp_path, sizes, "train.max_steps=12", "train.checkpoint_every=2",
+    args, scenes = _uneven_args(tmp_path, sizes, "train.max_steps=18", "train.checkpoint_every=2",
                                 "train.keep_checkpoints=5")
     killed = _launch(tmp_path, "killed", [*args, "data.num_workers=2"], HANG_AT_STEP="4")
     try:
@@ -226,13 +227,14 @@ def test_a_requeue_on_three_processes_continues_the_epoch_and_reads_uneven_shard
     after = [_steps(tmp_path, "resumed", r) for r in range(3)]
     assert {s["world_size"] for r in before for s in r} == {2} and {s["world_size"] for r in after for s in r} == {3}
     assert {(s["world_size"], s["env_world_size"]) for r in after for s in r} == {(3, 3)}  # three processes
-    assert all([s["step"] for s in r] == list(range(3, 13)) and all(len(s["ids"]) == 2 for s in r) for r in after)
+    assert all([s["step"] for s in r] == list(range(3, 19)) and all(len(s["ids"]) == 2 for s in r) for r in after)
     epoch_0 = [i for r in before for s in r for i in s["ids"]] + [i for r in after for s in r[:4] for i in s["ids"]]
     assert sorted(epoch_0) == sorted(s["id"] for s in scenes)  # 12 before the kill, 24 after: each once
-    epoch_1 = [i for r in after for s in r[4:] for i in s["ids"]]
-    assert sorted(epoch_1) == sorted(s["id"] for s in scenes)
+    for epoch in (1, 2):
+        ids = [i for r in after for s in r[4 + 6 * (epoch - 1):4 + 6 * epoch] for i in s["ids"]]
+        assert sorted(ids) == sorted(s["id"] for s in scenes), epoch
     log = (tmp_path / "resumed.log").read_text()
     assert "saved by 2 process(es) x 2 worker(s) and continues on 3 x 2: the 24 samples left of epoch 0" in log
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["num_processes"] == 3 and metrics["steps"] == 12 and metrics["train_stream"]["used"] == 72
-    assert metrics["train_stream"]["epoch"] == 2
+    assert metrics["num_processes"] == 3 and metrics["steps"] == 18 and metrics["train_stream"]["used"] == 108
+    assert metrics["train_stream"]["epoch"] == 3
