@@ -38,7 +38,8 @@ along; under 5 minutes: give it ``timeout_s`` 330)::
     python3 bench/loop.py --device cuda --workers 8 --budget 250; cp bench/results/loop.json $OUT/
 
 On the CPU in seconds (a test runs it): ``python bench/loop.py --tiny`` (the families' tiny configs, the same code
-path). The CPU figures of the data path and the loop's own overhead, each as a ratio against a baseline measured in
+path; a compiled case compiles with ``aot_eager``: the same graphs and recompiles, no C++ code generation). The
+CPU figures of the data path and the loop's own overhead, each as a ratio against a baseline measured in
 the same run (``--cpu-figures``, ``bench/results/loop_cpu.json``)::
 
     python bench/loop.py --cpu-figures
@@ -50,6 +51,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -614,9 +616,18 @@ def _select(names: str) -> list[Case]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """The command line; returns what it writes to ``--out``. The scenes and the cases' folders go to a temporary
+    folder, removed at the end."""
+    root = Path(tempfile.mkdtemp(prefix="xlipkit-bench-loop-"))
+    try:
+        return _main(argv, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _main(argv: list[str] | None, root: Path) -> dict[str, Any]:
     args = _parser().parse_args(argv)
     start = time.perf_counter()
-    root = Path(tempfile.mkdtemp(prefix="xlipkit-bench-loop-"))
     if args.cpu_figures:
         out = Path(args.out or RESULTS / "loop_cpu.json")
         result = {**_environment("cpu"), "note": "a shared machine: baseline and new interleaved in one run",

@@ -243,12 +243,28 @@ def text_flops(parts: Any, batch: dict[str, Any]) -> tuple[float | None, int, in
     return ((flops_a - flops_b) / fewer if fewer else None), flops_a, plan.computed_tokens
 
 
+def _tiny_setup() -> None:
+    """A ``--tiny`` case checks the code path and measures nothing that counts, so two costs of its start go:
+    accelerate's ``unwrap_model`` imports deepspeed whenever it is installed (no case runs under it; about 1.5 s of
+    CPU), and a compiled case compiles with ``aot_eager`` (dynamo and AOT autograd without code generation: the
+    same graphs, guards and recompiles, as tests/finetune/objectives/test_shapes.py has it, without a minute of C++
+    compilation on a cold cache)."""
+    import accelerate.utils.other
+
+    import finetune.training.step_setup as step_setup
+
+    accelerate.utils.other.is_deepspeed_available = lambda: False
+    step_setup.compile_options = lambda setting: {"backend": "aot_eager", "dynamic": False} if setting else None
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Build and measure one case (the module docstring); ``spec`` is what the parent wrote (``loop.case_spec``)."""
     import loop
 
     from finetune.training import FinetuneRecipe, TrainStep
 
+    if spec["tiny"]:
+        _tiny_setup()
     case = {c.name: c for c in loop.CASES}[spec["case"]]
     device, warmup, steady, bare_warmup = spec["device"], spec["warmup"], spec["steady"], spec["bare_warmup"]
     work = Path(spec["work"])
@@ -360,6 +376,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "batch": batch_size, "text_len": int(model.max_text_len), "adapter": recipe.adapter.type,
         "objective": recipe.objective.base + "".join(f" + {t}" for t in recipe.objective.terms),
         "compiled": compiled, "mixed_precision": recipe.train.mixed_precision,
+        "compile_backend": ("aot_eager" if spec["tiny"] else "inductor") if compiled else None,
         "loop_samples_per_s": loop_rate, "bare_samples_per_s": bare, "loop_vs_bare": loop_rate / bare,
         "data_wait_share": window["data_wait_share"],
         "loop_steady_steps": window["steps"], "loop_steady_from_step": window["first_step"],
@@ -394,7 +411,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "first_syncs": sorted(set(syncs))[:3],
         "batches": {"loop": len(rec.ids["loop"]), "bare": len(rec.ids["bare"]), "bare_rows_seen_before": 0},
         "seconds": {"build": built, "loop": loop_s, "bare": bare_s, "probes": probe_s,
-                    "case": time.perf_counter() - t0},
+                    "case": time.perf_counter() - t0, "process_cpu": time.process_time()},
     }
     if spec.get("record_ids"):
         out["batch_ids"] = rec.ids

@@ -74,13 +74,13 @@ def test_the_written_recipes_train_a_fresh_start_in_the_scripts_folder(tmp_path)
 
 @pytest.mark.slow
 def test_a_small_sweep_runs_end_to_end_from_an_empty_folder(tmp_path):
-    """Two seeds of a 3-step quickstart on 80 scenes: every run is trained (none reused from runs/), and the JSON
-    holds the README table and the per-seed table."""
+    """Two seeds of a 2-step quickstart on 64 scenes (the start's batch), scored on 16: every run is trained (none
+    reused from runs/), and the JSON holds the README table and the per-seed table."""
     out = tmp_path / "numbers.json"
     result = qn.main(["--seeds", "0", "1", "--runs", str(tmp_path / "runs"), "--out", str(out),
-                      "--set", "train.max_steps=3", "--set", "data.train.size=80",
-                      "--set", "eval.sets=[{name: synthetic, split: test, size: 32, seed: 1}]"])
+                      "--set", "train.max_steps=2", "--set", "data.train.size=64",
+                      "--set", "eval.sets=[{name: synthetic, split: test, size: 16, seed: 1}]"])
     assert [r["status"] for r in result["runs"]] == ["trained"] * 4
     assert (tmp_path / "runs" / "quickstart_pretrain" / "final").is_dir()
-    assert json.loads(out.read_text())["readme_table"][2].startswith("| start (`quickstart_pretrain.yaml`) | clip | 3 |")
+    assert json.loads(out.read_text())["readme_table"][2].startswith("| start (`quickstart_pretrain.yaml`) | clip | 2 |")
     assert "| mean |" in result["seed_table"]

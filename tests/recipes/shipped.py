@@ -16,8 +16,8 @@ model for its family's tiny config, and nothing else:
   ``checkpoints/FastSAM-x.pt``, F-CAST's ``checkpoints/sfcn_bsds.safetensors``) are written, tiny and with
   random weights, at that very path under :class:`Project`'s root, the current directory of the run, so the
   recipe's own key and loading code are used unchanged.
-- ``train.batch_size`` of the four recipes in :data:`CPU_BATCH` only, whose shipped batch cannot fit one
-  CPU process (the reason is there).
+- ``train.batch_size`` of the five recipes in :data:`CPU_BATCH` only, whose shipped batch is meant for 8-32
+  GPUs (the reason is there).
 
 :func:`changed_keys` compares the resolved recipe with the shipped one; the tests assert that only the keys
 above differ (:func:`allowed`), so an override that hides a real path cannot creep in. The recipes a run
@@ -77,13 +77,15 @@ ALLOWED_CHANGES = (
     "objective.terms.fastgoal.regions.detector",
 )
 
-#: the only recipes that do not train at their shipped global batch. FLAIR's L_tcs and F-CAST's L_part score
-#: B x (K + B - 1) text-conditioned image embeddings at once, O(B^2) memory in one process: the tiny FLAIR
-#: model's loss alone, forward and backward at flair_cc3m_recap's 1,024 (run as shipped: about 5 GB for the
-#: whole test), peaks at 3.6 GB on the CPU, so F-CAST's 2,048 would need about 14 GB and FLAIR's 6,144 about
-#: 130 GB. These run at the batch below, every other key as shipped; no code path depends on the batch size
-#: beyond its divisibility by processes x accumulation.
-CPU_BATCH = {"fcast_cc3m_recap": 256, "flair_cc12m_recap": 256, "flair_merged30m": 256, "flair_yfcc15m_recap": 256}
+#: the only recipes that do not train at their shipped global batch: the five whose batch (1,024 to 6,144) is
+#: meant for 8-32 GPUs. FLAIR's L_tcs and F-CAST's L_part score B x (K + B - 1) text-conditioned image
+#: embeddings at once, O(B^2) time and memory in one process: the tiny FLAIR model's loss alone, forward and
+#: backward at flair_cc3m_recap's 1,024, peaks at 3.6 GB on the CPU (that case alone took 65 s of CI, the
+#: suite's slowest as-shipped run); F-CAST's 2,048 would need about 14 GB and FLAIR's 6,144 about 130 GB. These
+#: run at the batch below, every other key as shipped; no code path depends on the batch size beyond its
+#: divisibility by processes x accumulation.
+CPU_BATCH = {"fcast_cc3m_recap": 64, "flair_cc3m_recap": 64, "flair_cc12m_recap": 64, "flair_merged30m": 64,
+             "flair_yfcc15m_recap": 64}
 
 #: DreamLIP's re-captioned fields in the FLAIR / F-CAST shards (KEY.json), pre-split into sentence lists
 DREAMLIP_FIELDS = ("raw_caption", "shortIB_captions", "longIB_captions", "shortSV_captions", "longSV_captions",

@@ -91,11 +91,37 @@ def test_as_shipped_overrides_change_only_data_and_model(path, project):
     assert changed_keys({"a": [{"b": 1}]}, {"a": [{"b": 2}]}) == ["a.0.b"]
 
 
+def _upstream(path: Path) -> list[Path]:
+    """The recipes ``path`` builds on (``model.init_from``, ``eval.compare_with``) that are shipped recipes."""
+    raw = yaml.safe_load(path.read_text())
+    refs = [(raw.get("model") or {}).get("init_from"), *((raw.get("eval") or {}).get("compare_with") or [])]
+    return [ROOT / ref for ref in refs if isinstance(ref, str) and (ROOT / ref) in RECIPES]
+
+
+def _depth(path: Path) -> int:
+    return 1 + max((_depth(up) for up in _upstream(path)), default=-1)
+
+
+#: the recipes in the order their as-shipped runs go: the ones others build on first, so that a later run reuses
+#: their (current) run folder as a user's run would, instead of training them again as its prerequisites
+RUN_ORDER = sorted(RECIPES, key=lambda p: (_depth(p), p.stem))
+
+
+def test_the_run_order_puts_each_recipe_after_the_recipes_it_builds_on():
+    assert sorted(RUN_ORDER) == RECIPES
+    for i, path in enumerate(RUN_ORDER):
+        assert set(_upstream(path)) <= set(RUN_ORDER[:i]), path.stem
+    quickstart = ROOT / "recipes" / "quickstart.yaml"
+    assert set(_upstream(quickstart)) == {ROOT / "recipes" / "quickstart_pretrain.yaml",
+                                         ROOT / "recipes" / "quickstart_finetune_clip.yaml"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", RUN_ORDER, ids=lambda p: p.stem)
 def test_recipe_runs_as_shipped(path, project, monkeypatch, capsys):
     """Every shipped recipe, with only its data pointed at fixtures and its model at its family's tiny config,
-    trains 2 steps and evaluates every set, from `finetune/run.py recipes/NAME.yaml` in a checkout."""
+    trains 2 steps and evaluates every set, from `finetune/run.py recipes/NAME.yaml` in a checkout. The runs it
+    builds on went first (:data:`RUN_ORDER`): it reuses their run folders."""
     from finetune.cli.train import main
 
     overrides = as_shipped_overrides(path, project)
@@ -237,10 +263,13 @@ def test_bad_recipe_exits_2_with_a_message(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_help_and_list():
+def test_run_help_and_list(capsys):
+    """`python finetune/run.py --help` as a script; `--list` through the same main, in this process."""
+    from finetune.cli.train import main
+
     proc = subprocess.run([sys.executable, str(ROOT / "finetune" / "run.py"), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "accelerate launch" in proc.stdout
-    proc = subprocess.run([sys.executable, str(ROOT / "finetune" / "run.py"), "--list"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "quickstart" in proc.stdout and "longclip_docci" in proc.stdout
+    assert main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "quickstart" in out and "longclip_docci" in out

@@ -197,34 +197,18 @@ def _wait(tmp_path: Path, tag: str, launcher: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_three_processes_on_uneven_shards_read_each_example_once_per_epoch(tmp_path):
-    """36 samples in 8 shards of 1 to 9 on 3 gloo processes x 2 workers (6 readers of 6 samples each) with a global
-    batch of 6: every epoch (6 steps) trains on each example exactly once, and metrics.json's epoch is the global
-    one. (Split by shards, 8 shards of these sizes cannot give 6 readers the same number of samples.)"""
+def test_a_requeue_on_three_processes_continues_the_epoch_and_reads_uneven_shards_once_per_epoch(tmp_path):
+    """36 samples in 8 shards of 1 to 9. Killed on 2 processes x 2 workers after its step-2 checkpoint (12 of 36
+    samples; step 3 trained and lost), resumed on 3 gloo processes x 2 workers (6 readers) with a global batch of 6:
+    the 24 samples left of epoch 0 are split over the 6 new readers (steps 3-6), nothing skipped or read twice, then
+    epochs 1 and 2 (steps 7-12, 13-18) read every sample once, 6 per reader (a reader given one sample too many or
+    too few in epoch 1 leaves it to epoch 2), and metrics.json's epoch is the global one. (Split by
+    shards, 8 shards of these sizes cannot give 6 readers the same number of samples.) With 4 samples left per
+    reader each worker's batches of 2 end with the epoch; with 3 a batch would span two epochs, as it may."""
     sizes = [1, 7, 3, 9, 2, 5, 4, 5]
-    args, scenes = _uneven_args(tmp_path, sizes, "data.num_workers=2", "train.max_steps=12")
-    launcher = _launch(tmp_path, "uneven", args, nodes=["--standalone", "--nproc_per_node", "3", "--nnodes", "1"])
-    _wait(tmp_path, "uneven", launcher)
-    steps = [_steps(tmp_path, "uneven", r) for r in range(3)]
-    assert {(s["world_size"], s["env_world_size"]) for r in steps for s in r} == {(3, 3)}  # three processes
-    assert all([s["step"] for s in r] == list(range(1, 13)) and all(len(s["ids"]) == 2 for s in r) for r in steps)
-    for epoch in range(2):
-        ids = [i for r in steps for s in r[6 * epoch:6 * epoch + 6] for i in s["ids"]]
-        assert sorted(ids) == sorted(s["id"] for s in scenes), epoch  # each of the 36 once
-    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["num_processes"] == 3 and metrics["train_stream"]["epoch"] == 2
-    assert metrics["train_stream"]["used"] == 72
-
-
-@pytest.mark.slow
-def test_a_requeue_on_three_processes_of_one_worker_continues_the_epoch(tmp_path):
-    """Killed on 2 processes x 2 workers after its step-3 checkpoint (18 of 36 samples), resumed on 3 processes x 1
-    worker: the 18 samples left of epoch 0 are split over the 3 new readers (steps 4-6), nothing skipped or read
-    twice, then epoch 1 (steps 7-12) reads every sample once."""
-    sizes = [1, 7, 3, 9, 2, 5, 4, 5]
-    args, scenes = _uneven_args(tmp_path, sizes, "train.max_steps=12", "train.checkpoint_every=3",
+    args, scenes = _uneven_args(tmp_path, sizes, "train.max_steps=18", "train.checkpoint_every=2",
                                 "train.keep_checkpoints=5")
-    killed = _launch(tmp_path, "killed", [*args, "data.num_workers=2"], HANG_AT_STEP="5")
+    killed = _launch(tmp_path, "killed", [*args, "data.num_workers=2"], HANG_AT_STEP="4")
     try:
         deadline = time.monotonic() + 300
         while not all((tmp_path / f"hung_{r}").exists() for r in range(2)):
@@ -233,21 +217,24 @@ def test_a_requeue_on_three_processes_of_one_worker_continues_the_epoch(tmp_path
             time.sleep(0.5)
     finally:
         _kill(tmp_path, "killed", [killed])
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-3"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-2"]
     for r in range(2):
         (tmp_path / f"hung_{r}").unlink()
-    resumed = _launch(tmp_path, "resumed", [*args, "data.num_workers=1", "train.resume=latest"],
+    resumed = _launch(tmp_path, "resumed", [*args, "data.num_workers=2", "train.resume=latest"],
                       nodes=["--standalone", "--nproc_per_node", "3", "--nnodes", "1"])
     _wait(tmp_path, "resumed", resumed)
-    before = [[s for s in _steps(tmp_path, "killed", r) if s["step"] <= 3] for r in range(2)]
+    before = [[s for s in _steps(tmp_path, "killed", r) if s["step"] <= 2] for r in range(2)]
     after = [_steps(tmp_path, "resumed", r) for r in range(3)]
     assert {s["world_size"] for r in before for s in r} == {2} and {s["world_size"] for r in after for s in r} == {3}
-    assert all([s["step"] for s in r] == list(range(4, 13)) for r in after)
-    epoch_0 = [i for r in before for s in r for i in s["ids"]] + [i for r in after for s in r[:3] for i in s["ids"]]
-    assert sorted(epoch_0) == sorted(s["id"] for s in scenes)  # 18 before the kill, 18 after: each once
-    epoch_1 = [i for r in after for s in r[3:] for i in s["ids"]]
-    assert sorted(epoch_1) == sorted(s["id"] for s in scenes)
+    assert {(s["world_size"], s["env_world_size"]) for r in after for s in r} == {(3, 3)}  # three processes
+    assert all([s["step"] for s in r] == list(range(3, 19)) and all(len(s["ids"]) == 2 for s in r) for r in after)
+    epoch_0 = [i for r in before for s in r for i in s["ids"]] + [i for r in after for s in r[:4] for i in s["ids"]]
+    assert sorted(epoch_0) == sorted(s["id"] for s in scenes)  # 12 before the kill, 24 after: each once
+    for epoch in (1, 2):
+        ids = [i for r in after for s in r[4 + 6 * (epoch - 1):4 + 6 * epoch] for i in s["ids"]]
+        assert sorted(ids) == sorted(s["id"] for s in scenes), epoch
     log = (tmp_path / "resumed.log").read_text()
-    assert "saved by 2 process(es) x 2 worker(s) and continues on 3 x 1: the 18 samples left of epoch 0" in log
+    assert "saved by 2 process(es) x 2 worker(s) and continues on 3 x 2: the 24 samples left of epoch 0" in log
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["num_processes"] == 3 and metrics["steps"] == 12 and metrics["train_stream"]["used"] == 72
+    assert metrics["num_processes"] == 3 and metrics["steps"] == 18 and metrics["train_stream"]["used"] == 108
+    assert metrics["train_stream"]["epoch"] == 3

@@ -6,7 +6,6 @@ later step brings a new attention shape; evaluation encodes in passes of a few s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -440,101 +439,9 @@ def test_a_compiled_run_compiles_once_per_planned_length_and_never_after_the_war
     assert result.throughput["compile"]["recompile_limit"] == torch._dynamo.config.recompile_limit
 
 
-# -- runs of every method's shipped recipe: shapes per step, text passes -------------------------------------------
-# the shipped-recipe runs and their fixture
-from tests.finetune.training.test_trainer import METHODS, project  # noqa: E402,F401
-
-RUNS = {**{m: METHODS[m] for m in ("clip-248", "lora", "structxlip-crop", "structxlip-pool", "fastgoal", "grm",
-                                   "flair", "fcast", "siglip2")},
-        "grm-coco": ("grm_coco", [])}
-#: runs that take more than ~20 s on the shared 2-core CPU (preprocessing and the workers' start included)
-SLOW_RUNS = set(RUNS) - {"structxlip-pool"}
-
-
-def _first_text_block(model):
-    inner = model.model
-    if hasattr(inner, "text_model"):
-        text = inner.text_model
-        return (text.encoder.layer if hasattr(text.encoder, "layer") else text.encoder.layers)[0]
-    if hasattr(inner, "transformer"):
-        return inner.transformer.resblocks[0]
-    return inner.text.blocks[0]  # F-CAST's chunk encoder
-
-
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_RUNS else m for m in RUNS])
-def test_a_run_brings_no_new_attention_shape_after_its_warm_up(method, project, monkeypatch, capsys):
-    """Every method's shipped recipe, run by finetune/run.py for 6 steps (batch 8, the project's fixtures and tiny
-    towers) with the warm-up a GPU run has: every attention shape a step runs was run by the warm-up or the first
-    step, every step runs the text tower once per text kind, and the run's metrics record the planned lengths and
-    the attention backend."""
-    import logging
-
-    from accelerate.state import AcceleratorState, GradientState
-
-    from finetune.cli.train import main
-    from finetune.training import FinetuneRecipe, TrainStep
-    from finetune.training.step_setup import StepSetup
-    from tests.recipes.shipped import RECIPES_DIR, as_shipped_overrides, clear_run, output_dir, \
-        prerequisites_as_shipped
-
-    name, extra = RUNS[method]
-    path = RECIPES_DIR / f"{name}.yaml"
-    overrides = [*as_shipped_overrides(path, project), "train.log_every=3", "train.batch_size=8", "eval.sets=[]",
-                 *extra]
-    monkeypatch.setattr(logging.getLogger("xlipkit"), "handlers", [])
-    monkeypatch.chdir(project.root)
-    prerequisites_as_shipped(monkeypatch, project)
-    steps: list[dict] = []
-    warm: set = set()
-    original_train, original_step, original_warm = FinetuneRecipe.train, TrainStep.__call__, TrainStep.warm_up
-    passes = [0]
-
-    def counted_train(self, on_step=None):
-        loop = self.ctx.loop
-        loop.batches.total_steps = min(loop.batches.total_steps, 6)
-        handle = _first_text_block(loop.trained_model()).register_forward_pre_hook(
-            lambda *_: passes.__setitem__(0, passes[0] + 1))
-        try:
-            return original_train(self, on_step)
-        finally:
-            handle.remove()
-
-    def counted_warm(self, batch):
-        with SdpaCalls() as calls:
-            original_warm(self, batch)
-        warm.update(calls.shapes)
-
-    def counted_step(self, batch, step):
-        passes[0] = 0
-        with SdpaCalls() as calls:
-            original_step(self, batch, step)
-        steps.append({"shapes": set(calls.shapes), "passes": passes[0], "calls": len(calls.shapes),
-                      "kinds": len(batch["_text_plan"].lengths)})
-
-    monkeypatch.setattr(StepSetup, "warms_up", True)  # as on a GPU
-    monkeypatch.setattr(FinetuneRecipe, "train", counted_train)
-    monkeypatch.setattr(TrainStep, "warm_up", counted_warm)
-    monkeypatch.setattr(TrainStep, "__call__", counted_step)
-    out = output_dir(path, project)
-    clear_run(out)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    try:
-        assert main([f"recipes/{path.name}", *overrides]) == 0, capsys.readouterr().err[-3000:]
-    finally:  # the recipe's mixed precision must not stay in accelerate's state for the next test's Accelerator
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-    assert len(steps) == 6 and all(s["calls"] for s in steps)
-    known = warm | steps[0]["shapes"]
-    for i, s in enumerate(steps[1:], start=2):
-        assert s["shapes"] <= known, f"{method}: step {i}: new attention shapes {s['shapes'] - known}"
-    assert all(s["passes"] == s["kinds"] >= 1 for s in steps), [(s["passes"], s["kinds"]) for s in steps]
-    throughput = json.loads((out / "metrics.json").read_text())["throughput"]
-    assert throughput["shapes"]["buckets"][-1] == throughput["shapes"]["text_length"]
-    assert TEXT in throughput["shapes"]["planned"]
-    if method.startswith("structxlip"):  # planned from the run's (wrapped) training set
-        assert set(throughput["shapes"]["capacities"]) == {"structxlip/chunks", "structxlip/regions"}
-    assert throughput["attention"]["setting"] == "auto" and throughput["attention"]["first_step_kernels"]
+# -- runs of every method's shipped recipe: shapes per step, text passes: in tests/finetune/training/test_trainer.py
+# (test_a_run_brings_no_new_attention_shape_after_its_warm_up), which checks them on the runs its host-reads test
+# makes, one run per method
 
 
 # -- evaluation ------------------------------------------------------------------------------------------------

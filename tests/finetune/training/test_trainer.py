@@ -383,50 +383,129 @@ METHODS = {
     "fcast": ("fcast_cc3m_recap", []),
     "siglip2": ("structxlip_siglip2_docci", []),
 }
-#: cases that took more than ~5 s each on a shared 2-core CPU (`-m "not slow" --durations`, 2026-11-27: 5.2-11.1 s;
-#: preprocessing and the workers' start included); clip-77, clip-248, structxlip-pool and grm stay in the quick set
-SLOW_METHODS = {"lora", "dora", "structxlip-crop", "fastgoal", "flair", "fcast", "siglip2"}
+#: the runs whose attention shapes are checked (test_a_run_brings_no_new_attention_shape_after_its_warm_up): the
+#: methods but clip-77 and dora (the shapes of clip-248 and lora), and GRM's own setting
+SHAPE_RUNS = [m for m in METHODS if m not in ("clip-77", "dora")] + ["grm-coco"]
+RUNS = {**METHODS, "grm-coco": ("grm_coco", [])}
+_RUNS_DONE: dict[str, dict] = {}
 
 
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_METHODS else m
-                                    for m in METHODS])
-@pytest.mark.slow
-def test_the_loop_reads_no_tensor_between_logging_steps(method, project, monkeypatch, capsys):
-    """Every method's shipped recipe, run by ``finetune/run.py``, reads no tensor back to the host between two
-    logging steps (``train.log_every``): no ``.item()`` / ``.tolist()`` / ``.cpu()``, no ``nonzero``, boolean-mask
-    indexing or other op whose size depends on values (tests/finetune/host_reads.py), in forward, backward or the
-    optimiser step, counted in the training process (the data-loader workers work on the CPU)."""
+def _first_text_block(model):
+    inner = model.model
+    if hasattr(inner, "text_model"):
+        text = inner.text_model
+        return (text.encoder.layer if hasattr(text.encoder, "layer") else text.encoder.layers)[0]
+    if hasattr(inner, "transformer"):
+        return inner.transformer.resblocks[0]
+    return inner.text.blocks[0]  # F-CAST's chunk encoder
+
+
+def shipped_run(method: str, project, capsys) -> dict:
+    """``method``'s shipped recipe run by ``finetune/run.py`` (:data:`RUNS`) for 6 steps with the warm-up a GPU run
+    has, once per module: what the tests that check different things of that run read. ``reads``: the host reads
+    between logging steps (:func:`_reads_between_logging_steps`); ``warm``: the attention shapes of the warm-up;
+    ``steps``: per step its attention shapes, text-tower passes and text kinds; ``metrics``: the run's metrics."""
+    if method in _RUNS_DONE:
+        return _RUNS_DONE[method]
     import logging
 
     from finetune.cli.train import main
+    from finetune.models.backends.attention import SdpaCalls
+    from finetune.training import TrainStep
+    from finetune.training.step_setup import StepSetup
     from tests.recipes.shipped import RECIPES_DIR, as_shipped_overrides, clear_run, output_dir, \
         prerequisites_as_shipped
 
-    name, extra = METHODS[method]
+    name, extra = RUNS[method]
     path = RECIPES_DIR / f"{name}.yaml"
     overrides = [*as_shipped_overrides(path, project), "train.log_every=3", "train.batch_size=8", "eval.sets=[]",
                  *extra]
-    monkeypatch.setattr(logging.getLogger("xlipkit"), "handlers", [])
-    monkeypatch.chdir(project.root)
-    prerequisites_as_shipped(monkeypatch, project)
-    original, found = FinetuneRecipe.train, []
+    original, original_step, original_warm = FinetuneRecipe.train, TrainStep.__call__, TrainStep.warm_up
+    record: dict = {"reads": [], "warm": set(), "steps": []}
+    passes = [0]
 
     def counted(self, on_step=None):
         loop = self.ctx.loop
         loop.batches.total_steps = min(loop.batches.total_steps, 6)  # after the schedule was made from the recipe
+        handle = _first_text_block(loop.trained_model()).register_forward_pre_hook(
+            lambda *_: passes.__setitem__(0, passes[0] + 1))
         result = []
-        found.extend(_reads_between_logging_steps(loop, lambda: result.append(original(self, on_step)) or result[0]))
+        try:
+            record["reads"].extend(_reads_between_logging_steps(
+                loop, lambda: result.append(original(self, on_step)) or result[0]))
+        finally:
+            handle.remove()
         return result[0]
 
-    monkeypatch.setattr(FinetuneRecipe, "train", counted)
+    def counted_warm(self, batch):
+        with SdpaCalls() as calls:
+            original_warm(self, batch)
+        record["warm"].update(calls.shapes)
+
+    def counted_step(self, batch, step):
+        passes[0] = 0
+        with SdpaCalls() as calls:
+            original_step(self, batch, step)
+        record["steps"].append({"shapes": set(calls.shapes), "passes": passes[0], "calls": len(calls.shapes),
+                                "kinds": len(batch["_text_plan"].lengths)})
+
     out = output_dir(path, project)
-    clear_run(out)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    assert main([f"recipes/{path.name}", *overrides]) == 0, capsys.readouterr().err[-3000:]
-    assert json.loads((out / "metrics.json").read_text())["steps"] == 6
-    assert not found, f"{method}: host reads between logging steps:\n" + "\n".join(
-        f"{e.what}: {e.where}" for e in found)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(logging.getLogger("xlipkit"), "handlers", [])
+        mp.chdir(project.root)
+        prerequisites_as_shipped(mp, project)
+        mp.setattr(StepSetup, "warms_up", True)  # as on a GPU
+        mp.setattr(FinetuneRecipe, "train", counted)
+        mp.setattr(TrainStep, "warm_up", counted_warm)
+        mp.setattr(TrainStep, "__call__", counted_step)
+        clear_run(out)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        try:
+            assert main([f"recipes/{path.name}", *overrides]) == 0, capsys.readouterr().err[-3000:]
+        finally:  # the recipe's mixed precision must not stay in accelerate's state for the next test's Accelerator
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    record["metrics"] = json.loads((out / "metrics.json").read_text())
+    _RUNS_DONE[method] = record
+    return record
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+def test_the_loop_reads_no_tensor_between_logging_steps(method, project, capsys):
+    """Every method's shipped recipe, run by ``finetune/run.py``, reads no tensor back to the host between two
+    logging steps (``train.log_every``): no ``.item()`` / ``.tolist()`` / ``.cpu()``, no ``nonzero``, boolean-mask
+    indexing or other op whose size depends on values (tests/finetune/host_reads.py), in forward, backward or the
+    optimiser step, counted in the training process (the data-loader workers work on the CPU)."""
+    run = shipped_run(method, project, capsys)
+    assert run["metrics"]["steps"] == 6
+    assert not run["reads"], f"{method}: host reads between logging steps:\n" + "\n".join(
+        f"{e.what}: {e.where}" for e in run["reads"])
+
+
+@pytest.mark.parametrize("method", [m if m == "structxlip-pool" else pytest.param(m, marks=pytest.mark.slow)
+                                    for m in SHAPE_RUNS])  # structxlip-pool's run takes under ~20 s alone
+def test_a_run_brings_no_new_attention_shape_after_its_warm_up(method, project, capsys):
+    """Every method's shipped recipe, run by finetune/run.py for 6 steps (batch 8, the project's fixtures and tiny
+    towers) with the warm-up a GPU run has: every attention shape a step runs was run by the warm-up or the first
+    step, every step runs the text tower once per text kind, and the run's metrics record the planned lengths and
+    the attention backend (the same runs as the host-reads test above)."""
+    from finetune.objectives.shapes import TEXT
+
+    run = shipped_run(method, project, capsys)
+    steps = run["steps"]
+    assert len(steps) == 6 and all(s["calls"] for s in steps)
+    known = run["warm"] | steps[0]["shapes"]
+    for i, s in enumerate(steps[1:], start=2):
+        assert s["shapes"] <= known, f"{method}: step {i}: new attention shapes {s['shapes'] - known}"
+    assert all(s["passes"] == s["kinds"] >= 1 for s in steps), [(s["passes"], s["kinds"]) for s in steps]
+    throughput = run["metrics"]["throughput"]
+    assert throughput["shapes"]["buckets"][-1] == throughput["shapes"]["text_length"]
+    assert TEXT in throughput["shapes"]["planned"]
+    if method.startswith("structxlip"):  # planned from the run's (wrapped) training set
+        assert set(throughput["shapes"]["capacities"]) == {"structxlip/chunks", "structxlip/regions"}
+    assert throughput["attention"]["setting"] == "auto" and throughput["attention"]["first_step_kernels"]
 
 
 @pytest.mark.slow
