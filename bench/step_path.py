@@ -127,6 +127,10 @@ def trace(folder: Path) -> StepTracer:
         tracer.on = done[0] == 2
 
     Term.after_optimizer_step = counted
+    import finetune.process_exit
+
+    ending = finetune.process_exit.exit_process
+    finetune.process_exit.exit_process = sys.exit  # run.py ends its process; this one goes on to count the path
     argv = sys.argv
     sys.argv = ["finetune/run.py", str(_recipe(folder))]
     sys.setprofile(tracer)
@@ -138,6 +142,7 @@ def trace(folder: Path) -> StepTracer:
     finally:
         sys.setprofile(None)
         sys.argv = argv
+        finetune.process_exit.exit_process = ending
         Term.after_optimizer_step = original
     return tracer
 

@@ -15,5 +15,6 @@ if __name__ == "__main__":
     if sys.path and os.path.realpath(sys.path[0] or ".") == here:  # run as a script: finetune/ shadows packages
         del sys.path[0]
     from finetune.cli.evaluate import main
+    from finetune.process_exit import exit_process
 
-    sys.exit(main())
+    exit_process(main())

@@ -32,4 +32,6 @@ if __name__ == "__main__":
             print("(accelerate launch answers a failed script with a CalledProcessError traceback of its own; it "
                   "adds nothing to the error above, and `accelerate launch --quiet` leaves it out)", file=sys.stderr,
                   flush=True)
-    sys.exit(status)
+    from finetune.process_exit import exit_process
+
+    exit_process(status)  # without the interpreter's module teardown (2 CPU-s, 4 s after the run wrote everything)

@@ -32,7 +32,7 @@ PACKAGES = ("finetune", "losses")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("losses", ("losses",)),
     ("ground", ("finetune.plugins", "finetune.files", "finetune.extras", "finetune.threads",
-                "finetune.credentials")),
+                "finetune.credentials", "finetune.process_exit")),
     ("data", ("finetune.data",)),
     ("config", ("finetune.config",)),
     ("runs", ("finetune.runs",)),

@@ -207,7 +207,7 @@ def test_the_top_of_finetune_holds_only_entry_points():
     """No forwarding, run-folder, resume or checkpoint module is left at the top of ``finetune/``."""
     top = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "finetune").glob("*.py"))
     ground = {"finetune/__init__.py", "finetune/plugins.py", "finetune/files.py", "finetune/extras.py",
-              "finetune/threads.py", "finetune/credentials.py"}
+              "finetune/threads.py", "finetune/credentials.py", "finetune/process_exit.py"}
     assert set(top) == ground | set(ENTRY_POINTS), top
 
 

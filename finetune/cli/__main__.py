@@ -1,8 +1,7 @@
 """``python -m finetune.cli COMMAND ...``, the form ``accelerate launch -m finetune.cli train RECIPE`` runs."""
 
-import sys
-
 from finetune.cli.main import main
+from finetune.process_exit import exit_process
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["COMMANDS", "Command", "main"]
+__all__ = ["COMMANDS", "Command", "console", "main"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +148,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     return command.run(args[1:])
+
+
+def console() -> None:
+    """The ``xlipkit`` console script: :func:`main` on ``sys.argv[1:]``, then the process ends with its status
+    without the interpreter's module teardown (:func:`finetune.process_exit.exit_process`)."""
+    from finetune.process_exit import exit_process
+
+    try:
+        status = main()
+    except SystemExit as stop:  # --help and usage errors, as argparse ends them
+        status = stop.code
+    exit_process(status)

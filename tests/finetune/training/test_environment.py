@@ -70,12 +70,13 @@ def test_torch_set_num_threads_before_the_run_is_kept(monkeypatch, caplog):
 
 
 def _entry_point_environment(entry: str, env: dict[str, str], first: str = "") -> dict[str, str | None]:
-    """The OpenMP and thread variables seen by the run's process after the entry point started (``--list``: it
-    exits before any training)."""
-    code = (f"import os, runpy, sys\n{first}\nsys.argv = [{entry!r}, '--list']\n"
-            f"try:\n    runpy.run_path({entry!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-            "import json\nprint(json.dumps({k: os.environ.get(k) for k in "
-            "('OMP_WAIT_POLICY', 'OMP_NUM_THREADS', 'KMP_BLOCKTIME')}))")
+    """The OpenMP and thread variables seen by the run's process after the entry point started (the recipe list: it
+    exits before any training), printed by an ``atexit`` handler (the entry points end the process themselves)."""
+    listing = "'--list'" if entry.endswith("run.py") else "'recipes'"
+    code = (f"import atexit, json, os, runpy, sys\n{first}\n"
+            "atexit.register(lambda: print(json.dumps({k: os.environ.get(k) for k in "
+            "('OMP_WAIT_POLICY', 'OMP_NUM_THREADS', 'KMP_BLOCKTIME')}), flush=True))\n"
+            f"sys.argv = [{entry!r}, {listing}]\nrunpy.run_path({entry!r}, run_name='__main__')\n")
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME",
                                                            "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
