@@ -431,3 +431,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    from finetune.process_exit import exit_process
+
+    exit_process(0)  # the case's result is written: no module teardown (2 s of 16 processes in the every-case run)

@@ -7,8 +7,8 @@ of every run waits for it (``accelerate launch`` on 8 GPUs: 8 of them). :func:`e
 interpreter's exit does that anyone can observe (join the threads that are not daemons, run the ``atexit``
 handlers: logging's, trackers', ``multiprocessing``'s children, ``tempfile``'s folders, flush stdout and stderr)
 and then ends the process with the status, skipping the teardown. Only the entry points call it
-(``finetune/run.py``, ``xlipkit``, ``python -m finetune.cli`` / ``finetune.evaluate``); a ``main()`` called in a
-Python session returns as before.
+(``finetune/run.py``, ``xlipkit``, ``python -m finetune.cli``, ``python -m finetune.evaluate``); a ``main()`` called
+in a Python session returns as before.
 """
 
 from __future__ import annotations

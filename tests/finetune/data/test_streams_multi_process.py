@@ -52,7 +52,9 @@ _SCRIPT = textwrap.dedent('''
         return original(self, batch)
 
     TrainStep.forward_backward = recording
-    sys.exit(main(sys.argv[1:]))
+    from finetune.process_exit import exit_process
+
+    exit_process(main(sys.argv[1:]))  # as finetune/run.py ends
 ''')
 
 

@@ -292,7 +292,9 @@ _SRUN_SCRIPT = textwrap.dedent('''
         return original(self, batch)
 
     TrainStep.forward_backward = recording
-    sys.exit(main(sys.argv[2:]))
+    from finetune.process_exit import exit_process
+
+    exit_process(main(sys.argv[2:]))  # as finetune/run.py ends
 ''')
 
 

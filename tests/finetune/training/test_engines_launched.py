@@ -190,5 +190,6 @@ def test_an_engine_a_cpu_launch_cannot_have_is_refused_and_nothing_written(flags
     CPU mode too (plain DDP, without a word)."""
     proc = _launch(flags, 2, tmp_path / "run", env=_env(**env))
     assert proc.returncode != 0
-    assert proc.stderr.count(said) == 2, proc.stderr[-4000:]  # each of the two processes says it
+    # each process refuses; the launcher stops the other one once the first has ended, maybe before it printed
+    assert proc.stderr.count(said) in (1, 2), proc.stderr[-4000:]
     assert not (tmp_path / "run").exists()

@@ -190,7 +190,9 @@ SLOW_SAVE = textwrap.dedent('''
     checkpoint.save_checkpoint = slow
     from finetune.cli.train import main
 
-    sys.exit(main(sys.argv[1:]))
+    from finetune.process_exit import exit_process
+
+    exit_process(main(sys.argv[1:]))  # as finetune/run.py ends
 ''')
 
 
@@ -233,7 +235,9 @@ def test_a_signal_before_training_exits_without_a_traceback(tmp_path, tiny_model
             return load(*args, **kwargs)
 
         recipe.load_start_model = slow
-        sys.exit(main(sys.argv[1:]))
+        from finetune.process_exit import exit_process
+
+        exit_process(main(sys.argv[1:]))  # as finetune/run.py ends
     '''))
     run = _Run([sys.executable, str(script), str(_recipe(tmp_path, tiny_model, tmp_path / "run"))])
     run.wait_for(r"(^|\n)loading\n")
