@@ -4,9 +4,9 @@ After the last ``atexit`` handler, the interpreter tears down every module it im
 and DeepSpeed loaded (``save_pretrained`` imports DeepSpeed through accelerate whenever it is installed) that takes
 2.0-2.4 CPU-seconds and 2.4 s of wall time for a tiny run on a 2-core machine (2026-11-29), after the run has
 written everything: every process of every run waits for it (``accelerate launch`` on 8 GPUs: 8 of them).
-:func:`exit_process` does what the interpreter's exit does that anyone can observe (join the threads that are not daemons, run the ``atexit``
-handlers: logging's, trackers', ``multiprocessing``'s children, ``tempfile``'s folders, flush stdout and stderr)
-and then ends the process with the status, skipping the teardown. Only the entry points call it
+:func:`exit_process` does what the interpreter's exit does that anyone can observe (join the threads that are not
+daemons, run the ``atexit`` handlers: logging's, trackers', ``multiprocessing``'s children, ``tempfile``'s folders,
+flush stdout and stderr) and then ends the process with the status, skipping the teardown. Only the entry points call it
 (``finetune/run.py``, ``xlipkit``, ``python -m finetune.cli``, ``python -m finetune.evaluate``); a ``main()`` called
 in a Python session returns as before.
 """
